@@ -1,0 +1,85 @@
+#pragma once
+// kvc::concepts::CacheLayer<K, S>: a layer kind K whose state for storage S can serve a Cache.
+//
+// A layer kind is a configuration-only struct (for example `StaticLayer{.max_cache_len = 64}`).
+// Required (docs/concepts/cache_layer.md):
+//   typename K::template state<S>        the runtime layer, constructible from `const K&`
+// and of that state St, with v = S::view_type and n, q of type int64_t:
+//   St::is_sliding, St::is_compileable, St::supports_early_init     static constexpr bool
+//   St::name                                                         convertible to string_view
+//   st.update(v, v) -> KV<v>             append/write q new tokens, return what attention reads
+//   st.get_seq_length() -> int64_t       st.get_max_length() -> int64_t
+//   st.get_mask_sizes(q) -> std::pair<int64_t, int64_t>   (kv_length, kv_offset), before update
+//   st.is_initialized() -> bool          st.shape() -> LayerShape
+//   st.lazy_initialization(LayerShape)   st.reset()
+//   st.stored() -> KV<v>                 what the layer holds (transformers' layer.keys/values)
+//   st.gathered(std::span<const int64_t>) -> St   a copy with the batch rows picked by index
+//   st.bytes() -> int64_t                bytes of K/V memory held
+// Optional capabilities, detected by the Cache: crop/check_crop, activate_past_recording,
+// set_write_position, and `supports_batch_ops` (batch_repeat_interleave/batch_select_indices).
+
+#include <concepts>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <utility>
+
+#include <kvc/tensor.hpp>
+
+namespace kvc::concepts {
+
+template <class K, class S>
+concept has_layer_state = requires { typename K::template state<S>; } &&
+                          std::constructible_from<typename K::template state<S>, const K&>;
+
+template <class St>
+concept has_layer_traits = requires {
+  { St::is_sliding } -> std::convertible_to<bool>;
+  { St::is_compileable } -> std::convertible_to<bool>;
+  { St::supports_early_init } -> std::convertible_to<bool>;
+  { St::name } -> std::convertible_to<std::string_view>;
+};
+
+template <class St, class S>
+concept has_update = requires(St& st, typename S::view_type v) {
+  { st.update(v, v) } -> std::same_as<KV<typename S::view_type>>;
+};
+
+template <class St>
+concept has_length_queries = requires(const St& st, std::int64_t q) {
+  { st.get_seq_length() } -> std::convertible_to<std::int64_t>;
+  { st.get_max_length() } -> std::convertible_to<std::int64_t>;
+  { st.get_mask_sizes(q) } -> std::same_as<std::pair<std::int64_t, std::int64_t>>;
+};
+
+template <class St, class S>
+concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::span<const std::int64_t> idx) {
+  { cst.is_initialized() } -> std::convertible_to<bool>;
+  { cst.shape() } -> std::same_as<LayerShape>;
+  st.lazy_initialization(shape);
+  st.reset();
+  { cst.stored() } -> std::same_as<KV<typename S::view_type>>;
+  { cst.gathered(idx) } -> std::same_as<St>;
+  { cst.bytes() } -> std::convertible_to<std::int64_t>;
+};
+
+template <class K, class S>
+concept CacheLayer = has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
+                     has_update<typename K::template state<S>, S> &&
+                     has_length_queries<typename K::template state<S>> &&
+                     has_lifecycle<typename K::template state<S>, S>;
+
+// Optional capabilities.
+template <class St>
+concept supports_crop = requires(St& st, const St& cst, std::int64_t n) {
+  cst.check_crop(n);
+  st.crop(n);
+};
+template <class St>
+concept supports_past_recording = requires(St& st) { st.activate_past_recording(); };
+template <class St>
+concept supports_write_position = requires(St& st, std::int64_t p) { st.set_write_position(p); };
+template <class St>
+concept supports_batch_ops = requires { requires static_cast<bool>(St::supports_batch_ops); };
+
+}  // namespace kvc::concepts

@@ -1,0 +1,30 @@
+#pragma once
+// kvc::concepts::OffloadPolicy<O, S>: whether and how layers leave fast memory between uses.
+//
+// Required of an offload policy O for a storage policy S (docs/concepts/offload_policy.md):
+//   O::template serves<S>            static constexpr bool: O can move S's buffers
+//   typename O::template engine<S>   default-constructible per-cache state; the Cache calls
+//                                    engine.before_update(cache, layer_idx) and
+//                                    engine.after_update(cache, layer_idx) around each update
+//                                    (transformers' wait/prefetch and offload steps)
+
+#include <concepts>
+
+namespace kvc::concepts {
+
+template <class O, class S>
+concept has_serves_flag = requires {
+  { O::template serves<S> } -> std::convertible_to<bool>;
+};
+
+template <class O, class S>
+concept has_offload_engine = requires { typename O::template engine<S>; } &&
+                             std::default_initializable<typename O::template engine<S>>;
+
+template <class O, class S>
+concept OffloadPolicy = has_serves_flag<O, S> && has_offload_engine<O, S>;
+
+template <class O, class S>
+concept serves_storage = OffloadPolicy<O, S> && static_cast<bool>(O::template serves<S>);
+
+}  // namespace kvc::concepts

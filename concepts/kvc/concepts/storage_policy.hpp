@@ -1,0 +1,76 @@
+#pragma once
+// kvc::concepts::StoragePolicy: where and in what element type K/V tensors live.
+//
+// Required of a storage policy S (docs/concepts/storage_policy.md):
+//   typename S::element_type                      the element type T
+//   S::space                                      a kvc::memory_space (host or device)
+//   S::element_supported                          bool: whether T is one the storage can hold
+//   typename S::buffer_type                       owning array: buffer_type(n), data(), size()
+//   typename S::view_type                         the non-owning view `update` returns
+//   S::copy_2d(dst, dpitch, src, spitch, w, h)    strided block copy (cudaMemcpy2D contract)
+//   S::zero_2d(dst, dpitch, w, h)                 strided block fill with zeros
+//   S::make_view(ptr, extents, strides)           a view_type over the storage's memory
+//   S::accepts_input<X>                           bool: whether `update` takes an X
+//   S::input_view(x)                              the view_type of an accepted input x
+
+#include <array>
+#include <concepts>
+#include <cstdint>
+
+#include <kvc/tensor.hpp>
+
+namespace kvc::concepts {
+
+template <class S>
+concept has_element_type = requires { typename S::element_type; };
+
+template <class S>
+concept has_memory_space = requires {
+  { S::space } -> std::convertible_to<memory_space>;
+};
+
+template <class S>
+concept has_element_support_flag = requires {
+  { S::element_supported } -> std::convertible_to<bool>;
+};
+
+template <class S>
+concept has_buffer_type = has_element_type<S> && requires(typename S::buffer_type b, const typename S::buffer_type cb) {
+  typename S::buffer_type;
+  requires std::constructible_from<typename S::buffer_type, std::int64_t>;
+  { b.data() } -> std::same_as<typename S::element_type*>;
+  { cb.size() } -> std::convertible_to<std::int64_t>;
+};
+
+template <class S>
+concept has_view_type = requires { typename S::view_type; };
+
+template <class S>
+concept has_copy_kernels = has_element_type<S> &&
+    requires(typename S::element_type* dst, const typename S::element_type* src, std::int64_t n) {
+      S::copy_2d(dst, n, src, n, n, n);
+      S::zero_2d(dst, n, n, n);
+    };
+
+template <class S>
+concept has_make_view = has_element_type<S> && has_view_type<S> &&
+    requires(const typename S::element_type* p, std::array<std::int64_t, 4> a) {
+      { S::make_view(p, a, a) } -> std::same_as<typename S::view_type>;
+    };
+
+template <class S>
+concept has_input_adapter = has_view_type<S> && requires(const typename S::view_type& v) {
+  { S::template accepts_input<typename S::view_type> } -> std::convertible_to<bool>;
+  { S::input_view(v) } -> std::same_as<typename S::view_type>;
+};
+
+template <class S>
+concept StoragePolicy = has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> &&
+                        has_buffer_type<S> && has_view_type<S> && has_copy_kernels<S> && has_make_view<S> &&
+                        has_input_adapter<S>;
+
+// True when S is a storage policy whose element type it supports.
+template <class S>
+concept supports_its_element_type = StoragePolicy<S> && static_cast<bool>(S::element_supported);
+
+}  // namespace kvc::concepts

@@ -1,0 +1,525 @@
+#pragma once
+// kvc::Cache<LayerPolicy, StoragePolicy, OffloadPolicy>: a list of layers with transformers'
+// Cache method set (../shared/DESIGN.md, "Public API contract"). What is known at compile time is
+// checked by the primary template's static_asserts; the implementation is the constrained partial
+// specialisation. Everything only known at run time throws, and a throwing call leaves the cache
+// exactly as it was.
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <boost/mp11/algorithm.hpp>
+#include <boost/mp11/list.hpp>
+
+#include <kvc/concepts/cache_layer.hpp>
+#include <kvc/concepts/layer_policy.hpp>
+#include <kvc/concepts/offload_policy.hpp>
+#include <kvc/concepts/storage_policy.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers.hpp>
+#include <kvc/policies/offload/none.hpp>
+#include <kvc/policies/storage/host.hpp>
+#include <kvc/tensor.hpp>
+#include <kvc/warnings.hpp>
+
+namespace kvc {
+namespace detail {
+
+template <class List, class S>
+struct all_cache_layers : std::false_type {};
+template <class... K, class S>
+struct all_cache_layers<boost::mp11::mp_list<K...>, S> : std::bool_constant<(concepts::CacheLayer<K, S> && ...)> {};
+
+template <class L>
+inline constexpr bool has_layer_kinds = boost::mp11::mp_size<layer_kinds<L>>::value > 0;
+
+// An int broadcast to every layer, or one value per layer (early_initialization's arguments).
+class int_or_list {
+ public:
+  template <class I>
+    requires std::is_integral_v<I>
+  int_or_list(I value) : scalar_(static_cast<std::int64_t>(value)) {}  // NOLINT: implicit by design
+  int_or_list(std::vector<std::int64_t> values) : list_(std::move(values)), is_list_(true) {}  // NOLINT
+  int_or_list(std::initializer_list<std::int64_t> values) : list_(values), is_list_(true) {}  // NOLINT
+
+  bool is_list() const noexcept { return is_list_; }
+  std::size_t length() const noexcept { return list_.size(); }
+  std::int64_t at(std::size_t i) const noexcept { return is_list_ ? list_[i] : scalar_; }
+
+ private:
+  std::int64_t scalar_ = 0;
+  std::vector<std::int64_t> list_;
+  bool is_list_ = false;
+};
+
+}  // namespace detail
+
+namespace concepts {
+// Everything the Cache's implementation needs; each failing part has its own message in the
+// primary template below.
+template <class L, class S, class O>
+concept ValidCacheConfig = LayerPolicy<L> && supports_its_element_type<S> && serves_storage<O, S> &&
+                           detail::has_layer_kinds<L> && detail::all_cache_layers<detail::layer_kinds<L>, S>::value;
+}  // namespace concepts
+
+// Reached only on misuse: one static_assert per mistake (docs/errors.md), each guarded so that one
+// mistake produces one error.
+template <class LayerPolicy, class StoragePolicy = HostStorage<float>, class OffloadPolicy = NoOffload>
+class Cache {
+  static_assert(!(concepts::has_layers_list<LayerPolicy> && concepts::has_layer_class_to_replicate<LayerPolicy>),
+                "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
+                "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
+                "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.");
+  static_assert(concepts::has_layers_list<LayerPolicy> || concepts::has_layer_class_to_replicate<LayerPolicy>,
+                "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.");
+  static_assert(!concepts::LayerPolicy<LayerPolicy> || detail::has_layer_kinds<LayerPolicy>,
+                "kvc::Cache: the LayerPolicy's `layers` list is empty. Name at least one layer kind in kvc::Layers");
+  static_assert(concepts::StoragePolicy<StoragePolicy>,
+                "kvc::Cache: the StoragePolicy does not model kvc::concepts::StoragePolicy. Use kvc::HostStorage "
+                "or see docs/concepts/storage_policy.md");
+  static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::supports_its_element_type<StoragePolicy>,
+                "kvc::Cache: the StoragePolicy does not support this element type. Use float, double, Eigen::half or "
+                "Eigen::bfloat16");
+  static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::OffloadPolicy<OffloadPolicy, StoragePolicy>,
+                "kvc::Cache: the OffloadPolicy does not model kvc::concepts::OffloadPolicy. Use kvc::NoOffload or see "
+                "docs/concepts/offload_policy.md");
+  static_assert(!concepts::OffloadPolicy<OffloadPolicy, StoragePolicy> ||
+                    concepts::serves_storage<OffloadPolicy, StoragePolicy>,
+                "kvc::Cache: the OffloadPolicy cannot serve this StoragePolicy. Pick an offload policy made for the "
+                "storage's memory space");
+  static_assert(!concepts::LayerPolicy<LayerPolicy> || !concepts::StoragePolicy<StoragePolicy> ||
+                    detail::all_cache_layers<detail::layer_kinds<LayerPolicy>, StoragePolicy>::value,
+                "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer for this "
+                "storage. Use DynamicLayer, DynamicSlidingWindowLayer, StaticLayer or StaticSlidingWindowLayer");
+};
+
+template <class L, class S, class O>
+  requires concepts::ValidCacheConfig<L, S, O>
+class Cache<L, S, O> {
+ public:
+  using layer_policy = L;
+  using storage_policy = S;
+  using offload_policy = O;
+  using element_type = typename S::element_type;
+  using view_type = typename S::view_type;
+  using kv_type = KV<view_type>;
+  using kinds = detail::layer_kinds<L>;
+  template <class K>
+  using state_of = typename K::template state<S>;
+  using kind_variant = boost::mp11::mp_rename<kinds, std::variant>;
+  using layer_variant = boost::mp11::mp_rename<boost::mp11::mp_transform<state_of, kinds>, std::variant>;
+  static constexpr bool replicated = concepts::has_layer_class_to_replicate<L>;
+
+  // ---- construction --------------------------------------------------------------------------
+
+  // Replicated: layers are copies of `prototype` (checked now, so a bad prototype throws here).
+  Cache()
+    requires replicated
+      : Cache(boost::mp11::mp_front<kinds>{}) {}
+  explicit Cache(boost::mp11::mp_front<kinds> prototype)
+    requires replicated
+      : prototype_(prototype) {
+    (void)state_of<boost::mp11::mp_front<kinds>>(prototype_);
+  }
+
+  // Pre-built from layer kinds known at compile time: Cache<Layers<A, B>>(A{...}, B{...}, A{...}).
+  template <class... K>
+    requires(!replicated && sizeof...(K) > 0 &&
+             (!std::is_same_v<std::remove_cvref_t<K>, std::vector<kind_variant>> && ...))
+  explicit Cache(K... layer_kinds) {
+    static_assert((boost::mp11::mp_contains<kinds, K>::value && ...),
+                  "kvc::Cache: a layer kind given to the constructor is not in the LayerPolicy's `layers` list. Add "
+                  "it to kvc::Layers");
+    if constexpr ((boost::mp11::mp_contains<kinds, K>::value && ...)) {
+      layers_.reserve(sizeof...(K));
+      (layers_.emplace_back(std::in_place_type<state_of<K>>, layer_kinds), ...);
+    }
+  }
+
+  // Pre-built from a list only known at run time (a config's layer_types).
+  explicit Cache(const std::vector<kind_variant>& layer_kinds)
+    requires(!replicated)
+  {
+    layers_.reserve(layer_kinds.size());
+    for (const auto& kind : layer_kinds)
+      std::visit([&](const auto& k) { layers_.emplace_back(std::in_place_type<state_of<std::decay_t<decltype(k)>>>, k); },
+                 kind);
+  }
+
+  // ---- update --------------------------------------------------------------------------------
+
+  // Stores `keys`/`values` ([batch, heads, q, head_dim]) in layer `layer_idx` and returns the views
+  // attention reads (valid until the next call that changes this layer). The inputs must not alias
+  // this cache's own buffers.
+  template <class KeysT, class ValuesT>
+  kv_type update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
+    static_assert(S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>,
+                  "kvc::Cache::update: keys and values must be kvc::HostTensor, an Eigen::TensorMap of one or a "
+                  "kvc::TensorView, with the cache's element type");
+    if constexpr (S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>)
+      return update_views(S::input_view(keys), S::input_view(values), layer_idx);
+    else
+      return {};
+  }
+
+  // ---- length queries ------------------------------------------------------------------------
+
+  std::int64_t get_seq_length(std::int64_t layer_idx = 0) const {
+    check_index(layer_idx, "get_seq_length");
+    if (layer_idx >= size()) return 0;
+    return visit_layer(layer_idx, [](const auto& l) { return std::int64_t{l.get_seq_length()}; });
+  }
+
+  // (kv_length, kv_offset) for a query of `query_length` new tokens, asked before the update.
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
+    check_index(layer_idx, "get_mask_sizes");
+    if (query_length < 0)
+      throw ValueError("get_mask_sizes: query_length must be 0 or more, got " + std::to_string(query_length));
+    if (layer_idx >= size()) return {query_length, 0};
+    return visit_layer(layer_idx, [&](const auto& l) { return l.get_mask_sizes(query_length); });
+  }
+
+  // The largest number of tokens any layer can return; -1 when some layer is unbounded.
+  std::int64_t get_max_length() const {
+    if (layers_.empty())
+      throw ValueError(
+          "`get_max_length` was called on a Cache that has no layers yet: a replicated Cache creates its layers on "
+          "the first `update` of each index");
+    std::int64_t out = 0;
+    for (std::int64_t i = 0; i < size(); ++i) {
+      const std::int64_t m = get_max_length(i);
+      if (m < 0) return -1;
+      out = std::max(out, m);
+    }
+    return out;
+  }
+  std::int64_t get_max_length(std::int64_t layer_idx) const {
+    check_index(layer_idx, "get_max_length");
+    if (layer_idx >= size()) return -1;
+    return visit_layer(layer_idx, [](const auto& l) { return std::int64_t{l.get_max_length()}; });
+  }
+
+  // ---- whole-cache operations ----------------------------------------------------------------
+
+  // Removes `-tokens_to_remove` tokens (tokens_to_remove < 0), or keeps `tokens_to_remove` tokens
+  // (> 0, deprecated), from every layer. crop(0) may still shrink recorded sliding states.
+  void crop(std::int64_t tokens_to_remove) {
+    static_assert(any_kind<has_crop>,
+                  "kvc::Cache::crop: no layer kind of this cache can be cropped. Static layers keep a fixed buffer; "
+                  "use a dynamic cache to roll back");
+    for_each_layer([&](const auto& l) {
+      using St = std::decay_t<decltype(l)>;
+      if constexpr (concepts::supports_crop<St>)
+        l.check_crop(tokens_to_remove);
+      else
+        throw_missing_attribute<St>("crop");
+    });
+    for_each_layer([&](auto& l) {
+      if constexpr (concepts::supports_crop<std::decay_t<decltype(l)>>) l.crop(tokens_to_remove);
+    });
+  }
+
+  // Picks batch rows by beam index in every layer that holds data (beam search).
+  void reorder_cache(std::span<const std::int64_t> beam_idx) {
+    gather_all<false>("reorder_cache", [&](std::int64_t) { return std::vector<std::int64_t>(beam_idx.begin(), beam_idx.end()); });
+  }
+  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) { reorder_cache(std::span(beam_idx.begin(), beam_idx.size())); }
+
+  // Repeats every batch row `repeats` times in place (row b becomes rows b*repeats ... b*repeats+repeats-1).
+  void batch_repeat_interleave(std::int64_t repeats) {
+    static_assert(any_kind<has_batch_ops>,
+                  "kvc::Cache::batch_repeat_interleave: no layer kind of this cache supports batch operations. Static "
+                  "layers keep a fixed batch; use a dynamic cache");
+    if (repeats < 1)
+      throw ValueError("batch_repeat_interleave: repeats must be a positive integer, got " + std::to_string(repeats));
+    gather_all<true>("batch_repeat_interleave", [&](std::int64_t batch) {
+      std::vector<std::int64_t> idx;
+      idx.reserve(static_cast<std::size_t>(batch * repeats));
+      for (std::int64_t b = 0; b < batch; ++b) idx.insert(idx.end(), static_cast<std::size_t>(repeats), b);
+      return idx;
+    });
+  }
+
+  // Keeps only the batch rows named by `indices`, in that order.
+  void batch_select_indices(std::span<const std::int64_t> indices) {
+    static_assert(any_kind<has_batch_ops>,
+                  "kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static "
+                  "layers keep a fixed batch; use a dynamic cache");
+    gather_all<true>("batch_select_indices", [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
+  }
+  void batch_select_indices(std::initializer_list<std::int64_t> indices) {
+    batch_select_indices(std::span(indices.begin(), indices.size()));
+  }
+
+  // Dynamic layers drop their states (the next update starts afresh); static layers zero their
+  // buffers in place and rewind.
+  void reset() noexcept {
+    for_each_layer([](auto& l) { l.reset(); });
+  }
+
+  void activate_past_recording() noexcept {
+    for_each_layer([](auto& l) {
+      if constexpr (concepts::supports_past_recording<std::decay_t<decltype(l)>>) l.activate_past_recording();
+    });
+  }
+
+  // Sets every layer's write position (the export path writes at cache_position[0]).
+  void set_write_position(std::int64_t position) {
+    static_assert(any_kind<has_write_position>,
+                  "kvc::Cache::set_write_position: no layer kind of this cache has a write position. Only StaticLayer "
+                  "has one");
+    for_each_layer([&](const auto& l) {
+      using St = std::decay_t<decltype(l)>;
+      if constexpr (!concepts::supports_write_position<St>) throw_missing_attribute<St>("set_write_position");
+    });
+    for_each_layer([&](const auto& l) {
+      if constexpr (concepts::supports_write_position<std::decay_t<decltype(l)>>) {
+        if (position > l.get_max_length())
+          throw IndexError("set_write_position: position " + std::to_string(position) +
+                           " is out of range for a StaticLayer with max_cache_len " + std::to_string(l.get_max_length()));
+      }
+    });
+    if (position < 0)
+      throw IndexError("set_write_position: position " + std::to_string(position) + " is negative");
+    for_each_layer([&](auto& l) {
+      if constexpr (concepts::supports_write_position<std::decay_t<decltype(l)>>) l.set_write_position(position);
+    });
+  }
+
+  // Allocates every layer that supports it now, instead of on its first update: static layers get
+  // their buffers; dynamic layers fix their shape. Already initialized layers are left alone.
+  void early_initialization(std::int64_t batch_size, detail::int_or_list num_heads, detail::int_or_list head_dim) {
+    const auto n = static_cast<std::size_t>(size());
+    if (num_heads.is_list() && num_heads.length() != n)
+      throw ValueError("`num_head` was provided as a list of length " + std::to_string(num_heads.length()) +
+                       ", but the Cache currently has " + std::to_string(n) + " layers");
+    if (head_dim.is_list() && head_dim.length() != n)
+      throw ValueError("`head_dim` was provided as a list of length " + std::to_string(head_dim.length()) +
+                       ", but the Cache currently has " + std::to_string(n) + " layers");
+    if (batch_size < 1)
+      throw ValueError("early_initialization: batch_size must be a positive integer, got " + std::to_string(batch_size));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (num_heads.at(i) < 1 || head_dim.at(i) < 1)
+        throw ValueError("early_initialization: layer " + std::to_string(i) +
+                         " needs a positive number of heads and head_dim, got num_heads " +
+                         std::to_string(num_heads.at(i)) + " and head_dim " + std::to_string(head_dim.at(i)));
+    }
+    std::vector<std::pair<std::size_t, layer_variant>> prepared;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::visit(
+          [&](const auto& l) {
+            using St = std::decay_t<decltype(l)>;
+            if constexpr (St::supports_early_init) {
+              if (!l.is_initialized()) {
+                St fresh = l;
+                fresh.lazy_initialization({batch_size, num_heads.at(i), head_dim.at(i), head_dim.at(i)});
+                prepared.emplace_back(i, std::move(fresh));
+              }
+            }
+          },
+          layers_[i]);
+    }
+    for (auto& [i, layer] : prepared) layers_[i] = std::move(layer);
+  }
+
+  // ---- properties ----------------------------------------------------------------------------
+
+  std::int64_t size() const noexcept { return static_cast<std::int64_t>(layers_.size()); }
+
+  std::vector<bool> is_sliding() const {
+    std::vector<bool> out;
+    out.reserve(layers_.size());
+    for_each_layer([&](const auto& l) { out.push_back(std::decay_t<decltype(l)>::is_sliding); });
+    return out;
+  }
+
+  bool is_compileable() const noexcept {
+    bool all = !layers_.empty();
+    for_each_layer([&](const auto& l) { all = all && std::decay_t<decltype(l)>::is_compileable; });
+    return all;
+  }
+
+  bool is_initialized() const noexcept {
+    bool all = !layers_.empty();
+    for_each_layer([&](const auto& l) {
+      if constexpr (std::decay_t<decltype(l)>::supports_early_init) all = all && l.is_initialized();
+    });
+    return all;
+  }
+
+  // The batch size shared by the initialized layers, -1 when none is initialized.
+  std::int64_t batch_size() const {
+    std::vector<std::int64_t> values;
+    for_each_layer([&](const auto& l) {
+      if (l.is_initialized()) values.push_back(l.shape().batch);
+    });
+    if (values.empty()) return -1;
+    if (std::set<std::int64_t>(values.begin(), values.end()).size() > 1)
+      throw ValueError("The batch size is not consistent across layers: " + detail::py_list(values));
+    return values.front();
+  }
+
+  // What layer `layer_idx` holds (transformers' layer.keys / layer.values); empty if uninitialized.
+  kv_type stored(std::int64_t layer_idx) const {
+    check_existing(layer_idx, "stored");
+    return visit_layer(layer_idx, [](const auto& l) { return l.stored(); });
+  }
+
+  // The layer's kind name, e.g. "DynamicSlidingWindowLayer".
+  std::string_view layer_name(std::int64_t layer_idx) const {
+    check_existing(layer_idx, "layer_name");
+    return visit_layer(layer_idx, [](const auto& l) { return std::string_view(std::decay_t<decltype(l)>::name); });
+  }
+
+  // Bytes of K/V memory the layers hold (allocated capacity, not only the tokens in use).
+  std::int64_t bytes() const noexcept {
+    std::int64_t total = 0;
+    for_each_layer([&](const auto& l) { total += l.bytes(); });
+    return total;
+  }
+
+  // Calls f with layer `layer_idx`'s state (its concrete type), for offload engines and tests.
+  template <class F>
+  decltype(auto) visit_layer(std::int64_t layer_idx, F&& f) const {
+    check_existing(layer_idx, "visit_layer");
+    return std::visit(std::forward<F>(f), layers_[static_cast<std::size_t>(layer_idx)]);
+  }
+
+ private:
+  template <class St>
+  using has_crop = std::bool_constant<concepts::supports_crop<St>>;
+  template <class St>
+  using has_batch_ops = std::bool_constant<concepts::supports_batch_ops<St>>;
+  template <class St>
+  using has_write_position = std::bool_constant<concepts::supports_write_position<St>>;
+  template <template <class> class Pred>
+  static constexpr bool any_kind = boost::mp11::mp_any_of<boost::mp11::mp_transform<state_of, kinds>, Pred>::value;
+
+  template <class St>
+  [[noreturn]] static void throw_missing_attribute(const char* method) {
+    throw AttributeError("'" + std::string(St::name) + "' object has no attribute '" + method + "'");
+  }
+
+  template <class F>
+  void for_each_layer(F&& f) {
+    for (auto& layer : layers_) std::visit(f, layer);
+  }
+  template <class F>
+  void for_each_layer(F&& f) const {
+    for (const auto& layer : layers_) std::visit(f, layer);
+  }
+
+  static void check_index(std::int64_t layer_idx, const char* method) {
+    if (layer_idx < 0)
+      throw IndexError(std::string(method) + ": layer_idx " + std::to_string(layer_idx) +
+                       " is out of range: layer indices start at 0");
+  }
+  void check_existing(std::int64_t layer_idx, const char* method) const {
+    check_index(layer_idx, method);
+    if (layer_idx >= size())
+      throw IndexError(std::string(method) + ": layer_idx " + std::to_string(layer_idx) +
+                       " is out of range for a Cache with " + std::to_string(size()) + " layers");
+  }
+
+  static void check_input(const view_type& k, const view_type& v) {
+    const auto ks = shape_string(k.extents);
+    const auto vs = shape_string(v.extents);
+    if (k.extent(0) != v.extent(0) || k.extent(1) != v.extent(1) || k.extent(2) != v.extent(2))
+      throw ValueError("update: keys of shape " + ks + " and values of shape " + vs +
+                       " must have the same batch, heads and seq dimensions");
+    if (k.extent(0) < 1 || k.extent(1) < 1 || k.extent(2) < 0 || k.extent(3) < 1 || v.extent(3) < 1)
+      throw ValueError("update: keys of shape " + ks + " and values of shape " + vs +
+                       ": batch, heads and head_dim must be positive");
+    for (const view_type* t : {&k, &v})
+      if (t->stride(3) != 1 || t->stride(2) != t->extent(3) || t->stride(1) < t->extent(2) * t->extent(3))
+        throw ValueError("update: keys and values must have contiguous [seq, head_dim] blocks, got strides [" +
+                         std::to_string(t->stride(0)) + ", " + std::to_string(t->stride(1)) + ", " +
+                         std::to_string(t->stride(2)) + ", " + std::to_string(t->stride(3)) + "]");
+  }
+
+  kv_type update_views(const view_type& k, const view_type& v, std::int64_t layer_idx) {
+    check_index(layer_idx, "update");
+    check_input(k, v);
+    const std::size_t old_size = layers_.size();
+    const auto idx = static_cast<std::size_t>(layer_idx);
+    if (idx >= old_size) {
+      if constexpr (replicated) {
+        layers_.reserve(idx + 1);  // the only allocation; the emplaces below cannot throw
+        while (layers_.size() <= idx) layers_.emplace_back(std::in_place_index<0>, prototype_);
+      } else {
+        throw IndexError("update: layer_idx " + std::to_string(layer_idx) + " is out of range for a Cache with " +
+                         std::to_string(old_size) + " layers");
+      }
+    }
+    try {
+      const LayerShape given = detail::shape_of(k, v);
+      std::visit(
+          [&](const auto& l) {
+            if (l.is_initialized() && !(l.shape() == given)) {
+              const LayerShape s = l.shape();
+              throw ValueError("update: keys of shape " + shape_string(k.extents) + " and values of shape " +
+                               shape_string(v.extents) + " do not match layer " + std::to_string(layer_idx) +
+                               ", which holds batch " + std::to_string(s.batch) + ", " + std::to_string(s.heads) +
+                               " heads, key head_dim " + std::to_string(s.key_head_dim) + " and value head_dim " +
+                               std::to_string(s.value_head_dim));
+            }
+          },
+          layers_[idx]);
+      offload_.before_update(*this, layer_idx);
+      kv_type out = std::visit([&](auto& l) { return l.update(k, v); }, layers_[idx]);
+      offload_.after_update(*this, layer_idx);
+      return out;
+    } catch (...) {
+      layers_.erase(layers_.begin() + static_cast<std::ptrdiff_t>(old_size), layers_.end());
+      throw;
+    }
+  }
+
+  // Replaces every initialized layer by a copy gathered along the batch axis (strong guarantee:
+  // the new layers are built aside and swapped in at the end).
+  template <bool BatchOp, class MakeIndices>
+  void gather_all(const char* method, MakeIndices&& make_indices) {
+    std::vector<layer_variant> next;
+    next.reserve(layers_.size());
+    for (const auto& layer : layers_) {
+      std::visit(
+          [&](const auto& l) {
+            using St = std::decay_t<decltype(l)>;
+            if constexpr (BatchOp && !concepts::supports_batch_ops<St>) {
+              throw_missing_attribute<St>(method);
+            } else {
+              if (!l.is_initialized()) {
+                next.emplace_back(l);
+                return;
+              }
+              const std::int64_t batch = l.shape().batch;
+              const std::vector<std::int64_t> indices = make_indices(batch);
+              for (const std::int64_t i : indices)
+                if (i < 0 || i >= batch)
+                  throw IndexError(std::string(method) + ": index " + std::to_string(i) +
+                                   " is out of bounds for dimension 0 with size " + std::to_string(batch));
+              if (indices.empty())
+                throw ValueError(std::string(method) + ": the batch cannot become empty");
+              next.emplace_back(l.gathered(indices));
+            }
+          },
+          layer);
+    }
+    layers_.swap(next);
+  }
+
+  std::vector<layer_variant> layers_;
+  [[no_unique_address]] std::conditional_t<replicated, boost::mp11::mp_front<kinds>, std::monostate> prototype_{};
+  [[no_unique_address]] typename O::template engine<S> offload_{};
+};
+
+}  // namespace kvc

@@ -1,0 +1,55 @@
+#pragma once
+// The ready-made caches: DynamicCache<T> (replicated DynamicLayer), make_dynamic_cache<T>(config)
+// (pre-built from the config's layer types) and StaticCache<T>(config, max_cache_len).
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <kvc/cache.hpp>
+#include <kvc/config.hpp>
+
+namespace kvc {
+
+// transformers' DynamicCache(): one DynamicLayer appended for every new layer index.
+template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
+class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
+ public:
+  using Cache<Replicate<DynamicLayer>, Storage, Offload>::Cache;
+  DynamicCache() = default;
+};
+
+// The cache make_dynamic_cache builds: pre-built dynamic layers of every kind a config can name.
+template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
+using ConfiguredDynamicCache = Cache<Layers<DynamicLayer, DynamicSlidingWindowLayer>, Storage, Offload>;
+
+namespace detail {
+template <class To, class From>
+std::vector<To> widen_kinds(const std::vector<From>& kinds) {
+  std::vector<To> out;
+  out.reserve(kinds.size());
+  for (const auto& k : kinds) std::visit([&](const auto& kind) { out.emplace_back(kind); }, k);
+  return out;
+}
+}  // namespace detail
+
+// transformers' DynamicCache(config=...): one layer per config layer type (full → DynamicLayer,
+// sliding/chunked → DynamicSlidingWindowLayer with that layer's window).
+template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
+ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig& config) {
+  using C = ConfiguredDynamicCache<T, Storage, Offload>;
+  return C(detail::widen_kinds<typename C::kind_variant>(dynamic_layer_kinds(config)));
+}
+
+// transformers' StaticCache(config, max_cache_len): full → StaticLayer(max_cache_len),
+// sliding/chunked → StaticSlidingWindowLayer(max_cache_len, window).
+template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
+class StaticCache : public Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, Storage, Offload> {
+  using base = Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, Storage, Offload>;
+
+ public:
+  StaticCache(const ModelConfig& config, std::int64_t max_cache_len)
+      : base(detail::widen_kinds<typename base::kind_variant>(static_layer_kinds(config, max_cache_len))) {}
+};
+
+}  // namespace kvc

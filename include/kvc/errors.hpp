@@ -1,0 +1,66 @@
+#pragma once
+// kvc's exception types. Each mirrors the Python exception that transformers raises in the same
+// situation, so that a message and its type read the same in both worlds. `what()` is the
+// documented message exactly (docs/errors.md lists every one).
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvc {
+
+struct ValueError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+struct TypeError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+// Python's AttributeError: an operation reached a layer kind that does not have it (for example
+// `crop` on a StaticLayer in a cache whose layer kinds are only known at run time).
+struct AttributeError : std::logic_error {
+  using std::logic_error::logic_error;
+};
+struct RuntimeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct IndexError : std::out_of_range {
+  using std::out_of_range::out_of_range;
+};
+struct KeyError : std::out_of_range {
+  using std::out_of_range::out_of_range;
+};
+struct AssertionError : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+namespace detail {
+
+// Python's repr of a list of ints: [1, 2, 3].
+inline std::string py_list(const std::vector<std::int64_t>& values) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(values[i]);
+  }
+  return out + "]";
+}
+
+// Python's repr of a tuple of strings: ('a', 'b'), ('a',) for one element, () for none.
+template <class Range>
+std::string py_str_tuple(const Range& values) {
+  std::string out = "(";
+  std::size_t n = 0;
+  for (const auto& v : values) {
+    if (n++) out += ", ";
+    out += '\'';
+    out += std::string_view(v);
+    out += '\'';
+  }
+  if (n == 1) out += ',';
+  return out + ")";
+}
+
+}  // namespace detail
+}  // namespace kvc

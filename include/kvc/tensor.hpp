@@ -1,0 +1,137 @@
+#pragma once
+// Tensors at kvc's boundary: `HostTensor<T>` (what callers own), `TensorView<T>` (what the cache
+// returns: a non-owning, trivially copyable window into a layer's storage) and `KV<View>` (the
+// pair that `Cache::update` returns). Shapes are always [batch, heads, seq, head_dim].
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#if defined(__CUDACC__)
+#define KVC_HOST_DEVICE __host__ __device__
+#else
+#define KVC_HOST_DEVICE
+#endif
+
+namespace kvc {
+
+enum class memory_space { host, device };
+
+template <class T>
+using HostTensor = Eigen::Tensor<T, 4, Eigen::RowMajor>;
+
+// A strided, read-only window of rank 4. The last dimension is always contiguous (stride 1) and
+// each (batch, head) block's rows follow each other (stride(2) == extent(3)), so `head(b, h)`
+// is one dense [seq, head_dim] matrix.
+template <class T>
+struct TensorView {
+  using element_type = T;
+
+  const T* ptr = nullptr;
+  std::array<std::int64_t, 4> extents{};
+  std::array<std::int64_t, 4> strides{};
+
+  KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
+  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
+  KVC_HOST_DEVICE constexpr std::int64_t stride(int r) const noexcept { return strides[r]; }
+  KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
+    return extents[0] * extents[1] * extents[2] * extents[3];
+  }
+  KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
+  KVC_HOST_DEVICE constexpr const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s,
+                                                std::int64_t d) const noexcept {
+    return ptr[b * strides[0] + h * strides[1] + s * strides[2] + d];
+  }
+
+  using head_matrix = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
+                                 Eigen::Unaligned, Eigen::OuterStride<>>;
+  // The [seq, head_dim] block of one (batch, head) pair, as a zero-copy Eigen map (host only).
+  head_matrix head(std::int64_t b, std::int64_t h) const {
+    return head_matrix(ptr + b * strides[0] + h * strides[1], extents[2], extents[3],
+                       Eigen::OuterStride<>(strides[2]));
+  }
+
+  // An owning copy (host storage only).
+  HostTensor<std::remove_const_t<T>> to_tensor() const {
+    HostTensor<std::remove_const_t<T>> out(extents[0], extents[1], extents[2], extents[3]);
+    for (std::int64_t b = 0; b < extents[0]; ++b)
+      for (std::int64_t h = 0; h < extents[1]; ++h)
+        for (std::int64_t s = 0; s < extents[2]; ++s)
+          for (std::int64_t d = 0; d < extents[3]; ++d) out(b, h, s, d) = (*this)(b, h, s, d);
+    return out;
+  }
+};
+
+// What a layer holds besides its length: fixed by the first update or by early_initialization.
+// K and V may have different head dims (MLA-style attention).
+struct LayerShape {
+  std::int64_t batch = 0;
+  std::int64_t heads = 0;
+  std::int64_t key_head_dim = 0;
+  std::int64_t value_head_dim = 0;
+  friend constexpr bool operator==(const LayerShape&, const LayerShape&) = default;
+};
+
+// What `Cache::update` returns. `auto [k, v] = cache.update(...)` works.
+template <class View>
+struct KV {
+  View keys;
+  View values;
+};
+
+// The shape of a [batch, heads, seq, head_dim] tensor, printed the way torch prints a shape.
+inline std::string shape_string(const std::array<std::int64_t, 4>& e) {
+  return "[" + std::to_string(e[0]) + ", " + std::to_string(e[1]) + ", " + std::to_string(e[2]) + ", " +
+         std::to_string(e[3]) + "]";
+}
+
+namespace detail {
+
+// Turns what a caller may pass to `update` into a TensorView. Specialised for HostTensor,
+// Eigen::TensorMap of one, and TensorView; `valid` is false for everything else.
+template <class X>
+struct tensor_input {
+  static constexpr bool valid = false;
+};
+
+template <class T>
+struct tensor_input<Eigen::Tensor<T, 4, Eigen::RowMajor>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::host;
+  using element_type = T;
+  static TensorView<T> view(const Eigen::Tensor<T, 4, Eigen::RowMajor>& t) {
+    const std::array<std::int64_t, 4> e{t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+    return {t.data(), e, {e[1] * e[2] * e[3], e[2] * e[3], e[3], 1}};
+  }
+};
+
+template <class T, int Options, template <class> class MakePointer>
+struct tensor_input<Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::host;
+  using element_type = std::remove_const_t<T>;
+  template <class M>
+  static TensorView<element_type> view(const M& t) {
+    const std::array<std::int64_t, 4> e{t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+    return {t.data(), e, {e[1] * e[2] * e[3], e[2] * e[3], e[3], 1}};
+  }
+};
+
+template <class T, int Options, template <class> class MakePointer>
+struct tensor_input<Eigen::TensorMap<const Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>>
+    : tensor_input<Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>> {};
+
+template <class T>
+struct tensor_input<TensorView<T>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::host;
+  using element_type = std::remove_const_t<T>;
+  static TensorView<element_type> view(const TensorView<T>& t) { return {t.ptr, t.extents, t.strides}; }
+};
+
+}  // namespace detail
+}  // namespace kvc

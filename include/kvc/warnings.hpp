@@ -1,0 +1,63 @@
+#pragma once
+// One replaceable warning handler with transformers' `logger.warning_once` semantics: a given
+// message reaches the handler once per process (until `reset_warnings_seen()`), while `warn`
+// always forwards. The default handler writes `kvc warning: <message>` to stderr.
+
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace kvc {
+
+using WarningHandler = std::function<void(std::string_view)>;
+
+namespace detail {
+struct warning_state {
+  std::mutex mutex;
+  WarningHandler handler = [](std::string_view msg) { std::cerr << "kvc warning: " << msg << '\n'; };
+  std::set<std::string, std::less<>> seen;
+};
+inline warning_state& warnings() {
+  static warning_state state;
+  return state;
+}
+}  // namespace detail
+
+// Installs `handler` (an empty one silences warnings) and returns the previous handler.
+inline WarningHandler set_warning_handler(WarningHandler handler) {
+  auto& s = detail::warnings();
+  std::lock_guard lock(s.mutex);
+  return std::exchange(s.handler, std::move(handler));
+}
+
+inline void warn(std::string_view message) {
+  auto& s = detail::warnings();
+  WarningHandler h;
+  {
+    std::lock_guard lock(s.mutex);
+    h = s.handler;
+  }
+  if (h) h(message);
+}
+
+inline void warn_once(std::string_view message) {
+  auto& s = detail::warnings();
+  {
+    std::lock_guard lock(s.mutex);
+    if (!s.seen.emplace(message).second) return;
+  }
+  warn(message);
+}
+
+// Forgets which messages `warn_once` has already delivered (tests use this).
+inline void reset_warnings_seen() {
+  auto& s = detail::warnings();
+  std::lock_guard lock(s.mutex);
+  s.seen.clear();
+}
+
+}  // namespace kvc

@@ -1,0 +1,212 @@
+#pragma once
+// Static layer kinds: StaticLayer (a buffer of max_cache_len slots written at a counter) and
+// StaticSlidingWindowLayer (a window of min(sliding_window, max_cache_len) slots). Semantics:
+// ../shared/reference/hf_cache_inventory.md §1.5, §1.6; differences: docs/differences.md.
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers/kv_store.hpp>
+
+namespace kvc {
+
+namespace detail {
+inline void check_positive(std::int64_t value, const char* what, const char* kind) {
+  if (value < 1)
+    throw ValueError(std::string(kind) + ": " + what + " must be a positive integer, got " + std::to_string(value));
+}
+}  // namespace detail
+
+// Preallocated [batch, heads, max_cache_len, head_dim] buffers; `update` writes at the layer's
+// counter and returns the whole buffer (zeros in unwritten slots).
+struct StaticLayer {
+  std::int64_t max_cache_len = 0;
+
+  template <class S>
+  class state;
+};
+
+template <class S>
+class StaticLayer::state {
+ public:
+  using kind_type = StaticLayer;
+  using view = typename S::view_type;
+  static constexpr bool is_sliding = false;
+  static constexpr bool is_compileable = true;
+  static constexpr bool supports_early_init = true;
+  static constexpr bool supports_batch_ops = false;
+  static constexpr std::string_view name = "StaticLayer";
+
+  explicit state(const StaticLayer& kind) : max_cache_len_(kind.max_cache_len) {
+    detail::check_positive(max_cache_len_, "max_cache_len", "StaticLayer");
+  }
+
+  std::int64_t max_cache_len() const noexcept { return max_cache_len_; }
+  bool is_initialized() const noexcept { return initialized_; }
+  LayerShape shape() const noexcept { return store_.shape(); }
+  std::int64_t bytes() const noexcept { return store_.bytes(); }
+
+  // Allocates the zeroed buffers; nothing is allocated after this.
+  void lazy_initialization(LayerShape shape) {
+    store_ = detail::kv_store<S>(shape, max_cache_len_, true);
+    position_ = 0;
+    initialized_ = true;
+  }
+
+  KV<view> update(const view& k, const view& v) {
+    const std::int64_t q = k.extent(2);
+    if (position_ + q > max_cache_len_)
+      throw IndexError("index " + std::to_string(max_cache_len_) + " is out of bounds for dimension 2 with size " +
+                       std::to_string(max_cache_len_) + ": StaticLayer with max_cache_len " +
+                       std::to_string(max_cache_len_) + " holds " + std::to_string(position_) +
+                       " tokens and cannot take " + std::to_string(q) + " more");
+    if (!initialized_) {
+      detail::kv_store<S> fresh(detail::shape_of(k, v), max_cache_len_, true);
+      store_ = std::move(fresh);
+      initialized_ = true;
+    }
+    store_.write(position_, k, v);
+    position_ += q;
+    return store_.kv(0, max_cache_len_);
+  }
+
+  // Sets where the next update writes (the export path: cache_position[0], issue #4).
+  void set_write_position(std::int64_t position) {
+    if (position < 0 || position > max_cache_len_)
+      throw IndexError("set_write_position: position " + std::to_string(position) +
+                       " is out of range for a StaticLayer with max_cache_len " + std::to_string(max_cache_len_));
+    position_ = position;
+  }
+
+  std::int64_t get_seq_length() const noexcept { return position_; }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t) const noexcept { return {max_cache_len_, 0}; }
+  std::int64_t get_max_length() const noexcept { return max_cache_len_; }
+
+  // Zeroes the buffers in place and rewinds the counter; keeps the allocation.
+  void reset() noexcept {
+    if (initialized_) store_.zero();
+    position_ = 0;
+  }
+
+  KV<view> stored() const noexcept { return store_.kv(0, initialized_ ? max_cache_len_ : 0); }
+
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out(*this, 0);
+    if (initialized_) out.store_ = store_.gathered(batch_indices);
+    return out;
+  }
+
+ private:
+  state(const state& o, int) : max_cache_len_(o.max_cache_len_), position_(o.position_), initialized_(o.initialized_) {}
+
+  std::int64_t max_cache_len_;
+  detail::kv_store<S> store_;
+  std::int64_t position_ = 0;
+  bool initialized_ = false;
+};
+
+// A window of W = min(sliding_window, max_cache_len) slots. The window lives in a buffer of 2W slots
+// and slides forward, moving back only when it reaches the end, so a decode step costs O(1)
+// amortized instead of transformers' roll of the whole window (docs/kv_layout.md).
+struct StaticSlidingWindowLayer {
+  std::int64_t max_cache_len = 0;
+  std::int64_t sliding_window = 0;
+
+  template <class S>
+  class state;
+};
+
+template <class S>
+class StaticSlidingWindowLayer::state {
+ public:
+  using kind_type = StaticSlidingWindowLayer;
+  using view = typename S::view_type;
+  static constexpr bool is_sliding = true;
+  static constexpr bool is_compileable = true;
+  static constexpr bool supports_early_init = true;
+  static constexpr bool supports_batch_ops = false;
+  static constexpr std::string_view name = "StaticSlidingWindowLayer";
+
+  explicit state(const StaticSlidingWindowLayer& kind) {
+    detail::check_positive(kind.max_cache_len, "max_cache_len", "StaticSlidingWindowLayer");
+    detail::check_positive(kind.sliding_window, "sliding_window", "StaticSlidingWindowLayer");
+    window_ = std::min(kind.sliding_window, kind.max_cache_len);
+  }
+
+  // W, the effective max_cache_len.
+  std::int64_t max_cache_len() const noexcept { return window_; }
+  bool is_initialized() const noexcept { return initialized_; }
+  LayerShape shape() const noexcept { return store_.shape(); }
+  std::int64_t bytes() const noexcept { return store_.bytes(); }
+
+  void lazy_initialization(LayerShape shape) {
+    store_ = detail::kv_store<S>(shape, 2 * window_, true);
+    start_ = cumulative_ = 0;
+    initialized_ = true;
+  }
+
+  // The five paths of transformers' update (§1.6) with one counter:
+  //  full, q == 1 and full, q > 1: return the last W - 1 tokens + the new ones;
+  //  becoming full: return everything seen + the new ones; in each case the window becomes the
+  //  last W of what is returned;  fits: write at the counter and return the whole window.
+  KV<view> update(const view& k, const view& v) {
+    const std::int64_t q = k.extent(2);
+    const std::int64_t cur = cumulative_;
+    if (!initialized_) {
+      detail::kv_store<S> fresh(detail::shape_of(k, v), 2 * window_, true);
+      store_ = std::move(fresh);
+      initialized_ = true;
+    }
+    if (cur < window_ && cur + q <= window_) {  // fits (start_ is 0 until the window is full)
+      store_.write(cur, k, v);
+      cumulative_ += q;
+      return store_.kv(0, window_);
+    }
+    const std::int64_t keep_from = cur >= window_ ? start_ + 1 : 0;
+    const std::int64_t keep_len = cur >= window_ ? window_ - 1 : cur;
+    const std::int64_t base = store_.append_after(keep_from, keep_len, k, v, keep_len + q + window_);
+    const std::int64_t total = keep_len + q;
+    start_ = base + total - window_;
+    cumulative_ += q;
+    return store_.kv(base, total);
+  }
+
+  std::int64_t get_seq_length() const noexcept { return cumulative_; }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept {
+    const std::int64_t offset = std::max<std::int64_t>(cumulative_ - window_ + 1, 0);
+    if (cumulative_ >= window_) return {window_ + q - 1, offset};
+    if (cumulative_ + q > window_) return {cumulative_ + q, offset};
+    return {window_, offset};
+  }
+  std::int64_t get_max_length() const noexcept { return window_; }
+
+  void reset() noexcept {
+    if (initialized_) store_.zero();
+    start_ = cumulative_ = 0;
+  }
+
+  KV<view> stored() const noexcept { return store_.kv(start_, initialized_ ? window_ : 0); }
+
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out(*this, 0);
+    if (initialized_) out.store_ = store_.gathered(batch_indices);
+    return out;
+  }
+
+ private:
+  state(const state& o, int)
+      : window_(o.window_), start_(o.start_), cumulative_(o.cumulative_), initialized_(o.initialized_) {}
+
+  std::int64_t window_ = 0;
+  detail::kv_store<S> store_;
+  std::int64_t start_ = 0;  // the window is slots [start_, start_ + W)
+  std::int64_t cumulative_ = 0;
+  bool initialized_ = false;
+};
+
+}  // namespace kvc

@@ -1,0 +1,23 @@
+#pragma once
+// kvc::NoOffload: every layer stays where its storage put it. The engine's hooks are where an
+// offloading policy waits for its prefetch, prefetches the next layer and offloads the current one
+// (transformers' Cache.update with offloading=True, §1.13); here they do nothing.
+
+#include <cstdint>
+
+namespace kvc {
+
+struct NoOffload {
+  template <class Storage>
+  static constexpr bool serves = true;
+
+  template <class Storage>
+  struct engine {
+    template <class Cache>
+    void before_update(Cache&, std::int64_t) noexcept {}
+    template <class Cache>
+    void after_update(Cache&, std::int64_t) noexcept {}
+  };
+};
+
+}  // namespace kvc

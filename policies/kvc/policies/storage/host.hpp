@@ -1,0 +1,112 @@
+#pragma once
+// kvc::HostStorage<T>: K/V tensors in host memory, 64-byte aligned, for T in
+// {float, double, Eigen::half, Eigen::bfloat16}. A storage policy owns allocation, copies and
+// element kernels; layer kinds only call the static members below (docs/policies/storage.md).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <utility>
+
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+namespace detail {
+
+// An owning, 64-byte aligned array of T. Copies are deep; moves steal.
+template <class T>
+class host_buffer {
+ public:
+  static constexpr std::size_t alignment = 64;
+
+  host_buffer() noexcept = default;
+  explicit host_buffer(std::int64_t n) : size_(n) {
+    if (n > 0) ptr_ = static_cast<T*>(::operator new(sizeof(T) * static_cast<std::size_t>(n), std::align_val_t{alignment}));
+  }
+  host_buffer(const host_buffer& other) : host_buffer(other.size_) {
+    if (size_ > 0) std::memcpy(ptr_, other.ptr_, sizeof(T) * static_cast<std::size_t>(size_));
+  }
+  host_buffer(host_buffer&& other) noexcept
+      : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  host_buffer& operator=(host_buffer other) noexcept {
+    swap(other);
+    return *this;
+  }
+  ~host_buffer() {
+    if (ptr_) ::operator delete(ptr_, std::align_val_t{alignment});
+  }
+  void swap(host_buffer& other) noexcept {
+    std::swap(ptr_, other.ptr_);
+    std::swap(size_, other.size_);
+  }
+
+  T* data() noexcept { return ptr_; }
+  const T* data() const noexcept { return ptr_; }
+  std::int64_t size() const noexcept { return size_; }
+
+ private:
+  T* ptr_ = nullptr;
+  std::int64_t size_ = 0;
+};
+
+template <class T, class... Ts>
+inline constexpr bool is_any_of = (std::is_same_v<T, Ts> || ...);
+
+}  // namespace detail
+
+template <class T>
+struct HostStorage {
+  using element_type = T;
+  static constexpr memory_space space = memory_space::host;
+  // Checked by kvc::Cache with a readable message instead of here, so that naming
+  // HostStorage<int> in a concept check stays SFINAE-friendly.
+  static constexpr bool element_supported = detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16>;
+
+  using buffer_type = detail::host_buffer<T>;
+  using view_type = TensorView<T>;
+
+  // `height` rows of `width` elements: row i goes from src + i*spitch to dst + i*dpitch
+  // (cudaMemcpy2D's contract; the source and destination rows must not overlap).
+  static void copy_2d(T* dst, std::int64_t dpitch, const T* src, std::int64_t spitch, std::int64_t width,
+                      std::int64_t height) noexcept {
+    if (width <= 0) return;
+    const auto bytes = sizeof(T) * static_cast<std::size_t>(width);
+    if (dpitch == width && spitch == width) {
+      std::memcpy(dst, src, bytes * static_cast<std::size_t>(height));
+      return;
+    }
+    for (std::int64_t i = 0; i < height; ++i) std::memcpy(dst + i * dpitch, src + i * spitch, bytes);
+  }
+
+  // Sets `height` rows of `width` elements (row pitch `dpitch`) to zero.
+  static void zero_2d(T* dst, std::int64_t dpitch, std::int64_t width, std::int64_t height) noexcept {
+    if (width <= 0) return;
+    for (std::int64_t i = 0; i < height; ++i)
+      std::memset(static_cast<void*>(dst + i * dpitch), 0, sizeof(T) * static_cast<std::size_t>(width));
+  }
+
+  // A view of data already in this storage's memory space.
+  static view_type make_view(const T* ptr, std::array<std::int64_t, 4> extents,
+                             std::array<std::int64_t, 4> strides) noexcept {
+    return {ptr, extents, strides};
+  }
+
+  // What update() accepts: HostTensor<T>, an Eigen::TensorMap of one, or a TensorView<T>.
+  template <class X>
+  static constexpr bool accepts_input = [] {
+    using traits = detail::tensor_input<std::remove_cvref_t<X>>;
+    if constexpr (traits::valid)
+      return std::is_same_v<typename traits::element_type, T> && traits::space == memory_space::host;
+    else
+      return false;
+  }();
+
+  template <class X>
+  static view_type input_view(const X& x) {
+    return detail::tensor_input<std::remove_cvref_t<X>>::view(x);
+  }
+};
+
+}  // namespace kvc

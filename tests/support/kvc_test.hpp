@@ -1,0 +1,124 @@
+#pragma once
+// Helpers shared by the unit tests: small tensors written the way transformers' tests write them
+// ([1, 1, S, 1] from a list of values), random tensors, and a snapshot of every observable of a
+// cache (for the strong exception guarantee).
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <kvc/kvc.hpp>
+
+namespace kvc_test {
+
+using element_types = std::tuple<float, double, Eigen::half, Eigen::bfloat16>;
+
+// A [1, 1, S, 1] tensor holding `values` (transformers' torch.tensor(v)[None, None, :, None]).
+template <class T = float>
+kvc::HostTensor<T> seq(const std::vector<float>& values) {
+  kvc::HostTensor<T> t(1, 1, static_cast<Eigen::Index>(values.size()), 1);
+  for (std::size_t i = 0; i < values.size(); ++i) t(0, 0, static_cast<Eigen::Index>(i), 0) = T(values[i]);
+  return t;
+}
+
+// The values along the seq axis of a view at (b, h, :, d), as floats.
+template <class View>
+std::vector<float> values_of(const View& v, std::int64_t b = 0, std::int64_t h = 0, std::int64_t d = 0) {
+  std::vector<float> out;
+  for (std::int64_t s = 0; s < v.extent(2); ++s) out.push_back(static_cast<float>(v(b, h, s, d)));
+  return out;
+}
+
+// Every element of a view, in [b, h, s, d] order, as doubles.
+template <class View>
+std::vector<double> flatten(const View& v) {
+  std::vector<double> out;
+  out.reserve(static_cast<std::size_t>(v.size()));
+  for (std::int64_t b = 0; b < v.extent(0); ++b)
+    for (std::int64_t h = 0; h < v.extent(1); ++h)
+      for (std::int64_t s = 0; s < v.extent(2); ++s)
+        for (std::int64_t d = 0; d < v.extent(3); ++d) out.push_back(static_cast<double>(v(b, h, s, d)));
+  return out;
+}
+
+template <class T>
+kvc::HostTensor<T> random_tensor(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(-64, 64);  // exactly representable in every element type
+  kvc::HostTensor<T> t(b, h, s, d);
+  for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = T(static_cast<float>(dist(rng)) / 8.0f);
+  return t;
+}
+
+// The tensor's seq slice [from, from + len) as a flat vector in [b, h, s, d] order.
+template <class T>
+std::vector<double> slice_seq(const kvc::HostTensor<T>& t, std::int64_t from, std::int64_t len) {
+  std::vector<double> out;
+  for (std::int64_t b = 0; b < t.dimension(0); ++b)
+    for (std::int64_t h = 0; h < t.dimension(1); ++h)
+      for (std::int64_t s = from; s < from + len; ++s)
+        for (std::int64_t d = 0; d < t.dimension(3); ++d) out.push_back(static_cast<double>(t(b, h, s, d)));
+  return out;
+}
+
+// Concatenates tensors along seq (dim 2).
+template <class T>
+kvc::HostTensor<T> cat(const kvc::HostTensor<T>& a, const kvc::HostTensor<T>& b) {
+  kvc::HostTensor<T> out(a.dimension(0), a.dimension(1), a.dimension(2) + b.dimension(2), a.dimension(3));
+  for (std::int64_t i = 0; i < out.dimension(0); ++i)
+    for (std::int64_t h = 0; h < out.dimension(1); ++h)
+      for (std::int64_t s = 0; s < out.dimension(2); ++s)
+        for (std::int64_t d = 0; d < out.dimension(3); ++d)
+          out(i, h, s, d) = s < a.dimension(2) ? a(i, h, s, d) : b(i, h, s - a.dimension(2), d);
+  return out;
+}
+
+// Collects warnings for the lifetime of the object.
+struct captured_warnings {
+  std::vector<std::string> messages;
+  kvc::WarningHandler previous;
+  captured_warnings() {
+    kvc::reset_warnings_seen();
+    previous = kvc::set_warning_handler([this](std::string_view m) { messages.emplace_back(m); });
+  }
+  ~captured_warnings() { kvc::set_warning_handler(previous); }
+};
+
+// Everything a caller can observe of a cache, for checking that a throwing call changed nothing.
+struct snapshot {
+  std::int64_t size = 0;
+  bool initialized = false;
+  bool compileable = false;
+  std::string batch;
+  std::int64_t bytes = 0;
+  std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::string, std::vector<double>,
+                         std::vector<double>, std::array<std::int64_t, 4>>>
+      layers;
+  friend bool operator==(const snapshot&, const snapshot&) = default;
+};
+
+template <class Cache>
+snapshot take_snapshot(const Cache& c) {
+  snapshot s;
+  s.size = c.size();
+  s.initialized = c.is_initialized();
+  s.compileable = c.is_compileable();
+  try {
+    s.batch = std::to_string(c.batch_size());
+  } catch (const kvc::ValueError& e) {
+    s.batch = e.what();
+  }
+  s.bytes = c.bytes();
+  for (std::int64_t i = 0; i < c.size(); ++i) {
+    const auto kv = c.stored(i);
+    const auto [kl, ko] = c.get_mask_sizes(3, i);
+    s.layers.emplace_back(c.get_seq_length(i), c.get_max_length(i), kl, ko, std::string(c.layer_name(i)),
+                          flatten(kv.keys), flatten(kv.values), kv.keys.extents);
+  }
+  return s;
+}
+
+}  // namespace kvc_test

@@ -1,0 +1,214 @@
+// DynamicLayer through kvc::DynamicCache (replicated) and standalone: inventory §1.2, §4.1 items 4-5,
+// §4.2 item 13, §4.3 items 1-4 for the full-attention layer.
+
+#include "../support/kvc_test.hpp"
+
+using kvc_test::seq;
+using kvc_test::values_of;
+using V = std::vector<float>;
+
+TEST_CASE("DynamicCache scenario 1: appends along seq (§4.1 test_dynamic_cache)") {
+  kvc::DynamicCache<float> cache;
+  cache.update(seq({1, 2}), seq({1, 2}), 0);
+  auto [k, v] = cache.update(seq({3}), seq({3}), 0);
+  CHECK(values_of(k) == V{1, 2, 3});
+  CHECK(values_of(v) == V{1, 2, 3});
+  k = cache.update(seq({4}), seq({4}), 0).keys;
+  CHECK(values_of(k) == V{1, 2, 3, 4});
+  CHECK(cache.get_seq_length() == 4);
+  CHECK(cache.get_max_length(0) == -1);
+}
+
+TEST_CASE("DynamicCache scenario 2: interleaved layers") {
+  kvc::DynamicCache<float> cache;
+  cache.update(seq({1, 2}), seq({1, 2}), 0);
+  cache.update(seq({10, 20}), seq({10, 20}), 1);
+  cache.update(seq({3}), seq({3}), 0);
+  cache.update(seq({30}), seq({30}), 1);
+  cache.update(seq({4}), seq({4}), 0);
+  cache.update(seq({40}), seq({40}), 1);
+  CHECK(values_of(cache.stored(0).keys) == V{1, 2, 3, 4});
+  CHECK(values_of(cache.stored(1).keys) == V{10, 20, 30, 40});
+  CHECK(values_of(cache.stored(1).values) == V{10, 20, 30, 40});
+}
+
+TEST_CASE("batch_select_indices keeps the chosen rows (§4.1 test_dynamic_cache_batch_select_indices)") {
+  kvc::DynamicCache<float> cache;
+  kvc::HostTensor<float> t(3, 1, 2, 1);
+  const float rows[3][2] = {{1, 2}, {10, 20}, {100, 200}};
+  for (int b = 0; b < 3; ++b)
+    for (int s = 0; s < 2; ++s) t(b, 0, s, 0) = rows[b][s];
+  cache.update(t, t, 0);
+  CHECK(cache.stored(0).keys.extent(0) == 3);
+  cache.batch_select_indices({0, 2});
+  const auto k = cache.stored(0).keys;
+  CHECK(k.extent(0) == 2);
+  CHECK(values_of(k, 0) == V{1, 2});
+  CHECK(values_of(k, 1) == V{100, 200});
+}
+
+TEST_CASE("batch_repeat_interleave and reorder_cache act on every row") {
+  kvc::DynamicCache<float> cache;
+  kvc::HostTensor<float> t(2, 1, 2, 1);
+  t(0, 0, 0, 0) = 1; t(0, 0, 1, 0) = 2; t(1, 0, 0, 0) = 3; t(1, 0, 1, 0) = 4;
+  cache.update(t, t, 0);
+  cache.batch_repeat_interleave(2);
+  auto k = cache.stored(0).keys;
+  REQUIRE(k.extent(0) == 4);
+  CHECK(values_of(k, 0) == V{1, 2});
+  CHECK(values_of(k, 1) == V{1, 2});
+  CHECK(values_of(k, 2) == V{3, 4});
+  CHECK(values_of(k, 3) == V{3, 4});
+  cache.reorder_cache({3, 0, 0, 1});
+  k = cache.stored(0).keys;
+  CHECK(values_of(k, 0) == V{3, 4});
+  CHECK(values_of(k, 1) == V{1, 2});
+  CHECK(values_of(k, 3) == V{1, 2});
+  CHECK(cache.batch_size() == 4);
+  // The next update continues every reordered row.
+  kvc::HostTensor<float> n(4, 1, 1, 1);
+  n.setValues({{{{5}}}, {{{6}}}, {{{7}}}, {{{8}}}});
+  k = cache.update(n, n, 0).keys;
+  CHECK(values_of(k, 0) == V{3, 4, 5});
+  CHECK(values_of(k, 3) == V{1, 2, 8});
+}
+
+TEST_CASE("reset drops the states: the next update starts afresh (§4.2 item 13, transformers #48809)") {
+  std::mt19937 rng(13);
+  kvc::DynamicCache<float> cache;
+  cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng), kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
+  CHECK(cache.bytes() > 0);
+  cache.reset();
+  CHECK(cache.get_seq_length(0) == 0);
+  CHECK(cache.bytes() == 0);
+  CHECK_FALSE(cache.is_initialized());
+  const auto kv = cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng),
+                               kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
+  CHECK(kv.keys.extent(2) == 5);
+  // After a reset the layer may take a different shape.
+  cache.reset();
+  CHECK(cache.update(kvc_test::random_tensor<float>(1, 2, 3, 8, rng), kvc_test::random_tensor<float>(1, 2, 3, 8, rng), 0)
+            .keys.extent(1) == 2);
+}
+
+TEST_CASE("crop rules of DynamicLayer (§1.2, §4.3 items 1-4)") {
+  std::mt19937 rng(45);
+  const auto keys = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);
+  const auto values = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);
+  auto fresh = [&] {
+    kvc::DynamicCache<float> c;
+    c.update(keys, values, 0);
+    return c;
+  };
+  SUBCASE("crop(-3) removes the last 3 tokens") {
+    auto c = fresh();
+    c.crop(-3);
+    CHECK(c.get_seq_length() == 42);
+    CHECK(kvc_test::flatten(c.stored(0).keys) == kvc_test::slice_seq(keys, 0, 42));
+    CHECK(kvc_test::flatten(c.stored(0).values) == kvc_test::slice_seq(values, 0, 42));
+  }
+  SUBCASE("crop(0) changes nothing for a full-attention layer") {
+    auto c = fresh();
+    c.crop(0);
+    CHECK(kvc_test::flatten(c.stored(0).keys) == kvc_test::slice_seq(keys, 0, 45));
+  }
+  SUBCASE("crop(-46) empties the layer") {
+    auto c = fresh();
+    c.crop(-46);
+    CHECK(c.get_seq_length() == 0);
+    CHECK(c.stored(0).keys.size() == 0);
+    CHECK(c.stored(0).values.size() == 0);
+  }
+  SUBCASE("a positive value is the deprecated absolute length and warns once") {
+    kvc_test::captured_warnings w;
+    auto c = fresh();
+    c.crop(42);
+    CHECK(c.get_seq_length() == 42);
+    CHECK(kvc_test::flatten(c.stored(0).keys) == kvc_test::slice_seq(keys, 0, 42));
+    c.crop(50);  // longer than held: nothing happens
+    CHECK(c.get_seq_length() == 42);
+    REQUIRE(w.messages.size() == 1);
+    CHECK(w.messages[0] ==
+          "Calling `crop` with a positive value is deprecated and will be removed in version 5.18. Please use a "
+          "negative integer to remove that number of tokens from the cache instead.");
+  }
+  SUBCASE("crop on a layer that holds nothing is a no-op") {
+    kvc::DynamicCache<float> c;
+    c.crop(-3);
+    CHECK(c.size() == 0);
+    kvc::DynamicLayer::state<kvc::HostStorage<float>> layer{kvc::DynamicLayer{}};
+    layer.crop(-3);
+    layer.crop(0);
+    CHECK(layer.get_seq_length() == 0);
+    CHECK_FALSE(layer.is_initialized());
+  }
+  SUBCASE("appending after a crop overwrites the removed tokens") {
+    auto c = fresh();
+    c.crop(-40);
+    const auto more = kvc_test::random_tensor<float>(2, 32, 2, 32, rng);
+    const auto kv = c.update(more, more, 0);
+    CHECK(kv.keys.extent(2) == 7);
+    kvc::HostTensor<float> first5 = keys.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0},
+                                               Eigen::array<Eigen::Index, 4>{2, 32, 5, 32});
+    CHECK(kvc_test::flatten(kv.keys) == kvc_test::slice_seq(kvc_test::cat(first5, more), 0, 7));
+  }
+}
+
+TEST_CASE_TEMPLATE_DEFINE("DynamicLayer holds and returns exactly what it was given", T, dynamic_shapes) {
+  std::mt19937 rng(7);
+  for (const auto& [b, h, d] : std::vector<std::tuple<int, int, int>>{{1, 1, 1}, {3, 2, 8}, {2, 8, 64}, {1, 4, 128}}) {
+    CAPTURE(b);
+    CAPTURE(h);
+    CAPTURE(d);
+    kvc::DynamicCache<T> cache;
+    kvc::HostTensor<T> all_k, all_v;
+    for (int step = 0; step < 40; ++step) {
+      const int q = step == 0 ? 17 : 1 + step % 3;
+      const auto k = kvc_test::random_tensor<T>(b, h, q, d, rng);
+      const auto v = kvc_test::random_tensor<T>(b, h, q, d, rng);
+      const auto [kl, ko] = cache.get_mask_sizes(q, 0);
+      const auto kv = cache.update(k, v, 0);
+      all_k = step == 0 ? k : kvc_test::cat(all_k, k);
+      all_v = step == 0 ? v : kvc_test::cat(all_v, v);
+      REQUIRE(kv.keys.extent(2) == kl);
+      REQUIRE(ko == 0);
+      REQUIRE(kvc_test::flatten(kv.keys) == kvc_test::slice_seq(all_k, 0, all_k.dimension(2)));
+      REQUIRE(kvc_test::flatten(kv.values) == kvc_test::slice_seq(all_v, 0, all_v.dimension(2)));
+    }
+    // A head is a zero-copy Eigen map of [seq, head_dim].
+    const auto kv = cache.stored(0);
+    const auto m = kv.keys.head(b - 1, h - 1);
+    CHECK(m.rows() == all_k.dimension(2));
+    CHECK(m.cols() == d);
+    CHECK(static_cast<double>(m(3, d - 1)) == static_cast<double>(all_k(b - 1, h - 1, 3, d - 1)));
+    CHECK(m.data() == &kv.keys(b - 1, h - 1, 0, 0));
+  }
+}
+TEST_CASE_TEMPLATE_APPLY(dynamic_shapes, kvc_test::element_types);
+
+TEST_CASE("views returned by update are zero-copy windows into the layer") {
+  kvc::DynamicCache<float> cache;
+  const auto first = cache.update(seq({1, 2, 3}), seq({1, 2, 3}), 0);
+  const auto second = cache.stored(0);
+  CHECK(first.keys.data() == second.keys.data());
+  // Growth is geometric: 100 single-token appends reallocate only a handful of times.
+  int reallocations = 0;
+  const float* last = first.keys.data();
+  for (int i = 0; i < 100; ++i) {
+    const auto kv = cache.update(seq({float(i)}), seq({float(i)}), 0);
+    if (kv.keys.data() != last) ++reallocations;
+    last = kv.keys.data();
+  }
+  CHECK(reallocations <= 4);
+}
+
+TEST_CASE("Eigen::TensorMap and TensorView inputs are accepted") {
+  std::vector<float> raw{1, 2, 3, 4};
+  Eigen::TensorMap<kvc::HostTensor<float>> map(raw.data(), 1, 1, 4, 1);
+  Eigen::TensorMap<const kvc::HostTensor<float>> cmap(raw.data(), 1, 1, 4, 1);
+  kvc::DynamicCache<float> cache;
+  cache.update(map, cmap, 0);
+  kvc::DynamicCache<float> other;
+  const auto kv = other.update(cache.stored(0).keys, cache.stored(0).values, 0);
+  CHECK(values_of(kv.keys) == V{1, 2, 3, 4});
+}
