@@ -122,12 +122,13 @@ class Cache<L, S, O> {
   // ---- construction --------------------------------------------------------------------------
 
   // Replicated: layers are copies of `prototype` (checked now, so a bad prototype throws here).
-  Cache()
-    requires replicated
-      : Cache(boost::mp11::mp_front<kinds>{}) {}
-  explicit Cache(boost::mp11::mp_front<kinds> prototype)
-    requires replicated
-      : prototype_(prototype) {
+  // The constrained constructors are templates so that `template class Cache<...>;` skips them.
+  template <bool R = replicated>
+    requires R
+  Cache() : Cache(boost::mp11::mp_front<kinds>{}) {}
+  template <bool R = replicated>
+    requires R
+  explicit Cache(boost::mp11::mp_front<kinds> prototype) : prototype_(prototype) {
     (void)state_of<boost::mp11::mp_front<kinds>>(prototype_);
   }
 
@@ -146,9 +147,9 @@ class Cache<L, S, O> {
   }
 
   // Pre-built from a list only known at run time (a config's layer_types).
-  explicit Cache(const std::vector<kind_variant>& layer_kinds)
-    requires(!replicated)
-  {
+  template <bool R = replicated>
+    requires(!R)
+  explicit Cache(const std::vector<kind_variant>& layer_kinds) {
     layers_.reserve(layer_kinds.size());
     for (const auto& kind : layer_kinds)
       std::visit([&](const auto& k) { layers_.emplace_back(std::in_place_type<state_of<std::decay_t<decltype(k)>>>, k); },
@@ -212,6 +213,7 @@ class Cache<L, S, O> {
 
   // Removes `-tokens_to_remove` tokens (tokens_to_remove < 0), or keeps `tokens_to_remove` tokens
   // (> 0, deprecated), from every layer. crop(0) may still shrink recorded sliding states.
+  template <int = 0>  // a template, so that `template class Cache<...>;` skips it for static caches
   void crop(std::int64_t tokens_to_remove) {
     static_assert(any_kind<has_crop>,
                   "kvc::Cache::crop: no layer kind of this cache can be cropped. Static layers keep a fixed buffer; "
@@ -235,6 +237,7 @@ class Cache<L, S, O> {
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) { reorder_cache(std::span(beam_idx.begin(), beam_idx.size())); }
 
   // Repeats every batch row `repeats` times in place (row b becomes rows b*repeats ... b*repeats+repeats-1).
+  template <int = 0>
   void batch_repeat_interleave(std::int64_t repeats) {
     static_assert(any_kind<has_batch_ops>,
                   "kvc::Cache::batch_repeat_interleave: no layer kind of this cache supports batch operations. Static "
@@ -250,12 +253,14 @@ class Cache<L, S, O> {
   }
 
   // Keeps only the batch rows named by `indices`, in that order.
+  template <int = 0>
   void batch_select_indices(std::span<const std::int64_t> indices) {
     static_assert(any_kind<has_batch_ops>,
                   "kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
     gather_all<true>("batch_select_indices", [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
   }
+  template <int = 0>
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     batch_select_indices(std::span(indices.begin(), indices.size()));
   }
@@ -273,6 +278,7 @@ class Cache<L, S, O> {
   }
 
   // Sets every layer's write position (the export path writes at cache_position[0]).
+  template <int = 0>
   void set_write_position(std::int64_t position) {
     static_assert(any_kind<has_write_position>,
                   "kvc::Cache::set_write_position: no layer kind of this cache has a write position. Only StaticLayer "
@@ -430,15 +436,15 @@ class Cache<L, S, O> {
                        " is out of range for a Cache with " + std::to_string(size()) + " layers");
   }
 
+  // Messages are built only on the throwing paths: this runs on every update.
+  static std::string shapes_of(const view_type& k, const view_type& v) {
+    return "update: keys of shape " + shape_string(k.extents) + " and values of shape " + shape_string(v.extents);
+  }
   static void check_input(const view_type& k, const view_type& v) {
-    const auto ks = shape_string(k.extents);
-    const auto vs = shape_string(v.extents);
     if (k.extent(0) != v.extent(0) || k.extent(1) != v.extent(1) || k.extent(2) != v.extent(2))
-      throw ValueError("update: keys of shape " + ks + " and values of shape " + vs +
-                       " must have the same batch, heads and seq dimensions");
+      throw ValueError(shapes_of(k, v) + " must have the same batch, heads and seq dimensions");
     if (k.extent(0) < 1 || k.extent(1) < 1 || k.extent(2) < 0 || k.extent(3) < 1 || v.extent(3) < 1)
-      throw ValueError("update: keys of shape " + ks + " and values of shape " + vs +
-                       ": batch, heads and head_dim must be positive");
+      throw ValueError(shapes_of(k, v) + ": batch, heads and head_dim must be positive");
     for (const view_type* t : {&k, &v})
       if (t->stride(3) != 1 || t->stride(2) != t->extent(3) || t->stride(1) < t->extent(2) * t->extent(3))
         throw ValueError("update: keys and values must have contiguous [seq, head_dim] blocks, got strides [" +
@@ -466,8 +472,7 @@ class Cache<L, S, O> {
           [&](const auto& l) {
             if (l.is_initialized() && !(l.shape() == given)) {
               const LayerShape s = l.shape();
-              throw ValueError("update: keys of shape " + shape_string(k.extents) + " and values of shape " +
-                               shape_string(v.extents) + " do not match layer " + std::to_string(layer_idx) +
+              throw ValueError(shapes_of(k, v) + " do not match layer " + std::to_string(layer_idx) +
                                ", which holds batch " + std::to_string(s.batch) + ", " + std::to_string(s.heads) +
                                " heads, key head_dim " + std::to_string(s.key_head_dim) + " and value head_dim " +
                                std::to_string(s.value_head_dim));

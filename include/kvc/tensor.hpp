@@ -85,8 +85,16 @@ struct KV {
 
 // The shape of a [batch, heads, seq, head_dim] tensor, printed the way torch prints a shape.
 inline std::string shape_string(const std::array<std::int64_t, 4>& e) {
-  return "[" + std::to_string(e[0]) + ", " + std::to_string(e[1]) + ", " + std::to_string(e[2]) + ", " +
-         std::to_string(e[3]) + "]";
+  // Appended piece by piece: a chain of operator+ trips GCC 12's -Wrestrict false positive at -O3.
+  std::string out;
+  out.reserve(48);
+  out.push_back('[');
+  for (std::size_t i = 0; i < e.size(); ++i) {
+    if (i) out.append(", ");
+    out.append(std::to_string(e[i]));
+  }
+  out.push_back(']');
+  return out;
 }
 
 namespace detail {

@@ -156,7 +156,8 @@ TEST_CASE("crop rules of DynamicLayer (§1.2, §4.3 items 1-4)") {
 
 TEST_CASE_TEMPLATE_DEFINE("DynamicLayer holds and returns exactly what it was given", T, dynamic_shapes) {
   std::mt19937 rng(7);
-  for (const auto& [b, h, d] : std::vector<std::tuple<int, int, int>>{{1, 1, 1}, {3, 2, 8}, {2, 8, 64}, {1, 4, 128}}) {
+  for (const auto& shape : std::vector<std::array<int, 3>>{{1, 1, 1}, {3, 2, 8}, {2, 8, 64}, {1, 4, 128}}) {
+    const int b = shape[0], h = shape[1], d = shape[2];  // named, not bound: clang 14 cannot capture bindings
     CAPTURE(b);
     CAPTURE(h);
     CAPTURE(d);

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Full kvc check, as CI runs it (.ci/run):
+#   build/gcc    g++ Release: everything (tests, examples, benchmarks built), full ctest
+#   build/clang  clang++ Release: compile_fail suite + unit tests only
+#   build/asan   clang++ RelWithDebInfo + ASan/UBSan: unit tests only
+# Ends with "N passed, N failed" summed over the three ctest runs; a failed build counts as one
+# failed test. Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash tools/setup.sh
+
+JOBS=${JOBS:-2}
+total_pass=0
+total_fail=0
+log_dir=build/logs
+mkdir -p "$log_dir"
+
+stage() { printf '\n==== %s ====\n' "$*"; }
+
+# run_ctest <name> <ctest args...>: runs ctest, tees its output, adds to the totals.
+run_ctest() {
+  local name=$1; shift
+  local log="$log_dir/ctest-$name.log" rc=0
+  ctest "$@" 2>&1 | tee "$log" || rc=$?
+  local line
+  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n1 || true)
+  if [[ $line =~ ([0-9]+)\ tests?\ failed\ out\ of\ ([0-9]+) ]]; then
+    local failed=${BASH_REMATCH[1]} total=${BASH_REMATCH[2]}
+    total_pass=$((total_pass + total - failed))
+    total_fail=$((total_fail + failed))
+    echo "-- $name: $((total - failed)) passed, $failed failed"
+  elif grep -q 'No tests were found' "$log"; then
+    echo "-- $name: no tests found"
+  else
+    echo "-- $name: could not parse the ctest summary (rc=$rc); counting one failure"
+    total_fail=$((total_fail + 1))
+  fi
+}
+
+# build <dir> <cmake --build args...>: keep going past errors; a failed build = one failure.
+build() {
+  local dir=$1; shift
+  local keep_going=(-k)
+  [[ -f $dir/build.ninja ]] && keep_going=(-k 0)
+  if ! cmake --build "$dir" -j "$JOBS" "$@" -- "${keep_going[@]}"; then
+    echo "-- BUILD FAILED in $dir $*"
+    total_fail=$((total_fail + 1))
+  fi
+}
+
+configure() {
+  local dir=$1; shift
+  if ! cmake -S . -B "$dir" "$@"; then
+    echo "-- CONFIGURE FAILED: $dir"
+    total_fail=$((total_fail + 1))
+    return 1
+  fi
+}
+
+common=(-DKVC_BUILD_TESTS=ON -DKVC_WARNINGS=ON)
+
+stage "g++ Release: everything"
+if configure build/gcc -DCMAKE_CXX_COMPILER=g++ -DCMAKE_BUILD_TYPE=Release "${common[@]}" \
+     -DKVC_BUILD_EXAMPLES=ON -DKVC_BUILD_BENCHMARKS=ON -DKVC_INSTALL=ON; then
+  build build/gcc
+  run_ctest gcc --test-dir build/gcc --output-on-failure -j "$JOBS"
+fi
+
+stage "clang++ Release: compile_fail + unit"
+if configure build/clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release "${common[@]}" \
+     -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF; then
+  build build/clang --target kvc_unit_tests
+  run_ctest clang --test-dir build/clang --output-on-failure -j "$JOBS" -L '^(unit|compile_fail)$'
+fi
+
+stage "clang++ RelWithDebInfo + ASan/UBSan: unit"
+if configure build/asan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common[@]}" \
+     -DKVC_SANITIZE=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF; then
+  build build/asan --target kvc_unit_tests
+  ASAN_OPTIONS=${ASAN_OPTIONS:-strict_string_checks=1:detect_stack_use_after_return=1} \
+  UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
+    run_ctest asan --test-dir build/asan --output-on-failure -j "$JOBS" -L '^unit$'
+fi
+
+echo
+echo "$total_pass passed, $total_fail failed"
+[[ $total_fail -eq 0 ]]
