@@ -1,0 +1,5 @@
+// Explicit instantiation: Cache<Layers<DynamicLayer, DynamicSlidingWindowLayer>, HostStorage<float>, NoOffload>
+// (what make_dynamic_cache<float> returns).
+#include "instantiations.hpp"
+
+KVC_BENCH_DYNAMIC_MEMBERS(, kvc_bench::ConfiguredDynamic)
