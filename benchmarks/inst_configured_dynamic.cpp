@@ -2,4 +2,4 @@
 // (what make_dynamic_cache<float> returns).
 #include "instantiations.hpp"
 
-KVC_BENCH_DYNAMIC_MEMBERS(, kvc_bench::ConfiguredDynamic)
+KVC_BENCH_INSTANTIATE(, KVC_BENCH_CONFIGURED)

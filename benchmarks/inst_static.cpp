@@ -2,5 +2,5 @@
 // (StaticCache<float>).
 #include "instantiations.hpp"
 
-KVC_BENCH_STATIC_MEMBERS(, kvc_bench::StaticBase)
+KVC_BENCH_INSTANTIATE(, KVC_BENCH_STATIC)
 template class kvc::StaticCache<float>;
