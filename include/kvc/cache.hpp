@@ -399,6 +399,13 @@ class Cache<L, S, O> {
     check_existing(layer_idx, "visit_layer");
     return std::visit(std::forward<F>(f), layers_[static_cast<std::size_t>(layer_idx)]);
   }
+  // Mutable access, for offload engines (they move a layer's buffers between memory tiers). A
+  // caller that changes a layer through this takes over the cache's invariants.
+  template <class F>
+  decltype(auto) visit_layer(std::int64_t layer_idx, F&& f) {
+    check_existing(layer_idx, "visit_layer");
+    return std::visit(std::forward<F>(f), layers_[static_cast<std::size_t>(layer_idx)]);
+  }
 
  private:
   template <class St>
