@@ -100,6 +100,11 @@ class Cache {
                     detail::all_cache_layers<detail::layer_kinds<LayerPolicy>, StoragePolicy>::value,
                 "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer for this "
                 "storage. Use DynamicLayer, DynamicSlidingWindowLayer, StaticLayer or StaticSlidingWindowLayer");
+
+ public:
+  // Accepts any arguments, so that constructing a misconfigured Cache reports only the assert above.
+  template <class... Args>
+  explicit Cache(Args&&...) {}
 };
 
 template <class L, class S, class O>

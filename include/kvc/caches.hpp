@@ -38,7 +38,10 @@ std::vector<To> widen_kinds(const std::vector<From>& kinds) {
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig& config) {
   using C = ConfiguredDynamicCache<T, Storage, Offload>;
-  return C(detail::widen_kinds<typename C::kind_variant>(dynamic_layer_kinds(config)));
+  if constexpr (concepts::ValidCacheConfig<Layers<DynamicLayer, DynamicSlidingWindowLayer>, Storage, Offload>)
+    return C(detail::widen_kinds<typename C::kind_variant>(dynamic_layer_kinds(config)));
+  else
+    return C();  // the misconfiguration is reported once, by C's static_asserts
 }
 
 // transformers' StaticCache(config, max_cache_len): full → StaticLayer(max_cache_len),

@@ -24,6 +24,7 @@
 #include <string_view>
 #include <utility>
 
+#include <kvc/concepts/storage_policy.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc::concepts {
@@ -63,8 +64,10 @@ concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::s
   { cst.bytes() } -> std::convertible_to<std::int64_t>;
 };
 
+// StoragePolicy<S> comes first: the conjunction stops there, before naming K::state<S> for an S
+// that has no view_type (which would be a hard error, not a false).
 template <class K, class S>
-concept CacheLayer = has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
+concept CacheLayer = StoragePolicy<S> && has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
                      has_update<typename K::template state<S>, S> &&
                      has_length_queries<typename K::template state<S>> &&
                      has_lifecycle<typename K::template state<S>, S>;

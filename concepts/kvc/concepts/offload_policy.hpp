@@ -12,8 +12,13 @@
 
 namespace kvc::concepts {
 
+// A plain (non-template) `serves` member is ruled out first: g++ 12 treats `O::template serves<S>`
+// on it as a hard error instead of an unsatisfied requirement.
+template <class O>
+concept has_plain_serves = requires { &O::serves; };
+
 template <class O, class S>
-concept has_serves_flag = requires {
+concept has_serves_flag = !has_plain_serves<O> && requires {
   { O::template serves<S> } -> std::convertible_to<bool>;
 };
 

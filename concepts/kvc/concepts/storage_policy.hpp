@@ -58,8 +58,12 @@ concept has_make_view = has_element_type<S> && has_view_type<S> &&
       { S::make_view(p, a, a) } -> std::same_as<typename S::view_type>;
     };
 
+// A plain (non-template) `accepts_input` is ruled out first (see has_plain_serves in offload_policy.hpp).
 template <class S>
-concept has_input_adapter = has_view_type<S> && requires(const typename S::view_type& v) {
+concept has_plain_accepts_input = requires { &S::accepts_input; };
+
+template <class S>
+concept has_input_adapter = has_view_type<S> && !has_plain_accepts_input<S> && requires(const typename S::view_type& v) {
   { S::template accepts_input<typename S::view_type> } -> std::convertible_to<bool>;
   { S::input_view(v) } -> std::same_as<typename S::view_type>;
 };

@@ -1,0 +1,12 @@
+// EXPECT-ERROR: kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer for this storage. Use DynamicLayer, DynamicSlidingWindowLayer, StaticLayer or StaticSlidingWindowLayer
+// kvc::Layers<int>: int is not a layer kind (it has no `state<S>`). docs/errors.md lists the fix.
+#include <kvc/cache.hpp>
+
+#ifdef KVC_SHOULD_FAIL
+[[maybe_unused]] kvc::Cache<kvc::Layers<kvc::DynamicLayer, int>> misuse;
+#endif
+
+int main() {
+  kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>> cache(kvc::DynamicLayer{}, kvc::StaticLayer{8});
+  return cache.size() == 2 ? 0 : 1;
+}
