@@ -1,0 +1,194 @@
+#pragma once
+// Scaled-dot-product attention over the views a cache returns (host, Eigen).
+//
+// Masks follow transformers' mask code: for a query of q new tokens at absolute positions
+// query_position .. query_position + q - 1 (cache_position), a layer's `get_mask_sizes(q)`, asked
+// before its update, gives (kv_length, kv_offset): the keys the update returns are kv_length long
+// and key j sits at absolute position kv_offset + j. Key j is visible to query i when it is not in
+// the future (causal) and, for a sliding layer of window W, when it is one of the W latest
+// positions up to the query (kv_pos > q_pos - W). Unwritten slots of a static buffer lie in the
+// future of every query, so causality hides them.
+//
+// Grouped-query and multi-query attention: query head h reads KV head h / (Hq / Hkv); the K/V
+// blocks are read in place, once per KV head, for all the query heads of its group. Scores and
+// the softmax accumulate in float for Eigen::half and Eigen::bfloat16 (double stays double).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <kvc/errors.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+// How queries see keys (see the header comment).
+struct AttentionMask {
+  std::int64_t kv_length = 0;       // from get_mask_sizes(q), asked before the update
+  std::int64_t kv_offset = 0;       // from get_mask_sizes(q)
+  std::int64_t query_position = 0;  // absolute position of the first query (tokens seen before it)
+  std::optional<std::int64_t> sliding_window;  // none: full causal attention
+  bool causal = true;
+
+  // Whether the query at absolute position qp sees the key at absolute position kp.
+  constexpr bool visible(std::int64_t qp, std::int64_t kp) const noexcept {
+    if (causal && kp > qp) return false;
+    return !sliding_window || kp > qp - *sliding_window;
+  }
+};
+
+namespace detail {
+
+// The type scores and the softmax are computed in: float for the 16-bit types, else T.
+template <class T>
+using accum_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T>
+using row_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// The [rows, cols] block at `ptr` (row pitch `pitch`) as a matrix of A: a zero-copy map when T is
+// A, else converted into `scratch`.
+template <class A, class T>
+Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>> as_accum(const T* ptr, std::int64_t rows,
+                                                                                 std::int64_t cols, std::int64_t pitch,
+                                                                                 row_matrix<A>& scratch) {
+  using map = Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  if constexpr (std::is_same_v<A, T>) {
+    return map(ptr, rows, cols, Eigen::OuterStride<>(pitch));
+  } else {
+    scratch.resize(rows, cols);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) scratch(r, c) = static_cast<A>(ptr[r * pitch + c]);
+    return map(scratch.data(), rows, cols, Eigen::OuterStride<>(cols));
+  }
+}
+
+inline std::string shape_pair(const char* a, const std::array<std::int64_t, 4>& x, const char* b,
+                              const std::array<std::int64_t, 4>& y) {
+  return std::string(a) + " of shape " + shape_string(x) + " and " + b + " of shape " + shape_string(y);
+}
+
+}  // namespace detail
+
+// out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
+// queries: [B, Hq, q, D]; keys: [B, Hkv, kv_length, D]; values: [B, Hkv, kv_length, Dv]; Hq a
+// multiple of Hkv. `scale` defaults to 1 / sqrt(D). Returns [B, Hq, q, Dv].
+template <class T>
+HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
+                                           const TensorView<T>& values, const AttentionMask& mask,
+                                           std::optional<double> scale = std::nullopt) {
+  using A = detail::accum_t<T>;
+  const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
+  const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3);
+  if (keys.extent(0) != B || values.extent(0) != B || values.extent(1) != Hkv || values.extent(2) != S ||
+      keys.extent(3) != D)
+    throw ValueError("scaled_dot_product_attention: " + detail::shape_pair("queries", queries.extents, "keys", keys.extents) +
+                     " (values " + shape_string(values.extents) +
+                     ") must agree on batch and head_dim, and keys and values on heads and length");
+  if (Hkv < 1 || Hq % Hkv != 0)
+    throw ValueError("scaled_dot_product_attention: " + std::to_string(Hq) +
+                     " query heads are not a multiple of " + std::to_string(Hkv) + " key/value heads");
+  if (S != mask.kv_length)
+    throw ValueError("scaled_dot_product_attention: keys hold " + std::to_string(S) +
+                     " positions but the mask's kv_length is " + std::to_string(mask.kv_length));
+  for (const TensorView<T>* t : {&queries, &keys, &values})
+    if (t->stride(3) != 1 || t->stride(2) != t->extent(3))
+      throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
+  if (mask.sliding_window && *mask.sliding_window < 1)
+    throw ValueError("scaled_dot_product_attention: sliding_window must be positive, got " +
+                     std::to_string(*mask.sliding_window));
+
+  const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  const std::int64_t group = Hq / Hkv;
+  HostTensor<T> out(B, Hq, q, Dv);
+  out.setZero();
+
+  // Rows of one (batch, kv head) problem: the q queries of each of the `group` query heads.
+  // Query rows are processed in tiles so that the score matrix stays small during a prefill.
+  constexpr std::int64_t tile = 64;
+  detail::row_matrix<A> kbuf, vbuf, qbuf, scores, ctx;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t hk = 0; hk < Hkv; ++hk) {
+      const auto K = detail::as_accum<A>(keys.data() + b * keys.stride(0) + hk * keys.stride(1), S, D, D, kbuf);
+      const auto V = detail::as_accum<A>(values.data() + b * values.stride(0) + hk * values.stride(1), S, Dv, Dv, vbuf);
+      for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
+        const std::int64_t rows_per_head = std::min(tile, q - i0);
+        // Visible key range of this tile: [lo, hi) covers every visible key of its queries.
+        const std::int64_t first_q = mask.query_position + i0, last_q = first_q + rows_per_head - 1;
+        std::int64_t hi = S, lo = 0;
+        if (mask.causal) hi = std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S);
+        if (mask.sliding_window) lo = std::clamp<std::int64_t>(first_q - *mask.sliding_window + 1 - mask.kv_offset, 0, S);
+        const std::int64_t width = std::max<std::int64_t>(hi - lo, 0);
+        qbuf.resize(group * rows_per_head, D);
+        for (std::int64_t g = 0; g < group; ++g) {
+          const std::int64_t h = hk * group + g;
+          const T* qp = queries.data() + b * queries.stride(0) + h * queries.stride(1) + i0 * D;
+          for (std::int64_t r = 0; r < rows_per_head; ++r)
+            for (std::int64_t d = 0; d < D; ++d) qbuf(g * rows_per_head + r, d) = static_cast<A>(qp[r * D + d]);
+        }
+        scores.noalias() = (qbuf * K.middleRows(lo, width).transpose()) * s;
+        for (std::int64_t row = 0; row < scores.rows(); ++row) {
+          const std::int64_t qpos = mask.query_position + i0 + row % rows_per_head;
+          A max = -std::numeric_limits<A>::infinity();
+          for (std::int64_t j = 0; j < width; ++j) {
+            if (!mask.visible(qpos, mask.kv_offset + lo + j))
+              scores(row, j) = -std::numeric_limits<A>::infinity();
+            else
+              max = std::max(max, scores(row, j));
+          }
+          if (max == -std::numeric_limits<A>::infinity()) {  // nothing visible: a zero output row
+            scores.row(row).setZero();
+            continue;
+          }
+          A sum = 0;
+          for (std::int64_t j = 0; j < width; ++j) {
+            const A e = std::exp(scores(row, j) - max);  // exp(-inf) == 0 for masked keys
+            scores(row, j) = e;
+            sum += e;
+          }
+          scores.row(row) /= sum;
+        }
+        ctx.noalias() = scores * V.middleRows(lo, width);
+        for (std::int64_t g = 0; g < group; ++g) {
+          const std::int64_t h = hk * group + g;
+          for (std::int64_t r = 0; r < rows_per_head; ++r)
+            for (std::int64_t d = 0; d < Dv; ++d) out(b, h, i0 + r, d) = static_cast<T>(ctx(g * rows_per_head + r, d));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Accepts what Cache::update accepts (HostTensor, TensorMap, TensorView) for the queries.
+template <class Q, class T>
+  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
+HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
+                                           const AttentionMask& mask, std::optional<double> scale = std::nullopt) {
+  return scaled_dot_product_attention<T>(detail::tensor_input<std::remove_cvref_t<Q>>::view(queries), keys, values,
+                                         mask, scale);
+}
+
+// One attention layer's step through a cache: asks the mask sizes and the position, stores the
+// new keys/values in layer `layer_idx`, and attends over what the layer returns. A sliding layer
+// masks with its window (get_max_length); a full layer is causal only.
+template <class Cache, class Q, class KT, class VT>
+auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
+            std::optional<double> scale = std::nullopt) {
+  const std::int64_t q = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries).extent(2);
+  const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
+  AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), std::nullopt, true};
+  const auto kv = cache.update(new_keys, new_values, layer_idx);
+  if (cache.is_sliding()[static_cast<std::size_t>(layer_idx)]) mask.sliding_window = cache.get_max_length(layer_idx);
+  return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, scale);
+}
+
+}  // namespace kvc

@@ -1,0 +1,186 @@
+// kvc::scaled_dot_product_attention and kvc::attend against a plain reference implementation:
+// causal and sliding masks driven by get_mask_sizes, GQA/MQA/MHA, all four element types.
+
+#include <kvc/attention.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+// Reference: double precision, explicit loops, the mask built from absolute positions.
+template <class T>
+std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v,
+                              std::int64_t q_pos0, std::int64_t k_pos0, std::optional<std::int64_t> window) {
+  const auto B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
+  const auto Hkv = k.dimension(1), S = k.dimension(2), Dv = v.dimension(3);
+  std::vector<double> out;
+  for (Eigen::Index b = 0; b < B; ++b)
+    for (Eigen::Index h = 0; h < Hq; ++h)
+      for (Eigen::Index i = 0; i < Q; ++i) {
+        const auto hk = h / (Hq / Hkv);
+        std::vector<double> w(static_cast<std::size_t>(S), 0.0);
+        double max = -1e300, sum = 0;
+        for (Eigen::Index j = 0; j < S; ++j) {
+          const auto qp = q_pos0 + i, kp = k_pos0 + j;
+          if (kp > qp || (window && kp <= qp - *window)) continue;
+          double dot = 0;
+          for (Eigen::Index d = 0; d < D; ++d) dot += double(q(b, h, i, d)) * double(k(b, hk, j, d));
+          w[std::size_t(j)] = dot / std::sqrt(double(D));
+          max = std::max(max, w[std::size_t(j)]);
+        }
+        for (Eigen::Index j = 0; j < S; ++j) {
+          const auto qp = q_pos0 + i, kp = k_pos0 + j;
+          const bool vis = !(kp > qp || (window && kp <= qp - *window));
+          w[std::size_t(j)] = vis ? std::exp(w[std::size_t(j)] - max) : 0.0;
+          sum += w[std::size_t(j)];
+        }
+        for (Eigen::Index d = 0; d < Dv; ++d) {
+          double acc = 0;
+          for (Eigen::Index j = 0; j < S; ++j) acc += w[std::size_t(j)] / sum * double(v(b, hk, j, d));
+          out.push_back(acc);
+        }
+      }
+  return out;
+}
+
+template <class T>
+double tolerance() {
+  if constexpr (std::is_same_v<T, double>) return 1e-12;
+  if constexpr (std::is_same_v<T, float>) return 1e-5;
+  if constexpr (std::is_same_v<T, Eigen::half>) return 4e-3;
+  return 3e-2;  // bfloat16: 8 bits of mantissa in the output
+}
+
+template <class T>
+double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+template <class T>
+kvc::HostTensor<T> gaussian(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng) {
+  std::normal_distribution<float> n(0.f, 1.f);
+  kvc::HostTensor<T> t(b, h, s, d);
+  for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = T(n(rng));
+  return t;
+}
+
+kvc::ModelConfig gemma_like(std::int64_t kv_heads) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = 16;
+  c.sliding_window = 5;
+  c.layer_types = std::vector<std::string>{"sliding_attention", "full_attention"};
+  return c;
+}
+
+// Prefill then decode through `cache`; every step's output must equal attention over the whole
+// history with the layer's mask (what a model recomputing everything without a cache computes).
+template <class T, class Cache>
+void check_cache(Cache& cache, const kvc::ModelConfig& c, std::mt19937& rng) {
+  const std::int64_t B = 2, Hq = c.num_attention_heads, Hkv = c.layer_num_key_value_heads(0), D = 16;
+  std::vector<kvc::HostTensor<T>> all_k(2, kvc::HostTensor<T>(B, Hkv, 0, D)), all_v(2, kvc::HostTensor<T>(B, Hkv, 0, D));
+  std::int64_t pos = 0;
+  for (const std::int64_t q : {7, 1, 1, 3, 1, 1, 1, 6, 1}) {
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto qs = gaussian<T>(B, Hq, q, D, rng);
+      const auto ks = gaussian<T>(B, Hkv, q, D, rng);
+      const auto vs = gaussian<T>(B, Hkv, q, D, rng);
+      const auto out = kvc::attend(cache, layer, qs, ks, vs);
+      all_k[std::size_t(layer)] = kvc_test::cat(all_k[std::size_t(layer)], ks);
+      all_v[std::size_t(layer)] = kvc_test::cat(all_v[std::size_t(layer)], vs);
+      const auto window = (*c.layer_types)[std::size_t(layer)] == "sliding_attention" ? c.sliding_window : std::nullopt;
+      const auto want = reference(qs, all_k[std::size_t(layer)], all_v[std::size_t(layer)], pos, 0, window);
+      CAPTURE(layer);
+      CAPTURE(pos);
+      REQUIRE(max_diff<T>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<T>>::view(out)), want) <
+              tolerance<T>());
+    }
+    pos += q;
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE_DEFINE("every ready-made cache gives the no-cache result (causal + sliding, GQA)", T, through_caches) {
+  std::mt19937 rng(42);
+  for (const std::int64_t kv_heads : {8, 2, 1}) {  // MHA, GQA, MQA
+    CAPTURE(kv_heads);
+    const auto c = gemma_like(kv_heads);
+    auto dynamic = kvc::make_dynamic_cache<T>(c);
+    check_cache<T>(dynamic, c, rng);
+    kvc::StaticCache<T> fixed(c, 32);
+    check_cache<T>(fixed, c, rng);
+  }
+}
+TEST_CASE_TEMPLATE_APPLY(through_caches, kvc_test::element_types);
+
+TEST_CASE("a replicated DynamicCache and recorded sliding layers also match") {
+  std::mt19937 rng(8);
+  auto c = gemma_like(2);
+  c.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  kvc::DynamicCache<float> cache;
+  check_cache<float>(cache, c, rng);
+  auto recorded = kvc::make_dynamic_cache<float>(gemma_like(2));
+  recorded.activate_past_recording();
+  check_cache<float>(recorded, gemma_like(2), rng);
+}
+
+TEST_CASE("the mask follows kv_offset and the window") {
+  const kvc::AttentionMask m{4, 3, 6, 3, true};
+  CHECK(m.visible(6, 6));
+  CHECK(m.visible(6, 4));
+  CHECK_FALSE(m.visible(6, 3));  // 3 <= 6 - 3: outside the window
+  CHECK_FALSE(m.visible(6, 7));  // the future
+  const kvc::AttentionMask full{4, 0, 0, std::nullopt, true};
+  CHECK(full.visible(9, 0));
+  const kvc::AttentionMask bidirectional{4, 0, 0, std::nullopt, false};
+  CHECK(bidirectional.visible(0, 3));
+}
+
+TEST_CASE("explicit masks: static buffer zeros are never attended") {
+  std::mt19937 rng(1);
+  const auto q = gaussian<float>(1, 2, 1, 8, rng);
+  const auto k = gaussian<float>(1, 1, 5, 8, rng);
+  const auto v = gaussian<float>(1, 1, 5, 8, rng);
+  auto kv = kvc::detail::tensor_input<kvc::HostTensor<float>>::view(k);
+  auto vv = kvc::detail::tensor_input<kvc::HostTensor<float>>::view(v);
+  // Query at position 2 over a 5-slot buffer starting at 0: slots 3, 4 are in the future.
+  const auto out = kvc::scaled_dot_product_attention(q, kv, vv, {5, 0, 2, std::nullopt, true});
+  kvc::HostTensor<float> k3 = k.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
+  kvc::HostTensor<float> v3 = v.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
+  CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
+                        reference(q, k3, v3, 2, 0, std::nullopt)) < 1e-5);
+  // A custom scale.
+  const auto scaled = kvc::scaled_dot_product_attention(q, kv, vv, {5, 0, 4, std::nullopt, true}, 0.0);
+  for (std::int64_t d = 0; d < 8; ++d) {  // scale 0: uniform weights, the mean of the values
+    double mean = 0;
+    for (std::int64_t j = 0; j < 5; ++j) mean += v(0, 0, j, d) / 5.0;
+    CHECK(scaled(0, 1, 0, d) == doctest::Approx(mean).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("shape errors are ValueErrors") {
+  std::mt19937 rng(2);
+  const auto q = gaussian<float>(1, 3, 1, 8, rng);
+  const auto k = gaussian<float>(1, 2, 4, 8, rng);
+  const auto kv = kvc::detail::tensor_input<kvc::HostTensor<float>>::view(k);
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q, kv, kv, {4, 0, 3, std::nullopt, true}),
+                       "scaled_dot_product_attention: 3 query heads are not a multiple of 2 key/value heads",
+                       kvc::ValueError);
+  const auto q2 = gaussian<float>(1, 4, 1, 8, rng);
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, kv, kv, {5, 0, 3, std::nullopt, true}),
+                       "scaled_dot_product_attention: keys hold 4 positions but the mask's kv_length is 5",
+                       kvc::ValueError);
+  const auto q3 = gaussian<float>(2, 4, 1, 8, rng);
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q3, kv, kv, {4, 0, 3, std::nullopt, true}),
+                       "scaled_dot_product_attention: queries of shape [2, 4, 1, 8] and keys of shape [1, 2, 4, 8] "
+                       "(values [1, 2, 4, 8]) must agree on batch and head_dim, and keys and values on heads and length",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, kv, kv, {4, 0, 3, 0, true}),
+                       "scaled_dot_product_attention: sliding_window must be positive, got 0", kvc::ValueError);
+}
