@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -135,26 +134,25 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
             for (std::int64_t d = 0; d < D; ++d) qbuf(g * rows_per_head + r, d) = static_cast<A>(qp[r * D + d]);
         }
         scores.noalias() = (qbuf * K.middleRows(lo, width).transpose()) * s;
+        // Each row's visible keys are one contiguous range [jlo, jhi) of the tile's columns (the
+        // same rule as AttentionMask::visible), so the softmax runs vectorised on that segment.
         for (std::int64_t row = 0; row < scores.rows(); ++row) {
           const std::int64_t qpos = mask.query_position + i0 + row % rows_per_head;
-          A max = -std::numeric_limits<A>::infinity();
-          for (std::int64_t j = 0; j < width; ++j) {
-            if (!mask.visible(qpos, mask.kv_offset + lo + j))
-              scores(row, j) = -std::numeric_limits<A>::infinity();
-            else
-              max = std::max(max, scores(row, j));
-          }
-          if (max == -std::numeric_limits<A>::infinity()) {  // nothing visible: a zero output row
-            scores.row(row).setZero();
+          const std::int64_t first = mask.kv_offset + lo;  // absolute position of column 0
+          const std::int64_t jhi = mask.causal ? std::clamp<std::int64_t>(qpos - first + 1, 0, width) : width;
+          const std::int64_t jlo =
+              mask.sliding_window ? std::clamp<std::int64_t>(qpos - *mask.sliding_window + 1 - first, 0, width) : 0;
+          auto r = scores.row(row);
+          if (jhi <= jlo) {  // nothing visible: a zero output row
+            r.setZero();
             continue;
           }
-          A sum = 0;
-          for (std::int64_t j = 0; j < width; ++j) {
-            const A e = std::exp(scores(row, j) - max);  // exp(-inf) == 0 for masked keys
-            scores(row, j) = e;
-            sum += e;
-          }
-          scores.row(row) /= sum;
+          auto seg = r.segment(jlo, jhi - jlo);
+          const A max = seg.maxCoeff();
+          seg = (seg.array() - max).exp().matrix();
+          seg /= seg.sum();
+          r.head(jlo).setZero();
+          r.tail(width - jhi).setZero();
         }
         ctx.noalias() = scores * V.middleRows(lo, width);
         for (std::int64_t g = 0; g < group; ++g) {
