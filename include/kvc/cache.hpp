@@ -124,6 +124,22 @@ class Cache<L, S, O> {
   using layer_variant = boost::mp11::mp_rename<boost::mp11::mp_transform<state_of, kinds>, std::variant>;
   static constexpr bool replicated = concepts::has_layer_class_to_replicate<L>;
 
+ private:
+  template <class St>
+  using has_crop = std::bool_constant<concepts::supports_crop<St>>;
+  template <class St>
+  using has_batch_ops = std::bool_constant<concepts::supports_batch_ops<St>>;
+  template <class St>
+  using has_write_position = std::bool_constant<concepts::supports_write_position<St>>;
+  template <template <class> class Pred>
+  static constexpr bool any_kind = boost::mp11::mp_any_of<boost::mp11::mp_transform<state_of, kinds>, Pred>::value;
+
+ public:
+  // Which optional operations some layer kind of this cache has (the others do not compile).
+  static constexpr bool can_crop = any_kind<has_crop>;
+  static constexpr bool can_batch_ops = any_kind<has_batch_ops>;
+  static constexpr bool can_set_write_position = any_kind<has_write_position>;
+
   // ---- construction --------------------------------------------------------------------------
 
   // Replicated: layers are copies of `prototype` (checked now, so a bad prototype throws here).
@@ -220,7 +236,7 @@ class Cache<L, S, O> {
   // (> 0, deprecated), from every layer. crop(0) may still shrink recorded sliding states.
   template <int = 0>  // a template, so that `template class Cache<...>;` skips it for static caches
   void crop(std::int64_t tokens_to_remove) {
-    static_assert(any_kind<has_crop>,
+    static_assert(can_crop,
                   "kvc::Cache::crop: no layer kind of this cache can be cropped. Static layers keep a fixed buffer; "
                   "use a dynamic cache to roll back");
     for_each_layer([&](const auto& l) {
@@ -244,7 +260,7 @@ class Cache<L, S, O> {
   // Repeats every batch row `repeats` times in place (row b becomes rows b*repeats ... b*repeats+repeats-1).
   template <int = 0>
   void batch_repeat_interleave(std::int64_t repeats) {
-    static_assert(any_kind<has_batch_ops>,
+    static_assert(can_batch_ops,
                   "kvc::Cache::batch_repeat_interleave: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
     if (repeats < 1)
@@ -260,7 +276,7 @@ class Cache<L, S, O> {
   // Keeps only the batch rows named by `indices`, in that order.
   template <int = 0>
   void batch_select_indices(std::span<const std::int64_t> indices) {
-    static_assert(any_kind<has_batch_ops>,
+    static_assert(can_batch_ops,
                   "kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
     gather_all<true>("batch_select_indices", [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
@@ -285,7 +301,7 @@ class Cache<L, S, O> {
   // Sets every layer's write position (the export path writes at cache_position[0]).
   template <int = 0>
   void set_write_position(std::int64_t position) {
-    static_assert(any_kind<has_write_position>,
+    static_assert(can_set_write_position,
                   "kvc::Cache::set_write_position: no layer kind of this cache has a write position. Only StaticLayer "
                   "has one");
     for_each_layer([&](const auto& l) {
@@ -413,15 +429,6 @@ class Cache<L, S, O> {
   }
 
  private:
-  template <class St>
-  using has_crop = std::bool_constant<concepts::supports_crop<St>>;
-  template <class St>
-  using has_batch_ops = std::bool_constant<concepts::supports_batch_ops<St>>;
-  template <class St>
-  using has_write_position = std::bool_constant<concepts::supports_write_position<St>>;
-  template <template <class> class Pred>
-  static constexpr bool any_kind = boost::mp11::mp_any_of<boost::mp11::mp_transform<state_of, kinds>, Pred>::value;
-
   template <class St>
   [[noreturn]] static void throw_missing_attribute(const char* method) {
     throw AttributeError("'" + std::string(St::name) + "' object has no attribute '" + method + "'");

@@ -1,0 +1,276 @@
+#pragma once
+// kvc::AnyCache: a type-erased handle over any host kvc::Cache<...> instantiation (DynamicCache,
+// StaticCache, make_dynamic_cache's cache, ...), with the Cache method set, for code that picks
+// its cache at run time (from a cache_implementation string, a JSON description). What a typed
+// Cache checks at compile time, AnyCache checks at run time:
+//  - an update whose element type is not the cache's is a kvc::TypeError;
+//  - an operation no layer kind of the held cache has (crop on a StaticCache) is a
+//    kvc::AttributeError naming the layer, as in Python.
+// One virtual call per method; the held cache does the work.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <kvc/cache.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+namespace detail {
+
+template <class T>
+constexpr std::string_view element_name() {
+  if constexpr (std::is_same_v<T, float>) return "float";
+  else if constexpr (std::is_same_v<T, double>) return "double";
+  else if constexpr (std::is_same_v<T, Eigen::half>) return "half";
+  else if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
+  else return "unknown";
+}
+
+// A host cache: what AnyCache can hold.
+template <class C>
+concept host_cache = requires {
+  typename C::layer_policy;
+  typename C::storage_policy;
+  typename C::kv_type;
+} && std::is_same_v<typename C::view_type, TensorView<typename C::element_type>> &&
+                     std::is_same_v<typename C::kv_type, KV<TensorView<typename C::element_type>>>;
+
+// The virtual interface, one `update`/`stored` per element type.
+template <class T>
+struct typed_ops {
+  virtual ~typed_ops() = default;
+  virtual KV<TensorView<T>> update(const TensorView<T>& k, const TensorView<T>& v, std::int64_t layer_idx) = 0;
+  virtual KV<TensorView<T>> stored(std::int64_t layer_idx, std::type_identity<T>) const = 0;
+};
+
+struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::half>, typed_ops<Eigen::bfloat16> {
+  using typed_ops<float>::update, typed_ops<double>::update, typed_ops<Eigen::half>::update,
+      typed_ops<Eigen::bfloat16>::update;
+  using typed_ops<float>::stored, typed_ops<double>::stored, typed_ops<Eigen::half>::stored,
+      typed_ops<Eigen::bfloat16>::stored;
+  virtual std::string_view element_type_name() const noexcept = 0;
+  virtual std::int64_t get_seq_length(std::int64_t) const = 0;
+  virtual std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t, std::int64_t) const = 0;
+  virtual std::int64_t get_max_length() const = 0;
+  virtual std::int64_t get_max_length(std::int64_t) const = 0;
+  virtual void crop(std::int64_t) = 0;
+  virtual void reorder_cache(std::span<const std::int64_t>) = 0;
+  virtual void batch_repeat_interleave(std::int64_t) = 0;
+  virtual void batch_select_indices(std::span<const std::int64_t>) = 0;
+  virtual void reset() noexcept = 0;
+  virtual void activate_past_recording() noexcept = 0;
+  virtual void set_write_position(std::int64_t) = 0;
+  virtual void early_initialization(std::int64_t, const int_or_list&, const int_or_list&) = 0;
+  virtual std::vector<bool> is_sliding() const = 0;
+  virtual bool is_compileable() const noexcept = 0;
+  virtual bool is_initialized() const noexcept = 0;
+  virtual std::int64_t batch_size() const = 0;
+  virtual std::int64_t size() const noexcept = 0;
+  virtual std::string_view layer_name(std::int64_t) const = 0;
+  virtual std::int64_t bytes() const noexcept = 0;
+  virtual const void* address() const noexcept = 0;
+  virtual const std::type_info& type() const noexcept = 0;
+};
+
+template <class C>
+class any_cache_model final : public any_cache_iface {
+  using E = typename C::element_type;
+
+ public:
+  explicit any_cache_model(C cache) : cache_(std::move(cache)) {}
+
+  KV<TensorView<float>> update(const TensorView<float>& k, const TensorView<float>& v, std::int64_t i) override {
+    return update_as(k, v, i);
+  }
+  KV<TensorView<double>> update(const TensorView<double>& k, const TensorView<double>& v, std::int64_t i) override {
+    return update_as(k, v, i);
+  }
+  KV<TensorView<Eigen::half>> update(const TensorView<Eigen::half>& k, const TensorView<Eigen::half>& v,
+                                     std::int64_t i) override {
+    return update_as(k, v, i);
+  }
+  KV<TensorView<Eigen::bfloat16>> update(const TensorView<Eigen::bfloat16>& k, const TensorView<Eigen::bfloat16>& v,
+                                         std::int64_t i) override {
+    return update_as(k, v, i);
+  }
+  KV<TensorView<float>> stored(std::int64_t i, std::type_identity<float>) const override {
+    return stored_as<float>(i);
+  }
+  KV<TensorView<double>> stored(std::int64_t i, std::type_identity<double>) const override {
+    return stored_as<double>(i);
+  }
+  KV<TensorView<Eigen::half>> stored(std::int64_t i, std::type_identity<Eigen::half>) const override {
+    return stored_as<Eigen::half>(i);
+  }
+  KV<TensorView<Eigen::bfloat16>> stored(std::int64_t i, std::type_identity<Eigen::bfloat16>) const override {
+    return stored_as<Eigen::bfloat16>(i);
+  }
+
+  std::string_view element_type_name() const noexcept override { return element_name<E>(); }
+  std::int64_t get_seq_length(std::int64_t i) const override { return cache_.get_seq_length(i); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t i) const override {
+    return cache_.get_mask_sizes(q, i);
+  }
+  std::int64_t get_max_length() const override { return cache_.get_max_length(); }
+  std::int64_t get_max_length(std::int64_t i) const override { return cache_.get_max_length(i); }
+  void crop(std::int64_t n) override {
+    if constexpr (C::can_crop)
+      cache_.crop(n);
+    else
+      missing("crop");
+  }
+  void reorder_cache(std::span<const std::int64_t> idx) override { cache_.reorder_cache(idx); }
+  void batch_repeat_interleave(std::int64_t r) override {
+    if constexpr (C::can_batch_ops)
+      cache_.batch_repeat_interleave(r);
+    else
+      missing("batch_repeat_interleave");
+  }
+  void batch_select_indices(std::span<const std::int64_t> idx) override {
+    if constexpr (C::can_batch_ops)
+      cache_.batch_select_indices(idx);
+    else
+      missing("batch_select_indices");
+  }
+  void reset() noexcept override { cache_.reset(); }
+  void activate_past_recording() noexcept override { cache_.activate_past_recording(); }
+  void set_write_position(std::int64_t p) override {
+    if constexpr (C::can_set_write_position)
+      cache_.set_write_position(p);
+    else
+      missing("set_write_position");
+  }
+  void early_initialization(std::int64_t b, const int_or_list& h, const int_or_list& d) override {
+    cache_.early_initialization(b, h, d);
+  }
+  std::vector<bool> is_sliding() const override { return cache_.is_sliding(); }
+  bool is_compileable() const noexcept override { return cache_.is_compileable(); }
+  bool is_initialized() const noexcept override { return cache_.is_initialized(); }
+  std::int64_t batch_size() const override { return cache_.batch_size(); }
+  std::int64_t size() const noexcept override { return cache_.size(); }
+  std::string_view layer_name(std::int64_t i) const override { return cache_.layer_name(i); }
+  std::int64_t bytes() const noexcept override { return cache_.bytes(); }
+  const void* address() const noexcept override { return &cache_; }
+  const std::type_info& type() const noexcept override { return typeid(C); }
+
+ private:
+  template <class T>
+  KV<TensorView<T>> update_as(const TensorView<T>& k, const TensorView<T>& v, std::int64_t i) {
+    if constexpr (std::is_same_v<T, E>)
+      return cache_.update(k, v, i);
+    else
+      throw TypeError("AnyCache::update: the cache holds " + std::string(element_name<E>()) + " elements, got " +
+                      std::string(element_name<T>()));
+  }
+  template <class T>
+  KV<TensorView<T>> stored_as(std::int64_t i) const {
+    if constexpr (std::is_same_v<T, E>)
+      return cache_.stored(i);
+    else
+      throw TypeError("AnyCache::stored: the cache holds " + std::string(element_name<E>()) + " elements, not " +
+                      std::string(element_name<T>()));
+  }
+  // The typed Cache would not compile this call; at run time it is Python's AttributeError on the
+  // first layer (a cache with no layers has nothing to do).
+  void missing(const char* method) const {
+    if (cache_.size() > 0)
+      throw AttributeError("'" + std::string(cache_.layer_name(0)) + "' object has no attribute '" + method + "'");
+  }
+
+  C cache_;
+};
+
+}  // namespace detail
+
+class AnyCache {
+ public:
+  AnyCache() = default;
+  template <class C>
+    requires(detail::host_cache<std::remove_cvref_t<C>> && !std::is_same_v<std::remove_cvref_t<C>, AnyCache>)
+  AnyCache(C&& cache)  // NOLINT: implicit, like std::any
+      : impl_(std::make_unique<detail::any_cache_model<std::remove_cvref_t<C>>>(std::forward<C>(cache))) {}
+
+  bool has_value() const noexcept { return impl_ != nullptr; }
+  std::string_view element_type_name() const { return self().element_type_name(); }
+
+  // The held cache if it is a C, else nullptr.
+  template <class C>
+  C* get() noexcept {
+    return impl_ && impl_->type() == typeid(C) ? static_cast<C*>(const_cast<void*>(impl_->address())) : nullptr;
+  }
+  template <class C>
+  const C* get() const noexcept {
+    return impl_ && impl_->type() == typeid(C) ? static_cast<const C*>(impl_->address()) : nullptr;
+  }
+
+  template <class KeysT, class ValuesT>
+    requires(detail::tensor_input<std::remove_cvref_t<KeysT>>::valid &&
+             detail::tensor_input<std::remove_cvref_t<ValuesT>>::valid)
+  auto update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
+    using T = typename detail::tensor_input<std::remove_cvref_t<KeysT>>::element_type;
+    static_assert(std::is_same_v<T, typename detail::tensor_input<std::remove_cvref_t<ValuesT>>::element_type>,
+                  "kvc::AnyCache::update: keys and values must have the same element type");
+    return self().update(detail::tensor_input<std::remove_cvref_t<KeysT>>::view(keys),
+                         detail::tensor_input<std::remove_cvref_t<ValuesT>>::view(values), layer_idx);
+  }
+  template <class T>
+  KV<TensorView<T>> stored(std::int64_t layer_idx) const {
+    return self().stored(layer_idx, std::type_identity<T>{});
+  }
+
+  std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t layer_idx) const {
+    return self().get_mask_sizes(q, layer_idx);
+  }
+  std::int64_t get_max_length() const { return self().get_max_length(); }
+  std::int64_t get_max_length(std::int64_t layer_idx) const { return self().get_max_length(layer_idx); }
+  void crop(std::int64_t tokens_to_remove) { self().crop(tokens_to_remove); }
+  void reorder_cache(std::span<const std::int64_t> beam_idx) { self().reorder_cache(beam_idx); }
+  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
+    self().reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
+  }
+  void batch_repeat_interleave(std::int64_t repeats) { self().batch_repeat_interleave(repeats); }
+  void batch_select_indices(std::span<const std::int64_t> indices) { self().batch_select_indices(indices); }
+  void batch_select_indices(std::initializer_list<std::int64_t> indices) {
+    self().batch_select_indices(std::span(indices.begin(), indices.size()));
+  }
+  void reset() noexcept {
+    if (impl_) impl_->reset();
+  }
+  void activate_past_recording() noexcept {
+    if (impl_) impl_->activate_past_recording();
+  }
+  void set_write_position(std::int64_t position) { self().set_write_position(position); }
+  void early_initialization(std::int64_t batch_size, detail::int_or_list num_heads, detail::int_or_list head_dim) {
+    self().early_initialization(batch_size, num_heads, head_dim);
+  }
+  std::vector<bool> is_sliding() const { return self().is_sliding(); }
+  bool is_compileable() const { return self().is_compileable(); }
+  bool is_initialized() const { return self().is_initialized(); }
+  std::int64_t batch_size() const { return self().batch_size(); }
+  std::int64_t size() const { return self().size(); }
+  std::string_view layer_name(std::int64_t layer_idx) const { return self().layer_name(layer_idx); }
+  std::int64_t bytes() const { return self().bytes(); }
+
+ private:
+  detail::any_cache_iface& self() {
+    if (!impl_) throw ValueError("AnyCache: the handle holds no cache");
+    return *impl_;
+  }
+  const detail::any_cache_iface& self() const {
+    if (!impl_) throw ValueError("AnyCache: the handle holds no cache");
+    return *impl_;
+  }
+
+  std::unique_ptr<detail::any_cache_iface> impl_;
+};
+
+}  // namespace kvc
