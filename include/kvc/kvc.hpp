@@ -2,6 +2,7 @@
 // The host umbrella header: everything kvc offers without CUDA.
 
 #include <kvc/cache.hpp>
+#include <kvc/any_cache.hpp>
 #include <kvc/attention.hpp>
 #include <kvc/caches.hpp>
 #include <kvc/config.hpp>
