@@ -1,5 +1,6 @@
 #pragma once
-// The host umbrella header: everything kvc offers without CUDA.
+// The host umbrella header: everything kvc offers without CUDA (cache_description.hpp, which
+// instantiates every layer kind for every element type, is included on demand).
 
 #include <kvc/cache.hpp>
 #include <kvc/any_cache.hpp>
@@ -7,5 +8,8 @@
 #include <kvc/caches.hpp>
 #include <kvc/config.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/export.hpp>
+#include <kvc/generation.hpp>
+#include <kvc/make_cache.hpp>
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>

@@ -1,0 +1,125 @@
+#pragma once
+// Caches described at run time by JSON, for code that reads its cache layout from a file:
+//
+//   {"layers": [{"type": "DynamicLayer"}, {"type": "StaticSlidingWindowLayer", "max_cache_len": 64,
+//               "sliding_window": 16}], "dtype": "bfloat16"}
+//   {"layer_class_to_replicate": {"type": "DynamicSlidingWindowLayer", "sliding_window": 4096}}
+//
+// A description naming both `layers` and `layer_class_to_replicate`, or neither, throws
+// kvc::ValueError with exactly the text kvc::Cache's static_assert prints for the same mistake
+// (transformers' Cache.__init__ texts). A layer entry may also be a bare kind name when the kind
+// takes no parameter ("DynamicLayer"). `dtype` is "float" (default), "double", "half" or "bfloat16".
+// Not included by <kvc/kvc.hpp>: it instantiates a cache type per kind and element type.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <kvc/any_cache.hpp>
+#include <kvc/cache.hpp>
+#include <kvc/errors.hpp>
+
+namespace kvc {
+
+// The layer policy a description with `layers` builds: every host layer kind.
+using AnyHostLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
+
+inline constexpr std::string_view both_layer_sources_message =
+    "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
+    "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
+    "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.";
+inline constexpr std::string_view no_layer_source_message =
+    "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.";
+
+namespace detail {
+
+using any_kind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
+
+inline constexpr std::int64_t max_described_size = std::int64_t{1} << 31;
+inline constexpr std::size_t max_described_layers = std::size_t{1} << 20;
+
+inline std::int64_t described_size(const nlohmann::json& entry, const char* field, const std::string& where) {
+  const auto it = entry.find(field);
+  if (it == entry.end()) throw ValueError("cache description: " + where + " needs `" + field + "`");
+  if (!it->is_number_integer())
+    throw ValueError("cache description: " + where + " `" + field + "` must be an integer, got " + it->dump());
+  const auto v = it->get<std::int64_t>();
+  if (v < 1 || v > max_described_size)
+    throw ValueError("cache description: " + where + " `" + field + "` must be between 1 and " +
+                     std::to_string(max_described_size) + ", got " + std::to_string(v));
+  return v;
+}
+
+inline any_kind described_kind(const nlohmann::json& entry, const std::string& where) {
+  if (!entry.is_string() && !entry.is_object())
+    throw ValueError("cache description: " + where + " must be a kind name or an object, got " + entry.dump());
+  const nlohmann::json object = entry.is_string() ? nlohmann::json{{"type", entry}} : entry;
+  const auto type = object.find("type");
+  if (type == object.end() || !type->is_string())
+    throw ValueError("cache description: " + where + " needs a string `type`");
+  const auto name = type->get<std::string>();
+  if (name == "DynamicLayer") return DynamicLayer{};
+  if (name == "DynamicSlidingWindowLayer")
+    return DynamicSlidingWindowLayer{described_size(object, "sliding_window", where)};
+  if (name == "StaticLayer") return StaticLayer{described_size(object, "max_cache_len", where)};
+  if (name == "StaticSlidingWindowLayer")
+    return StaticSlidingWindowLayer{described_size(object, "max_cache_len", where),
+                                    described_size(object, "sliding_window", where)};
+  static constexpr std::array<std::string_view, 4> known{"DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer",
+                                                         "StaticSlidingWindowLayer"};
+  throw KeyError("'" + name + "' is not a known layer kind. Known layer kinds: " + py_str_tuple(known));
+}
+
+template <class T>
+AnyCache described_cache(const nlohmann::json& doc) {
+  const bool has_layers = doc.contains("layers"), has_replicate = doc.contains("layer_class_to_replicate");
+  if (has_layers && has_replicate) throw ValueError(std::string(both_layer_sources_message));
+  if (!has_layers && !has_replicate) throw ValueError(std::string(no_layer_source_message));
+  if (has_replicate) {
+    const any_kind kind = described_kind(doc["layer_class_to_replicate"], "`layer_class_to_replicate`");
+    return std::visit([](const auto& k) { return AnyCache(Cache<Replicate<std::decay_t<decltype(k)>>, HostStorage<T>>(k)); },
+                      kind);
+  }
+  const auto& list = doc["layers"];
+  if (!list.is_array()) throw ValueError("cache description: `layers` must be an array, got " + list.dump());
+  if (list.size() > max_described_layers)
+    throw ValueError("cache description: `layers` holds " + std::to_string(list.size()) + " entries, more than " +
+                     std::to_string(max_described_layers));
+  using C = Cache<AnyHostLayers, HostStorage<T>>;
+  std::vector<typename C::kind_variant> kinds;
+  kinds.reserve(list.size());
+  for (std::size_t i = 0; i < list.size(); ++i)
+    std::visit([&](const auto& k) { kinds.emplace_back(k); },
+               described_kind(list[i], "`layers[" + std::to_string(i) + "]`"));
+  return AnyCache(C(kinds));
+}
+
+}  // namespace detail
+
+// Builds the cache a JSON description names (see the header comment).
+inline AnyCache cache_from_description(std::string_view json_text) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ValueError(std::string("cache description: malformed JSON: ") + e.what());
+  }
+  if (!doc.is_object()) throw ValueError("cache description: expected a JSON object, got " + doc.dump());
+  std::string dtype = "float";
+  if (const auto it = doc.find("dtype"); it != doc.end()) {
+    if (!it->is_string()) throw ValueError("cache description: `dtype` must be a string, got " + it->dump());
+    dtype = it->get<std::string>();
+  }
+  if (dtype == "float") return detail::described_cache<float>(doc);
+  if (dtype == "double") return detail::described_cache<double>(doc);
+  if (dtype == "half") return detail::described_cache<Eigen::half>(doc);
+  if (dtype == "bfloat16") return detail::described_cache<Eigen::bfloat16>(doc);
+  throw ValueError("cache description: `dtype` must be one of ('float', 'double', 'half', 'bfloat16'), got '" + dtype +
+                   "'");
+}
+
+}  // namespace kvc

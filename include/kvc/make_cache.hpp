@@ -1,0 +1,136 @@
+#pragma once
+// Runtime-built caches: transformers' cache_implementation string → cache table (§3.3) and
+// generate()'s _prepare_cache_for_generation rules (§1.20), returning a kvc::AnyCache.
+//
+// Not available yet (they need the layer and offload policies of issue #5), each refused with a
+// ValueError saying so: "offloaded", "offloaded_static" and the deprecated offloaded names,
+// "quantized", encoder-decoder caches; "paged" (continuous batching) is accepted by
+// GenerationConfig::validate but has no cache in kvc.
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <kvc/any_cache.hpp>
+#include <kvc/caches.hpp>
+#include <kvc/config.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/export.hpp>
+#include <kvc/generation.hpp>
+#include <kvc/warnings.hpp>
+
+namespace kvc {
+
+namespace detail {
+template <std::size_t N>
+constexpr bool contains(const std::array<std::string_view, N>& list, std::string_view s) {
+  return std::find(list.begin(), list.end(), s) != list.end();
+}
+
+[[noreturn]] inline void not_available(std::string_view implementation, std::string_view needs) {
+  throw ValueError("cache_implementation '" + std::string(implementation) + "' needs " + std::string(needs) +
+                   ", which kvc does not provide yet");
+}
+
+inline std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+}  // namespace detail
+
+// How generate() sizes a cache (the arguments of _prepare_cache_for_generation).
+struct CacheRequest {
+  std::int64_t batch_size = 1;
+  // The longest sequence the cache must hold; -1: generation_config.max_length - 1.
+  std::int64_t max_cache_length = -1;
+};
+
+// The cache `generation_config.cache_implementation` names, for `model_config`:
+//   None, "dynamic", "hybrid"  → make_dynamic_cache<T>(config) (transformers turns "hybrid" into None)
+//   "static" and the deprecated static names → StaticCache<T>(config, max(max_cache_length,
+//     max_cache_len)); eagerly initialized for batch × max(num_beams, num_return_sequences) when
+//     prefill_chunk_size is set. The deprecated names warn once.
+template <class T = float>
+AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
+                    const CacheRequest& request = {}) {
+  generation_config.validate(false);  // an unknown name is a ValueError with transformers' text
+  const std::string impl = generation_config.cache_implementation.value_or("dynamic");
+  if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
+  if (impl == "paged")
+    detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
+  if (impl == "quantized") detail::not_available(impl, "QuantizedLayer and its codecs (issue #5)");
+  if (impl.find("offloaded") != std::string::npos) detail::not_available(impl, "an offload policy (issues #5 and #6)");
+  // A static name (validate() accepted it and it is none of the above).
+  if (detail::contains(DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS, impl))
+    warn_once("Using `cache_implementation='" + impl +
+              "' is deprecated and will be removed in v5.13. Please only use one of " +
+              detail::py_str_tuple(STATIC_CACHE_IMPLEMENTATIONS) +
+              ", and the layer structure will be inferred automatically.");
+  std::int64_t max_len =
+      request.max_cache_length >= 0 ? request.max_cache_length : generation_config.max_length - 1;
+  if (generation_config.max_cache_len) max_len = std::max(max_len, *generation_config.max_cache_len);
+  if (max_len < 1)
+    throw ValueError("make_cache: a static cache needs a positive max_cache_len, got " + std::to_string(max_len) +
+                     " (from max_length " + std::to_string(generation_config.max_length) + " and max_cache_len)");
+  StaticCache<T> cache(model_config, max_len);
+  if (generation_config.prefill_chunk_size) {
+    const std::int64_t batch = request.batch_size * std::max(generation_config.num_beams,
+                                                             generation_config.num_return_sequences);
+    const HeadShapes shapes = get_head_shapes(model_config);
+    cache.early_initialization(batch, shapes.num_heads, shapes.head_dim);
+  }
+  return AnyCache(std::move(cache));
+}
+
+// What generate() does before its loop (_prepare_cache_for_generation, §1.20):
+//  - a cache the caller passes is used as is, unless a cache_implementation is set too (ValueError);
+//  - use_cache false: no cache (std::nullopt);
+//  - a model type that does not support Cache objects (reformer, minimax except minimaxm2/m3,
+//    xlnet, rwkv, xlstm): no cache, with a warning when a cache_implementation was asked for;
+//  - otherwise make_cache, and activate_past_recording() for an assistant model.
+// `model_type` is the model's type or class name ("mamba" in it names the argument
+// `cache_params` in messages, as transformers does).
+template <class T = float>
+std::optional<AnyCache> prepare_cache_for_generation(const GenerationConfig& generation_config,
+                                                     const ModelConfig& model_config, std::string_view model_type,
+                                                     AnyCache user_cache = {}, const CacheRequest& request = {}) {
+  const std::string name = detail::lower(model_type);
+  const std::string cache_name = name.find("mamba") != std::string::npos ? "cache_params" : "past_key_values";
+  if (user_cache.has_value()) {
+    if (generation_config.cache_implementation)
+      throw ValueError("Passing both `cache_implementation` (used to initialize certain caches) and `" + cache_name +
+                       "` (a Cache object) is unsupported. Please use only one of the two.");
+    return user_cache;
+  }
+  if (!generation_config.use_cache.value_or(true)) return std::nullopt;
+  static constexpr std::array<std::string_view, 5> no_cache_models{"reformer", "minimax", "xlnet", "rwkv", "xlstm"};
+  const bool supports_cache = name.find("minimaxm2") != std::string::npos ||
+                              name.find("minimaxm3") != std::string::npos ||
+                              std::none_of(no_cache_models.begin(), no_cache_models.end(),
+                                           [&](std::string_view n) { return name.find(n) != std::string::npos; });
+  if (!supports_cache) {
+    if (generation_config.cache_implementation)
+      warn_once("This model does not support `Cache` instances. `cache_implementation` (set to " +
+                *generation_config.cache_implementation + ") will be ignored.");
+    return std::nullopt;
+  }
+  AnyCache cache = make_cache<T>(generation_config, model_config, request);
+  if (generation_config.is_assistant.value_or(false)) cache.activate_past_recording();
+  return cache;
+}
+
+// transformers' users once passed the legacy format (a tuple of per-layer (keys, values)); generate()
+// refuses it with this message.
+template <class T>
+[[noreturn]] void prepare_cache_for_generation(const GenerationConfig&, const ModelConfig&, std::string_view,
+                                               const std::vector<std::pair<HostTensor<T>, HostTensor<T>>>&) {
+  throw ValueError("Passing a tuple of `past_key_values` is not supported anymore. Please use a `Cache` instance.");
+}
+
+}  // namespace kvc

@@ -1,0 +1,85 @@
+// kvc::cache_from_description: caches described by JSON at run time, with the same two layer-source
+// messages the compile-time check prints.
+
+#include <kvc/cache_description.hpp>
+
+#include "../support/kvc_test.hpp"
+
+using kvc_test::seq;
+using kvc_test::values_of;
+using V = std::vector<float>;
+
+TEST_CASE("both or neither layer source: the compile-time texts, as ValueError") {
+  CHECK_THROWS_WITH_AS(
+      kvc::cache_from_description(R"({"layers": [], "layer_class_to_replicate": "DynamicLayer"})"),
+      "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
+      "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
+      "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.",
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"dtype": "float"})"),
+                       "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.",
+                       kvc::ValueError);
+}
+
+TEST_CASE("pre-built layers of any kinds") {
+  auto cache = kvc::cache_from_description(R"({"layers": ["DynamicLayer",
+      {"type": "DynamicSlidingWindowLayer", "sliding_window": 2},
+      {"type": "StaticLayer", "max_cache_len": 4},
+      {"type": "StaticSlidingWindowLayer", "max_cache_len": 4, "sliding_window": 2}]})");
+  REQUIRE(cache.size() == 4);
+  CHECK(cache.layer_name(3) == "StaticSlidingWindowLayer");
+  for (std::int64_t i = 0; i < 4; ++i) cache.update(seq({1, 2, 3}), seq({1, 2, 3}), i);
+  CHECK(values_of(cache.stored<float>(0).keys) == V{1, 2, 3});
+  CHECK(values_of(cache.stored<float>(1).keys) == V{3});
+  CHECK(values_of(cache.stored<float>(2).keys) == V{1, 2, 3, 0});
+  CHECK(values_of(cache.stored<float>(3).keys) == V{2, 3});
+  // Layers are checked in order, as transformers' Cache.crop visits them: layer 1's window is full
+  // and not recording, layer 2 cannot crop at all.
+  CHECK_THROWS_AS(cache.crop(-1), kvc::RuntimeError);
+  cache.activate_past_recording();
+  CHECK_THROWS_WITH_AS(cache.crop(-1), "'StaticLayer' object has no attribute 'crop'", kvc::AttributeError);
+  CHECK(cache.get_seq_length(0) == 3);
+}
+
+TEST_CASE("a replicated kind and the element type") {
+  auto cache = kvc::cache_from_description(
+      R"({"layer_class_to_replicate": {"type": "StaticLayer", "max_cache_len": 3}, "dtype": "bfloat16"})");
+  CHECK(cache.element_type_name() == "bfloat16");
+  cache.update(seq<Eigen::bfloat16>({5}), seq<Eigen::bfloat16>({5}), 2);
+  CHECK(cache.size() == 3);
+  CHECK(cache.get_max_length() == 3);
+  CHECK(kvc::cache_from_description(R"({"layer_class_to_replicate": "DynamicLayer", "dtype": "double"})")
+            .element_type_name() == "double");
+}
+
+TEST_CASE("malformed descriptions are ValueErrors naming the field") {
+  using kvc::cache_from_description;
+  CHECK_THROWS_AS(cache_from_description("{\"layers\": ["), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description("[1]"), "cache description: expected a JSON object, got [1]",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": {"type": "DynamicLayer"}})"),
+                       "cache description: `layers` must be an array, got {\"type\":\"DynamicLayer\"}", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"type": "StaticLayer"}]})"),
+                       "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": "8"}]})"),
+                       "cache description: `layers[0]` `max_cache_len` must be an integer, got \"8\"", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": 1000000000000}]})"),
+      "cache description: `layers[0]` `max_cache_len` must be between 1 and 2147483648, got 1000000000000",
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": ["StaticLayer"]})"),
+                       "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [7]})"),
+                       "cache description: `layers[0]` must be a kind name or an object, got 7", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"kind": "x"}]})"),
+                       "cache description: `layers[0]` needs a string `type`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": ["MambaLayer"]})"),
+                       "'MambaLayer' is not a known layer kind. Known layer kinds: ('DynamicLayer', "
+                       "'DynamicSlidingWindowLayer', 'StaticLayer', 'StaticSlidingWindowLayer')",
+                       kvc::KeyError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [], "dtype": "int8"})"),
+                       "cache description: `dtype` must be one of ('float', 'double', 'half', 'bfloat16'), got 'int8'",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [], "dtype": 4})"),
+                       "cache description: `dtype` must be a string, got 4", kvc::ValueError);
+}

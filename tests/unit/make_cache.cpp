@@ -1,0 +1,140 @@
+// kvc::make_cache (the cache_implementation → cache table, §3.3) and
+// kvc::prepare_cache_for_generation (§1.20, §2.4).
+
+#include <kvc/make_cache.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+kvc::ModelConfig gemma_like() {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.sliding_window = 4;
+  c.layer_types = std::vector<std::string>{"sliding_attention", "full_attention"};
+  return c;
+}
+kvc::GenerationConfig with(std::optional<std::string> impl) {
+  kvc::GenerationConfig g;
+  g.cache_implementation = std::move(impl);
+  return g;
+}
+}  // namespace
+
+TEST_CASE("None, 'dynamic' and 'hybrid' build the config's dynamic cache") {
+  for (const auto& impl : std::vector<std::optional<std::string>>{std::nullopt, "dynamic", "hybrid"}) {
+    auto cache = kvc::make_cache(with(impl), gemma_like());
+    REQUIRE(cache.get<kvc::ConfiguredDynamicCache<float>>() != nullptr);
+    CHECK(cache.layer_name(0) == "DynamicSlidingWindowLayer");
+    CHECK(cache.layer_name(1) == "DynamicLayer");
+  }
+  auto bf16 = kvc::make_cache<Eigen::bfloat16>(with("dynamic"), gemma_like());
+  CHECK(bf16.element_type_name() == "bfloat16");
+}
+
+TEST_CASE("'static': max(max_length - 1, max_cache_len), eager for a chunked prefill") {
+  auto g = with("static");
+  g.max_length = 33;
+  auto cache = kvc::make_cache(g, gemma_like());
+  REQUIRE(cache.get<kvc::StaticCache<float>>() != nullptr);
+  CHECK(cache.get_max_length(1) == 32);
+  CHECK(cache.get_max_length(0) == 4);
+  CHECK_FALSE(cache.is_initialized());
+  g.max_cache_len = 100;
+  CHECK(kvc::make_cache(g, gemma_like()).get_max_length(1) == 100);
+  CHECK(kvc::make_cache(g, gemma_like(), {1, 200}).get_max_length(1) == 200);
+  g.prefill_chunk_size = 8;
+  g.num_beams = 3;
+  g.num_return_sequences = 2;
+  auto eager = kvc::make_cache(g, gemma_like(), {2, -1});
+  CHECK(eager.is_initialized());
+  CHECK(eager.batch_size() == 6);  // batch × max(num_beams, num_return_sequences)
+  CHECK(eager.stored<float>(1).keys.extents == std::array<std::int64_t, 4>{6, 2, 100, 8});
+}
+
+TEST_CASE("deprecated static names build a StaticCache and warn once") {
+  kvc_test::captured_warnings w;
+  for (const char* impl : {"sliding_window", "hybrid_chunked", "sliding_window"}) {
+    auto g = with(impl);
+    auto cache = kvc::make_cache(g, gemma_like());
+    CHECK(cache.get<kvc::StaticCache<float>>() != nullptr);
+  }
+  REQUIRE(w.messages.size() == 2);
+  CHECK(w.messages[0] ==
+        "Using `cache_implementation='sliding_window' is deprecated and will be removed in v5.13. Please only use one "
+        "of ('static', 'offloaded_static'), and the layer structure will be inferred automatically.");
+}
+
+TEST_CASE("names kvc cannot build yet are refused with a clear message") {
+  CHECK_THROWS_WITH_AS(kvc::make_cache(with("paged"), gemma_like()),
+                       "cache_implementation 'paged' needs a paged cache for continuous batching (generate_batch), "
+                       "which kvc does not provide yet",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::make_cache(with("quantized"), gemma_like()),
+                       "cache_implementation 'quantized' needs QuantizedLayer and its codecs (issue #5), which kvc does "
+                       "not provide yet",
+                       kvc::ValueError);
+  for (const char* impl : {"offloaded", "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"})
+    CHECK_THROWS_AS(kvc::make_cache(with(impl), gemma_like()), kvc::ValueError);
+  CHECK_THROWS_AS(kvc::make_cache(with("mamba"), gemma_like()), kvc::ValueError);  // validate's message
+  auto g = with("static");
+  g.max_length = 1;
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, gemma_like()),
+                       "make_cache: a static cache needs a positive max_cache_len, got 0 (from max_length 1 and "
+                       "max_cache_len)",
+                       kvc::ValueError);
+}
+
+TEST_CASE("prepare_cache_for_generation: the user's cache, use_cache, unsupported models, assistants") {
+  const auto m = gemma_like();
+  SUBCASE("a user cache together with cache_implementation") {
+    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with("static"), m, "LlamaForCausalLM",
+                                                           kvc::DynamicCache<float>()),
+                         "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` "
+                         "(a Cache object) is unsupported. Please use only one of the two.",
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with("static"), m, "FalconMambaForCausalLM",
+                                                           kvc::DynamicCache<float>()),
+                         "Passing both `cache_implementation` (used to initialize certain caches) and `cache_params` "
+                         "(a Cache object) is unsupported. Please use only one of the two.",
+                         kvc::ValueError);
+  }
+  SUBCASE("a user cache alone is used as is") {
+    auto cache = kvc::prepare_cache_for_generation(with(std::nullopt), m, "llama", kvc::DynamicCache<float>());
+    REQUIRE(cache);
+    CHECK(cache->get<kvc::DynamicCache<float>>() != nullptr);
+  }
+  SUBCASE("raw per-layer tensors are refused") {
+    std::vector<std::pair<kvc::HostTensor<float>, kvc::HostTensor<float>>> legacy(1);
+    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with(std::nullopt), m, "llama", legacy),
+                         "Passing a tuple of `past_key_values` is not supported anymore. Please use a `Cache` instance.",
+                         kvc::ValueError);
+  }
+  SUBCASE("use_cache false builds nothing") {
+    auto g = with("static");
+    g.use_cache = false;
+    kvc_test::captured_warnings w;  // validate's use_cache notice goes through the handler
+    CHECK_FALSE(kvc::prepare_cache_for_generation(g, m, "llama").has_value());
+  }
+  SUBCASE("models without Cache support") {
+    kvc_test::captured_warnings w;
+    CHECK_FALSE(kvc::prepare_cache_for_generation(with("static"), m, "RwkvForCausalLM").has_value());
+    REQUIRE(w.messages.size() == 1);
+    CHECK(w.messages[0] ==
+          "This model does not support `Cache` instances. `cache_implementation` (set to static) will be ignored.");
+    CHECK(kvc::prepare_cache_for_generation(with(std::nullopt), m, "MiniMaxM2ForCausalLM").has_value());
+    CHECK_FALSE(kvc::prepare_cache_for_generation(with(std::nullopt), m, "MiniMaxForCausalLM").has_value());
+  }
+  SUBCASE("an assistant records its sliding past") {
+    auto g = with(std::nullopt);
+    g.is_assistant = true;
+    auto cache = kvc::prepare_cache_for_generation(g, m, "gemma2");
+    REQUIRE(cache);
+    kvc::HostTensor<float> t(1, 2, 6, 8);
+    t.setConstant(1.f);
+    cache->update(t, t, 0);
+    CHECK(cache->stored<float>(0).keys.extent(2) == 6);  // all 6 kept, not the window's 3
+  }
+}
