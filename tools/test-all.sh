@@ -2,7 +2,8 @@
 # Full kvc check, as CI runs it (.ci/run):
 #   build/gcc    g++ Release: everything (tests, examples, benchmarks built), full ctest
 #   build/clang  clang++ Release: compile_fail suite + unit tests only
-#   build/asan   clang++ RelWithDebInfo + ASan/UBSan: unit tests only
+#   build/asan   clang++ RelWithDebInfo + ASan/UBSan: unit tests, and the JSON fuzz target for
+#                KVC_FUZZ_SECONDS (default 60) seconds
 # Ends with "N passed, N failed" summed over the three ctest runs; a failed build counts as one
 # failed test. Exits non-zero on any failure.
 set -euo pipefail
@@ -74,13 +75,14 @@ if configure build/clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release
   run_ctest clang --test-dir build/clang --output-on-failure -j "$JOBS" -L '^(unit|compile_fail)$'
 fi
 
-stage "clang++ RelWithDebInfo + ASan/UBSan: unit"
+stage "clang++ RelWithDebInfo + ASan/UBSan: unit + fuzz"
 if configure build/asan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common[@]}" \
-     -DKVC_SANITIZE=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF; then
-  build build/asan --target kvc_unit_tests
+     -DKVC_SANITIZE=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF \
+     -DKVC_BUILD_FUZZERS=ON -DKVC_FUZZ_SECONDS="${KVC_FUZZ_SECONDS:-60}"; then
+  build build/asan --target kvc_unit_tests fuzz_json
   ASAN_OPTIONS=${ASAN_OPTIONS:-strict_string_checks=1:detect_stack_use_after_return=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
-    run_ctest asan --test-dir build/asan --output-on-failure -j "$JOBS" -L '^unit$'
+    run_ctest asan --test-dir build/asan --output-on-failure -j "$JOBS" -L '^(unit|fuzz)$'
 fi
 
 echo

@@ -105,7 +105,7 @@ inline AnyCache cache_from_description(std::string_view json_text) {
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for huge numbers
     throw ValueError(std::string("cache description: malformed JSON: ") + e.what());
   }
   if (!doc.is_object()) throw ValueError("cache description: expected a JSON object, got " + doc.dump());

@@ -321,7 +321,7 @@ inline GenerationConfig GenerationConfig::from_json(std::string_view text) {
   nlohmann::ordered_json doc;
   try {
     doc = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::ordered_json::parse_error& e) {
+  } catch (const nlohmann::ordered_json::exception& e) {  // parse_error, and out_of_range for huge numbers
     throw ValueError(std::string("GenerationConfig: malformed JSON: ") + e.what());
   }
   return detail::generation_config_from(doc);
@@ -335,7 +335,7 @@ inline GenerationConfig GenerationConfig::from_file(const std::filesystem::path&
   nlohmann::ordered_json doc;
   try {
     doc = nlohmann::ordered_json::parse(text.str());
-  } catch (const nlohmann::ordered_json::parse_error& e) {
+  } catch (const nlohmann::ordered_json::exception& e) {  // parse_error, and out_of_range for huge numbers
     // transformers' from_pretrained message (an OSError there), then the parser's detail.
     throw ValueError("It looks like the config file at '" + path.string() + "' is not a valid JSON file. " +
                      e.what());

@@ -55,6 +55,11 @@ TEST_CASE("a replicated kind and the element type") {
 TEST_CASE("malformed descriptions are ValueErrors naming the field") {
   using kvc::cache_from_description;
   CHECK_THROWS_AS(cache_from_description("{\"layers\": ["), kvc::ValueError);
+  // A number too large for a double is nlohmann's out_of_range, not a parse_error (found by fuzz_json).
+  CHECK_THROWS_WITH_AS(cache_from_description("1e999"),
+                       "cache description: malformed JSON: [json.exception.out_of_range.406] number overflow parsing "
+                       "'1e999'",
+                       kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description("[1]"), "cache description: expected a JSON object, got [1]",
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": {"type": "DynamicLayer"}})"),

@@ -296,6 +296,11 @@ TEST_CASE("from_json: malformed JSON and wrong types name the problem") {
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(""),
                        doctest::Contains("GenerationConfig: malformed JSON: "), kvc::ValueError);
+  // nlohmann reports a number too large for a double as out_of_range (found by fuzz_json).
+  CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(R"({"max_length": 1e999})"),
+                       "GenerationConfig: malformed JSON: [json.exception.out_of_range.406] number overflow parsing "
+                       "'1e999'",
+                       kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json("[1, 2]"),
                        "GenerationConfig: a generation config must be a JSON object, got [1,2]", kvc::ValueError);
   const auto fails = [](const char* json, const char* message) {
