@@ -1,301 +1,616 @@
-// kvc_demo: runs the three ready-made caches through a prompt and a decode loop on a small
-// Gemma-style model (sliding and full layers alternating) and checks every `update` against a
-// plain model of what transformers returns (hf_cache_inventory.md §1.2, §1.3, §1.5, §1.6).
+// kvc_demo: a small Llama/Gemma-style decoder with random weights (examples/common/decoder.hpp)
+// prefills a prompt and decodes greedily through each ready-made cache, and checks the logits of
+// every step against the same model recomputing the whole sequence so far without a cache
+// (forward_no_cache: all keys, an explicit causal mask, the window for sliding layers).
 //
-// For each cache and layer it keeps the whole K/V history in a std::vector, computes which
-// tokens transformers' layer of that kind returns (and the zero slots of a static buffer), and
-// compares the returned views element by element, together with get_mask_sizes (asked before
-// the update), get_seq_length and the layer kinds built from the config. Prints one table row
-// per cache and exits non-zero on any mismatch.
+//   kvc_demo [--config PATH] [--prompt-len N] [--tokens N] [--cache NAME|all]
+//            [--dtype float|bfloat16|half] [--seed N] [--json] [--no-check] [--allow-large]
+//
+// Prints a table per run (prefill and decode tokens/s, KV bytes held, largest logit difference
+// from the no-cache model, PASS/FAIL) and a verdict line last; exits 0 when every cache passes,
+// 1 when one fails, 2 for a bad option or config (one line on stderr). See --help.
 #include <kvc/kvc.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "../common/decoder.hpp"
+#include "../common/hf_config.hpp"
+
 namespace {
 
-constexpr std::int64_t batch = 1;
-constexpr std::int64_t kv_heads = 2;
-constexpr std::int64_t head_dim = 32;
-constexpr std::int64_t prompt_len = 100;
-constexpr std::int64_t decode_steps = 50;
-constexpr std::int64_t max_cache_len = 160;
+using clock_type = std::chrono::steady_clock;
+using examples::Decoder;
+using examples::DecoderConfig;
 
-// [snippet:config]
-kvc::ModelConfig demo_config() {
-  kvc::ModelConfig config;  // the fields of a transformers config.json that caches read
-  config.num_hidden_layers = 4;
-  config.num_attention_heads = 8;
-  config.num_key_value_heads = 2;
-  config.head_dim = 32;
-  config.hidden_size = 8 * 32;
-  config.sliding_window = 64;
-  config.layer_types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
-  return config;
+constexpr std::int64_t weight_limit_bytes = std::int64_t{2} << 30;  // 2 GiB without --allow-large
+const std::vector<std::string> all_caches{"dynamic", "dynamic-config", "static"};
+
+const char* const usage =
+    "usage: kvc_demo [options]\n"
+    "  Greedy generation with a small random-weight decoder through kvc's ready-made caches, every\n"
+    "  step's logits checked against the model recomputing the whole sequence without a cache.\n"
+    "options:\n"
+    "  --config PATH      a transformers config.json (shapes only; weights stay random)\n"
+    "  --prompt-len N     prompt tokens (default 100)\n"
+    "  --tokens N         greedy decode steps after the prompt (default 50)\n"
+    "  --cache NAME|all   dynamic, dynamic-config, static or all (default all)\n"
+    "  --dtype TYPE       element type of Q/K/V, the cache and attention: float, bfloat16, half\n"
+    "  --seed N           seed of the weights and the prompt (default 2024)\n"
+    "  --json             print one JSON object instead of the table\n"
+    "  --no-check         skip the no-cache reference (O(n^2) forwards): SKIPPED instead of PASS\n"
+    "  --allow-large      run configs whose float weights exceed 2 GiB\n"
+    "exit status: 0 all caches pass, 1 a cache fails, 2 bad option or config\n";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::optional<std::string> config_path;
+  std::int64_t prompt_len = 100;
+  std::int64_t tokens = 50;
+  std::vector<std::string> caches = all_caches;
+  std::string dtype = "float";
+  std::uint64_t seed = 2024;
+  bool json = false;
+  bool check = true;
+  bool allow_large = false;
+  bool help = false;
+};
+
+template <class Int>
+Int parse_integer(std::string_view option, const std::string& text, Int min, Int max) {
+  Int value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || value < min || value > max)
+    throw UsageError(std::string(option) + ": '" + text + "' is not an integer between " + std::to_string(min) +
+                     " and " + std::to_string(max));
+  return value;
 }
-// [/snippet]
 
-// SplitMix64: the same numbers with every compiler and standard library.
-struct Rng {
-  std::uint64_t state;
-  float next() {
+Options parse_options(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (const auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = arg.substr(eq + 1);
+      arg.resize(eq);
+    }
+    auto flag = [&] {
+      if (inline_value) throw UsageError(arg + " takes no value");
+    };
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      flag();
+      o.help = true;
+    } else if (arg == "--config") {
+      o.config_path = value();
+    } else if (arg == "--prompt-len") {
+      o.prompt_len = parse_integer<std::int64_t>(arg, value(), 1, 1'000'000);
+    } else if (arg == "--tokens") {
+      o.tokens = parse_integer<std::int64_t>(arg, value(), 0, 1'000'000);
+    } else if (arg == "--seed") {
+      o.seed = parse_integer<std::uint64_t>(arg, value(), 0, UINT64_MAX);
+    } else if (arg == "--cache") {
+      const std::string name = value();
+      if (name == "all")
+        o.caches = all_caches;
+      else if (std::find(all_caches.begin(), all_caches.end(), name) != all_caches.end())
+        o.caches = {name};
+      else
+        throw UsageError("--cache: unknown cache '" + name + "' (dynamic, dynamic-config, static or all)");
+    } else if (arg == "--dtype") {
+      o.dtype = value();
+      if (o.dtype != "float" && o.dtype != "bfloat16" && o.dtype != "half")
+        throw UsageError("--dtype: unknown type '" + o.dtype + "' (float, bfloat16 or half)");
+    } else if (arg == "--json") {
+      flag();
+      o.json = true;
+    } else if (arg == "--no-check") {
+      flag();
+      o.check = false;
+    } else if (arg == "--allow-large") {
+      flag();
+      o.allow_large = true;
+    } else {
+      throw UsageError("unknown option '" + arg + "'");
+    }
+  }
+  return o;
+}
+
+// The largest |logit difference| from the no-cache model that passes, per element type. Both paths
+// run the same float math on the same weights; only the GEMM shapes differ (one token at a time
+// against the whole sequence), which moves float results by a few ulps:
+//   float:    largest difference measured 4.3e-6 (default model and tiny-gemma3, 60 seeds);
+//   bfloat16: Q, K, V and the attention output are rounded to 8 significant bits, so a few-ulp
+//             float difference sometimes lands on the other side of a rounding step: largest
+//             measured 6.4e-3 (tiny-gemma3, 31 seeds), 3.2e-3 (default model, 22 seeds);
+//   half:     11 significant bits: largest measured 1.1e-3 (tiny-gemma3), 5.0e-4 (default model).
+// The bounds keep a margin of about 4x over those and stay far below what a wrong cache gives
+// (a sliding layer attending to more tokens than its window: differences of 0.5 to 3).
+double tolerance_for(const std::string& dtype) {
+  if (dtype == "bfloat16") return 3e-2;
+  if (dtype == "half") return 5e-3;
+  return 1e-4;
+}
+
+std::string fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 3) {
+    bytes /= 1024;
+    ++u;
+  }
+  return fmt(u == 0 ? "%.0f" : "%.1f", bytes) + " " + units[u];
+}
+
+// --- progress on stderr --------------------------------------------------------------------
+
+// A `\r` line of tokens done / total and tokens/s, only when stderr is a terminal and the run has
+// lasted more than a second.
+class Progress {
+ public:
+  explicit Progress(clock_type::time_point start) : enabled_(isatty(STDERR_FILENO) == 1), start_(start) {}
+  void update(const std::string& what, std::int64_t done, std::int64_t total, const char* unit,
+              clock_type::time_point since) {
+    if (!enabled_) return;
+    const std::lock_guard lock(mutex_);
+    const auto now = clock_type::now();
+    if (now - start_ < std::chrono::seconds(1) || (now - last_ < std::chrono::milliseconds(100) && done < total))
+      return;
+    last_ = now;
+    const double seconds = std::chrono::duration<double>(now - since).count();
+    const std::string line = what + " " + std::to_string(done) + "/" + std::to_string(total) + " " + unit + ", " +
+                             fmt("%.1f", seconds > 0 ? static_cast<double>(done) / seconds : 0.0) + " " + unit + "/s";
+    std::fprintf(stderr, "\r%-70s", line.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  // A line shown at once (a step known to take seconds, e.g. the weights of a large config).
+  void note(const std::string& text) {
+    if (!enabled_) return;
+    const std::lock_guard lock(mutex_);
+    std::fprintf(stderr, "\r%-70s", text.c_str());
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  void clear() {
+    if (!shown_) return;
+    std::fprintf(stderr, "\r%70s\r", "");
+    std::fflush(stderr);
+    shown_ = false;
+  }
+
+ private:
+  bool enabled_;
+  clock_type::time_point start_, last_{};
+  bool shown_ = false;
+  std::mutex mutex_;
+};
+
+double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+// --- generation ----------------------------------------------------------------------------
+
+std::int32_t argmax(const Eigen::VectorXf& logits) {
+  Eigen::Index best = 0;
+  logits.maxCoeff(&best);
+  return static_cast<std::int32_t>(best);
+}
+
+// The prompt: `n` tokens of SplitMix64 from the seed.
+std::vector<std::int32_t> make_prompt(std::uint64_t seed, std::int64_t n, std::int64_t vocab) {
+  std::vector<std::int32_t> out;
+  std::uint64_t state = seed ^ 0x5eed5eed5eed5eedULL;
+  for (std::int64_t i = 0; i < n; ++i) {
     std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    return static_cast<float>(z >> 40) / static_cast<float>(1 << 23) - 1.0f;  // [-1, 1)
-  }
-};
-
-// The reference: what one layer of transformers returns, kept independently of kvc.
-struct LayerModel {
-  std::string kind;            // the transformers class name
-  std::int64_t window = 0;     // sliding_window (sliding kinds)
-  std::int64_t max_len = 0;    // max_cache_len (static kinds)
-  std::int64_t max_length = -1;  // what get_max_length() must say
-};
-
-struct Expected {
-  std::vector<std::int64_t> slots;  // the token index at every returned position, -1 for a zero slot
-  std::int64_t kv_length = 0;       // get_mask_sizes(q), asked before the update
-  std::int64_t kv_offset = 0;
-};
-
-// `cum` tokens seen before this update, `q` new ones.
-Expected expect_update(const LayerModel& m, std::int64_t cum, std::int64_t q) {
-  Expected e;
-  const std::int64_t seen = cum + q;
-  auto tokens = [&](std::int64_t from, std::int64_t to) {
-    for (std::int64_t t = from; t < to; ++t) e.slots.push_back(t);
-  };
-  if (m.kind == "DynamicLayer") {  // §1.2: everything stored, (seq + q, 0)
-    tokens(0, seen);
-    e.kv_length = seen;
-  } else if (m.kind == "DynamicSlidingWindowLayer") {  // §1.3: the last sw - 1 stored + the new ones
-    const std::int64_t w = m.window;
-    tokens(std::max<std::int64_t>(cum - (w - 1), 0), seen);
-    e.kv_length = cum >= w ? w - 1 + q : cum + q;
-    e.kv_offset = std::max<std::int64_t>(cum - w + 1, 0);
-  } else if (m.kind == "StaticLayer") {  // §1.5: the whole buffer, zeros after the written tokens
-    tokens(0, seen);
-    e.slots.resize(static_cast<std::size_t>(m.max_len), -1);
-    e.kv_length = m.max_len;
-  } else if (m.kind == "StaticSlidingWindowLayer") {  // §1.6, W = min(sliding_window, max_cache_len)
-    const std::int64_t w = std::min(m.window, m.max_len);
-    e.kv_offset = std::max<std::int64_t>(cum - w + 1, 0);
-    if (cum >= w) {  // full: the last W - 1 tokens + the new ones (q == 1: the rolled buffer)
-      tokens(cum - (w - 1), seen);
-      e.kv_length = w + q - 1;
-    } else if (cum + q > w) {  // becoming full: everything seen + the new ones
-      tokens(0, seen);
-      e.kv_length = seen;
-    } else {  // fits: the buffer of W slots
-      tokens(0, seen);
-      e.slots.resize(static_cast<std::size_t>(w), -1);
-      e.kv_length = w;
-    }
-  }
-  return e;
-}
-
-std::vector<LayerModel> models_from(const kvc::ModelConfig& config, bool dynamic) {
-  std::vector<LayerModel> out;
-  for (const auto& type : *config.layer_types) {
-    const bool sliding = type == "sliding_attention";
-    const std::int64_t w = *config.sliding_window;
-    if (dynamic)
-      out.push_back(sliding ? LayerModel{"DynamicSlidingWindowLayer", w, 0, w} : LayerModel{"DynamicLayer", 0, 0, -1});
-    else
-      out.push_back(sliding ? LayerModel{"StaticSlidingWindowLayer", w, max_cache_len, std::min(w, max_cache_len)}
-                            : LayerModel{"StaticLayer", 0, max_cache_len, max_cache_len});
+    out.push_back(static_cast<std::int32_t>((z ^ (z >> 31)) % static_cast<std::uint64_t>(vocab)));
   }
   return out;
 }
 
-// One layer's K (or V) history, token-major: [token][batch][head][head_dim].
-using History = std::vector<float>;
+// What one cache produced: the sequence fed (prompt + decoded tokens) and the logits after the
+// prompt and after each decode step (step k: the last of the first prompt_len + k tokens).
+struct Trace {
+  std::vector<std::int32_t> sequence;
+  std::vector<Eigen::VectorXf> logits;
+  double prefill_s = 0, decode_s = 0;
+};
 
-kvc::HostTensor<float> new_tokens(Rng& rng, std::int64_t q, History& history) {
-  kvc::HostTensor<float> t(batch, kv_heads, q, head_dim);
-  const std::size_t first = history.size();
-  history.resize(first + static_cast<std::size_t>(q * batch * kv_heads * head_dim));
-  for (std::int64_t s = 0; s < q; ++s)
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t h = 0; h < kv_heads; ++h)
-        for (std::int64_t d = 0; d < head_dim; ++d) {
-          const float x = rng.next();
-          t(b, h, s, d) = x;
-          history[first + static_cast<std::size_t>(((s * batch + b) * kv_heads + h) * head_dim + d)] = x;
-        }
-  return t;
-}
-
-template <class View>
-bool matches(const View& view, const History& history, const std::vector<std::int64_t>& slots) {
-  if (view.extent(0) != batch || view.extent(1) != kv_heads || view.extent(3) != head_dim ||
-      view.extent(2) != static_cast<std::int64_t>(slots.size()))
-    return false;
-  for (std::int64_t s = 0; s < view.extent(2); ++s) {
-    const std::int64_t t = slots[static_cast<std::size_t>(s)];
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t h = 0; h < kv_heads; ++h)
-        for (std::int64_t d = 0; d < head_dim; ++d) {
-          const float want =
-              t < 0 ? 0.0f : history[static_cast<std::size_t>(((t * batch + b) * kv_heads + h) * head_dim + d)];
-          if (view(b, h, s, d) != want) return false;
-        }
+template <class T, class Cache>
+Trace generate(const Decoder<T>& model, Cache& cache, const std::vector<std::int32_t>& prompt, std::int64_t steps,
+               const std::string& name, Progress& progress) {
+  Trace trace;
+  trace.sequence = prompt;
+  const auto start = clock_type::now();
+  trace.logits.emplace_back(model.forward(prompt, cache).row(0).transpose());
+  trace.prefill_s = seconds_since(start);
+  const auto total = static_cast<std::int64_t>(prompt.size()) + steps;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    trace.sequence.push_back(argmax(trace.logits.back()));
+    const auto t = clock_type::now();
+    trace.logits.emplace_back(
+        model.forward(std::span<const std::int32_t>(&trace.sequence.back(), 1), cache).row(0).transpose());
+    trace.decode_s += seconds_since(t);
+    progress.update(name + ":", static_cast<std::int64_t>(trace.sequence.size()), total, "tokens", start);
   }
-  return true;
+  return trace;
 }
+
+// The no-cache logits of a sequence's last token, computed once per distinct sequence: the
+// caches that generate the same tokens share them. Missing ones are computed on every core.
+template <class T>
+class Reference {
+ public:
+  explicit Reference(const Decoder<T>& model) : model_(model) {}
+
+  std::vector<const Eigen::VectorXf*> logits(const Trace& trace, std::int64_t prompt_len, const std::string& name,
+                                             Progress& progress) {
+    const auto steps = static_cast<std::int64_t>(trace.logits.size());
+    std::vector<std::vector<std::int32_t>> missing;
+    for (std::int64_t k = 0; k < steps; ++k) {
+      std::vector<std::int32_t> prefix(trace.sequence.begin(), trace.sequence.begin() + prompt_len + k);
+      if (!memo_.count(prefix)) missing.push_back(std::move(prefix));
+    }
+    std::vector<Eigen::VectorXf> computed(missing.size());
+    std::atomic<std::int64_t> done{0};
+    const auto start = clock_type::now();
+    examples::parallel_for(static_cast<std::int64_t>(missing.size()), [&](std::int64_t i) {
+      const auto& seq = missing[static_cast<std::size_t>(i)];
+      computed[static_cast<std::size_t>(i)] = model_.forward_no_cache(seq).row(0).transpose();
+      progress.update(name + ": no-cache check", ++done, static_cast<std::int64_t>(missing.size()), "forwards",
+                      start);
+    });
+    forwards_ += static_cast<std::int64_t>(missing.size());
+    seconds_ += seconds_since(start);
+    for (std::size_t i = 0; i < missing.size(); ++i) memo_.emplace(std::move(missing[i]), std::move(computed[i]));
+
+    std::vector<const Eigen::VectorXf*> out;
+    for (std::int64_t k = 0; k < steps; ++k)
+      out.push_back(&memo_.at(std::vector<std::int32_t>(trace.sequence.begin(),
+                                                        trace.sequence.begin() + prompt_len + k)));
+    return out;
+  }
+  std::int64_t forwards() const noexcept { return forwards_; }
+  double seconds() const noexcept { return seconds_; }
+
+ private:
+  const Decoder<T>& model_;
+  std::map<std::vector<std::int32_t>, Eigen::VectorXf> memo_;
+  std::int64_t forwards_ = 0;
+  double seconds_ = 0;
+};
+
+// --- one cache -----------------------------------------------------------------------------
 
 struct Row {
   std::string cache;
   std::string layers;
-  std::int64_t seen = 0;
-  std::int64_t max_length = 0;
-  std::int64_t bytes = 0;
-  std::vector<std::string> failures;
+  double prefill_tps = 0, decode_tps = 0;
+  std::int64_t kv_bytes = 0;
+  std::optional<double> max_diff;  // none: not checked
+  std::int64_t near_ties = 0;      // steps where the argmax differs on a near-tie (within tolerance)
+  std::vector<std::int32_t> generated;
+  std::vector<std::string> errors;
+  bool checked = false;
+  bool ok() const { return errors.empty(); }
+  const char* verdict() const { return !ok() ? "FAIL" : checked ? "PASS" : "SKIPPED"; }
 };
 
-// "4 x DynamicLayer", "2 x (StaticSlidingWindowLayer, StaticLayer)": the layer kinds, by period.
+// "4 x DynamicLayer", "2 x (DynamicSlidingWindowLayer, DynamicLayer)"; a long period as counts.
 std::string describe_layers(const std::vector<std::string>& names) {
   const std::size_t n = names.size();
+  if (n == 0) return "no layers";
   std::size_t p = 1;
   while (p < n && (n % p != 0 || !std::equal(names.begin() + static_cast<std::ptrdiff_t>(p), names.end(), names.begin())))
     ++p;
-  std::string out = std::to_string(n / std::max<std::size_t>(p, 1)) + " x ";
-  if (p > 1) out += "(";
-  for (std::size_t i = 0; i < p && i < n; ++i) out += (i ? ", " : "") + names[i];
-  if (p > 1) out += ")";
+  if (p <= 3) {
+    std::string out = std::to_string(n / p) + " x ";
+    if (p > 1) out += "(";
+    for (std::size_t i = 0; i < p; ++i) out += (i ? ", " : "") + names[i];
+    return p > 1 ? out + ")" : out;
+  }
+  std::vector<std::pair<std::string, int>> counts;
+  for (const auto& name : names) {
+    auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == name; });
+    if (it == counts.end())
+      counts.emplace_back(name, 1);
+    else
+      ++it->second;
+  }
+  std::string out;
+  for (const auto& [name, count] : counts) out += (out.empty() ? "" : " + ") + std::to_string(count) + " x " + name;
   return out;
 }
 
-template <class Cache>
-Row run(std::string name, Cache& cache, const std::vector<LayerModel>& models) {
-  Row row{std::move(name), "", 0, 0, 0, {}};
-  auto fail = [&](std::int64_t layer, std::int64_t step, const std::string& what) {
-    if (row.failures.size() < 5)
-      row.failures.push_back("layer " + std::to_string(layer) + ", step " + std::to_string(step) + ": " + what);
-    else if (row.failures.size() == 5)
-      row.failures.push_back("...");
+struct Run {
+  const Options& options;
+  double tolerance;
+  std::vector<std::int32_t> prompt;
+  Progress& progress;
+};
+
+template <class T, class Cache>
+Row measure(const std::string& name, const Decoder<T>& model, Cache& cache, Reference<T>& reference, const Run& run) {
+  Row row;
+  row.cache = name;
+  const Trace trace = generate(model, cache, run.prompt, run.options.tokens, name, run.progress);
+  std::vector<std::string> layer_names;
+  for (std::int64_t i = 0; i < cache.size(); ++i) layer_names.emplace_back(cache.layer_name(i));
+  row.layers = describe_layers(layer_names);
+  row.prefill_tps = static_cast<double>(run.prompt.size()) / trace.prefill_s;
+  row.decode_tps = trace.decode_s > 0 ? static_cast<double>(run.options.tokens) / trace.decode_s : 0;
+  row.kv_bytes = cache.bytes();
+  row.generated.assign(trace.sequence.begin() + static_cast<std::ptrdiff_t>(run.prompt.size()), trace.sequence.end());
+  row.generated.push_back(argmax(trace.logits.back()));
+  if (!run.options.check) return row;
+
+  row.checked = true;
+  const auto want = reference.logits(trace, static_cast<std::int64_t>(run.prompt.size()), name, run.progress);
+  double max_diff = 0;
+  auto fail = [&](const std::string& what) {
+    if (row.errors.size() < 5) row.errors.push_back(what);
   };
-  Rng rng{2024};
-  const std::size_t n = models.size();
-  std::vector<History> keys(n), values(n);
-  std::vector<std::int64_t> seen(n, 0);
-
-  auto step = [&](std::int64_t s, std::int64_t q) {
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto idx = static_cast<std::int64_t>(i);
-      const kvc::HostTensor<float> k = new_tokens(rng, q, keys[i]);
-      const kvc::HostTensor<float> v = new_tokens(rng, q, values[i]);
-      const Expected want = expect_update(models[i], seen[i], q);
-
-      const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, idx);
-      const auto kv = cache.update(k, v, idx);
-      seen[i] += q;
-
-      if (kv_length != want.kv_length || kv_offset != want.kv_offset)
-        fail(idx, s, "get_mask_sizes gave (" + std::to_string(kv_length) + ", " + std::to_string(kv_offset) +
-                         "), transformers (" + std::to_string(want.kv_length) + ", " +
-                         std::to_string(want.kv_offset) + ")");
-      if (kv.keys.extent(2) != kv_length)
-        fail(idx, s, "update returned " + std::to_string(kv.keys.extent(2)) + " tokens, get_mask_sizes said " +
-                         std::to_string(kv_length));
-      if (!matches(kv.keys, keys[i], want.slots)) fail(idx, s, "returned keys differ from the reference");
-      if (!matches(kv.values, values[i], want.slots)) fail(idx, s, "returned values differ from the reference");
-      if (cache.get_seq_length(idx) != seen[i])
-        fail(idx, s, "get_seq_length is " + std::to_string(cache.get_seq_length(idx)) + ", expected " +
-                         std::to_string(seen[i]));
-    }
-  };
-
-  step(0, prompt_len);
-  for (std::int64_t s = 1; s <= decode_steps; ++s) step(s, 1);
-
-  std::vector<std::string> names;
-  if (cache.size() != static_cast<std::int64_t>(n))
-    fail(-1, decode_steps, "the cache has " + std::to_string(cache.size()) + " layers");
-  for (std::int64_t i = 0; i < cache.size(); ++i) {
-    names.emplace_back(cache.layer_name(i));
-    if (i < static_cast<std::int64_t>(n)) {
-      const LayerModel& m = models[static_cast<std::size_t>(i)];
-      if (names.back() != m.kind) fail(i, decode_steps, "is a " + names.back() + ", expected a " + m.kind);
-      if (cache.get_max_length(i) != m.max_length)
-        fail(i, decode_steps, "get_max_length is " + std::to_string(cache.get_max_length(i)));
+  for (std::size_t k = 0; k < trace.logits.size(); ++k) {
+    const Eigen::VectorXf& got = trace.logits[k];
+    const Eigen::VectorXf& ref = *want[k];
+    const double diff = (got - ref).cwiseAbs().maxCoeff();
+    const std::string step = k == 0 ? "prefill" : "decode step " + std::to_string(k);
+    if (!(diff <= max_diff)) max_diff = diff;  // keeps a NaN
+    if (!(diff <= run.tolerance))
+      fail(step + ": logits differ from the no-cache model by " + fmt("%.3g", diff) + " > " +
+           fmt("%.0e", run.tolerance));
+    const std::int32_t g = argmax(got), r = argmax(ref);
+    if (g != r) {
+      if (ref[r] - ref[g] <= run.tolerance)
+        ++row.near_ties;
+      else
+        fail(step + ": the cache picks token " + std::to_string(g) + ", the no-cache model " + std::to_string(r));
     }
   }
-  row.layers = describe_layers(names);
-  row.seen = cache.get_seq_length();
-  row.max_length = cache.get_max_length();
-  row.bytes = cache.bytes();
+  row.max_diff = max_diff;
   return row;
 }
 
-template <class Make>
-Row guarded(const std::string& name, Make&& make_and_run) {
+template <class T>
+Row run_cache(const std::string& name, const Decoder<T>& model, Reference<T>& reference, const Run& run) {
   try {
-    return make_and_run();
+    const kvc::ModelConfig config = model.config().cache_config();
+    const std::int64_t max_cache_len = run.options.prompt_len + run.options.tokens;
+    // [snippet:caches]
+    if (name == "dynamic") {
+      kvc::DynamicCache<T> cache;  // a DynamicLayer per layer index, each keeps every token
+      return measure(name, model, cache, reference, run);
+    }
+    if (name == "dynamic-config") {
+      auto cache = kvc::make_dynamic_cache<T>(config);  // one layer per config.layer_types entry
+      return measure(name, model, cache, reference, run);
+    }
+    kvc::StaticCache<T> cache(config, max_cache_len);  // buffers of max_cache_len (window) slots
+    return measure(name, model, cache, reference, run);
+    // [/snippet]
   } catch (const std::exception& e) {
-    Row row{name, "?", 0, 0, 0, {}};
-    row.failures.push_back(std::string("threw: ") + e.what());
+    Row row;
+    row.cache = name;
+    row.layers = "?";
+    row.checked = run.options.check;
+    row.errors.push_back(std::string("threw: ") + e.what());
     return row;
   }
 }
 
+// --- output --------------------------------------------------------------------------------
+
+std::string join_tokens(const std::vector<std::int32_t>& tokens, std::size_t max) {
+  std::string out;
+  for (std::size_t i = 0; i < tokens.size() && i < max; ++i) out += (i ? " " : "") + std::to_string(tokens[i]);
+  if (tokens.size() > max) out += " ...";
+  return out;
+}
+
+void print_table(const DecoderConfig& c, const Options& o, double tolerance, const std::vector<Row>& rows,
+                 std::int64_t forwards, double check_s, double total_s) {
+  std::vector<std::string> types;
+  for (const auto& t : c.layer_types) types.push_back(t);
+  std::printf("model:   %lld layers, hidden %lld, %lld heads, %lld KV heads, head_dim %lld, vocab %lld, "
+              "intermediate %lld, rope_theta %g\n",
+              static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
+              static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
+              static_cast<long long>(c.head_dim), static_cast<long long>(c.vocab_size),
+              static_cast<long long>(c.intermediate_size), c.rope_theta);
+  std::printf("layers:  %s%s\n", describe_layers(types).c_str(),
+              c.sliding_window ? (", sliding_window " + std::to_string(*c.sliding_window)).c_str() : "");
+  std::printf("weights: random (seed %llu), %.1fM parameters, %s in float; Q/K/V, cache and attention in %s\n",
+              static_cast<unsigned long long>(o.seed), static_cast<double>(c.parameter_count()) / 1e6,
+              human_bytes(static_cast<double>(c.weight_bytes())).c_str(), o.dtype.c_str());
+  std::printf("run:     prompt of %lld tokens, then %lld greedy decode steps through each cache\n",
+              static_cast<long long>(o.prompt_len), static_cast<long long>(o.tokens));
+  std::printf("check:   %s\n\n", o.check ? "every step's logits against forward_no_cache (the whole sequence recomputed)"
+                                          : "none (--no-check)");
+
+  std::size_t wc = 5, wl = 6;
+  for (const Row& r : rows) {
+    wc = std::max(wc, r.cache.size());
+    wl = std::max(wl, r.layers.size());
+  }
+  const int iwc = static_cast<int>(wc), iwl = static_cast<int>(wl);
+  std::printf("%-*s  %-*s  %13s  %12s  %10s  %12s  %s\n", iwc, "cache", iwl, "layers", "prefill tok/s", "decode tok/s",
+              "KV bytes", "max |dlogit|", "check");
+  for (const Row& r : rows)
+    std::printf("%-*s  %-*s  %13.0f  %12.0f  %10lld  %12s  %s\n", iwc, r.cache.c_str(), iwl, r.layers.c_str(),
+                r.prefill_tps, r.decode_tps, static_cast<long long>(r.kv_bytes),
+                r.max_diff ? fmt("%.2e", *r.max_diff).c_str() : "-", r.verdict());
+  for (const Row& r : rows) {
+    for (const auto& e : r.errors) std::printf("  %s: %s\n", r.cache.c_str(), e.c_str());
+    if (r.near_ties > 0)
+      std::printf("  %s: %lld step(s) picked another token on a near-tie (top logits within %.0e)\n", r.cache.c_str(),
+                  static_cast<long long>(r.near_ties), tolerance);
+  }
+
+  bool same = true;
+  for (const Row& r : rows) same = same && r.generated == rows.front().generated;
+  std::printf("\ntokens:  %s %zu tokens (one after the prompt, one per decode step): %s\n",
+              same && rows.size() > 1 ? "every cache generated the same" : "generated", rows.front().generated.size(),
+              join_tokens(rows.front().generated, 12).c_str());
+  if (o.check)
+    std::printf("time:    %.2f s (no-cache reference: %lld forwards, %.2f s on %u threads)\n", total_s,
+                static_cast<long long>(forwards), check_s, std::max(1u, std::thread::hardware_concurrency()));
+  else
+    std::printf("time:    %.2f s\n", total_s);
+
+  const auto failed = std::count_if(rows.begin(), rows.end(), [](const Row& r) { return !r.ok(); });
+  double max_diff = 0;
+  for (const Row& r : rows)
+    if (r.max_diff && !(*r.max_diff <= max_diff)) max_diff = *r.max_diff;
+  if (failed > 0)
+    std::printf("kvc_demo: %lld of %zu caches FAIL\n", static_cast<long long>(failed), rows.size());
+  else if (!o.check)
+    std::printf("kvc_demo: %zu caches run, check SKIPPED (--no-check)\n", rows.size());
+  else
+    std::printf("kvc_demo: %zu/%zu caches match forward_no_cache (%s: max |dlogit| %.2e <= %.0e)\n", rows.size(),
+                rows.size(), o.dtype.c_str(), max_diff, tolerance);
+}
+
+nlohmann::ordered_json to_json(const DecoderConfig& c, const Options& o, double tolerance, const std::vector<Row>& rows,
+                               std::int64_t forwards, double check_s, double total_s) {
+  nlohmann::ordered_json j;
+  j["model"] = {{"num_hidden_layers", c.num_hidden_layers},
+                {"hidden_size", c.hidden_size},
+                {"num_attention_heads", c.num_attention_heads},
+                {"num_key_value_heads", c.num_key_value_heads},
+                {"head_dim", c.head_dim},
+                {"vocab_size", c.vocab_size},
+                {"intermediate_size", c.intermediate_size},
+                {"rms_norm_eps", c.rms_norm_eps},
+                {"rope_theta", c.rope_theta},
+                {"sliding_window", c.sliding_window ? nlohmann::ordered_json(*c.sliding_window) : nullptr},
+                {"layer_types", c.layer_types},
+                {"tie_word_embeddings", c.tie_word_embeddings},
+                {"parameters", c.parameter_count()},
+                {"weight_bytes", c.weight_bytes()}};
+  j["config_path"] = o.config_path ? nlohmann::ordered_json(*o.config_path) : nullptr;
+  j["dtype"] = o.dtype;
+  j["prompt_len"] = o.prompt_len;
+  j["tokens"] = o.tokens;
+  j["seed"] = o.seed;
+  j["check"] = o.check;
+  j["tolerance"] = tolerance;
+  j["caches"] = nlohmann::ordered_json::array();
+  bool ok = true;
+  for (const Row& r : rows) {
+    ok = ok && r.ok();
+    j["caches"].push_back({{"cache", r.cache},
+                           {"layers", r.layers},
+                           {"prefill_tokens_per_s", r.prefill_tps},
+                           {"decode_tokens_per_s", r.decode_tps},
+                           {"kv_bytes", r.kv_bytes},
+                           {"max_abs_logit_diff", r.max_diff ? nlohmann::ordered_json(*r.max_diff) : nullptr},
+                           {"near_tie_flips", r.near_ties},
+                           {"generated", r.generated},
+                           {"errors", r.errors},
+                           {"result", r.verdict()}});
+  }
+  j["no_cache_forwards"] = forwards;
+  j["check_seconds"] = check_s;
+  j["seconds"] = total_s;
+  j["verdict"] = !ok ? "FAIL" : o.check ? "PASS" : "SKIPPED";
+  return j;
+}
+
+template <class T>
+int run_demo(const DecoderConfig& config, const Options& o, clock_type::time_point start) {
+  Progress progress(start);
+  if (config.weight_bytes() > (std::int64_t{256} << 20))
+    progress.note("generating " + human_bytes(static_cast<double>(config.weight_bytes())) + " of random weights...");
+  const Decoder<T> model(config, o.seed);
+  Reference<T> reference(model);
+  const Run run{o, tolerance_for(o.dtype), make_prompt(o.seed, o.prompt_len, config.vocab_size), progress};
+  std::vector<Row> rows;
+  for (const auto& name : o.caches) rows.push_back(run_cache(name, model, reference, run));
+  progress.clear();
+  const double total_s = seconds_since(start);
+  if (o.json)
+    std::printf("%s\n",
+                to_json(config, o, run.tolerance, rows, reference.forwards(), reference.seconds(), total_s).dump(2).c_str());
+  else
+    print_table(config, o, run.tolerance, rows, reference.forwards(), reference.seconds(), total_s);
+  return std::all_of(rows.begin(), rows.end(), [](const Row& r) { return r.ok(); }) ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+int error(const std::string& message) {
+  std::string line = message;
+  std::replace(line.begin(), line.end(), '\n', ' ');
+  std::fprintf(stderr, "kvc_demo: error: %s\n", line.c_str());
+  return 2;
+}
+
 }  // namespace
 
-int main() {
-  const kvc::ModelConfig config = demo_config();
-  const auto dynamic_models = models_from(config, true);
-  const auto static_models = models_from(config, false);
-  const std::vector<LayerModel> replicated_models(dynamic_models.size(), LayerModel{"DynamicLayer", 0, 0, -1});
-
-  std::vector<Row> rows;
-  rows.push_back(guarded("DynamicCache<float>", [&] {
-    // [snippet:caches]
-    kvc::DynamicCache<float> dynamic;                          // DynamicLayer, one per index, on demand
-    auto configured = kvc::make_dynamic_cache<float>(config);  // a layer per config.layer_types entry
-    kvc::StaticCache<float> fixed(config, max_cache_len);      // buffers of max_cache_len (window) slots
-    // [/snippet]
-    (void)configured;
-    (void)fixed;
-    return run("DynamicCache<float>", dynamic, replicated_models);
-  }));
-  rows.push_back(guarded("make_dynamic_cache<float>(config)", [&] {
-    auto cache = kvc::make_dynamic_cache<float>(config);
-    return run("make_dynamic_cache<float>(config)", cache, dynamic_models);
-  }));
-  rows.push_back(guarded("StaticCache<float>(config, 160)", [&] {
-    kvc::StaticCache<float> cache(config, max_cache_len);
-    return run("StaticCache<float>(config, 160)", cache, static_models);
-  }));
-
-  std::printf("config: 4 layers (sliding_attention window 64 / full_attention), 8 heads, 2 KV heads, head_dim 32\n");
-  std::printf("run:    prompt of %lld tokens, then %lld decode steps of 1 token, checked after every update\n\n",
-              static_cast<long long>(prompt_len), static_cast<long long>(decode_steps));
-  std::printf("%-34s %-46s %5s %8s %9s  %s\n", "cache", "layers", "seen", "max_len", "KV bytes", "check");
-  int failed = 0;
-  for (const Row& r : rows) {
-    const bool ok = r.failures.empty();
-    failed += ok ? 0 : 1;
-    std::printf("%-34s %-46s %5lld %8lld %9lld  %s\n", r.cache.c_str(), r.layers.c_str(),
-                static_cast<long long>(r.seen), static_cast<long long>(r.max_length),
-                static_cast<long long>(r.bytes), ok ? "PASS" : "FAIL");
+int main(int argc, char** argv) {
+  const auto start = clock_type::now();
+  Options options;
+  DecoderConfig config;  // the embedded default: 4 layers, sliding (window 64) and full alternating
+  try {
+    options = parse_options(argc, argv);
+    if (options.help) {
+      std::fputs(usage, stdout);
+      return EXIT_SUCCESS;
+    }
+    if (options.config_path) config = examples::decoder_config_from_file(*options.config_path);
+    if (config.weight_bytes() > weight_limit_bytes && !options.allow_large)
+      throw UsageError("the random float weights of this config take " +
+                       human_bytes(static_cast<double>(config.weight_bytes())) + " (" +
+                       fmt("%.0f", static_cast<double>(config.parameter_count()) / 1e6) +
+                       "M parameters), above the 2 GiB limit; use a smaller config or pass --allow-large");
+  } catch (const UsageError& e) {
+    return error(std::string(e.what()) + " (see kvc_demo --help)");
+  } catch (const examples::ConfigError& e) {
+    return error(e.what());
   }
-  for (const Row& r : rows)
-    for (const std::string& f : r.failures) std::printf("  %s: %s\n", r.cache.c_str(), f.c_str());
 
-  if (failed == 0) {
-    std::printf("\nkvc_demo: %zu/%zu caches match transformers' semantics\n", rows.size(), rows.size());
-    return EXIT_SUCCESS;
+  try {
+    if (options.dtype == "bfloat16") return run_demo<Eigen::bfloat16>(config, options, start);
+    if (options.dtype == "half") return run_demo<Eigen::half>(config, options, start);
+    return run_demo<float>(config, options, start);
+  } catch (const std::bad_alloc&) {
+    return error("out of memory (try a smaller config, --prompt-len or --tokens)");
+  } catch (const std::exception& e) {
+    std::printf("kvc_demo: FAIL: %s\n", e.what());
+    return EXIT_FAILURE;
   }
-  std::printf("\nkvc_demo: %d of %zu caches FAILED\n", failed, rows.size());
-  return EXIT_FAILURE;
 }

@@ -36,11 +36,20 @@ struct AttentionMask {
   std::int64_t query_position = 0;  // absolute position of the first query (tokens seen before it)
   std::optional<std::int64_t> sliding_window;  // none: full causal attention
   bool causal = true;
+  // Chunked attention (transformers' chunked_attention layers): a query sees only keys of its own
+  // chunk, kv_pos / chunk == q_pos / chunk.
+  std::optional<std::int64_t> attention_chunk_size = std::nullopt;
 
+  // The first absolute key position the query at qp may see.
+  constexpr std::int64_t first_visible(std::int64_t qp) const noexcept {
+    std::int64_t first = sliding_window ? qp - *sliding_window + 1 : std::int64_t{0};
+    if (attention_chunk_size) first = std::max(first, qp / *attention_chunk_size * *attention_chunk_size);
+    return first;
+  }
   // Whether the query at absolute position qp sees the key at absolute position kp.
   constexpr bool visible(std::int64_t qp, std::int64_t kp) const noexcept {
     if (causal && kp > qp) return false;
-    return !sliding_window || kp > qp - *sliding_window;
+    return kp >= first_visible(qp);
   }
 };
 
@@ -104,6 +113,9 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
   if (mask.sliding_window && *mask.sliding_window < 1)
     throw ValueError("scaled_dot_product_attention: sliding_window must be positive, got " +
                      std::to_string(*mask.sliding_window));
+  if (mask.attention_chunk_size && *mask.attention_chunk_size < 1)
+    throw ValueError("scaled_dot_product_attention: attention_chunk_size must be positive, got " +
+                     std::to_string(*mask.attention_chunk_size));
 
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t group = Hq / Hkv;
@@ -124,7 +136,7 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
         const std::int64_t first_q = mask.query_position + i0, last_q = first_q + rows_per_head - 1;
         std::int64_t hi = S, lo = 0;
         if (mask.causal) hi = std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S);
-        if (mask.sliding_window) lo = std::clamp<std::int64_t>(first_q - *mask.sliding_window + 1 - mask.kv_offset, 0, S);
+        lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
         const std::int64_t width = std::max<std::int64_t>(hi - lo, 0);
         qbuf.resize(group * rows_per_head, D);
         for (std::int64_t g = 0; g < group; ++g) {
@@ -140,8 +152,7 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
           const std::int64_t qpos = mask.query_position + i0 + row % rows_per_head;
           const std::int64_t first = mask.kv_offset + lo;  // absolute position of column 0
           const std::int64_t jhi = mask.causal ? std::clamp<std::int64_t>(qpos - first + 1, 0, width) : width;
-          const std::int64_t jlo =
-              mask.sliding_window ? std::clamp<std::int64_t>(qpos - *mask.sliding_window + 1 - first, 0, width) : 0;
+          const std::int64_t jlo = std::clamp<std::int64_t>(mask.first_visible(qpos) - first, 0, width);
           auto r = scores.row(row);
           if (jhi <= jlo) {  // nothing visible: a zero output row
             r.setZero();
@@ -175,18 +186,31 @@ HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>
                                          mask, scale);
 }
 
+// How `attend` masks one layer. transformers builds the mask from the model's config, not from
+// the cache: pass the model's window (or chunk size) for the layer. When neither is given, a
+// sliding layer of the cache masks with its own window (get_max_length) and any other layer is
+// full causal, which is right whenever the cache was built from the model's config; a
+// DynamicCache() keeps every token in every layer, so with it the model's window must be given.
+struct AttendOptions {
+  std::optional<std::int64_t> sliding_window = std::nullopt;
+  std::optional<std::int64_t> attention_chunk_size = std::nullopt;
+  std::optional<double> scale = std::nullopt;  // default 1 / sqrt(head_dim)
+};
+
 // One attention layer's step through a cache: asks the mask sizes and the position, stores the
-// new keys/values in layer `layer_idx`, and attends over what the layer returns. A sliding layer
-// masks with its window (get_max_length); a full layer is causal only.
+// new keys/values in layer `layer_idx`, and attends over what the layer returns.
 template <class Cache, class Q, class KT, class VT>
 auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
-            std::optional<double> scale = std::nullopt) {
+            const AttendOptions& options = {}) {
   const std::int64_t q = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries).extent(2);
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
-  AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), std::nullopt, true};
+  AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), options.sliding_window, true,
+                     options.attention_chunk_size};
   const auto kv = cache.update(new_keys, new_values, layer_idx);
-  if (cache.is_sliding()[static_cast<std::size_t>(layer_idx)]) mask.sliding_window = cache.get_max_length(layer_idx);
-  return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, scale);
+  if (!options.sliding_window && !options.attention_chunk_size &&
+      cache.is_sliding()[static_cast<std::size_t>(layer_idx)])
+    mask.sliding_window = cache.get_max_length(layer_idx);
+  return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
 }
 
 }  // namespace kvc

@@ -10,7 +10,8 @@ namespace {
 // Reference: double precision, explicit loops, the mask built from absolute positions.
 template <class T>
 std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v,
-                              std::int64_t q_pos0, std::int64_t k_pos0, std::int64_t window /* 0: none */) {
+                              std::int64_t q_pos0, std::int64_t k_pos0, std::int64_t window /* 0: none */,
+                              std::int64_t chunk = 0 /* 0: none */) {
   const auto B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
   const auto Hkv = k.dimension(1), S = k.dimension(2), Dv = v.dimension(3);
   std::vector<double> out;
@@ -22,7 +23,7 @@ std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor
         double max = -1e300, sum = 0;
         for (Eigen::Index j = 0; j < S; ++j) {
           const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          if (kp > qp || (window > 0 && kp <= qp - window)) continue;
+          if (kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk)) continue;
           double dot = 0;
           for (Eigen::Index d = 0; d < D; ++d) dot += double(q(b, h, i, d)) * double(k(b, hk, j, d));
           w[std::size_t(j)] = dot / std::sqrt(double(D));
@@ -30,7 +31,7 @@ std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor
         }
         for (Eigen::Index j = 0; j < S; ++j) {
           const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          const bool vis = !(kp > qp || (window > 0 && kp <= qp - window));
+          const bool vis = !(kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk));
           w[std::size_t(j)] = vis ? std::exp(w[std::size_t(j)] - max) : 0.0;
           sum += w[std::size_t(j)];
         }
@@ -184,4 +185,55 @@ TEST_CASE("shape errors are ValueErrors") {
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, kv, kv, {4, 0, 3, 0, true}),
                        "scaled_dot_product_attention: sliding_window must be positive, got 0", kvc::ValueError);
+}
+
+TEST_CASE("a DynamicCache() keeps every token; the model's window masks the old ones") {
+  std::mt19937 rng(21);
+  kvc::DynamicCache<float> cache;
+  kvc::HostTensor<float> all_k(1, 2, 0, 8), all_v(1, 2, 0, 8);
+  std::int64_t pos = 0;
+  for (const std::int64_t q : {6, 1, 1, 4, 1}) {
+    const auto qs = gaussian<float>(1, 4, q, 8, rng), ks = gaussian<float>(1, 2, q, 8, rng),
+               vs = gaussian<float>(1, 2, q, 8, rng);
+    const auto out = kvc::attend(cache, 0, qs, ks, vs, {.sliding_window = 3});
+    all_k = kvc_test::cat(all_k, ks);
+    all_v = kvc_test::cat(all_v, vs);
+    CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
+                          reference(qs, all_k, all_v, pos, 0, 3)) < 1e-5);
+    pos += q;
+  }
+  CHECK(cache.get_seq_length() == 13);
+}
+
+TEST_CASE("chunked attention: a query sees the keys of its own chunk") {
+  const kvc::AttentionMask m{8, 0, 0, std::nullopt, true, 4};
+  CHECK(m.visible(5, 4));
+  CHECK(m.visible(5, 5));
+  CHECK_FALSE(m.visible(5, 3));
+  CHECK(m.visible(3, 0));
+  std::mt19937 rng(4);
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 8;
+  c.attention_chunk_size = 4;
+  auto cache = kvc::make_dynamic_cache<float>(c);  // chunked layers hold chunk - 1 past tokens
+  kvc::HostTensor<float> all_k(1, 1, 0, 8), all_v(1, 1, 0, 8);
+  std::int64_t pos = 0;
+  for (const std::int64_t q : {3, 1, 1, 1, 2, 1, 1, 3}) {
+    const auto qs = gaussian<float>(1, 2, q, 8, rng), ks = gaussian<float>(1, 1, q, 8, rng),
+               vs = gaussian<float>(1, 1, q, 8, rng);
+    const auto out = kvc::attend(cache, 0, qs, ks, vs, {.attention_chunk_size = 4});
+    all_k = kvc_test::cat(all_k, ks);
+    all_v = kvc_test::cat(all_v, vs);
+    CAPTURE(pos);
+    CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
+                          reference(qs, all_k, all_v, pos, 0, 0, 4)) < 1e-5);
+    pos += q;
+  }
+  const auto q = gaussian<float>(1, 2, 1, 8, rng);
+  const auto k = kvc::detail::tensor_input<kvc::HostTensor<float>>::view(all_k);
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q, k, k, {k.extent(2), 0, 3, std::nullopt, true, 0}),
+                       "scaled_dot_product_attention: attention_chunk_size must be positive, got 0", kvc::ValueError);
 }

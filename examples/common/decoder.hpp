@@ -1,0 +1,381 @@
+#pragma once
+// A small Llama/Gemma-style decoder-only language model with random weights, for the demo
+// (examples/02_demo): token embedding, pre-norm blocks of grouped-query attention (rotary position
+// embedding, full or sliding-window causal mask) and a SwiGLU MLP, a final RMSNorm and an LM head.
+// Attention runs through a kvc cache (`forward`) or recomputes the whole sequence with an explicit
+// mask (`forward_no_cache`, the reference the demo checks the caches against).
+//
+// What runs in which type, for Decoder<T> with T = float, Eigen::bfloat16 or Eigen::half:
+//   float: the weights (Eigen float matrices), the residual stream, RMSNorm, the Q/K/V and output
+//          projections, the rotary embedding, the MLP, the LM head and the logits;
+//   T:     the queries, keys and values after the rotary embedding (converted from float), the
+//          K/V the cache stores and the attention output; kvc::scaled_dot_product_attention
+//          computes scores and softmax in float for the 16-bit types. The attention output is
+//          converted back to float before the output projection.
+// Both forward modes share every step but the attention call, so their difference measures the
+// cache (and the rounding of different GEMM shapes), nothing else.
+#include <kvc/kvc.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+namespace examples {
+
+// The shape of the model: the fields of a transformers config.json it reads. The defaults are the
+// demo's embedded model, a small Gemma-style decoder with sliding and full layers alternating.
+struct DecoderConfig {
+  std::int64_t num_hidden_layers = 4;
+  std::int64_t hidden_size = 256;
+  std::int64_t num_attention_heads = 8;
+  std::int64_t num_key_value_heads = 2;
+  std::int64_t head_dim = 32;
+  std::int64_t vocab_size = 512;
+  std::int64_t intermediate_size = 512;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  std::optional<std::int64_t> sliding_window = 64;
+  std::vector<std::string> layer_types{"sliding_attention", "full_attention", "sliding_attention",
+                                       "full_attention"};
+  bool tie_word_embeddings = false;  // the LM head reuses the embedding matrix
+
+  bool is_sliding(std::int64_t layer) const {
+    return layer_types.at(static_cast<std::size_t>(layer)) == "sliding_attention";
+  }
+  // The window a sliding layer's mask uses; none for a full-attention layer.
+  std::optional<std::int64_t> window(std::int64_t layer) const {
+    return is_sliding(layer) ? sliding_window : std::nullopt;
+  }
+
+  // [snippet:cache_config]
+  // What a kvc cache needs to know about the model: its layers, their types and windows.
+  kvc::ModelConfig cache_config() const {
+    kvc::ModelConfig config;
+    config.num_hidden_layers = num_hidden_layers;
+    config.num_attention_heads = num_attention_heads;
+    config.num_key_value_heads = num_key_value_heads;
+    config.head_dim = head_dim;
+    config.hidden_size = hidden_size;
+    config.sliding_window = sliding_window;
+    config.layer_types = layer_types;  // e.g. {"sliding_attention", "full_attention", ...}
+    return config;
+  }
+  // [/snippet]
+
+  std::int64_t parameter_count() const {
+    const std::int64_t h = hidden_size, q = num_attention_heads * head_dim, kv = num_key_value_heads * head_dim;
+    const std::int64_t per_layer = h * q + 2 * h * kv + q * h + 3 * h * intermediate_size + 2 * h;
+    return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + h;
+  }
+  std::int64_t weight_bytes() const { return parameter_count() * static_cast<std::int64_t>(sizeof(float)); }
+
+  // Throws std::invalid_argument (one line) for a shape the model cannot run.
+  void validate() const {
+    auto positive = [](const char* name, std::int64_t v) {
+      if (v < 1 || v > (std::int64_t{1} << 24))
+        throw std::invalid_argument(std::string(name) + " must be between 1 and 2^24, got " + std::to_string(v));
+    };
+    positive("num_hidden_layers", num_hidden_layers);
+    positive("hidden_size", hidden_size);
+    positive("num_attention_heads", num_attention_heads);
+    positive("num_key_value_heads", num_key_value_heads);
+    positive("head_dim", head_dim);
+    positive("vocab_size", vocab_size);
+    positive("intermediate_size", intermediate_size);
+    if (num_attention_heads % num_key_value_heads != 0)
+      throw std::invalid_argument("num_attention_heads (" + std::to_string(num_attention_heads) +
+                                  ") must be a multiple of num_key_value_heads (" +
+                                  std::to_string(num_key_value_heads) + ")");
+    if (head_dim % 2 != 0)
+      throw std::invalid_argument("head_dim must be even for the rotary embedding, got " + std::to_string(head_dim));
+    if (!(rms_norm_eps > 0) || !(rope_theta > 1))
+      throw std::invalid_argument("rms_norm_eps must be positive and rope_theta above 1");
+    if (static_cast<std::int64_t>(layer_types.size()) != num_hidden_layers)
+      throw std::invalid_argument("layer_types has " + std::to_string(layer_types.size()) + " entries but " +
+                                  "num_hidden_layers is " + std::to_string(num_hidden_layers));
+    for (std::size_t i = 0; i < layer_types.size(); ++i) {
+      const std::string& t = layer_types[i];
+      if (t != "full_attention" && t != "sliding_attention")
+        throw std::invalid_argument("layer " + std::to_string(i) + " has layer type '" + t +
+                                    "'; the demo's model has full_attention and sliding_attention layers only");
+      if (t == "sliding_attention" && (!sliding_window || *sliding_window < 1))
+        throw std::invalid_argument("layer " + std::to_string(i) +
+                                    " is sliding_attention but sliding_window is not a positive integer");
+    }
+  }
+};
+
+// Runs body(0) .. body(count - 1) on up to `threads` threads (0: one per hardware thread);
+// rethrows the first exception.
+inline void parallel_for(std::int64_t count, const std::function<void(std::int64_t)>& body, unsigned threads = 0) {
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = static_cast<unsigned>(std::clamp<std::int64_t>(count, 1, threads));
+  std::atomic<std::int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto worker = [&] {
+    for (std::int64_t i; (i = next.fetch_add(1)) < count;) {
+      try {
+        body(i);
+      } catch (...) {
+        const std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// Logits, one row per token: [tokens, vocab_size].
+using Logits = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+template <class T>
+class Decoder {
+ public:
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // activations
+  using Weight = Eigen::MatrixXf;  // [in, out]: y = x * W
+
+  // Weights from `seed`: std::mt19937_64 streams (one per 2^20 values of a matrix), approximately
+  // normal with std 1/sqrt(fan_in), so every projection keeps activations O(1); RMSNorm weights
+  // 1 + N(0, 0.02). The same seed gives the same weights on every platform and thread count.
+  Decoder(DecoderConfig config, std::uint64_t seed) : config_(std::move(config)) {
+    config_.validate();
+    const auto h = config_.hidden_size, q = config_.num_attention_heads * config_.head_dim,
+               kv = config_.num_key_value_heads * config_.head_dim, ff = config_.intermediate_size;
+    struct Job {
+      float* data;
+      std::int64_t size;
+      float mean, stddev;
+    };
+    std::vector<Job> jobs;
+    auto weight = [&](Weight& w, std::int64_t in, std::int64_t out) {
+      w.resize(in, out);
+      jobs.push_back({w.data(), w.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(in)))});
+    };
+    auto norm = [&](Eigen::RowVectorXf& w) {
+      w.resize(h);
+      jobs.push_back({w.data(), w.size(), 1.0f, 0.02f});
+    };
+    // The embedding rows have std 1/sqrt(hidden) and are scaled by sqrt(hidden) on the way in
+    // (Gemma's normalizer), so a tied LM head gives logits of std ~1 like an untied one.
+    embed_.resize(config_.vocab_size, h);
+    jobs.push_back({embed_.data(), embed_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
+    layers_.resize(static_cast<std::size_t>(config_.num_hidden_layers));
+    for (auto& l : layers_) {
+      norm(l.attn_norm);
+      weight(l.wq, h, q);
+      weight(l.wk, h, kv);
+      weight(l.wv, h, kv);
+      weight(l.wo, q, h);
+      norm(l.mlp_norm);
+      weight(l.w_gate, h, ff);
+      weight(l.w_up, h, ff);
+      weight(l.w_down, ff, h);
+    }
+    norm(final_norm_);
+    if (!config_.tie_word_embeddings) {
+      lm_head_.resize(config_.vocab_size, h);
+      jobs.push_back({lm_head_.data(), lm_head_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
+    }
+    // Chunks of 2^20 values, each its own stream: the same weights whatever the thread count.
+    constexpr std::int64_t chunk = std::int64_t{1} << 20;
+    std::vector<std::pair<std::size_t, std::int64_t>> chunks;  // (job, first value)
+    for (std::size_t i = 0; i < jobs.size(); ++i)
+      for (std::int64_t first = 0; first < jobs[i].size; first += chunk) chunks.emplace_back(i, first);
+    parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t c) {
+      const auto [i, first] = chunks[static_cast<std::size_t>(c)];
+      const Job& j = jobs[i];
+      fill_normal(j.data + first, std::min(chunk, j.size - first), j.mean, j.stddev,
+                  stream_seed(seed, (static_cast<std::uint64_t>(i) << 32) + static_cast<std::uint64_t>(first / chunk)));
+    });
+    inv_freq_.resize(static_cast<std::size_t>(config_.head_dim / 2));
+    for (std::size_t i = 0; i < inv_freq_.size(); ++i)
+      inv_freq_[i] = std::pow(config_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(config_.head_dim));
+  }
+
+  const DecoderConfig& config() const noexcept { return config_; }
+
+  // Runs `tokens` through the model, storing their keys and values in `cache`; their positions
+  // continue from cache.get_seq_length(). Returns the logits of the last token, or of every token.
+  template <class Cache>
+  Logits forward(std::span<const std::int32_t> tokens, Cache& cache, bool all_logits = false) const {
+    return run(tokens, cache.get_seq_length(0), all_logits,
+               [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
+                   const kvc::HostTensor<T>& v) { return attend(cache, layer, q, k, v); });
+  }
+
+  // The reference: the whole sequence recomputed from scratch, attention over all its keys with
+  // an explicit causal mask (and the layer's window for sliding layers). Positions start at 0.
+  Logits forward_no_cache(std::span<const std::int32_t> tokens, bool all_logits = false) const {
+    const auto n = static_cast<std::int64_t>(tokens.size());
+    return run(tokens, 0, all_logits,
+               [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
+                   const kvc::HostTensor<T>& v) {
+                 const kvc::AttentionMask mask{.kv_length = n,
+                                               .kv_offset = 0,
+                                               .query_position = 0,
+                                               .sliding_window = config_.window(layer),
+                                               .causal = true};
+                 return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
+               });
+  }
+
+ private:
+  struct Layer {
+    Eigen::RowVectorXf attn_norm, mlp_norm;
+    Weight wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+
+  // One attention layer's step through the cache. The mask's window comes from the model's layer
+  // type, as in transformers (the model builds the mask, the cache only holds K/V): a
+  // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
+  template <class Cache>
+  kvc::HostTensor<T> attend(Cache& cache, std::int64_t layer, const kvc::HostTensor<T>& q,
+                            const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) const {
+    return kvc::attend(cache, layer, q, k, v, kvc::AttendOptions{.sliding_window = config_.window(layer)});
+  }
+
+  template <class Attend>
+  Logits run(std::span<const std::int32_t> tokens, std::int64_t position, bool all_logits, Attend&& attend_fn) const {
+    const auto n = static_cast<std::int64_t>(tokens.size());
+    const std::int64_t h = config_.hidden_size, hq = config_.num_attention_heads, hkv = config_.num_key_value_heads;
+    if (n == 0) throw std::invalid_argument("Decoder: no tokens");
+    Matrix x(n, h);
+    const float normalizer = std::sqrt(static_cast<float>(h));
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int32_t t = tokens[static_cast<std::size_t>(i)];
+      if (t < 0 || t >= config_.vocab_size)
+        throw std::out_of_range("Decoder: token " + std::to_string(t) + " is outside the vocabulary");
+      x.row(i) = embed_.row(t) * normalizer;
+    }
+    const auto [cos, sin] = rope_table(position, n);
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& w = layers_[l];
+      Matrix a = rms_norm(x, w.attn_norm);
+      Matrix q = a * w.wq, k = a * w.wk;
+      const Matrix v = a * w.wv;
+      rotate(q, hq, cos, sin);
+      rotate(k, hkv, cos, sin);
+      const kvc::HostTensor<T> out =
+          attend_fn(static_cast<std::int64_t>(l), to_heads(q, hq), to_heads(k, hkv), to_heads(v, hkv));
+      x.noalias() += from_heads(out) * w.wo;
+      a = rms_norm(x, w.mlp_norm);
+      Matrix gate = a * w.w_gate;
+      const Matrix up = a * w.w_up;
+      gate = (gate.array() / (1.0f + (-gate.array()).exp()) * up.array()).matrix();  // SiLU(gate) * up
+      x.noalias() += gate * w.w_down;
+    }
+    const Matrix last = all_logits ? rms_norm(x, final_norm_) : rms_norm(x.bottomRows(1), final_norm_);
+    const Matrix& head = config_.tie_word_embeddings ? embed_ : lm_head_;
+    return last * head.transpose();
+  }
+
+  Matrix rms_norm(const Matrix& x, const Eigen::RowVectorXf& weight) const {
+    Matrix y(x.rows(), x.cols());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      const float ms = x.row(r).squaredNorm() / static_cast<float>(x.cols());
+      y.row(r) = (x.row(r) * (1.0f / std::sqrt(ms + static_cast<float>(config_.rms_norm_eps)))).cwiseProduct(weight);
+    }
+    return y;
+  }
+
+  // cos/sin of position * inv_freq, [n, head_dim / 2], computed in double and rounded once.
+  std::pair<Matrix, Matrix> rope_table(std::int64_t position, std::int64_t n) const {
+    const auto half = static_cast<Eigen::Index>(inv_freq_.size());
+    Matrix c(n, half), s(n, half);
+    for (std::int64_t i = 0; i < n; ++i)
+      for (Eigen::Index j = 0; j < half; ++j) {
+        const double angle = static_cast<double>(position + i) * inv_freq_[static_cast<std::size_t>(j)];
+        c(i, j) = static_cast<float>(std::cos(angle));
+        s(i, j) = static_cast<float>(std::sin(angle));
+      }
+    return {std::move(c), std::move(s)};
+  }
+
+  // Llama's rotate_half: element j of each head pairs with element j + head_dim / 2.
+  void rotate(Matrix& x, std::int64_t heads, const Matrix& cos, const Matrix& sin) const {
+    const std::int64_t d = config_.head_dim, half = d / 2;
+    for (Eigen::Index i = 0; i < x.rows(); ++i)
+      for (std::int64_t hd = 0; hd < heads; ++hd) {
+        float* p = x.row(i).data() + hd * d;
+        for (std::int64_t j = 0; j < half; ++j) {
+          const float a = p[j], b = p[j + half], c = cos(i, j), s = sin(i, j);
+          p[j] = a * c - b * s;
+          p[j + half] = b * c + a * s;
+        }
+      }
+  }
+
+  // [tokens, heads * head_dim] float -> [1, heads, tokens, head_dim] in T.
+  kvc::HostTensor<T> to_heads(const Matrix& x, std::int64_t heads) const {
+    const std::int64_t n = x.rows(), d = config_.head_dim;
+    kvc::HostTensor<T> out(1, heads, n, d);
+    for (std::int64_t hd = 0; hd < heads; ++hd)
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j < d; ++j) out(0, hd, i, j) = static_cast<T>(x(i, hd * d + j));
+    return out;
+  }
+
+  // [1, heads, tokens, head_dim] in T -> [tokens, heads * head_dim] float.
+  Matrix from_heads(const kvc::HostTensor<T>& t) const {
+    const std::int64_t heads = t.dimension(1), n = t.dimension(2), d = t.dimension(3);
+    Matrix out(n, heads * d);
+    for (std::int64_t hd = 0; hd < heads; ++hd)
+      for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t j = 0; j < d; ++j) out(i, hd * d + j) = static_cast<float>(t(0, hd, i, j));
+    return out;
+  }
+
+  static kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
+    const std::array<std::int64_t, 4> e{t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+    return {t.data(), e, {e[1] * e[2] * e[3], e[2] * e[3], e[3], 1}};
+  }
+
+  static std::uint64_t stream_seed(std::uint64_t seed, std::uint64_t stream) {
+    std::uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (stream + 1);  // SplitMix64 finalizer
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+  // Approximately normal values (Irwin-Hall: the sum of four 16-bit uniforms from one
+  // std::mt19937_64 draw, whose output the standard fixes; tails end at 3.5 std): cheap enough
+  // for the hundreds of millions of weights of a real config.
+  static void fill_normal(float* out, std::int64_t n, float mean, float stddev, std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    // Each 16-bit part: mean 32767.5, variance (65536^2 - 1) / 12; the sum of four: twice that.
+    const double scale = static_cast<double>(stddev) / std::sqrt((65536.0 * 65536.0 - 1.0) / 3.0);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint64_t r = rng();
+      const double sum = static_cast<double>((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
+      out[i] = mean + static_cast<float>((sum - 131070.0) * scale);
+    }
+  }
+
+  DecoderConfig config_;
+  Matrix embed_;    // [vocab, hidden]
+  Matrix lm_head_;  // [vocab, hidden]; empty when tied to embed_
+  std::vector<Layer> layers_;
+  Eigen::RowVectorXf final_norm_;
+  std::vector<double> inv_freq_;
+};
+
+}  // namespace examples
