@@ -597,6 +597,14 @@ int main(int argc, char** argv) {
                        human_bytes(static_cast<double>(config.weight_bytes())) + " (" +
                        fmt("%.0f", static_cast<double>(config.parameter_count()) / 1e6) +
                        "M parameters), above the 2 GiB limit; use a smaller config or pass --allow-large");
+    // Even with --allow-large: weights that do not fit in this machine's memory are refused
+    // instead of driving it into swap or the OOM killer.
+    const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page_size > 0 &&
+        static_cast<double>(config.weight_bytes()) > 0.75 * static_cast<double>(pages) * static_cast<double>(page_size))
+      throw UsageError("the random float weights of this config take " +
+                       human_bytes(static_cast<double>(config.weight_bytes())) +
+                       ", more than 3/4 of this machine's memory; use a smaller config");
   } catch (const UsageError& e) {
     return error(std::string(e.what()) + " (see kvc_demo --help)");
   } catch (const examples::ConfigError& e) {

@@ -1,17 +1,14 @@
 #pragma once
 // Reads the shape of a transformers config.json into an examples::DecoderConfig (the demo's
-// model; weights stay random). A small stand-in until kvc::ModelConfig::from_file (issue #4):
-//   - a nested `text_config` (multimodal configs) takes precedence: a field is read from it when
-//     it has the key, else from the top level; a null value counts as absent;
-//   - num_hidden_layers, hidden_size, num_attention_heads, vocab_size, intermediate_size are
-//     required; num_key_value_heads defaults to num_attention_heads, head_dim to
-//     hidden_size / num_attention_heads, rms_norm_eps to 1e-6, rope_theta to 10000 (or
-//     rope_parameters.rope_theta);
-//   - without `layer_types`: no sliding layers when sliding_window is null or use_sliding_window
-//     is false (Qwen2/3); else Gemma 2 alternates sliding and full, Gemma 3 has
-//     sliding_window_pattern - 1 sliding layers per full one (default 6), and every other model
-//     slides in every layer (Mistral, Phi-3).
-// Errors are examples::ConfigError, one line each.
+// model; weights stay random):
+//   - the attention layout (layers, their types and windows, heads, KV heads, head_dim) is what
+//     kvc::ModelConfig::from_json derives, with each model_type's rules (docs/model_configs.md);
+//   - the rest of the model is read here, from the nested `text_config` when it has the key
+//     (multimodal configs), else from the top level, a null value counting as absent:
+//     vocab_size defaults to 32000, intermediate_size to 4 * hidden_size, rms_norm_eps to 1e-6,
+//     rope_theta to 10000 (or rope_parameters.rope_theta).
+// The demo's model has one head shape and one window for all its layers, and only sliding and
+// full attention layers. Errors are examples::ConfigError, one line each.
 #include "decoder.hpp"
 
 #include <array>
@@ -23,6 +20,8 @@
 #include <string>
 
 #include <nlohmann/json.hpp>
+
+#include <kvc/config.hpp>
 
 namespace examples {
 
@@ -55,11 +54,6 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     if (!v->is_number_integer()) throw ConfigError(std::string("'") + name + "' must be an integer, got " + v->dump());
     return v->get<std::int64_t>();
   };
-  auto required = [&](const char* name) {
-    const auto v = integer(name);
-    if (!v) throw ConfigError(std::string("the config has no '") + name + "'");
-    return *v;
-  };
   auto number = [&](const char* name, double fallback) {
     const json* v = find(name);
     if (!v) return fallback;
@@ -67,15 +61,31 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     return v->get<double>();
   };
 
+  kvc::ModelConfig layout;
+  try {
+    layout = kvc::ModelConfig::from_json(text);
+  } catch (const std::exception& e) {
+    throw ConfigError(e.what());
+  }
   DecoderConfig c;
-  c.num_hidden_layers = required("num_hidden_layers");
-  c.hidden_size = required("hidden_size");
-  c.num_attention_heads = required("num_attention_heads");
-  c.vocab_size = required("vocab_size");
-  c.intermediate_size = required("intermediate_size");
-  c.num_key_value_heads = integer("num_key_value_heads").value_or(c.num_attention_heads);
-  if (c.num_attention_heads < 1) throw ConfigError("'num_attention_heads' must be positive");
-  c.head_dim = integer("head_dim").value_or(c.hidden_size / c.num_attention_heads);
+  std::vector<kvc::LayerSpec> specs;
+  try {
+    specs = kvc::layer_specs(layout);
+    c.num_hidden_layers = static_cast<std::int64_t>(specs.size());
+    c.hidden_size = layout.hidden_size;
+    c.num_attention_heads = layout.num_attention_heads;
+    c.num_key_value_heads = layout.layer_num_key_value_heads(0);
+    c.head_dim = layout.layer_head_dim(0);
+    for (std::int64_t i = 1; i < c.num_hidden_layers; ++i)
+      if (layout.layer_num_key_value_heads(i) != c.num_key_value_heads || layout.layer_head_dim(i) != c.head_dim)
+        throw ConfigError("layer " + std::to_string(i) + " has its own head shape, which the demo's model does not support");
+  } catch (const kvc::ValueError& e) {
+    throw ConfigError(e.what());
+  }
+  // Multimodal files often leave these to the text model's class defaults; the demo's weights are
+  // random anyway, so it takes a plain default instead of each class's.
+  c.vocab_size = integer("vocab_size").value_or(32000);
+  c.intermediate_size = integer("intermediate_size").value_or(4 * c.hidden_size);
   c.rms_norm_eps = number("rms_norm_eps", 1e-6);
   c.rope_theta = number("rope_theta", 10000.0);
   if (const json* rope = find("rope_parameters"); rope && rope->is_object() && !find("rope_theta"))
@@ -84,33 +94,15 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     if (!tie->is_boolean()) throw ConfigError("'tie_word_embeddings' must be true or false, got " + tie->dump());
     c.tie_word_embeddings = tie->get<bool>();
   }
-  c.sliding_window = integer("sliding_window");
-
   c.layer_types.clear();
-  if (const json* types = find("layer_types")) {
-    if (!types->is_array()) throw ConfigError("'layer_types' must be a list of strings, got " + types->dump());
-    for (const json& t : *types) {
-      if (!t.is_string()) throw ConfigError("'layer_types' must be a list of strings, got " + t.dump());
-      c.layer_types.push_back(t.get<std::string>());
-    }
-  } else {
-    const json* use = find("use_sliding_window");
-    if (use && !use->is_boolean()) throw ConfigError("'use_sliding_window' must be true or false, got " + use->dump());
-    if (use && !use->get<bool>()) c.sliding_window.reset();
-    const json* type = find("model_type");
-    const std::string model_type = type && type->is_string() ? type->get<std::string>() : "";
-    std::int64_t pattern = 1;  // a full layer every `pattern` layers; 1: none
-    if (model_type == "gemma2") pattern = 2;
-    if (model_type.rfind("gemma3", 0) == 0) pattern = integer("sliding_window_pattern").value_or(6);
-    if (pattern < 1) throw ConfigError("'sliding_window_pattern' must be positive");
-    for (std::int64_t i = 0; i < std::max<std::int64_t>(c.num_hidden_layers, 0); ++i) {
-      const bool sliding = c.sliding_window && (pattern == 1 || (i + 1) % pattern != 0);
-      c.layer_types.emplace_back(sliding ? "sliding_attention" : "full_attention");
-    }
+  c.sliding_window.reset();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    c.layer_types.push_back(specs[i].type);
+    if (specs[i].type != "sliding_attention") continue;
+    if (c.sliding_window && specs[i].sliding_window != c.sliding_window)
+      throw ConfigError("layer " + std::to_string(i) + " has its own sliding window, which the demo's model does not support");
+    c.sliding_window = specs[i].sliding_window;
   }
-  bool any_sliding = false;
-  for (const auto& t : c.layer_types) any_sliding = any_sliding || t == "sliding_attention";
-  if (!any_sliding) c.sliding_window.reset();
 
   try {
     c.validate();
