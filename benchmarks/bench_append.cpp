@@ -38,6 +38,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include <benchmark/benchmark.h>
 
 #include "instantiations.hpp"
@@ -356,6 +358,9 @@ struct Result {
 // The console output, plus every result kept by name for the summary.
 class SummaryReporter : public benchmark::ConsoleReporter {
  public:
+  // Colours only on a terminal, so that `| tee file` stays plain text.
+  SummaryReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
+
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& r : runs) {
@@ -407,6 +412,19 @@ class SummaryReporter : public benchmark::ConsoleReporter {
         "CPU times. columns: step time at S=64 and S=1024 and their ratio; append GB/s at S=1024 and as a fraction of the\n"
         "append-pattern memcpy and of bulk memcpy; baseline step time / this step time at S=1024; 1024 decode\n"
         "steps from empty: total ms, growth = time(steps 512..1023) / time(steps 0..511), baseline / this.\n");
+
+    // Issue #3's targets, for DynamicCache (the cache they name) and, for the append one, every cache.
+    const Result* d64 = find("step/DynamicCache/S:64");
+    const Result* d1k = find("step/DynamicCache/S:1024");
+    const double growth = d64 && d1k ? d1k->seconds / d64->seconds : NAN;
+    std::printf("\n-- target: DynamicCache step time at S=1024 <= 1.2x S=64: %.2fx  %s\n", growth,
+                growth <= 1.2 ? "met" : "MISSED");
+    std::printf("-- target: decode append >= 0.60 of memcpy bandwidth (at S=1024; of the append-pattern memcpy | of bulk memcpy):\n");
+    for (const std::string& c : caches) {
+      const double bw = gbs(find("step/" + c + "/S:1024"));
+      std::printf("   %-22s %.2f %s | %.2f %s\n", c.c_str(), bw / gbs(scat), bw / gbs(scat) >= 0.6 ? "met" : "MISSED",
+                  bw / gbs(bulk), bw / gbs(bulk) >= 0.6 ? "met" : "MISSED");
+    }
   }
 
  private:

@@ -2,4 +2,4 @@
 // (what make_dynamic_cache<float> returns).
 #include "instantiations.hpp"
 
-KVC_BENCH_INSTANTIATE(, KVC_BENCH_CONFIGURED)
+KVC_BENCH_INSTANTIATE(, float, KVC_BENCH_CONFIGURED(float))

@@ -2,5 +2,5 @@
 // (StaticCache<float>).
 #include "instantiations.hpp"
 
-KVC_BENCH_INSTANTIATE(, KVC_BENCH_STATIC)
+KVC_BENCH_INSTANTIATE(, float, KVC_BENCH_STATIC(float))
 template class kvc::StaticCache<float>;

@@ -3,7 +3,8 @@
 set -euo pipefail
 
 packages=(cmake make g++ clang libclang-rt-14-dev
-          libeigen3-dev libboost-dev doctest-dev libbenchmark-dev nlohmann-json3-dev)
+          libeigen3-dev libboost-dev doctest-dev libbenchmark-dev nlohmann-json3-dev
+          gnuplot-nox)  # gnuplot: tools/plot_benchmarks.sh
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "setup.sh: no dpkg-query; not a Debian system, install by hand: ${packages[*]}" >&2

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the benchmarks (Release), runs them, times the compile-time probes and regenerates the
+# plots of docs/benchmarks.md:
+#
+#   bash benchmarks/run.sh [build-dir]        (default: build/bench)
+#
+# Writes <build-dir>/benchmarks/{append,decode,compile_time}.json (google benchmark's JSON) and
+# .txt (the console output with its summary), then docs/plots/*.png (tools/plot_benchmarks.sh).
+# About 2.5 minutes on 2 cores once built: kvc_bench_append ~50 s, kvc_bench_decode ~30 s, the
+# compile-time probes ~50 s (g++ and clang++). Environment: JOBS (build parallelism, default 2),
+# BENCH_ARGS (extra arguments to both benchmarks, e.g. --benchmark_filter=...), COMPILERS and
+# REPEAT (benchmarks/compile_time.sh), SKIP_COMPILE_TIME=1 (keep the last compile_time.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash tools/setup.sh
+build=${1:-build/bench}
+out=$build/benchmarks
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_TESTS=OFF -DKVC_BUILD_EXAMPLES=OFF \
+  -DKVC_BUILD_BENCHMARKS=ON >/dev/null
+cmake --build "$build" -j "${JOBS:-2}" --target kvc_bench_append kvc_bench_decode
+
+run() {  # run <name>: one benchmark, JSON to <name>.json, console and summary to <name>.txt
+  "$out/kvc_bench_$1" --benchmark_out="$out/$1.json" --benchmark_out_format=json ${BENCH_ARGS:-} | tee "$out/$1.txt"
+}
+run append
+run decode
+if [[ ${SKIP_COMPILE_TIME:-0} != 1 ]]; then
+  bash benchmarks/compile_time.sh "$out/compile_time.json" | tee "$out/compile_time.txt"
+fi
+bash tools/plot_benchmarks.sh "$out" docs/plots
