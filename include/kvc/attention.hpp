@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -73,8 +74,20 @@ Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>> as_accum
     return map(ptr, rows, cols, Eigen::OuterStride<>(pitch));
   } else {
     scratch.resize(rows, cols);
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t c = 0; c < cols; ++c) scratch(r, c) = static_cast<A>(ptr[r * pitch + c]);
+    if constexpr (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<A, float>) {
+      // A bfloat16 is the upper half of a float: widening is a shift, which vectorises.
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const T* src = ptr + r * pitch;
+        A* dst = scratch.data() + r * cols;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const std::uint32_t bits = static_cast<std::uint32_t>(src[c].value) << 16;
+          std::memcpy(dst + c, &bits, sizeof bits);
+        }
+      }
+    } else {
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t c = 0; c < cols; ++c) scratch(r, c) = static_cast<A>(ptr[r * pitch + c]);
+    }
     return map(scratch.data(), rows, cols, Eigen::OuterStride<>(cols));
   }
 }
@@ -124,31 +137,48 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
 
   // Rows of one (batch, kv head) problem: the q queries of each of the `group` query heads.
   // Query rows are processed in tiles so that the score matrix stays small during a prefill.
-  constexpr std::int64_t tile = 64;
+  // A decode step has few rows (group * q <= decode_rows): it streams K and V once, in blocks
+  // that stay in cache while every row reads them (matrix-vector products, no packing copy of K
+  // and V, and a 16-bit block widened to float only when it is read). A prefill has many rows and
+  // uses matrix-matrix products over the visible range.
+  constexpr std::int64_t tile = 64, decode_rows = 16, block = 64;
   detail::row_matrix<A> kbuf, vbuf, qbuf, scores, ctx;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t hk = 0; hk < Hkv; ++hk) {
-      const auto K = detail::as_accum<A>(keys.data() + b * keys.stride(0) + hk * keys.stride(1), S, D, D, kbuf);
-      const auto V = detail::as_accum<A>(values.data() + b * values.stride(0) + hk * values.stride(1), S, Dv, Dv, vbuf);
+      const T* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
+      const T* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
       for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
         const std::int64_t rows_per_head = std::min(tile, q - i0);
         // Visible key range of this tile: [lo, hi) covers every visible key of its queries.
         const std::int64_t first_q = mask.query_position + i0, last_q = first_q + rows_per_head - 1;
-        std::int64_t hi = S, lo = 0;
+        std::int64_t hi = S;
         if (mask.causal) hi = std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S);
-        lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
+        const std::int64_t lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
         const std::int64_t width = std::max<std::int64_t>(hi - lo, 0);
-        qbuf.resize(group * rows_per_head, D);
+        const std::int64_t rows = group * rows_per_head;
+        qbuf.resize(rows, D);
         for (std::int64_t g = 0; g < group; ++g) {
           const std::int64_t h = hk * group + g;
           const T* qp = queries.data() + b * queries.stride(0) + h * queries.stride(1) + i0 * D;
           for (std::int64_t r = 0; r < rows_per_head; ++r)
             for (std::int64_t d = 0; d < D; ++d) qbuf(g * rows_per_head + r, d) = static_cast<A>(qp[r * D + d]);
         }
-        scores.noalias() = (qbuf * K.middleRows(lo, width).transpose()) * s;
+        const bool decode = rows <= decode_rows;
+        if (decode) {
+          scores.resize(rows, width);
+          for (std::int64_t j0 = 0; j0 < width; j0 += block) {
+            const std::int64_t n = std::min(block, width - j0);
+            const auto Kb = detail::as_accum<A>(kp + (lo + j0) * D, n, D, D, kbuf);
+            for (std::int64_t r = 0; r < rows; ++r) scores.row(r).segment(j0, n).noalias() = qbuf.row(r) * Kb.transpose();
+          }
+          scores *= s;
+        } else {
+          const auto K = detail::as_accum<A>(kp + lo * D, width, D, D, kbuf);
+          scores.noalias() = (qbuf * K.transpose()) * s;
+        }
         // Each row's visible keys are one contiguous range [jlo, jhi) of the tile's columns (the
         // same rule as AttentionMask::visible), so the softmax runs vectorised on that segment.
-        for (std::int64_t row = 0; row < scores.rows(); ++row) {
+        for (std::int64_t row = 0; row < rows; ++row) {
           const std::int64_t qpos = mask.query_position + i0 + row % rows_per_head;
           const std::int64_t first = mask.kv_offset + lo;  // absolute position of column 0
           const std::int64_t jhi = mask.causal ? std::clamp<std::int64_t>(qpos - first + 1, 0, width) : width;
@@ -165,7 +195,17 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
           r.head(jlo).setZero();
           r.tail(width - jhi).setZero();
         }
-        ctx.noalias() = scores * V.middleRows(lo, width);
+        if (decode) {
+          ctx.setZero(rows, Dv);
+          for (std::int64_t j0 = 0; j0 < width; j0 += block) {
+            const std::int64_t n = std::min(block, width - j0);
+            const auto Vb = detail::as_accum<A>(vp + (lo + j0) * Dv, n, Dv, Dv, vbuf);
+            for (std::int64_t r = 0; r < rows; ++r) ctx.row(r).noalias() += scores.row(r).segment(j0, n) * Vb;
+          }
+        } else {
+          const auto V = detail::as_accum<A>(vp + lo * Dv, width, Dv, Dv, vbuf);
+          ctx.noalias() = scores * V;
+        }
         for (std::int64_t g = 0; g < group; ++g) {
           const std::int64_t h = hk * group + g;
           for (std::int64_t r = 0; r < rows_per_head; ++r)
