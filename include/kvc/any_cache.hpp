@@ -216,10 +216,13 @@ class AnyCache {
              detail::tensor_input<std::remove_cvref_t<ValuesT>>::valid)
   auto update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
     using T = typename detail::tensor_input<std::remove_cvref_t<KeysT>>::element_type;
-    static_assert(std::is_same_v<T, typename detail::tensor_input<std::remove_cvref_t<ValuesT>>::element_type>,
-                  "kvc::AnyCache::update: keys and values must have the same element type");
-    return self().update(detail::tensor_input<std::remove_cvref_t<KeysT>>::view(keys),
-                         detail::tensor_input<std::remove_cvref_t<ValuesT>>::view(values), layer_idx);
+    constexpr bool same = std::is_same_v<T, typename detail::tensor_input<std::remove_cvref_t<ValuesT>>::element_type>;
+    static_assert(same, "kvc::AnyCache::update: keys and values must have the same element type");
+    if constexpr (same)
+      return self().update(detail::tensor_input<std::remove_cvref_t<KeysT>>::view(keys),
+                           detail::tensor_input<std::remove_cvref_t<ValuesT>>::view(values), layer_idx);
+    else
+      return KV<TensorView<T>>{};
   }
   template <class T>
   KV<TensorView<T>> stored(std::int64_t layer_idx) const {

@@ -35,7 +35,7 @@ struct AttentionMask {
   std::int64_t kv_length = 0;       // from get_mask_sizes(q), asked before the update
   std::int64_t kv_offset = 0;       // from get_mask_sizes(q)
   std::int64_t query_position = 0;  // absolute position of the first query (tokens seen before it)
-  std::optional<std::int64_t> sliding_window;  // none: full causal attention
+  std::optional<std::int64_t> sliding_window = std::nullopt;  // none: full causal attention
   bool causal = true;
   // Chunked attention (transformers' chunked_attention layers): a query sees only keys of its own
   // chunk, kv_pos / chunk == q_pos / chunk.
@@ -229,8 +229,10 @@ HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>
 // How `attend` masks one layer. transformers builds the mask from the model's config, not from
 // the cache: pass the model's window (or chunk size) for the layer. When neither is given, a
 // sliding layer of the cache masks with its own window (get_max_length) and any other layer is
-// full causal, which is right whenever the cache was built from the model's config; a
-// DynamicCache() keeps every token in every layer, so with it the model's window must be given.
+// full causal. That is right for a cache built from the model's config except for
+// chunked_attention layers, which are sliding layers of the chunk size in the cache but need a
+// chunk mask: pass attention_chunk_size for them. A DynamicCache() keeps every token in every
+// layer, so with it the model's window must always be given.
 struct AttendOptions {
   std::optional<std::int64_t> sliding_window = std::nullopt;
   std::optional<std::int64_t> attention_chunk_size = std::nullopt;

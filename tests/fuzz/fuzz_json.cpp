@@ -3,7 +3,7 @@
 // Malformed input must end in a kvc exception (ValueError, KeyError, ...), never in a crash, an
 // unbounded allocation (libFuzzer's -rss_limit_mb catches those) or another exception type.
 // Built only with clang (-fsanitize=fuzzer,address,undefined); tools/test-all.sh runs it for a
-// bounded time on the seed corpus in tests/data.
+// bounded time on the seed corpus in tests/fuzz/corpus.
 
 #include <cstddef>
 #include <cstdint>

@@ -185,6 +185,11 @@ TEST_CASE("shape errors are ValueErrors") {
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, kv, kv, {4, 0, 3, 0, true}),
                        "scaled_dot_product_attention: sliding_window must be positive, got 0", kvc::ValueError);
+  kvc::TensorView<float> strided = kv;
+  strided.strides[2] = 16;
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, strided, kv, {4, 0, 3, std::nullopt, true}),
+                       "scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks",
+                       kvc::ValueError);
 }
 
 TEST_CASE("a DynamicCache() keeps every token; the model's window masks the old ones") {

@@ -74,6 +74,8 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
       kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": ["StaticLayer"]})"),
                        "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache_from_description(R"({"layer_class_to_replicate": {"type": "DynamicSlidingWindowLayer"}})"),
+                       "cache description: `layer_class_to_replicate` needs `sliding_window`", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [7]})"),
                        "cache description: `layers[0]` must be a kind name or an object, got 7", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"kind": "x"}]})"),
