@@ -6,7 +6,7 @@
 #
 # Writes <build-dir>/benchmarks/{append,decode,compile_time}.json (google benchmark's JSON) and
 # .txt (the console output with its summary), then docs/plots/*.png (tools/plot_benchmarks.sh).
-# About 2.5 minutes on 2 cores once built: kvc_bench_append ~50 s, kvc_bench_decode ~30 s, the
+# About 2 minutes on 2 cores once built: kvc_bench_append ~50 s, kvc_bench_decode ~30 s, the
 # compile-time probes ~50 s (g++ and clang++). Environment: JOBS (build parallelism, default 2),
 # BENCH_ARGS (extra arguments to both benchmarks, e.g. --benchmark_filter=...), COMPILERS and
 # REPEAT (benchmarks/compile_time.sh), SKIP_COMPILE_TIME=1 (keep the last compile_time.json).
