@@ -52,14 +52,19 @@ struct CacheRequest {
 };
 
 // The cache `generation_config.cache_implementation` names, for `model_config`:
-//   None, "dynamic", "hybrid"  → make_dynamic_cache<T>(config) (transformers turns "hybrid" into None)
+//   None, "dynamic", "hybrid"  → make_dynamic_cache<T>(config) (transformers turns "hybrid" into None;
+//     a max_cache_len then warns that it is ignored)
 //   "static" and the deprecated static names → StaticCache<T>(config, max(max_cache_length,
 //     max_cache_len)); eagerly initialized for batch × max(num_beams, num_return_sequences) when
 //     prefill_chunk_size is set. The deprecated names warn once.
 template <class T = float>
 AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
                     const CacheRequest& request = {}) {
-  generation_config.validate(false);  // an unknown name is a ValueError with transformers' text
+  // generate() turns "hybrid" into None before validating, so a max_cache_len next to it gets the
+  // "ignored" warning, as it does with None.
+  GenerationConfig checked = generation_config;
+  if (checked.cache_implementation == "hybrid") checked.cache_implementation.reset();
+  checked.validate(false);  // an unknown name is a ValueError with transformers' text
   const std::string impl = generation_config.cache_implementation.value_or("dynamic");
   if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
   if (impl == "paged")

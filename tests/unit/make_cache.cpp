@@ -32,6 +32,15 @@ TEST_CASE("None, 'dynamic' and 'hybrid' build the config's dynamic cache") {
   }
   auto bf16 = kvc::make_cache<Eigen::bfloat16>(with("dynamic"), gemma_like());
   CHECK(bf16.element_type_name() == "bfloat16");
+  // "hybrid" is None by the time generate() validates: a max_cache_len next to it is ignored.
+  kvc_test::captured_warnings w;
+  auto hybrid = with("hybrid");
+  hybrid.max_cache_len = 64;
+  CHECK(kvc::make_cache(hybrid, gemma_like()).get<kvc::ConfiguredDynamicCache<float>>() != nullptr);
+  REQUIRE(w.messages.size() == 1);
+  CHECK(w.messages[0] ==
+        "`max_cache_len` is only used with static caches (('static', 'offloaded_static')); it will be ignored with "
+        "`cache_implementation=None`.");
 }
 
 TEST_CASE("'static': max(max_length - 1, max_cache_len), eager for a chunked prefill") {
