@@ -43,6 +43,7 @@
 #include <benchmark/benchmark.h>
 
 #include "instantiations.hpp"
+#include "results_reporter.hpp"
 
 namespace {
 
@@ -349,47 +350,16 @@ void BM_MemcpyScattered(benchmark::State& state) {
 
 // ---- summary ------------------------------------------------------------------------------------
 
-struct Result {
-  double seconds = 0;          // CPU time per iteration
-  double bytes_per_second = 0;
-  std::map<std::string, double> counters;
-};
-
 // The console output, plus every result kept by name for the summary.
-class SummaryReporter : public benchmark::ConsoleReporter {
+class SummaryReporter : public kvc_bench::ResultsReporter {
  public:
-  // Colours only on a terminal, so that `| tee file` stays plain text.
-  SummaryReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const Run& r : runs) {
-      if (r.error_occurred || r.iterations == 0) continue;
-      const bool aggregate = r.run_type == Run::RT_Aggregate;
-      if (aggregate && r.aggregate_name != "median") continue;
-      const std::string name = r.run_name.str();
-      if (!aggregate && medians_.count(name)) continue;
-      if (aggregate) medians_.insert(name);
-      Result res;
-      res.seconds = r.cpu_accumulated_time / static_cast<double>(r.iterations);
-      for (const auto& [k, c] : r.counters) res.counters[k] = c.value;
-      if (auto it = r.counters.find("bytes_per_second"); it != r.counters.end()) res.bytes_per_second = it->second.value;
-      results_[name] = res;
-    }
-  }
-
-  const Result* find(const std::string& name) const {
-    auto it = results_.find(name);
-    return it == results_.end() ? nullptr : &it->second;
-  }
-
   void print_summary(const std::vector<std::string>& caches) const {
-    const Result* bulk = find("memcpy/bulk/MiB:64");
-    const Result* scat = find("memcpy/scattered/cycle:64/capacity:2048");
-    const Result* cold = find("memcpy/scattered/cycle:2048/capacity:2048");
-    const Result* base1024 = find("concat_step/S:1024");
-    const Result* base_dec = find("concat_decode1024");
-    auto gbs = [](const Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
+    const kvc_bench::Result* bulk = find("memcpy/bulk/MiB:64");
+    const kvc_bench::Result* scat = find("memcpy/scattered/cycle:64/capacity:2048");
+    const kvc_bench::Result* cold = find("memcpy/scattered/cycle:2048/capacity:2048");
+    const kvc_bench::Result* base1024 = find("concat_step/S:1024");
+    const kvc_bench::Result* base_dec = find("concat_decode1024");
+    auto gbs = [](const kvc_bench::Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
     std::printf("\n==== kvc append summary: %lld layers x %lld KV heads x head_dim %lld, float; %lld KiB appended/step\n",
                 static_cast<long long>(kLayers), static_cast<long long>(kHeads), static_cast<long long>(kHeadDim),
                 static_cast<long long>(kStepBytes >> 10));
@@ -397,9 +367,9 @@ class SummaryReporter : public benchmark::ConsoleReporter {
                 gbs(bulk), gbs(scat), gbs(cold));
     std::printf("%-22s %9s %9s %7s %8s %7s %7s %8s %9s %7s %8s\n", "cache", "S=64 us", "S=1024us", "1024/64",
                 "GB/s@1k", "/patt", "/bulk", "concat/x", "run1024ms", "growth", "concat/x");
-    auto row = [&](const std::string& label, const Result* s64, const Result* s1k, const Result* dec) {
-      auto us = [](const Result* r) { return r ? 1e6 * r->seconds : NAN; };
-      auto ratio = [](const Result* a, const Result* b) { return a && b ? a->seconds / b->seconds : NAN; };
+    auto row = [&](const std::string& label, const kvc_bench::Result* s64, const kvc_bench::Result* s1k, const kvc_bench::Result* dec) {
+      auto us = [](const kvc_bench::Result* r) { return r ? 1e6 * r->seconds : NAN; };
+      auto ratio = [](const kvc_bench::Result* a, const kvc_bench::Result* b) { return a && b ? a->seconds / b->seconds : NAN; };
       const double bw = gbs(s1k);
       std::printf("%-22s %9.2f %9.2f %7.2f %8.2f %7.2f %7.2f %8.1f %9.1f %7.2f %8.1f\n", label.c_str(), us(s64),
                   us(s1k), ratio(s1k, s64), bw, bw / gbs(scat), bw / gbs(bulk), ratio(base1024, s1k),
@@ -414,8 +384,8 @@ class SummaryReporter : public benchmark::ConsoleReporter {
         "steps from empty: total ms, growth = time(steps 512..1023) / time(steps 0..511), baseline / this.\n");
 
     // Issue #3's targets, for DynamicCache (the cache they name) and, for the append one, every cache.
-    const Result* d64 = find("step/DynamicCache/S:64");
-    const Result* d1k = find("step/DynamicCache/S:1024");
+    const kvc_bench::Result* d64 = find("step/DynamicCache/S:64");
+    const kvc_bench::Result* d1k = find("step/DynamicCache/S:1024");
     const double growth = d64 && d1k ? d1k->seconds / d64->seconds : NAN;
     std::printf("\n-- target: DynamicCache step time at S=1024 <= 1.2x S=64: %.2fx  %s\n", growth,
                 growth <= 1.2 ? "met" : "MISSED");
@@ -426,10 +396,6 @@ class SummaryReporter : public benchmark::ConsoleReporter {
                   bw / gbs(bulk), bw / gbs(bulk) >= 0.6 ? "met" : "MISSED");
     }
   }
-
- private:
-  std::map<std::string, Result> results_;
-  std::set<std::string> medians_;
 };
 
 template <class Kind>

@@ -45,6 +45,7 @@
 #include <benchmark/benchmark.h>
 
 #include "instantiations.hpp"
+#include "results_reporter.hpp"
 
 namespace {
 
@@ -294,46 +295,14 @@ void BM_Memory(benchmark::State& state) {
 
 // ---- summary ------------------------------------------------------------------------------------
 
-struct Result {
-  double seconds = 0;  // CPU time per iteration
-  double bytes_per_second = 0;
-  std::map<std::string, double> counters;
-};
-
-class SummaryReporter : public benchmark::ConsoleReporter {
+// The console output, plus every result kept by name for the summary.
+class SummaryReporter : public kvc_bench::ResultsReporter {
  public:
-  // Colours only on a terminal, so that `| tee file` stays plain text.
-  SummaryReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const Run& r : runs) {
-      if (r.error_occurred || r.iterations == 0) continue;
-      const bool aggregate = r.run_type == Run::RT_Aggregate;
-      if (aggregate && r.aggregate_name != "median") continue;
-      std::string name = r.run_name.str();
-      if (const std::string_view it = "/iterations:1"; std::string_view(name).ends_with(it))
-        name.resize(name.size() - it.size());  // memory/*: one iteration, not part of the name here
-      if (!aggregate && medians_.count(name)) continue;
-      if (aggregate) medians_.insert(name);
-      Result res;
-      res.seconds = r.cpu_accumulated_time / static_cast<double>(r.iterations);
-      for (const auto& [k, c] : r.counters) res.counters[k] = c.value;
-      if (auto it = r.counters.find("bytes_per_second"); it != r.counters.end()) res.bytes_per_second = it->second.value;
-      results_[name] = res;
-    }
-  }
-
-  const Result* find(const std::string& name) const {
-    auto it = results_.find(name);
-    return it == results_.end() ? nullptr : &it->second;
-  }
-
   void print_summary(const std::vector<std::string>& caches, const std::vector<std::int64_t>& attn_s,
                      const std::vector<std::int64_t>& step_s, const std::vector<std::int64_t>& mem_n) const {
-    const Result* memcpy_bulk = find("memcpy/bulk/MiB:64");
-    const Result* read = find("read/MiB:64");
-    auto gbs = [](const Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
+    const kvc_bench::Result* memcpy_bulk = find("memcpy/bulk/MiB:64");
+    const kvc_bench::Result* read = find("read/MiB:64");
+    auto gbs = [](const kvc_bench::Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
     const double mc = gbs(memcpy_bulk), rd = gbs(read);
     std::printf("\n==== kvc decode summary: %lld query heads, %lld KV heads, batch 1, one thread (Eigen SIMD: %s)\n",
                 static_cast<long long>(kQueryHeads), static_cast<long long>(kKVHeads), Eigen::SimdInstructionSetsInUse());
@@ -345,7 +314,7 @@ class SummaryReporter : public benchmark::ConsoleReporter {
     for (const char* t : {"float", "bf16"})
       for (const std::int64_t d : {128, 64})
         for (const std::int64_t s : attn_s) {
-          const Result* r = find(std::string("attention/") + t + "/D:" + std::to_string(d) + "/S:" + std::to_string(s));
+          const kvc_bench::Result* r = find(std::string("attention/") + t + "/D:" + std::to_string(d) + "/S:" + std::to_string(s));
           if (!r) continue;
           const double g = gbs(r);
           std::printf("%-6s %4lld %6lld %8.1f %8.1f %7.2f %8.2f %6.2f\n", t, static_cast<long long>(d),
@@ -360,11 +329,11 @@ class SummaryReporter : public benchmark::ConsoleReporter {
     for (const std::string& c : caches) {
       std::printf("%-34s", c.c_str());
       for (const std::int64_t s : step_s) {
-        const Result* r = find("step/" + c + "/S:" + std::to_string(s));
+        const kvc_bench::Result* r = find("step/" + c + "/S:" + std::to_string(s));
         std::printf(" %9.1f", r ? 1e6 * r->seconds : NAN);
       }
-      const Result* r8 = find("step/" + c + "/S:8192");
-      const Result* r4 = find("step/" + c + "/S:4096");
+      const kvc_bench::Result* r8 = find("step/" + c + "/S:8192");
+      const kvc_bench::Result* r4 = find("step/" + c + "/S:4096");
       std::printf(" %9.2f\n", r8 && r4 ? r8->seconds / r4->seconds : NAN);
     }
 
@@ -379,22 +348,18 @@ class SummaryReporter : public benchmark::ConsoleReporter {
       for (const std::string& c : caches) {
         std::printf("%-34s %-6s", c.c_str(), t);
         for (const std::int64_t n : mem_n) {
-          const Result* r = find("memory/" + c + "/" + t + "/tokens:" + std::to_string(n));
+          const kvc_bench::Result* r = find("memory/" + c + "/" + t + "/tokens:" + std::to_string(n));
           std::printf(" %7.0f", r ? r->counters.at("bytes_per_token") : NAN);
         }
         std::printf("\n");
       }
 
-    const Result* a8k = find("attention/float/D:128/S:8192");
+    const kvc_bench::Result* a8k = find("attention/float/D:128/S:8192");
     const double frac = gbs(a8k) / mc;
     std::printf("\n-- target: decode attention over an 8k-token float cache (D=128) >= 0.50 of memcpy: %.2f  %s\n", frac,
                 !(frac >= 0.5) ? "MISSED" : "met");
     std::printf("(CPU times; the append targets are in kvc_bench_append's summary)\n");
   }
-
- private:
-  std::map<std::string, Result> results_;
-  std::set<std::string> medians_;
 };
 
 template <class T>
