@@ -43,7 +43,7 @@
 #include <benchmark/benchmark.h>
 
 #include "instantiations.hpp"
-#include "results_reporter.hpp"
+#include "bench_common.hpp"
 
 namespace {
 
@@ -305,17 +305,6 @@ void BM_ConcatDecode(benchmark::State& state) {
 
 // ---- memcpy references ----------------------------------------------------------------------------
 
-void BM_MemcpyBulk(benchmark::State& state) {
-  const std::int64_t n = state.range(0) << 20;
-  std::vector<char> src(static_cast<std::size_t>(n), 1), dst(static_cast<std::size_t>(n), 0);
-  for (auto _ : state) {
-    std::memcpy(dst.data(), src.data(), static_cast<std::size_t>(n));
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * n);
-}
-
 // The append pattern with nothing around it: each step copies 32 layers x {K, V} x 8 heads x
 // 512 bytes to slot `pos` of [heads, capacity, head_dim] buffers; pos cycles over `cycle` slots
 // (64: the step benchmarks' working set; = capacity: every step writes cold memory).
@@ -421,7 +410,7 @@ int main(int argc, char** argv) {
     args.insert(args.begin() + 1, min_time.data());
   int n = static_cast<int>(args.size());
 
-  benchmark::RegisterBenchmark("memcpy/bulk", BM_MemcpyBulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("memcpy/scattered", BM_MemcpyScattered)
       ->ArgNames({"cycle", "capacity"})
       ->Args({kRestoreEvery, kStaticMaxLen})

@@ -45,7 +45,7 @@
 #include <benchmark/benchmark.h>
 
 #include "instantiations.hpp"
-#include "results_reporter.hpp"
+#include "bench_common.hpp"
 
 namespace {
 
@@ -78,17 +78,6 @@ kvc::HostTensor<T> random_tensor(std::int64_t heads, std::int64_t seq, std::int6
 }
 
 // ---- memcpy / read references ------------------------------------------------------------------
-
-void BM_MemcpyBulk(benchmark::State& state) {
-  const std::int64_t n = state.range(0) << 20;
-  std::vector<char> src(static_cast<std::size_t>(n), 1), dst(static_cast<std::size_t>(n), 0);
-  for (auto _ : state) {
-    std::memcpy(dst.data(), src.data(), static_cast<std::size_t>(n));
-    benchmark::DoNotOptimize(dst.data());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * n);
-}
 
 void BM_Read(benchmark::State& state) {
   const std::int64_t n = state.range(0) << 20;
@@ -410,7 +399,7 @@ int main(int argc, char** argv) {
   const std::vector<std::int64_t> step_s{64, 256, 1024, 4096, 8192};
   const std::vector<std::int64_t> mem_n{256, 512, 513, 1024, 1025, 2048, 2049, 4096, 4097, 8192};
 
-  benchmark::RegisterBenchmark("memcpy/bulk", BM_MemcpyBulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("read", BM_Read)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
   register_attention<float>(attn_s);
   register_attention<bf16>(attn_s);
