@@ -70,6 +70,7 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
   virtual void set_write_position(std::int64_t) = 0;
   virtual void early_initialization(std::int64_t, const int_or_list&, const int_or_list&) = 0;
   virtual std::vector<bool> is_sliding() const = 0;
+  virtual bool is_sliding(std::int64_t) const = 0;
   virtual bool is_compileable() const noexcept = 0;
   virtual bool is_initialized() const noexcept = 0;
   virtual std::int64_t batch_size() const = 0;
@@ -152,6 +153,7 @@ class any_cache_model final : public any_cache_iface {
     cache_.early_initialization(b, h, d);
   }
   std::vector<bool> is_sliding() const override { return cache_.is_sliding(); }
+  bool is_sliding(std::int64_t i) const override { return cache_.is_sliding(i); }
   bool is_compileable() const noexcept override { return cache_.is_compileable(); }
   bool is_initialized() const noexcept override { return cache_.is_initialized(); }
   std::int64_t batch_size() const override { return cache_.batch_size(); }
@@ -256,6 +258,7 @@ class AnyCache {
     self().early_initialization(batch_size, num_heads, head_dim);
   }
   std::vector<bool> is_sliding() const { return self().is_sliding(); }
+  bool is_sliding(std::int64_t layer_idx) const { return self().is_sliding(layer_idx); }
   bool is_compileable() const { return self().is_compileable(); }
   bool is_initialized() const { return self().is_initialized(); }
   std::int64_t batch_size() const { return self().batch_size(); }

@@ -249,8 +249,7 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), options.sliding_window, true,
                      options.attention_chunk_size};
   const auto kv = cache.update(new_keys, new_values, layer_idx);
-  if (!options.sliding_window && !options.attention_chunk_size &&
-      cache.is_sliding()[static_cast<std::size_t>(layer_idx)])
+  if (!options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
     mask.sliding_window = cache.get_max_length(layer_idx);
   return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
 }

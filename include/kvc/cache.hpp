@@ -369,6 +369,14 @@ class Cache<L, S, O> {
     return out;
   }
 
+  // Whether layer `layer_idx` is a sliding layer (false past the last layer), without building
+  // the whole list: attention asks this once per layer and step.
+  bool is_sliding(std::int64_t layer_idx) const {
+    check_index(layer_idx, "is_sliding");
+    if (layer_idx >= size()) return false;
+    return visit_layer(layer_idx, [](const auto& l) { return std::decay_t<decltype(l)>::is_sliding; });
+  }
+
   bool is_compileable() const noexcept {
     bool all = !layers_.empty();
     for_each_layer([&](const auto& l) { all = all && std::decay_t<decltype(l)>::is_compileable; });

@@ -40,6 +40,7 @@ TEST_CASE("an AnyCache behaves like the cache it holds") {
   CHECK(values_of(caches[2].stored<float>(1).keys) == V{2, 3});
   CHECK(values_of(caches[2].stored<float>(0).keys) == V{1, 2, 3, 0});
   CHECK(caches[1].is_sliding() == std::vector<bool>{false, true});
+  CHECK(caches[1].is_sliding(1));
   CHECK(caches[2].is_compileable());
   CHECK_FALSE(caches[0].is_compileable());
   CHECK(caches[1].get_max_length() == -1);

@@ -295,6 +295,11 @@ TEST_CASE("is_sliding, is_compileable and size of the ready-made caches") {
   CHECK(dynamic.size() == 3);
   CHECK(fixed.size() == 3);
   CHECK(dynamic.is_sliding() == std::vector<bool>{false, true, true});
+  CHECK(dynamic.is_sliding(1));
+  CHECK_FALSE(dynamic.is_sliding(0));
+  CHECK_FALSE(dynamic.is_sliding(7));  // past the last layer
+  CHECK_THROWS_WITH_AS(dynamic.is_sliding(-1), "is_sliding: layer_idx -1 is out of range: layer indices start at 0",
+                       kvc::IndexError);
   CHECK(fixed.is_sliding() == std::vector<bool>{false, true, true});
   CHECK_FALSE(dynamic.is_compileable());
   CHECK(fixed.is_compileable());
