@@ -15,6 +15,17 @@ kvc::HostTensor<float> ones(std::int64_t b, std::int64_t h, std::int64_t s, std:
   return t;
 }
 using Mixed = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>>;
+
+// Two layers of one head of size 1: full attention, then a sliding window of 2.
+kvc::ModelConfig full_then_sliding() {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 1;
+  c.head_dim = 1;
+  c.sliding_window = 2;
+  c.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  return c;
+}
 }  // namespace
 
 TEST_CASE("a replicated cache grows lazily and fills skipped indices") {
@@ -217,13 +228,7 @@ TEST_CASE("operations a layer kind lacks: AttributeError at run time, before any
 }
 
 TEST_CASE("crop checks every layer before changing any") {
-  kvc::ModelConfig c;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 1;
-  c.head_dim = 1;
-  c.sliding_window = 2;
-  c.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
-  auto cache = kvc::make_dynamic_cache<float>(c);
+  auto cache = kvc::make_dynamic_cache<float>(full_then_sliding());
   cache.update(seq({1, 2, 3}), seq({1, 2, 3}), 0);
   cache.update(seq({1, 2, 3}), seq({1, 2, 3}), 1);
   const auto before = kvc_test::take_snapshot(cache);
@@ -264,13 +269,7 @@ TEST_CASE("reset empties dynamic layers and rewinds static ones") {
 }
 
 TEST_CASE("activate_past_recording reaches the sliding layers only") {
-  kvc::ModelConfig c;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 1;
-  c.head_dim = 1;
-  c.sliding_window = 2;
-  c.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
-  auto cache = kvc::make_dynamic_cache<float>(c);
+  auto cache = kvc::make_dynamic_cache<float>(full_then_sliding());
   cache.activate_past_recording();
   CHECK(cache.visit_layer(1, [](const auto& l) {
     if constexpr (requires { l.records_past(); })
