@@ -66,6 +66,54 @@ struct TensorView {
   }
 };
 
+// A dense, row-major, read-only window of rank 1 to 4 with no strides: the states of
+// linear-attention layers (conv states [batch, channels, time], recurrent states of any shape)
+// and the indexer keys of indexed layers ([batch, seq, index_head_dim]).
+template <class T>
+struct StateView {
+  using element_type = T;
+
+  const T* ptr = nullptr;
+  int rank = 0;
+  std::array<std::int64_t, 4> extents{};
+
+  KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
+  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
+  KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
+    std::int64_t n = rank > 0 ? 1 : 0;
+    for (int r = 0; r < rank; ++r) n *= extents[r];
+    return n;
+  }
+  KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
+  // Element i of the flattened (row-major) tensor.
+  KVC_HOST_DEVICE constexpr const T& operator[](std::int64_t i) const noexcept { return ptr[i]; }
+
+  // An owning copy as an Eigen tensor of rank N == rank (host storage only).
+  template <int N>
+  Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> to_tensor() const {
+    static_assert(N >= 1 && N <= 4, "kvc::StateView::to_tensor: rank must be 1 to 4");
+    std::array<Eigen::Index, N> dims{};
+    for (int r = 0; r < N; ++r) dims[r] = r < rank ? extents[r] : 1;
+    Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> out(dims);
+    for (std::int64_t i = 0; i < out.size(); ++i) out.data()[i] = ptr[i];
+    return out;
+  }
+};
+
+// The shape of a StateView, printed the way torch prints a shape.
+template <class T>
+std::string shape_string(const StateView<T>& v) {
+  std::string out;
+  out.reserve(32);
+  out.push_back('[');
+  for (int i = 0; i < v.rank; ++i) {
+    if (i) out.append(", ");
+    out.append(std::to_string(v.extents[i]));
+  }
+  out.push_back(']');
+  return out;
+}
+
 // What a layer holds besides its length: fixed by the first update or by early_initialization.
 // K and V may have different head dims (MLA-style attention).
 struct LayerShape {
@@ -139,6 +187,46 @@ struct tensor_input<TensorView<T>> {
   static constexpr memory_space space = memory_space::host;
   using element_type = std::remove_const_t<T>;
   static TensorView<element_type> view(const TensorView<T>& t) { return {t.ptr, t.extents, t.strides}; }
+};
+
+
+// Turns what a caller may pass as a linear-attention state or as indexer keys into a StateView:
+// an Eigen::Tensor<T, N, RowMajor> (N = 1..4), a TensorMap of one, or a StateView.
+template <class X>
+struct state_input {
+  static constexpr bool valid = false;
+};
+
+template <class T, int N>
+  requires(N >= 1 && N <= 4)
+struct state_input<Eigen::Tensor<T, N, Eigen::RowMajor>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::host;
+  using element_type = T;
+  template <class M>
+  static StateView<element_type> view(const M& t) {
+    StateView<element_type> out{t.data(), N, {}};
+    for (int r = 0; r < N; ++r) out.extents[r] = t.dimension(r);
+    return out;
+  }
+};
+
+template <class T, int N, int Options, template <class> class MakePointer>
+  requires(N >= 1 && N <= 4)
+struct state_input<Eigen::TensorMap<Eigen::Tensor<T, N, Eigen::RowMajor>, Options, MakePointer>>
+    : state_input<Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor>> {};
+
+template <class T, int N, int Options, template <class> class MakePointer>
+  requires(N >= 1 && N <= 4)
+struct state_input<Eigen::TensorMap<const Eigen::Tensor<T, N, Eigen::RowMajor>, Options, MakePointer>>
+    : state_input<Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor>> {};
+
+template <class T>
+struct state_input<StateView<T>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::host;
+  using element_type = std::remove_const_t<T>;
+  static StateView<element_type> view(const StateView<T>& t) { return {t.ptr, t.rank, t.extents}; }
 };
 
 }  // namespace detail

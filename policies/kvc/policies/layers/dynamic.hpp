@@ -95,6 +95,12 @@ class DynamicLayer::state {
     initialized_ = false;
   }
 
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    store_.for_each_buffer(f);
+  }
+
   KV<view> stored() const noexcept { return store_.kv(0, len_); }
 
   state gathered(std::span<const std::int64_t> batch_indices) const {
@@ -215,6 +221,12 @@ class DynamicSlidingWindowLayer::state {
     store_ = detail::kv_store<S>();
     start_ = len_ = cumulative_ = 0;
     initialized_ = false;
+  }
+
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    store_.for_each_buffer(f);
   }
 
   KV<view> stored() const noexcept { return store_.kv(start_, len_); }

@@ -42,6 +42,13 @@ class kv_store {
   }
   KV<view> kv(std::int64_t from, std::int64_t len) const noexcept { return {keys(from, len), values(from, len)}; }
 
+  // Calls f(buffer&) for the K and then the V buffer (offload engines move them between tiers).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    f(k_);
+    f(v_);
+  }
+
   // Copies the q = k.extent(2) tokens of k and v to slots [pos, pos + q) of every block.
   // Precondition: the caller checked the shapes, and pos + q <= capacity.
   void write(std::int64_t pos, const view& k, const view& v) noexcept {

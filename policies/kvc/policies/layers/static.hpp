@@ -93,6 +93,12 @@ class StaticLayer::state {
     position_ = 0;
   }
 
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    store_.for_each_buffer(f);
+  }
+
   KV<view> stored() const noexcept { return store_.kv(0, initialized_ ? max_cache_len_ : 0); }
 
   state gathered(std::span<const std::int64_t> batch_indices) const {
@@ -188,6 +194,12 @@ class StaticSlidingWindowLayer::state {
   void reset() noexcept {
     if (initialized_) store_.zero();
     start_ = cumulative_ = 0;
+  }
+
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    store_.for_each_buffer(f);
   }
 
   KV<view> stored() const noexcept { return store_.kv(start_, initialized_ ? window_ : 0); }

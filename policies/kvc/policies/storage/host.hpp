@@ -107,6 +107,24 @@ struct HostStorage {
   static view_type input_view(const X& x) {
     return detail::tensor_input<std::remove_cvref_t<X>>::view(x);
   }
+
+  // Linear-attention states and indexer keys: dense tensors of rank 1..4 (detail::state_input).
+  using state_view_type = StateView<T>;
+  template <class X>
+  static constexpr bool accepts_state_input = [] {
+    using traits = detail::state_input<std::remove_cvref_t<X>>;
+    if constexpr (traits::valid)
+      return std::is_same_v<typename traits::element_type, T> && traits::space == memory_space::host;
+    else
+      return false;
+  }();
+  template <class X>
+  static state_view_type state_input_view(const X& x) {
+    return detail::state_input<std::remove_cvref_t<X>>::view(x);
+  }
+  static state_view_type make_state_view(const T* ptr, int rank, std::array<std::int64_t, 4> extents) noexcept {
+    return {ptr, rank, extents};
+  }
 };
 
 }  // namespace kvc
