@@ -1,4 +1,4 @@
-// Explicit instantiation: Cache<Layers<DynamicLayer, DynamicSlidingWindowLayer>, HostStorage<float>, NoOffload>
+// Explicit instantiation: Cache<ConfiguredDynamicLayers, HostStorage<float>, NoOffload>
 // (what make_dynamic_cache<float> returns).
 #include "instantiations.hpp"
 

@@ -1,4 +1,4 @@
-// Explicit instantiation: Cache<Layers<DynamicLayer, DynamicSlidingWindowLayer>, HostStorage<Eigen::bfloat16>,
+// Explicit instantiation: Cache<ConfiguredDynamicLayers, HostStorage<Eigen::bfloat16>,
 // NoOffload> (what make_dynamic_cache<Eigen::bfloat16> returns).
 #include "instantiations.hpp"
 

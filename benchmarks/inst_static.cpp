@@ -1,4 +1,4 @@
-// Explicit instantiation: Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, HostStorage<float>, NoOffload>
+// Explicit instantiation: Cache<StaticCacheLayers, HostStorage<float>, NoOffload>
 // (StaticCache<float>).
 #include "instantiations.hpp"
 

@@ -1,4 +1,4 @@
-// Explicit instantiation: Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, HostStorage<Eigen::bfloat16>,
+// Explicit instantiation: Cache<StaticCacheLayers, HostStorage<Eigen::bfloat16>,
 // NoOffload> (StaticCache<Eigen::bfloat16>).
 #include "instantiations.hpp"
 

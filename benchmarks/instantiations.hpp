@@ -24,9 +24,9 @@ using Storage = kvc::HostStorage<float>;
 // DynamicCache<float>'s base.
 using DynamicBase = kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, Storage, kvc::NoOffload>;
 // What make_dynamic_cache<float> returns (kvc::ConfiguredDynamicCache<float>).
-using ConfiguredDynamic = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer>, Storage, kvc::NoOffload>;
+using ConfiguredDynamic = kvc::Cache<kvc::ConfiguredDynamicLayers, Storage, kvc::NoOffload>;
 // StaticCache<float>'s base.
-using StaticBase = kvc::Cache<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer>, Storage, kvc::NoOffload>;
+using StaticBase = kvc::Cache<kvc::StaticCacheLayers, Storage, kvc::NoOffload>;
 }  // namespace kvc_bench
 
 // EXTERN is `extern` (declaration) or empty (definition); T the element type; the rest are
@@ -43,9 +43,8 @@ using StaticBase = kvc::Cache<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWi
       std::optional<double>);
 
 #define KVC_BENCH_DYNAMIC(T) kvc::Replicate<kvc::DynamicLayer>, kvc::HostStorage<T>, kvc::NoOffload
-#define KVC_BENCH_CONFIGURED(T) \
-  kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer>, kvc::HostStorage<T>, kvc::NoOffload
-#define KVC_BENCH_STATIC(T) kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer>, kvc::HostStorage<T>, kvc::NoOffload
+#define KVC_BENCH_CONFIGURED(T) kvc::ConfiguredDynamicLayers, kvc::HostStorage<T>, kvc::NoOffload
+#define KVC_BENCH_STATIC(T) kvc::StaticCacheLayers, kvc::HostStorage<T>, kvc::NoOffload
 
 KVC_BENCH_INSTANTIATE(extern, float, KVC_BENCH_DYNAMIC(float))
 KVC_BENCH_INSTANTIATE(extern, float, KVC_BENCH_CONFIGURED(float))

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -43,12 +44,17 @@ concept host_cache = requires {
 } && std::is_same_v<typename C::view_type, TensorView<typename C::element_type>> &&
                      std::is_same_v<typename C::kv_type, KV<TensorView<typename C::element_type>>>;
 
+enum class state_update { conv, recurrent, indexer };
+
 // The virtual interface, one `update`/`stored` per element type.
 template <class T>
 struct typed_ops {
   virtual ~typed_ops() = default;
   virtual KV<TensorView<T>> update(const TensorView<T>& k, const TensorView<T>& v, std::int64_t layer_idx) = 0;
   virtual KV<TensorView<T>> stored(std::int64_t layer_idx, std::type_identity<T>) const = 0;
+  // update_conv_state, update_recurrent_state or update_indexer, by `which`.
+  virtual StateView<T> update_state(state_update which, const StateView<T>& x, std::int64_t layer_idx,
+                                    std::int64_t state_idx, std::int64_t conv_kernel_size) = 0;
 };
 
 struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::half>, typed_ops<Eigen::bfloat16> {
@@ -56,6 +62,10 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
       typed_ops<Eigen::bfloat16>::update;
   using typed_ops<float>::stored, typed_ops<double>::stored, typed_ops<Eigen::half>::stored,
       typed_ops<Eigen::bfloat16>::stored;
+  using typed_ops<float>::update_state, typed_ops<double>::update_state, typed_ops<Eigen::half>::update_state,
+      typed_ops<Eigen::bfloat16>::update_state;
+  virtual bool has_previous_state(std::optional<std::int64_t>, std::optional<std::int64_t>) const = 0;
+  virtual std::vector<bool> is_linear() const = 0;
   virtual std::string_view element_type_name() const noexcept = 0;
   virtual std::int64_t get_seq_length(std::int64_t) const = 0;
   virtual std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t, std::int64_t) const = 0;
@@ -65,7 +75,7 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
   virtual void reorder_cache(std::span<const std::int64_t>) = 0;
   virtual void batch_repeat_interleave(std::int64_t) = 0;
   virtual void batch_select_indices(std::span<const std::int64_t>) = 0;
-  virtual void reset() noexcept = 0;
+  virtual void reset() = 0;
   virtual void activate_past_recording() noexcept = 0;
   virtual void set_write_position(std::int64_t) = 0;
   virtual void early_initialization(std::int64_t, const int_or_list&, const int_or_list&) = 0;
@@ -115,6 +125,27 @@ class any_cache_model final : public any_cache_iface {
     return stored_as<Eigen::bfloat16>(i);
   }
 
+  StateView<float> update_state(state_update w, const StateView<float>& x, std::int64_t l, std::int64_t s,
+                                std::int64_t k) override {
+    return update_state_as(w, x, l, s, k);
+  }
+  StateView<double> update_state(state_update w, const StateView<double>& x, std::int64_t l, std::int64_t s,
+                                 std::int64_t k) override {
+    return update_state_as(w, x, l, s, k);
+  }
+  StateView<Eigen::half> update_state(state_update w, const StateView<Eigen::half>& x, std::int64_t l, std::int64_t s,
+                                      std::int64_t k) override {
+    return update_state_as(w, x, l, s, k);
+  }
+  StateView<Eigen::bfloat16> update_state(state_update w, const StateView<Eigen::bfloat16>& x, std::int64_t l,
+                                          std::int64_t s, std::int64_t k) override {
+    return update_state_as(w, x, l, s, k);
+  }
+  bool has_previous_state(std::optional<std::int64_t> l, std::optional<std::int64_t> s) const override {
+    return cache_.has_previous_state(l, s);
+  }
+  std::vector<bool> is_linear() const override { return cache_.is_linear(); }
+
   std::string_view element_type_name() const noexcept override { return element_name<E>(); }
   std::int64_t get_seq_length(std::int64_t i) const override { return cache_.get_seq_length(i); }
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t i) const override {
@@ -141,7 +172,7 @@ class any_cache_model final : public any_cache_iface {
     else
       missing("batch_select_indices");
   }
-  void reset() noexcept override { cache_.reset(); }
+  void reset() override { cache_.reset(); }
   void activate_past_recording() noexcept override { cache_.activate_past_recording(); }
   void set_write_position(std::int64_t p) override {
     if constexpr (C::can_set_write_position)
@@ -171,6 +202,20 @@ class any_cache_model final : public any_cache_iface {
     else
       throw TypeError("AnyCache::update: the cache holds " + std::string(element_name<E>()) + " elements, got " +
                       std::string(element_name<T>()));
+  }
+  template <class T>
+  StateView<T> update_state_as(state_update which, const StateView<T>& x, std::int64_t layer, std::int64_t state,
+                               std::int64_t kernel) {
+    if constexpr (std::is_same_v<T, E> && std::is_same_v<typename C::storage_policy::state_view_type, StateView<T>>) {
+      switch (which) {
+        case state_update::conv: return cache_.update_conv_state(x, layer, state, kernel);
+        case state_update::recurrent: return cache_.update_recurrent_state(x, layer, state);
+        default: return cache_.update_indexer(x, layer);
+      }
+    } else {
+      throw TypeError("AnyCache: the cache holds " + std::string(element_name<E>()) + " elements, got " +
+                      std::string(element_name<T>()));
+    }
   }
   template <class T>
   KV<TensorView<T>> stored_as(std::int64_t i) const {
@@ -232,6 +277,34 @@ class AnyCache {
   }
 
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
+  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
+
+  // Linear-attention states and indexer keys (Cache::update_conv_state and friends).
+  template <class X>
+    requires detail::state_input<std::remove_cvref_t<X>>::valid
+  auto update_conv_state(const X& conv_states, std::int64_t layer_idx, std::int64_t state_idx = 0,
+                         std::int64_t conv_kernel_size = 0) {
+    return self().update_state(detail::state_update::conv, detail::state_input<std::remove_cvref_t<X>>::view(conv_states),
+                               layer_idx, state_idx, conv_kernel_size);
+  }
+  template <class X>
+    requires detail::state_input<std::remove_cvref_t<X>>::valid
+  auto update_recurrent_state(const X& recurrent_states, std::int64_t layer_idx, std::int64_t state_idx = 0) {
+    return self().update_state(detail::state_update::recurrent,
+                               detail::state_input<std::remove_cvref_t<X>>::view(recurrent_states), layer_idx,
+                               state_idx, 0);
+  }
+  template <class X>
+    requires detail::state_input<std::remove_cvref_t<X>>::valid
+  auto update_indexer(const X& indexer_key_states, std::int64_t layer_idx) {
+    return self().update_state(detail::state_update::indexer,
+                               detail::state_input<std::remove_cvref_t<X>>::view(indexer_key_states), layer_idx, 0, 0);
+  }
+  bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
+                          std::optional<std::int64_t> state_idx = std::nullopt) const {
+    return self().has_previous_state(layer_idx, state_idx);
+  }
+  std::vector<bool> is_linear() const { return self().is_linear(); }
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t layer_idx) const {
     return self().get_mask_sizes(q, layer_idx);
   }
@@ -247,7 +320,7 @@ class AnyCache {
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     self().batch_select_indices(std::span(indices.begin(), indices.size()));
   }
-  void reset() noexcept {
+  void reset() {
     if (impl_) impl_->reset();
   }
   void activate_past_recording() noexcept {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include <kvc/concepts/cache_layer.hpp>
 #include <kvc/concepts/layer_policy.hpp>
+#include <kvc/concepts/linear_layer.hpp>
 #include <kvc/concepts/offload_policy.hpp>
 #include <kvc/concepts/storage_policy.hpp>
 #include <kvc/errors.hpp>
@@ -37,7 +39,16 @@ namespace detail {
 template <class List, class S>
 struct all_cache_layers : std::false_type {};
 template <class... K, class S>
-struct all_cache_layers<boost::mp11::mp_list<K...>, S> : std::bool_constant<(concepts::CacheLayer<K, S> && ...)> {};
+struct all_cache_layers<boost::mp11::mp_list<K...>, S> : std::bool_constant<(concepts::AnyCacheLayer<K, S> && ...)> {};
+
+// An offload policy for device storage (it names `moves_device_to_host`) used with host storage.
+template <class O, class S>
+inline constexpr bool device_offload_on_host = [] {
+  if constexpr (requires { O::moves_device_to_host; })
+    return static_cast<bool>(O::moves_device_to_host) && S::space == memory_space::host;
+  else
+    return false;
+}();
 
 template <class L>
 inline constexpr bool has_layer_kinds = boost::mp11::mp_size<layer_kinds<L>>::value > 0;
@@ -93,13 +104,19 @@ class Cache {
                 "kvc::Cache: the OffloadPolicy does not model kvc::concepts::OffloadPolicy. Use kvc::NoOffload or see "
                 "docs/concepts/offload_policy.md");
   static_assert(!concepts::OffloadPolicy<OffloadPolicy, StoragePolicy> ||
+                    !detail::device_offload_on_host<OffloadPolicy, StoragePolicy>,
+                "kvc::Cache: kvc::OffloadToHost moves layers from device memory to pinned host memory, but "
+                "HostStorage already keeps them in host memory. Use kvc::OffloadToFile to spill host layers to a file, "
+                "or kvc::CudaStorage with OffloadToHost");
+  static_assert(!concepts::OffloadPolicy<OffloadPolicy, StoragePolicy> ||
+                    detail::device_offload_on_host<OffloadPolicy, StoragePolicy> ||
                     concepts::serves_storage<OffloadPolicy, StoragePolicy>,
                 "kvc::Cache: the OffloadPolicy cannot serve this StoragePolicy. Pick an offload policy made for the "
                 "storage's memory space");
   static_assert(!concepts::LayerPolicy<LayerPolicy> || !concepts::StoragePolicy<StoragePolicy> ||
                     detail::all_cache_layers<detail::layer_kinds<LayerPolicy>, StoragePolicy>::value,
-                "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer for this "
-                "storage. Use DynamicLayer, DynamicSlidingWindowLayer, StaticLayer or StaticSlidingWindowLayer");
+                "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor "
+                "LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer");
 
  public:
   // Accepts any arguments, so that constructing a misconfigured Cache reports only the assert above.
@@ -131,6 +148,11 @@ class Cache<L, S, O> {
   using has_batch_ops = std::bool_constant<concepts::supports_batch_ops<St>>;
   template <class St>
   using has_write_position = std::bool_constant<concepts::supports_write_position<St>>;
+  // K/V layers have `update`; linear-attention layers have conv/recurrent states; hybrids both.
+  template <class St>
+  static constexpr bool has_kv = concepts::has_update<St, S>;
+  template <class St>
+  static constexpr bool has_linear = concepts::has_state_views<S> && concepts::has_linear_states<St, S>;
   template <template <class> class Pred>
   static constexpr bool any_kind = boost::mp11::mp_any_of<boost::mp11::mp_transform<state_of, kinds>, Pred>::value;
 
@@ -195,11 +217,22 @@ class Cache<L, S, O> {
 
   // ---- length queries ------------------------------------------------------------------------
 
+  // A pure linear-attention layer has no length: index 0 answers for the first attention layer,
+  // any other index throws.
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const {
     check_index(layer_idx, "get_seq_length");
     if (layer_idx >= size()) return 0;
-    return visit_layer(layer_idx, [](const auto& l) { return std::int64_t{l.get_seq_length()}; });
+    layer_idx = attention_layer_for("get_seq_length", layer_idx);
+    return visit_layer(layer_idx, [](const auto& l) -> std::int64_t {
+      if constexpr (has_kv<std::decay_t<decltype(l)>>)
+        return l.get_seq_length();
+      else
+        return 0;  // unreachable: attention_layer_for picked a K/V layer
+    });
   }
+
+  // Where the query of layer `layer_idx` starts (transformers' get_query_offset).
+  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return get_seq_length(layer_idx); }
 
   // (kv_length, kv_offset) for a query of `query_length` new tokens, asked before the update.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
@@ -207,7 +240,13 @@ class Cache<L, S, O> {
     if (query_length < 0)
       throw ValueError("get_mask_sizes: query_length must be 0 or more, got " + std::to_string(query_length));
     if (layer_idx >= size()) return {query_length, 0};
-    return visit_layer(layer_idx, [&](const auto& l) { return l.get_mask_sizes(query_length); });
+    layer_idx = attention_layer_for("get_mask_sizes", layer_idx);
+    return visit_layer(layer_idx, [&](const auto& l) -> std::pair<std::int64_t, std::int64_t> {
+      if constexpr (has_kv<std::decay_t<decltype(l)>>)
+        return l.get_mask_sizes(query_length);
+      else
+        return {query_length, 0};  // unreachable: attention_layer_for picked a K/V layer
+    });
   }
 
   // The largest number of tokens any layer can return; -1 when some layer is unbounded.
@@ -218,6 +257,7 @@ class Cache<L, S, O> {
           "the first `update` of each index");
     std::int64_t out = 0;
     for (std::int64_t i = 0; i < size(); ++i) {
+      if (!layer_has_kv(i)) continue;  // linear-attention layers have no length
       const std::int64_t m = get_max_length(i);
       if (m < 0) return -1;
       out = std::max(out, m);
@@ -227,7 +267,12 @@ class Cache<L, S, O> {
   std::int64_t get_max_length(std::int64_t layer_idx) const {
     check_index(layer_idx, "get_max_length");
     if (layer_idx >= size()) return -1;
-    return visit_layer(layer_idx, [](const auto& l) { return std::int64_t{l.get_max_length()}; });
+    return visit_layer(layer_idx, [](const auto& l) -> std::int64_t {
+      if constexpr (has_kv<std::decay_t<decltype(l)>>)
+        return l.get_max_length();
+      else
+        return -1;
+    });
   }
 
   // ---- whole-cache operations ----------------------------------------------------------------
@@ -236,6 +281,7 @@ class Cache<L, S, O> {
   // (> 0, deprecated), from every layer. crop(0) may still shrink recorded sliding states.
   template <int = 0>  // a template, so that `template class Cache<...>;` skips it for static caches
   void crop(std::int64_t tokens_to_remove) {
+    before_access(-1);
     static_assert(can_crop,
                   "kvc::Cache::crop: no layer kind of this cache can be cropped. Static layers keep a fixed buffer; "
                   "use a dynamic cache to roll back");
@@ -253,6 +299,7 @@ class Cache<L, S, O> {
 
   // Picks batch rows by beam index in every layer that holds data (beam search).
   void reorder_cache(std::span<const std::int64_t> beam_idx) {
+    before_access(-1);
     gather_all<false>("reorder_cache", [&](std::int64_t) { return std::vector<std::int64_t>(beam_idx.begin(), beam_idx.end()); });
   }
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) { reorder_cache(std::span(beam_idx.begin(), beam_idx.size())); }
@@ -263,6 +310,7 @@ class Cache<L, S, O> {
     static_assert(can_batch_ops,
                   "kvc::Cache::batch_repeat_interleave: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
+    before_access(-1);
     if (repeats < 1)
       throw ValueError("batch_repeat_interleave: repeats must be a positive integer, got " + std::to_string(repeats));
     gather_all<true>("batch_repeat_interleave", [&](std::int64_t batch) {
@@ -279,6 +327,7 @@ class Cache<L, S, O> {
     static_assert(can_batch_ops,
                   "kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
+    before_access(-1);
     gather_all<true>("batch_select_indices", [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
   }
   template <int = 0>
@@ -288,7 +337,8 @@ class Cache<L, S, O> {
 
   // Dynamic layers drop their states (the next update starts afresh); static layers zero their
   // buffers in place and rewind.
-  void reset() noexcept {
+  void reset() {
+    before_access(-1);
     for_each_layer([](auto& l) { l.reset(); });
   }
 
@@ -317,6 +367,7 @@ class Cache<L, S, O> {
     });
     if (position < 0)
       throw IndexError("set_write_position: position " + std::to_string(position) + " is negative");
+    before_access(-1);
     for_each_layer([&](auto& l) {
       if constexpr (concepts::supports_write_position<std::decay_t<decltype(l)>>) l.set_write_position(position);
     });
@@ -340,6 +391,7 @@ class Cache<L, S, O> {
                          " needs a positive number of heads and head_dim, got num_heads " +
                          std::to_string(num_heads.at(i)) + " and head_dim " + std::to_string(head_dim.at(i)));
     }
+    before_access(-1);
     std::vector<std::pair<std::size_t, layer_variant>> prepared;
     for (std::size_t i = 0; i < n; ++i) {
       std::visit(
@@ -357,6 +409,89 @@ class Cache<L, S, O> {
     }
     for (auto& [i, layer] : prepared) layers_[i] = std::move(layer);
   }
+
+  // ---- linear-attention states and indexer keys -----------------------------------------------
+
+  // Stores the conv states ([batch, channels, time]) of state `state_idx` of linear-attention layer
+  // `layer_idx` and returns them with their left context (docs/caches.md, "Linear attention").
+  // `conv_kernel_size` 0 takes the kernel size from the first input's time axis.
+  template <class X>
+  typename S::state_view_type update_conv_state(const X& conv_states, std::int64_t layer_idx,
+                                                std::int64_t state_idx = 0, std::int64_t conv_kernel_size = 0) {
+    const auto x = state_input<X>(conv_states);
+    return with_linear_layer(layer_idx, "update_conv_state",
+                             [&](auto& l) { return l.update_conv_state(x, state_idx, conv_kernel_size); });
+  }
+
+  // Overwrites the recurrent state `state_idx` of linear-attention layer `layer_idx` and returns it.
+  template <class X>
+  typename S::state_view_type update_recurrent_state(const X& recurrent_states, std::int64_t layer_idx,
+                                                     std::int64_t state_idx = 0) {
+    const auto x = state_input<X>(recurrent_states);
+    return with_linear_layer(layer_idx, "update_recurrent_state",
+                             [&](auto& l) { return l.update_recurrent_state(x, state_idx); });
+  }
+
+  // Whether the linear-attention layer has seen a conv update (all states, or state `state_idx`).
+  // No layer index: the last linear-attention layer. False past the last layer.
+  bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
+                          std::optional<std::int64_t> state_idx = std::nullopt) const {
+    std::int64_t idx = -1;
+    if (layer_idx) {
+      check_index(*layer_idx, "has_previous_state");
+      if (*layer_idx >= size()) return false;
+      if (!layer_has_linear(*layer_idx))
+        throw ValueError("You called `has_previous_state` on layer index " + std::to_string(*layer_idx) +
+                         ", but this layer is an Attention layer, which does not support calling it.");
+      idx = *layer_idx;
+    } else {
+      for (std::int64_t i = size() - 1; i >= 0 && idx < 0; --i)
+        if (layer_has_linear(i)) idx = i;
+      if (idx < 0)
+        throw ValueError(
+            "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
+            "contain Attention layers.");
+    }
+    if (state_idx && *state_idx < 0)
+      throw KeyError("has_previous_state: state_idx " + std::to_string(*state_idx) + " is negative");
+    return visit_layer(idx, [&](const auto& l) {
+      if constexpr (has_linear<std::decay_t<decltype(l)>>)
+        return bool(l.has_previous_state(state_idx.value_or(-1)));
+      else
+        return false;  // unreachable: checked above
+    });
+  }
+
+  // Appends indexer keys ([batch, seq, index_head_dim]) to indexed layer `layer_idx` and returns
+  // what the layer holds (DynamicIndexedLayer, StaticIndexedLayer).
+  template <class X>
+  typename S::state_view_type update_indexer(const X& indexer_key_states, std::int64_t layer_idx) {
+    const auto x = state_input<X>(indexer_key_states);
+    check_existing(layer_idx, "update_indexer");
+    return visit_layer(layer_idx, [&](auto& l) -> typename S::state_view_type {
+      using St = std::decay_t<decltype(l)>;
+      if constexpr (requires { l.update_indexer(x); }) {
+        return l.update_indexer(x);
+      } else {
+        throw ValueError("Cannot call `update_indexer` on layer " + std::to_string(layer_idx) + " which is a " +
+                         std::string(St::name) +
+                         "; it has no indexer key cache (expected a `DynamicIndexedLayer` or `StaticIndexedLayer`).");
+      }
+    });
+  }
+
+  // Per layer: whether it is a pure linear-attention layer (conv/recurrent states, no K/V).
+  // Hybrids hold K/V and are not (offloading moves both of their parts).
+  std::vector<bool> is_linear() const {
+    std::vector<bool> out;
+    out.reserve(layers_.size());
+    for_each_layer([&](const auto& l) { out.push_back(!has_kv<std::decay_t<decltype(l)>>); });
+    return out;
+  }
+
+  // Brings layer `layer_idx` (-1: every layer) back from an offload tier, so that visit_layer sees
+  // its data. Cache methods do this themselves; a no-op without offloading.
+  void make_resident(std::int64_t layer_idx = -1) { before_access(layer_idx); }
 
   // ---- properties ----------------------------------------------------------------------------
 
@@ -395,7 +530,8 @@ class Cache<L, S, O> {
   std::int64_t batch_size() const {
     std::vector<std::int64_t> values;
     for_each_layer([&](const auto& l) {
-      if (l.is_initialized()) values.push_back(l.shape().batch);
+      if constexpr (has_kv<std::decay_t<decltype(l)>>)
+        if (l.is_initialized()) values.push_back(l.shape().batch);
     });
     if (values.empty()) return -1;
     if (std::set<std::int64_t>(values.begin(), values.end()).size() > 1)
@@ -406,7 +542,14 @@ class Cache<L, S, O> {
   // What layer `layer_idx` holds (transformers' layer.keys / layer.values); empty if uninitialized.
   kv_type stored(std::int64_t layer_idx) const {
     check_existing(layer_idx, "stored");
-    return visit_layer(layer_idx, [](const auto& l) { return l.stored(); });
+    before_access(layer_idx);
+    return visit_layer(layer_idx, [](const auto& l) -> kv_type {
+      using St = std::decay_t<decltype(l)>;
+      if constexpr (has_kv<St>)
+        return l.stored();
+      else
+        throw_missing_attribute<St>("keys");
+    });
   }
 
   // The layer's kind name, e.g. "DynamicSlidingWindowLayer".
@@ -440,6 +583,65 @@ class Cache<L, S, O> {
   template <class St>
   [[noreturn]] static void throw_missing_attribute(const char* method) {
     throw AttributeError("'" + std::string(St::name) + "' object has no attribute '" + method + "'");
+  }
+
+  // The offload engine's optional hook: bring layer idx (-1: all) back before a non-update access.
+  // Const, because where a layer's bytes live is not observable state: a const method such as
+  // stored() brings the layer back too (the engine is mutable for that).
+  void before_access(std::int64_t idx) const {
+    auto& self = const_cast<Cache&>(*this);
+    if constexpr (requires { offload_.before_access(self, idx); }) offload_.before_access(self, idx);
+  }
+
+  template <class X>
+  static typename S::state_view_type state_input(const X& x) {
+    static_assert(concepts::has_state_views<S>, "kvc::Cache: this StoragePolicy has no linear-attention states");
+    static_assert(S::template accepts_state_input<X>,
+                  "kvc::Cache: linear-attention states and indexer keys must be a dense Eigen::Tensor<T, N, "
+                  "Eigen::RowMajor> (N = 1..4), a TensorMap of one or a kvc::StateView, with the cache's element type");
+    return S::state_input_view(x);
+  }
+
+  bool layer_has_linear(std::int64_t idx) const {
+    return std::visit([](const auto& l) { return has_linear<std::decay_t<decltype(l)>>; },
+                      layers_[static_cast<std::size_t>(idx)]);
+  }
+  bool layer_has_kv(std::int64_t idx) const {
+    return std::visit([](const auto& l) { return has_kv<std::decay_t<decltype(l)>>; }, layers_[static_cast<std::size_t>(idx)]);
+  }
+
+  // The layer that answers a length query asked of `idx`: itself, unless it is a pure
+  // linear-attention layer (then index 0 redirects to the first attention layer).
+  std::int64_t attention_layer_for(const char* method, std::int64_t idx) const {
+    if (layer_has_kv(idx)) return idx;
+    if (idx != 0)
+      throw ValueError("You called `" + std::string(method) + "` on layer index " + std::to_string(idx) +
+                       ", but this layer is a LinearAttention layer, which does not track sequence length.");
+    for (std::int64_t i = 0; i < size(); ++i)
+      if (layer_has_kv(i)) return i;
+    throw ValueError("`" + std::string(method) +
+                     "` can only be called on Attention layers, and the current Cache seem to only contain "
+                     "LinearAttention layers.");
+  }
+
+  template <class F>
+  typename S::state_view_type with_linear_layer(std::int64_t layer_idx, const char* method, F&& f) {
+    check_existing(layer_idx, method);
+    return visit_layer(layer_idx, [&](auto& l) -> typename S::state_view_type {
+      if constexpr (has_linear<std::decay_t<decltype(l)>>)
+        return f(l);
+      else
+        throw ValueError("Cannot call `" + std::string(method) + "` on a non-LinearAttention layer!");
+    });
+  }
+
+  // The batch size of a layer's data, -1 when it holds none.
+  template <class St>
+  static std::int64_t batch_of(const St& l) {
+    if constexpr (has_linear<St>)
+      return l.batch();
+    else
+      return l.is_initialized() ? l.shape().batch : -1;
   }
 
   template <class F>
@@ -497,7 +699,10 @@ class Cache<L, S, O> {
       const LayerShape given = detail::shape_of(k, v);
       std::visit(
           [&](const auto& l) {
-            if (l.is_initialized() && !(l.shape() == given)) {
+            using St = std::decay_t<decltype(l)>;
+            if constexpr (!has_kv<St>) {
+              throw_missing_attribute<St>("update");
+            } else if (l.is_initialized() && !(l.shape() == given)) {
               const LayerShape s = l.shape();
               throw ValueError(shapes_of(k, v) + " do not match layer " + std::to_string(layer_idx) +
                                ", which holds batch " + std::to_string(s.batch) + ", " + std::to_string(s.heads) +
@@ -507,7 +712,14 @@ class Cache<L, S, O> {
           },
           layers_[idx]);
       offload_.before_update(*this, layer_idx);
-      kv_type out = std::visit([&](auto& l) { return l.update(k, v); }, layers_[idx]);
+      kv_type out = std::visit(
+          [&](auto& l) -> kv_type {
+            if constexpr (has_kv<std::decay_t<decltype(l)>>)
+              return l.update(k, v);
+            else
+              return {};  // unreachable: checked above
+          },
+          layers_[idx]);
       offload_.after_update(*this, layer_idx);
       return out;
     } catch (...) {
@@ -529,11 +741,11 @@ class Cache<L, S, O> {
             if constexpr (BatchOp && !concepts::supports_batch_ops<St>) {
               throw_missing_attribute<St>(method);
             } else {
-              if (!l.is_initialized()) {
+              const std::int64_t batch = batch_of(l);
+              if (batch < 0) {
                 next.emplace_back(l);
                 return;
               }
-              const std::int64_t batch = l.shape().batch;
               const std::vector<std::int64_t> indices = make_indices(batch);
               for (const std::int64_t i : indices)
                 if (i < 0 || i >= batch)
@@ -549,9 +761,10 @@ class Cache<L, S, O> {
     layers_.swap(next);
   }
 
-  std::vector<layer_variant> layers_;
+  // mutable only for before_access: an offload engine brings layers back from a const method.
+  mutable std::vector<layer_variant> layers_;
   [[no_unique_address]] std::conditional_t<replicated, boost::mp11::mp_front<kinds>, std::monostate> prototype_{};
-  [[no_unique_address]] typename O::template engine<S> offload_{};
+  [[no_unique_address]] mutable typename O::template engine<S> offload_{};
 };
 
 }  // namespace kvc

@@ -20,8 +20,17 @@ class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
 };
 
 // The cache make_dynamic_cache builds: pre-built dynamic layers of every kind a config can name.
+// Every kind DYNAMIC_LAYER_TYPE_MAPPING names.
+using ConfiguredDynamicLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+                                       LinearAttentionAndFullAttentionLayer,
+                                       LinearAttentionAndSlidingWindowAttentionLayer /*@INDEXED_D@*/>;
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
-using ConfiguredDynamicCache = Cache<Layers<DynamicLayer, DynamicSlidingWindowLayer>, Storage, Offload>;
+using ConfiguredDynamicCache = Cache<ConfiguredDynamicLayers, Storage, Offload>;
+
+// The layer policy of StaticCache: every kind STATIC_LAYER_TYPE_MAPPING names.
+using StaticCacheLayers = Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
+                                 LinearAttentionAndStaticFullAttentionLayer,
+                                 LinearAttentionAndStaticSlidingWindowAttentionLayer /*@INDEXED_S@*/>;
 
 namespace detail {
 template <class To, class From>
@@ -38,7 +47,7 @@ std::vector<To> widen_kinds(const std::vector<From>& kinds) {
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig& config) {
   using C = ConfiguredDynamicCache<T, Storage, Offload>;
-  if constexpr (concepts::ValidCacheConfig<Layers<DynamicLayer, DynamicSlidingWindowLayer>, Storage, Offload>)
+  if constexpr (concepts::ValidCacheConfig<typename C::layer_policy, Storage, Offload>)
     return C(detail::widen_kinds<typename C::kind_variant>(dynamic_layer_kinds(config)));
   else
     return C();  // the misconfiguration is reported once, by C's static_asserts
@@ -47,8 +56,8 @@ ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig
 // transformers' StaticCache(config, max_cache_len): full → StaticLayer(max_cache_len),
 // sliding/chunked → StaticSlidingWindowLayer(max_cache_len, window).
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
-class StaticCache : public Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, Storage, Offload> {
-  using base = Cache<Layers<StaticLayer, StaticSlidingWindowLayer>, Storage, Offload>;
+class StaticCache : public Cache<StaticCacheLayers, Storage, Offload> {
+  using base = Cache<StaticCacheLayers, Storage, Offload>;
 
  public:
   StaticCache(const ModelConfig& config, std::int64_t max_cache_len)

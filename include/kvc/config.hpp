@@ -44,11 +44,16 @@ struct ModelConfig {
   std::optional<std::int64_t> attention_chunk_size;
   std::optional<std::vector<std::string>> layer_types;
   std::int64_t num_kv_shared_layers = 0;
+  // States per linear-attention layer (transformers reads getattr(config, "number_of_conv_states", 1)).
+  std::int64_t number_of_conv_states = 1;
   std::map<std::int64_t, LayerOverride> per_layer_config;
   // The model_type of the (text) config the layout came from: transformers'
   // get_text_config(decoder=True).model_type ("gemma3_text" for a Gemma 3 multimodal file, "llama"
   // for LLaVA 1.5). Empty when the file names none.
   std::string model_type;
+  // An encoder-decoder model (T5, Whisper, BART): generate() pairs its self-attention cache with a
+  // cross-attention cache (kvc::EncoderDecoderCache).
+  bool is_encoder_decoder = false;
 
   // A transformers config.json: the nested text config when there is one, the derivation of
   // layer_types and the class defaults of the model_type (docs/model_configs.md). Throws
@@ -91,11 +96,13 @@ struct ModelConfig {
 struct LayerSpec {
   std::string type;
   std::optional<std::int64_t> sliding_window;
+  std::int64_t number_of_states = 1;  // linear-attention layers and hybrids
 };
 
-// The layer types kvc builds caches for so far, in transformers' mapping order.
-inline constexpr std::array<std::string_view, 3> known_layer_types{"full_attention", "sliding_attention",
-                                                                   "chunked_attention"};
+// The layer types of DYNAMIC/STATIC_LAYER_TYPE_MAPPING, in transformers' order.
+inline constexpr std::array<std::string_view, 10> known_layer_types{
+    "full_attention", "sliding_attention", "chunked_attention",         "conv", "linear_attention",
+    "hybrid",         "hybrid_sliding",    "deepseek_sparse_attention", "moe",  "mlp"};
 
 // transformers' get_layer_types_and_kwargs, with each layer's own window: sliding layers use
 // sliding_window, chunked layers attention_chunk_size (transformers lets the chunk size overwrite
@@ -118,8 +125,8 @@ inline std::vector<LayerSpec> layer_specs(const ModelConfig& config) {
   std::vector<LayerSpec> specs;
   specs.reserve(types.size());
   for (std::size_t i = 0; i < types.size(); ++i) {
-    LayerSpec spec{types[i], std::nullopt};
-    if (types[i] == "sliding_attention") spec.sliding_window = config.sliding_window;
+    LayerSpec spec{types[i], std::nullopt, config.number_of_conv_states};
+    if (types[i] == "sliding_attention" || types[i] == "hybrid_sliding") spec.sliding_window = config.sliding_window;
     if (types[i] == "chunked_attention") spec.sliding_window = config.attention_chunk_size;
     const auto it = config.per_layer_config.find(static_cast<std::int64_t>(i));
     if (it != config.per_layer_config.end() && it->second.sliding_window) {
@@ -145,8 +152,25 @@ inline std::int64_t window_of(const LayerSpec& spec, std::size_t layer) {
 }
 }  // namespace detail
 
-using DynamicLayerKind = std::variant<DynamicLayer, DynamicSlidingWindowLayer>;
-using StaticLayerKind = std::variant<StaticLayer, StaticSlidingWindowLayer>;
+using DynamicLayerKind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+                                      LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionAndSlidingWindowAttentionLayer /*@INDEXED_D@*/>;
+using StaticLayerKind = std::variant<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
+                                     LinearAttentionAndStaticFullAttentionLayer,
+                                     LinearAttentionAndStaticSlidingWindowAttentionLayer /*@INDEXED_S@*/>;
+
+namespace detail {
+// The kinds both mappings share: linear-attention layers ("moe"/"mlp" get an empty one, so that
+// length and mask queries skip them). False when `type` is not one of them.
+template <class Kind>
+bool linear_kind(const LayerSpec& spec, std::vector<Kind>& out) {
+  if (spec.type == "conv" || spec.type == "linear_attention" || spec.type == "moe" || spec.type == "mlp") {
+    out.emplace_back(LinearAttentionLayer{spec.number_of_states});
+    return true;
+  }
+  return false;
+}
+}  // namespace detail
 
 // DYNAMIC_LAYER_TYPE_MAPPING: an unknown type is a KeyError naming it and the known ones.
 inline std::vector<DynamicLayerKind> dynamic_layer_kinds(const ModelConfig& config) {
@@ -158,7 +182,12 @@ inline std::vector<DynamicLayerKind> dynamic_layer_kinds(const ModelConfig& conf
       out.emplace_back(DynamicLayer{});
     else if (spec.type == "sliding_attention" || spec.type == "chunked_attention")
       out.emplace_back(DynamicSlidingWindowLayer{detail::window_of(spec, i)});
-    else
+    else if (spec.type == "hybrid")
+      out.emplace_back(LinearAttentionAndFullAttentionLayer{{}, spec.number_of_states});
+    else if (spec.type == "hybrid_sliding")
+      out.emplace_back(
+          LinearAttentionAndSlidingWindowAttentionLayer{{detail::window_of(spec, i)}, spec.number_of_states});
+    else if (!detail::linear_kind(spec, out))
       detail::throw_unknown_layer_type(spec.type);
   }
   return out;
@@ -176,7 +205,12 @@ inline std::vector<StaticLayerKind> static_layer_kinds(const ModelConfig& config
       out.emplace_back(StaticLayer{max_cache_len});
     else if (spec.type == "sliding_attention" || spec.type == "chunked_attention")
       out.emplace_back(StaticSlidingWindowLayer{max_cache_len, detail::window_of(spec, i)});
-    else
+    else if (spec.type == "hybrid")
+      out.emplace_back(LinearAttentionAndStaticFullAttentionLayer{{max_cache_len}, spec.number_of_states});
+    else if (spec.type == "hybrid_sliding")
+      out.emplace_back(LinearAttentionAndStaticSlidingWindowAttentionLayer{
+          {max_cache_len, detail::window_of(spec, i)}, spec.number_of_states});
+    else if (!detail::linear_kind(spec, out))
       detail::throw_unknown_layer_type(spec.type);
   }
   return out;
@@ -444,6 +478,9 @@ inline ModelConfig model_config_from(const json& root) {
 
   ModelConfig c;
   c.model_type = type;
+  // PreTrainedConfig's is_encoder_decoder; T5Config and WhisperConfig default it to true.
+  c.is_encoder_decoder = flag(top, "is_encoder_decoder")
+                             .value_or(rule == layer_rule::t5 || rule == layer_rule::whisper);
   const auto layers = count(s, layers_key, 0);
   if (!layers && !cls) fail("the config has no " + s.name(layers_key));
   c.num_hidden_layers = layers.value_or(cls ? cls->num_hidden_layers : 0);
@@ -491,6 +528,7 @@ inline ModelConfig model_config_from(const json& root) {
     fail(s.name("sliding_window") + " must be a positive integer, got 0");
   c.attention_chunk_size = extent(s, "attention_chunk_size");
   c.num_kv_shared_layers = count(s, "num_kv_shared_layers", 0).value_or(0);
+  c.number_of_conv_states = count(s, "number_of_conv_states", 1).value_or(1);
 
   const std::int64_t n = c.num_hidden_layers;
   if (const json* lt = s.value("layer_types")) {

@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer for this storage. Use DynamicLayer, DynamicSlidingWindowLayer, StaticLayer or StaticSlidingWindowLayer
+// EXPECT-ERROR: kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer
 // kvc::Layers<int>: int is not a layer kind (it has no `state<S>`). docs/errors.md lists the fix.
 #include <kvc/cache.hpp>
 

@@ -98,7 +98,8 @@ TEST_CASE("an unknown layer type is a KeyError naming it and the known ones") {
   c.layer_types = S{"full_attention", "mamba"};
   const char* message =
       "'mamba' is not a known layer type. Known layer types: ('full_attention', 'sliding_attention', "
-      "'chunked_attention')";
+      "'chunked_attention', 'conv', 'linear_attention', 'hybrid', 'hybrid_sliding', 'deepseek_sparse_attention', "
+      "'moe', 'mlp')";
   CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(c), message, kvc::KeyError);
   CHECK_THROWS_WITH_AS(kvc::StaticCache<float>(c, 8), message, kvc::KeyError);
 }

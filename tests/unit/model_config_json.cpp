@@ -142,13 +142,19 @@ TEST_CASE("the fields behind the layouts") {
   CHECK(whisper.num_hidden_layers == 4);
 }
 
-TEST_CASE("a linear-attention hybrid loads, but kvc cannot build its linear layers yet") {
+TEST_CASE("a linear-attention hybrid (Qwen3-Next) builds linear and full-attention layers") {
   const auto c = kvc::ModelConfig::from_file(test_config("qwen3-next-80b-a3b-instruct.config.json"));
-  const char* message =
-      "'linear_attention' is not a known layer type. Known layer types: ('full_attention', 'sliding_attention', "
-      "'chunked_attention')";
-  CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(c), message, kvc::KeyError);
-  CHECK_THROWS_WITH_AS(kvc::StaticCache<float>(c, 8), message, kvc::KeyError);
+  auto dynamic = kvc::make_dynamic_cache<float>(c);
+  kvc::StaticCache<float> fixed(c, 8);
+  REQUIRE(dynamic.size() == c.num_hidden_layers);
+  for (std::int64_t i = 0; i < dynamic.size(); ++i) {
+    const bool full = (i + 1) % 4 == 0;  // full_attention_interval 4
+    CHECK(std::string(dynamic.layer_name(i)) == (full ? "DynamicLayer" : "LinearAttentionLayer"));
+    CHECK(std::string(fixed.layer_name(i)) == (full ? "StaticLayer" : "LinearAttentionLayer"));
+  }
+  CHECK(dynamic.is_linear()[0]);
+  CHECK_FALSE(dynamic.is_linear()[3]);
+  CHECK(fixed.get_max_length() == 8);  // the linear layers have no length
 }
 
 TEST_CASE("the 13 real config.json files of ../shared/reference/model_configs") {

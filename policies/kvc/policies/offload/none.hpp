@@ -17,6 +17,9 @@ struct NoOffload {
     void before_update(Cache&, std::int64_t) noexcept {}
     template <class Cache>
     void after_update(Cache&, std::int64_t) noexcept {}
+    // Before a Cache method reads or changes layer `layer_idx` (-1: all) outside update.
+    template <class Cache>
+    void before_access(Cache&, std::int64_t) noexcept {}
   };
 };
 

@@ -1,0 +1,412 @@
+#pragma once
+// Linear-attention layers (Mamba, gated DeltaNet, LFM2-style short convolutions) and the hybrids
+// of a linear part with an attention part. Semantics: ../shared/reference/hf_cache_inventory.md
+// §1.9–§1.11; what kvc does differently (hybrids by composition, batch operations on the states,
+// crop of uninitialized states): docs/differences.md.
+//
+// A linear layer has no sequence axis. Each of its `number_of_states` slots holds
+//   - a conv state [batch, channels, time] (time last), kept at the kernel size k (or, once
+//     `activate_past_recording` was called, every column seen, so that `crop` can roll back);
+//   - a recurrent state of any shape (rank 1..4), overwritten by each update.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <kvc/concepts/cache_layer.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/static.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+// Conv and recurrent states only; the Cache reaches it through update_conv_state /
+// update_recurrent_state (it has no K/V `update`).
+struct LinearAttentionLayer {
+  std::int64_t number_of_states = 1;
+
+  template <class S>
+  class state;
+};
+
+namespace detail {
+
+// One dense tensor of rank 1..4 in a storage's memory.
+template <class S>
+struct dense_state {
+  using T = typename S::element_type;
+  typename S::buffer_type data;
+  int rank = 0;
+  std::array<std::int64_t, 4> extents{};
+  bool initialized = false;
+
+  std::int64_t rows() const noexcept {  // every axis but the last
+    std::int64_t n = 1;
+    for (int r = 0; r + 1 < rank; ++r) n *= extents[r];
+    return n;
+  }
+  std::int64_t last() const noexcept { return rank > 0 ? extents[rank - 1] : 0; }
+  typename S::state_view_type view() const noexcept {
+    return S::make_state_view(data.data(), rank, extents);
+  }
+  std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data.size(); }
+
+  // A copy whose batch entry i (axis 0) is entry indices[i] of this one.
+  dense_state gathered(std::span<const std::int64_t> indices) const {
+    dense_state out = *this;
+    if (!initialized) return out;
+    const std::int64_t per = extents[0] > 0 ? data.size() / extents[0] : 0;
+    out.extents[0] = static_cast<std::int64_t>(indices.size());
+    out.data = typename S::buffer_type(per * out.extents[0]);
+    for (std::size_t i = 0; i < indices.size(); ++i)
+      S::copy_2d(out.data.data() + static_cast<std::int64_t>(i) * per, per, data.data() + indices[i] * per, per, per, 1);
+    return out;
+  }
+};
+
+inline std::string state_shape_string(int rank, const std::array<std::int64_t, 4>& e) {
+  std::string out = "[";
+  for (int i = 0; i < rank; ++i) {
+    if (i) out.append(", ");
+    out.append(std::to_string(e[i]));
+  }
+  out.push_back(']');
+  return out;
+}
+
+}  // namespace detail
+
+template <class S>
+class LinearAttentionLayer::state {
+ public:
+  using kind_type = LinearAttentionLayer;
+  using T = typename S::element_type;
+  using state_view = typename S::state_view_type;
+  static constexpr bool is_sliding = false;
+  static constexpr bool is_compileable = true;
+  static constexpr bool supports_early_init = false;
+  static constexpr bool supports_batch_ops = true;  // transformers has none (docs/differences.md)
+  static constexpr std::string_view name = "LinearAttentionLayer";
+
+  explicit state(const LinearAttentionLayer& kind) : n_(kind.number_of_states) {
+    if (n_ < 1)
+      throw ValueError("LinearAttentionLayer: number_of_states must be a positive integer, got " + std::to_string(n_));
+    slots_.resize(static_cast<std::size_t>(n_));
+  }
+
+  std::int64_t number_of_states() const noexcept { return n_; }
+  bool records_past() const noexcept { return record_past_; }
+  void activate_past_recording() noexcept { record_past_ = true; }
+
+  // Whether some state was written.
+  bool is_initialized() const noexcept {
+    return std::any_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.conv.initialized || s.rec.initialized; });
+  }
+  // The batch size of the initialized states, -1 when there is none.
+  std::int64_t batch() const noexcept {
+    for (const slot& s : slots_) {
+      if (s.conv.initialized) return s.conv.extents[0];
+      if (s.rec.initialized) return s.rec.extents[0];
+    }
+    return -1;
+  }
+  std::int64_t bytes() const noexcept {
+    std::int64_t total = 0;
+    for (const slot& s : slots_) total += s.conv.bytes() + s.rec.bytes() + s.full.bytes();
+    return total;
+  }
+
+  bool has_previous_state(std::int64_t state_idx) const {
+    if (state_idx < 0)
+      return std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.has_previous_state; });
+    return at(state_idx, "has_previous_state").has_previous_state;
+  }
+  std::int64_t conv_kernel_size(std::int64_t state_idx) const { return at(state_idx, "conv_kernel_size").kernel; }
+  // What the layer holds (transformers' conv_states[i] / recurrent_states[i]); empty if unset.
+  state_view conv_state(std::int64_t state_idx) const { return at(state_idx, "conv_state").conv.view(); }
+  state_view recurrent_state(std::int64_t state_idx) const { return at(state_idx, "recurrent_state").rec.view(); }
+
+  // Returns the conv input with its left context: on the first call the input itself (left-padded
+  // with zeros to the kernel size unless past states are recorded), afterwards the stored columns
+  // followed by the new ones. Keeps the last k columns (or all, when recording).
+  state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
+    const slot& cur = at(state_idx, "update_conv_state");
+    if (x.rank != 3 || x.extent(0) < 1 || x.extent(1) < 1 || x.extent(2) < 1)
+      throw ValueError("update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, got " +
+                       shape_string(x));
+    if (conv_kernel_size < 0)
+      throw ValueError("update_conv_state: conv_kernel_size must be positive, got " + std::to_string(conv_kernel_size));
+    check_batch(x.extent(0), "update_conv_state");
+    if (cur.conv.initialized && cur.conv.extents[1] != x.extent(1))
+      throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
+                       std::to_string(state_idx) + ", which holds " + std::to_string(cur.conv.extents[1]) + " channels");
+    slot next;  // built aside, swapped in at the end (strong guarantee)
+    next.has_previous_state = true;
+    next.rec = cur.rec;
+    const std::int64_t k = cur.conv.initialized ? cur.kernel : (conv_kernel_size > 0 ? conv_kernel_size : x.extent(2));
+    next.kernel = k;
+    const std::int64_t rows = x.extent(0) * x.extent(1), t = x.extent(2);
+    // full = [previous columns | new columns], or the (padded) input on the first call
+    const bool first = !cur.has_previous_state;
+    const std::int64_t prev = first ? 0 : cur.conv.last();
+    const std::int64_t pad = (first && !record_past_ && t < k) ? k - t : 0;
+    const std::int64_t width = pad + prev + t;
+    next.full = make(3, {x.extent(0), x.extent(1), width, 0});
+    T* f = next.full.data.data();
+    if (pad > 0) S::zero_2d(f, width, pad, rows);
+    if (prev > 0) S::copy_2d(f, width, cur.conv.data.data(), prev, prev, rows);
+    S::copy_2d(f + pad + prev, width, x.data(), t, t, rows);
+    if (record_past_) {
+      next.conv = next.full;  // keeps every column seen
+    } else {
+      const std::int64_t keep = std::min(k, width);
+      next.conv = make(3, {x.extent(0), x.extent(1), k, 0});
+      if (keep < k) S::zero_2d(next.conv.data.data(), k, k - keep, rows);
+      S::copy_2d(next.conv.data.data() + (k - keep), k, f + (width - keep), width, keep, rows);
+    }
+    slots_[static_cast<std::size_t>(state_idx)] = std::move(next);
+    return slots_[static_cast<std::size_t>(state_idx)].full.view();
+  }
+
+  // Overwrites the recurrent state and returns it.
+  state_view update_recurrent_state(const state_view& x, std::int64_t state_idx) {
+    const slot& cur = at(state_idx, "update_recurrent_state");
+    if (x.rank < 1 || x.size() < 1)
+      throw ValueError("update_recurrent_state: recurrent states must be a non-empty tensor, got " + shape_string(x));
+    check_batch(x.extent(0), "update_recurrent_state");
+    if (cur.rec.initialized && (cur.rec.rank != x.rank || cur.rec.extents != x.extents))
+      throw ValueError("update_recurrent_state: recurrent states of shape " + shape_string(x) + " do not match state " +
+                       std::to_string(state_idx) + ", which holds " +
+                       detail::state_shape_string(cur.rec.rank, cur.rec.extents));
+    detail::dense_state<S> rec = cur.rec.initialized ? cur.rec : make(x.rank, x.extents);
+    S::copy_2d(rec.data.data(), x.size(), x.data(), x.size(), x.size(), 1);
+    slots_[static_cast<std::size_t>(state_idx)].rec = std::move(rec);
+    return slots_[static_cast<std::size_t>(state_idx)].rec.view();
+  }
+
+  void check_crop(std::int64_t tokens_to_remove) const {
+    if (!record_past_)
+      throw RuntimeError(
+          "`crop` was called, but the current layer does not track past states. Call `activate_past_recording` "
+          "before `crop` to be able to rollback the cache.");
+    if (tokens_to_remove > 0)
+      throw RuntimeError(
+          "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to "
+          "remove");
+  }
+
+  // Rolls the recorded conv states back by -tokens_to_remove columns and keeps the kernel size
+  // before that point (crop(0) shrinks them to the kernel size). Recurrent states cannot roll back.
+  void crop(std::int64_t tokens_to_remove) {
+    check_crop(tokens_to_remove);
+    std::vector<slot> next = slots_;
+    for (slot& s : next) {
+      if (!s.conv.initialized) continue;  // transformers fails on None here (docs/differences.md)
+      const std::int64_t have = s.conv.last();
+      const std::int64_t stop = std::max<std::int64_t>(have + tokens_to_remove, 0);  // tokens_to_remove <= 0
+      const std::int64_t start = std::max<std::int64_t>(stop - s.kernel, 0);
+      detail::dense_state<S> c = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0});
+      S::copy_2d(c.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
+      s.conv = std::move(c);
+    }
+    slots_.swap(next);
+  }
+
+  // Zeroes every state in place; no state has a previous state afterwards.
+  void reset() noexcept {
+    for (slot& s : slots_) {
+      for (detail::dense_state<S>* d : {&s.conv, &s.rec, &s.full})
+        if (d->data.size() > 0) S::zero_2d(d->data.data(), d->data.size(), d->data.size(), 1);
+      s.has_previous_state = false;
+    }
+  }
+
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out = *this;
+    for (slot& s : out.slots_) {
+      s.conv = s.conv.gathered(batch_indices);
+      s.rec = s.rec.gathered(batch_indices);
+      s.full = detail::dense_state<S>{};
+    }
+    return out;
+  }
+
+  template <class F>
+  void for_each_buffer(F&& f) {
+    for (slot& s : slots_) {
+      f(s.conv.data);
+      f(s.rec.data);
+      f(s.full.data);
+    }
+  }
+
+ private:
+  struct slot {
+    detail::dense_state<S> conv, rec;
+    detail::dense_state<S> full;  // what the last update_conv_state returned
+    std::int64_t kernel = 0;
+    bool has_previous_state = false;
+  };
+
+  static detail::dense_state<S> make(int rank, std::array<std::int64_t, 4> extents) {
+    detail::dense_state<S> d;
+    d.rank = rank;
+    d.extents = extents;
+    std::int64_t n = 1;
+    for (int r = 0; r < rank; ++r) n *= extents[r];
+    d.data = typename S::buffer_type(n);
+    if (n > 0) S::zero_2d(d.data.data(), n, n, 1);
+    d.initialized = true;
+    return d;
+  }
+
+  const slot& at(std::int64_t state_idx, const char* method) const {
+    if (state_idx < 0 || state_idx >= n_)
+      throw KeyError(std::string(method) + ": state_idx " + std::to_string(state_idx) +
+                     " is out of range for a layer with " + std::to_string(n_) + " states");
+    return slots_[static_cast<std::size_t>(state_idx)];
+  }
+
+  void check_batch(std::int64_t b, const char* method) const {
+    const std::int64_t have = batch();
+    if (have >= 0 && have != b)
+      throw ValueError(std::string(method) + ": batch size " + std::to_string(b) +
+                       " does not match the layer's other states, which have batch size " + std::to_string(have));
+  }
+
+  std::int64_t n_;
+  std::vector<slot> slots_;
+  bool record_past_ = false;
+};
+
+// ---- hybrids -----------------------------------------------------------------------------------
+
+namespace detail {
+template <class Attention>
+inline constexpr std::string_view hybrid_name = "LinearAttentionHybridLayer";
+template <>
+inline constexpr std::string_view hybrid_name<DynamicLayer> = "LinearAttentionAndFullAttentionLayer";
+template <>
+inline constexpr std::string_view hybrid_name<DynamicSlidingWindowLayer> = "LinearAttentionAndSlidingWindowAttentionLayer";
+template <>
+inline constexpr std::string_view hybrid_name<StaticLayer> = "LinearAttentionAndStaticFullAttentionLayer";
+template <>
+inline constexpr std::string_view hybrid_name<StaticSlidingWindowLayer> =
+    "LinearAttentionAndStaticSlidingWindowAttentionLayer";
+}  // namespace detail
+
+// A linear-attention part and an attention part (any K/V kind) in one layer, by composition:
+// every operation acts on both parts, and the length queries come from the attention part.
+template <class Attention>
+struct LinearAttentionHybrid {
+  Attention attention{};
+  std::int64_t number_of_states = 1;
+
+  template <class S>
+  class state;
+};
+
+using LinearAttentionAndFullAttentionLayer = LinearAttentionHybrid<DynamicLayer>;
+using LinearAttentionAndSlidingWindowAttentionLayer = LinearAttentionHybrid<DynamicSlidingWindowLayer>;
+using LinearAttentionAndStaticFullAttentionLayer = LinearAttentionHybrid<StaticLayer>;
+using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybrid<StaticSlidingWindowLayer>;
+
+template <class Attention>
+template <class S>
+class LinearAttentionHybrid<Attention>::state {
+  using linear_state = LinearAttentionLayer::state<S>;
+  using attention_state = typename Attention::template state<S>;
+
+ public:
+  using kind_type = LinearAttentionHybrid<Attention>;
+  using view = typename S::view_type;
+  using state_view = typename S::state_view_type;
+  static constexpr bool is_sliding = attention_state::is_sliding;
+  static constexpr bool is_compileable = attention_state::is_compileable;
+  static constexpr bool supports_early_init = false;  // as transformers: the first update sets the shapes
+  static constexpr bool supports_batch_ops = concepts::supports_batch_ops<attention_state>;
+  static constexpr std::string_view name = detail::hybrid_name<Attention>;
+
+  explicit state(const LinearAttentionHybrid& kind)
+      : attn_(kind.attention), linear_(LinearAttentionLayer{kind.number_of_states}) {}
+
+  const linear_state& linear_part() const noexcept { return linear_; }
+  const attention_state& attention_part() const noexcept { return attn_; }
+
+  // Attention part.
+  KV<view> update(const view& k, const view& v) { return attn_.update(k, v); }
+  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept {
+    return attn_.get_mask_sizes(q);
+  }
+  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
+  bool is_initialized() const noexcept { return attn_.is_initialized(); }
+  LayerShape shape() const noexcept { return attn_.shape(); }
+  void lazy_initialization(LayerShape shape) { attn_.lazy_initialization(shape); }
+  KV<view> stored() const noexcept { return attn_.stored(); }
+  void set_write_position(std::int64_t p)
+    requires concepts::supports_write_position<attention_state>
+  {
+    attn_.set_write_position(p);
+  }
+
+  // Linear part.
+  state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
+    return linear_.update_conv_state(x, state_idx, conv_kernel_size);
+  }
+  state_view update_recurrent_state(const state_view& x, std::int64_t state_idx) {
+    return linear_.update_recurrent_state(x, state_idx);
+  }
+  bool has_previous_state(std::int64_t state_idx) const { return linear_.has_previous_state(state_idx); }
+  std::int64_t number_of_states() const noexcept { return linear_.number_of_states(); }
+  std::int64_t batch() const noexcept { return attn_.is_initialized() ? attn_.shape().batch : linear_.batch(); }
+
+  // Both parts.
+  std::int64_t bytes() const noexcept { return attn_.bytes() + linear_.bytes(); }
+  void reset() noexcept {
+    linear_.reset();
+    attn_.reset();
+  }
+  void activate_past_recording() noexcept {
+    linear_.activate_past_recording();
+    if constexpr (concepts::supports_past_recording<attention_state>) attn_.activate_past_recording();
+  }
+  void check_crop(std::int64_t n) const
+    requires concepts::supports_crop<attention_state>
+  {
+    linear_.check_crop(n);
+    attn_.check_crop(n);
+  }
+  void crop(std::int64_t n)
+    requires concepts::supports_crop<attention_state>
+  {
+    check_crop(n);
+    linear_state l = linear_;  // the attention crop cannot throw once checked
+    l.crop(n);
+    attn_.crop(n);
+    linear_ = std::move(l);
+  }
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out = *this;
+    out.linear_ = linear_.gathered(batch_indices);
+    if (attn_.is_initialized()) out.attn_ = attn_.gathered(batch_indices);
+    return out;
+  }
+  template <class F>
+  void for_each_buffer(F&& f) {
+    attn_.for_each_buffer(f);
+    linear_.for_each_buffer(f);
+  }
+
+ private:
+  attention_state attn_;
+  linear_state linear_;
+};
+
+}  // namespace kvc
