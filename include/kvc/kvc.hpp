@@ -11,5 +11,6 @@
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
 #include <kvc/make_cache.hpp>
+#include <kvc/quantized_cache.hpp>
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>

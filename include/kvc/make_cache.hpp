@@ -2,10 +2,8 @@
 // Runtime-built caches: transformers' cache_implementation string → cache table (§3.3) and
 // generate()'s _prepare_cache_for_generation rules (§1.20), returning a kvc::AnyCache.
 //
-// Not available yet (they need the layer and offload policies of issue #5), each refused with a
-// ValueError saying so: "offloaded", "offloaded_static" and the deprecated offloaded names,
-// "quantized", encoder-decoder caches; "paged" (continuous batching) is accepted by
-// GenerationConfig::validate but has no cache in kvc.
+// "paged" (continuous batching) is accepted by GenerationConfig::validate but has no cache in kvc:
+// make_cache refuses it with a ValueError saying so.
 
 #include <algorithm>
 #include <cctype>
@@ -22,6 +20,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
+#include <kvc/quantized_cache.hpp>
 #include <kvc/warnings.hpp>
 
 namespace kvc {
@@ -35,6 +34,45 @@ constexpr bool contains(const std::array<std::string_view, N>& list, std::string
 [[noreturn]] inline void not_available(std::string_view implementation, std::string_view needs) {
   throw ValueError("cache_implementation '" + std::string(implementation) + "' needs " + std::string(needs) +
                    ", which kvc does not provide yet");
+}
+
+inline constexpr std::string_view quantized_unsupported_message =
+    "This model does not support the quantized cache. If you want your model to support quantized cache, please "
+    "open an issue and tag @zucchini-nlp.";
+
+// transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
+// without changing the caller's cache_config (§5 item 26). An unknown key is the TypeError Python
+// raises for an unexpected keyword argument.
+template <class T>
+AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {
+  if (!cache_config.is_null() && !cache_config.is_object())
+    throw ValueError("make_cache: `cache_config` must be an object, got " + cache_config.dump());
+  std::string backend = "quanto";
+  QuantizedOptions opts;
+  if (cache_config.is_object()) {
+    for (const auto& [key, value] : cache_config.items()) {
+      std::int64_t* field = key == "nbits"             ? &opts.nbits
+                            : key == "axis_key"        ? &opts.axis_key
+                            : key == "axis_value"      ? &opts.axis_value
+                            : key == "q_group_size"    ? &opts.q_group_size
+                            : key == "residual_length" ? &opts.residual_length
+                                                       : nullptr;
+      if (key == "backend") {
+        if (!value.is_string())
+          throw ValueError("make_cache: `cache_config.backend` must be a string, got " + value.dump());
+        backend = value.template get<std::string>();
+      } else if (key == "config") {
+        continue;  // generate() sets it to the model's text config; kvc takes model_config
+      } else if (field) {
+        if (!value.is_number_integer())
+          throw ValueError("make_cache: `cache_config." + key + "` must be an integer, got " + value.dump());
+        *field = value.template get<std::int64_t>();
+      } else {
+        throw TypeError("QuantizedCache.__init__() got an unexpected keyword argument '" + key + "'");
+      }
+    }
+  }
+  return AnyCache(QuantizedCache<T>(backend, model_config, opts));
 }
 
 inline std::string lower(std::string_view s) {
@@ -69,7 +107,10 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
   if (impl == "paged")
     detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
-  if (impl == "quantized") detail::not_available(impl, "QuantizedLayer and its codecs (issue #5)");
+  if (impl == "quantized") {
+    if (model_config.is_encoder_decoder) throw ValueError(std::string(detail::quantized_unsupported_message));
+    return detail::quantized_from_cache_config<T>(generation_config.cache_config, model_config);
+  }
   if (impl.find("offloaded") != std::string::npos) detail::not_available(impl, "an offload policy (issues #5 and #6)");
   // A static name (validate() accepted it and it is none of the above).
   if (detail::contains(DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS, impl))

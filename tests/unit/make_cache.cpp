@@ -81,10 +81,6 @@ TEST_CASE("names kvc cannot build yet are refused with a clear message") {
                        "cache_implementation 'paged' needs a paged cache for continuous batching (generate_batch), "
                        "which kvc does not provide yet",
                        kvc::ValueError);
-  CHECK_THROWS_WITH_AS(kvc::make_cache(with("quantized"), gemma_like()),
-                       "cache_implementation 'quantized' needs QuantizedLayer and its codecs (issue #5), which kvc does "
-                       "not provide yet",
-                       kvc::ValueError);
   for (const std::string impl : {"offloaded", "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"}) {
     const std::string message = "cache_implementation '" + impl +
                                 "' needs an offload policy (issues #5 and #6), which kvc does not provide yet";
@@ -149,4 +145,61 @@ TEST_CASE("prepare_cache_for_generation: the user's cache, use_cache, unsupporte
     cache->update(t, t, 0);
     CHECK(cache->stored<float>(0).keys.extent(2) == 6);  // all 6 kept, not the window's 3
   }
+}
+
+namespace {
+kvc::ModelConfig llama_like() {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("'quantized': QuantizedCache from cache_config, which is never changed (§5 item 26)") {
+  auto g = with("quantized");
+  g.cache_config = nlohmann::ordered_json{{"backend", "hqq"}, {"nbits", 8}, {"axis_key", 1}, {"residual_length", 4}};
+  const auto before = g.cache_config;
+  for (int call = 0; call < 2; ++call) {  // transformers' second call silently falls back to quanto
+    auto cache = kvc::make_cache(g, llama_like());
+    REQUIRE(cache.get<kvc::QuantizedCache<float>>() != nullptr);
+    CHECK(cache.layer_name(0) == "HQQQuantizedLayer");
+    CHECK(cache.size() == 2);
+    CHECK(g.cache_config == before);
+  }
+  auto cache = kvc::make_cache(g, llama_like());
+  cache.get<kvc::QuantizedCache<float>>()->visit_layer(1, [](const auto& l) {
+    CHECK(l.options().nbits == 8);
+    CHECK(l.options().axis_key == 1);
+    CHECK(l.options().residual_length == 4);
+  });
+  CHECK(kvc::make_cache(with("quantized"), llama_like()).layer_name(0) == "QuantoQuantizedLayer");  // the default
+}
+
+TEST_CASE("'quantized': the messages of the quantized path") {
+  auto g = with("quantized");
+  auto t5 = llama_like();
+  t5.is_encoder_decoder = true;
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, t5),
+                       "This model does not support the quantized cache. If you want your model to support quantized "
+                       "cache, please open an issue and tag @zucchini-nlp.",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"backend", "HQQ"}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "Unknown quantization backend `HQQ`", kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"nbits", 3}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"group_size", 32}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
+                       "QuantizedCache.__init__() got an unexpected keyword argument 'group_size'", kvc::TypeError);
+  g.cache_config = nlohmann::ordered_json{{"nbits", "4"}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "make_cache: `cache_config.nbits` must be an integer, got \"4\"",
+                       kvc::ValueError);
+  g.cache_config = nullptr;
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, gemma_like()),
+                       "`QuantizedCache` is only supported for models with only full attention layers. We found the "
+                       "following invalid layer types: {'sliding_attention'}",
+                       kvc::ValueError);
 }

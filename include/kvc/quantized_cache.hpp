@@ -1,0 +1,100 @@
+#pragma once
+// kvc::QuantizedCache<T>(backend, config, QuantizedOptions{...}): transformers' QuantizedCache
+// (inventory §1.16): one QuantizedLayer per layer of a full-attention model, with the quanto or
+// HQQ codec (docs/quantized.md).
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <kvc/cache.hpp>
+#include <kvc/config.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers/quantized.hpp>
+
+namespace kvc {
+
+// transformers' QuantizedCache keyword arguments, with its defaults.
+struct QuantizedOptions {
+  std::int64_t nbits = 4;
+  std::int64_t axis_key = 0;
+  std::int64_t axis_value = 0;
+  std::int64_t q_group_size = 64;
+  std::int64_t residual_length = 128;
+};
+
+namespace detail {
+
+// Python's repr of a set of strings, elements sorted: {'a', 'b'} (set() when empty).
+inline std::string py_str_set(const std::set<std::string>& values) {
+  if (values.empty()) return "set()";
+  std::string out = "{";
+  for (const auto& v : values) {
+    if (out.size() > 1) out.append(", ");
+    out.push_back('\'');
+    out.append(v);
+    out.push_back('\'');
+  }
+  out.push_back('}');
+  return out;
+}
+
+template <class Kind>
+Kind quantized_kind(const QuantizedOptions& o) {
+  return Kind{o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length};
+}
+
+// The checks of transformers' QuantizedCache.__init__, in its order (backend, layer types, then the
+// layer's own checks), and one layer kind per layer of the config.
+template <class KindVariant>
+std::vector<KindVariant> quantized_layer_kinds(std::string_view backend, const ModelConfig& config,
+                                               const QuantizedOptions& opts) {
+  if (backend != QuantoCodec::backend && backend != HqqCodec::backend) {
+    std::string msg = "Unknown quantization backend `";
+    msg.append(backend);
+    msg.push_back('`');
+    throw ValueError(msg);
+  }
+  const std::vector<LayerSpec> specs = layer_specs(config);
+  std::set<std::string> invalid;
+  for (const auto& spec : specs)
+    if (spec.type != "full_attention") invalid.insert(spec.type);
+  if (!invalid.empty()) {
+    std::string msg =
+        "`QuantizedCache` is only supported for models with only full attention layers. We found the following "
+        "invalid layer types: ";
+    msg.append(py_str_set(invalid));
+    throw ValueError(msg);
+  }
+  std::vector<KindVariant> out;
+  out.reserve(specs.size());
+  if (backend == QuantoCodec::backend) {
+    QuantoCodec::validate(opts.nbits, opts.axis_key, opts.axis_value);
+    check_quantized_option(opts.q_group_size, 1, "q_group_size", QuantoCodec::layer_name);
+    check_quantized_option(opts.residual_length, 1, "residual_length", QuantoCodec::layer_name);
+    for (std::size_t i = 0; i < specs.size(); ++i) out.emplace_back(quantized_kind<QuantoQuantizedLayer>(opts));
+  } else {
+    HqqCodec::validate(opts.nbits, opts.axis_key, opts.axis_value);
+    check_quantized_option(opts.q_group_size, 1, "q_group_size", HqqCodec::layer_name);
+    check_quantized_option(opts.residual_length, 1, "residual_length", HqqCodec::layer_name);
+    for (std::size_t i = 0; i < specs.size(); ++i) out.emplace_back(quantized_kind<HQQQuantizedLayer>(opts));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// One QuantizedLayer per layer of `config` (after its num_kv_shared_layers shared layers, like the
+// other config-built caches), with backend "quanto" or "hqq" (exactly these spellings).
+template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
+class QuantizedCache : public Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLayer>, Storage, Offload> {
+  using base = Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLayer>, Storage, Offload>;
+
+ public:
+  QuantizedCache(std::string_view backend, const ModelConfig& config, QuantizedOptions opts = {})
+      : base(detail::quantized_layer_kinds<typename base::kind_variant>(backend, config, opts)) {}
+};
+
+}  // namespace kvc

@@ -1,0 +1,388 @@
+#pragma once
+// kvc::QuantizedLayer<Codec>: a dynamic layer that keeps most of its tokens quantized
+// (transformers' QuantizedLayer, QuantoQuantizedLayer and HQQQuantizedLayer; inventory §1.8).
+// Codecs, the meaning of `axis` and the packing: <kvc/policies/quantization/codecs.hpp> and
+// docs/quantized.md; what kvc does differently from transformers: docs/differences.md.
+//
+// What the layer holds:
+//   - the quantized history of K and V (packed codes, and a scale and offset per group);
+//   - the residual: the tokens added since the last quantization, in full precision;
+//   - a dequantized workspace, [batch, heads, capacity, head_dim] per K and V in the element type,
+//     which the views returned by `update` point into. It must outlive the call (the views stay
+//     valid until the next call that changes the layer), so the layer keeps it, and reuses it:
+//     between two quantizations its front holds dequant(history) + residual, and an update only
+//     appends the new tokens (amortized O(q)); after a quantization (every residual_length decode
+//     steps) the next update dequantizes the history again (O(sequence)). Its capacity is the
+//     sequence plus max(residual_length, sequence / 16) tokens. `release_workspace()` frees it
+//     when the caller no longer needs the views (the next update rebuilds it).
+// bytes() counts all three; quantized_bytes(), residual_bytes() and workspace_bytes() split it.
+//
+// `update`: the first call quantizes all of k and v and returns the inputs themselves (copied);
+// later calls return dequant(history) + residual + new, and when the residual already holds
+// residual_length - 1 tokens or more (and is not empty), everything returned is quantized again
+// and the residual is emptied; otherwise the new tokens join the residual.
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/kv_store.hpp>
+#include <kvc/policies/quantization/codecs.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+namespace detail {
+
+// Dense K and V buffers [batch, heads, capacity, head_dim] that a layer writes into directly.
+template <class S>
+class dequant_workspace {
+ public:
+  using T = typename S::element_type;
+  using buffer = typename S::buffer_type;
+  using view = typename S::view_type;
+
+  dequant_workspace() = default;
+  dequant_workspace(LayerShape shape, std::int64_t capacity)
+      : shape_(shape),
+        cap_(capacity),
+        k_(shape.batch * shape.heads * capacity * shape.key_head_dim),
+        v_(shape.batch * shape.heads * capacity * shape.value_head_dim) {}
+
+  std::int64_t capacity() const noexcept { return cap_; }
+  std::int64_t bytes() const noexcept {
+    return static_cast<std::int64_t>(sizeof(T)) * (std::int64_t{k_.size()} + std::int64_t{v_.size()});
+  }
+  T* keys() noexcept { return k_.data(); }
+  T* values() noexcept { return v_.data(); }
+  const T* keys() const noexcept { return k_.data(); }
+  const T* values() const noexcept { return v_.data(); }
+  // Elements between two batch entries / two heads of K (d = key_head_dim) or V.
+  std::int64_t stride_b(std::int64_t d) const noexcept { return shape_.heads * cap_ * d; }
+  std::int64_t stride_h(std::int64_t d) const noexcept { return cap_ * d; }
+
+  KV<view> kv(std::int64_t len) const noexcept {
+    return {region(k_, shape_.key_head_dim, len), region(v_, shape_.value_head_dim, len)};
+  }
+
+  // Copies the tokens of k and v to slots [pos, pos + k.extent(2)). Precondition: they fit.
+  void write(std::int64_t pos, const view& k, const view& v) noexcept {
+    write_one(k_.data(), shape_.key_head_dim, pos, k);
+    write_one(v_.data(), shape_.value_head_dim, pos, v);
+  }
+
+  // Copies slots [0, len) of `from` (same shape, any capacity) to slots [0, len).
+  void copy_prefix(const dequant_workspace& from, std::int64_t len) noexcept {
+    const std::int64_t rows = shape_.batch * shape_.heads;
+    S::copy_2d(k_.data(), cap_ * shape_.key_head_dim, from.k_.data(), from.cap_ * shape_.key_head_dim,
+               len * shape_.key_head_dim, rows);
+    S::copy_2d(v_.data(), cap_ * shape_.value_head_dim, from.v_.data(), from.cap_ * shape_.value_head_dim,
+               len * shape_.value_head_dim, rows);
+  }
+
+  // A workspace whose batch entry i holds slots [0, len) of this one's entry indices[i].
+  dequant_workspace gathered(std::span<const std::int64_t> indices, std::int64_t len) const {
+    LayerShape s = shape_;
+    s.batch = static_cast<std::int64_t>(indices.size());
+    dequant_workspace out(s, cap_);
+    for (std::size_t i = 0; i < indices.size(); ++i) {
+      const auto to = static_cast<std::int64_t>(i);
+      const std::int64_t dk = shape_.key_head_dim, dv = shape_.value_head_dim;
+      S::copy_2d(out.k_.data() + to * stride_b(dk), cap_ * dk, k_.data() + indices[i] * stride_b(dk), cap_ * dk,
+                 len * dk, shape_.heads);
+      S::copy_2d(out.v_.data() + to * stride_b(dv), cap_ * dv, v_.data() + indices[i] * stride_b(dv), cap_ * dv,
+                 len * dv, shape_.heads);
+    }
+    return out;
+  }
+
+ private:
+  view region(const buffer& b, std::int64_t d, std::int64_t len) const noexcept {
+    return S::make_view(b.data(), {shape_.batch, shape_.heads, len, d}, {shape_.heads * cap_ * d, cap_ * d, d, 1});
+  }
+  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) noexcept {
+    const std::int64_t q = src.extent(2);
+    if (q == 0) return;
+    for (std::int64_t b = 0; b < shape_.batch; ++b)
+      S::copy_2d(dst + (b * shape_.heads * cap_ + pos) * d, cap_ * d, src.data() + b * src.stride(0), src.stride(1),
+                 q * d, shape_.heads);
+  }
+
+  LayerShape shape_{};
+  std::int64_t cap_ = 0;
+  buffer k_;
+  buffer v_;
+};
+
+inline void check_quantized_option(std::int64_t value, std::int64_t minimum, std::string_view option,
+                                   std::string_view layer) {
+  if (value >= minimum) return;
+  std::string msg(layer);
+  msg.append(": `");
+  msg.append(option);
+  msg.append("` must be a positive integer, got ");
+  msg.append(std::to_string(value));
+  throw ValueError(msg);
+}
+
+}  // namespace detail
+
+// Keeps the tokens quantized with Codec (QuantoCodec or HqqCodec) and the last few in full
+// precision. The options are transformers' constructor arguments, with its defaults.
+template <class Codec>
+struct QuantizedLayer {
+  std::int64_t nbits = 4;
+  std::int64_t axis_key = 0;
+  std::int64_t axis_value = 0;
+  std::int64_t q_group_size = 64;
+  std::int64_t residual_length = 128;
+
+  // Host storage only: the codecs run on the CPU.
+  template <class S>
+    requires(S::space == memory_space::host)
+  class state {
+   public:
+    using kind_type = QuantizedLayer;
+    using view = typename S::view_type;
+    using element_type = typename S::element_type;
+    using meta_type = detail::quant_meta_t<element_type>;
+    static constexpr bool is_sliding = false;
+    static constexpr bool is_compileable = false;
+    static constexpr bool supports_early_init = true;
+    static constexpr bool supports_batch_ops = true;
+    static constexpr std::string_view name = Codec::layer_name;
+
+    // Checks the options: the codec's checks in transformers' order (nbits, axis_key,
+    // axis_value), then q_group_size and residual_length.
+    explicit state(const QuantizedLayer& kind) : opts_(kind) {
+      Codec::validate(kind.nbits, kind.axis_key, kind.axis_value);
+      detail::check_quantized_option(kind.q_group_size, 1, "q_group_size", name);
+      detail::check_quantized_option(kind.residual_length, 1, "residual_length", name);
+    }
+
+    const QuantizedLayer& options() const noexcept { return opts_; }
+    bool is_initialized() const noexcept { return initialized_; }
+    LayerShape shape() const noexcept { return shape_; }
+
+    // Everything held: quantized history, residual and workspace.
+    std::int64_t bytes() const noexcept { return quantized_bytes() + residual_bytes() + workspace_bytes(); }
+    // The quantized history of K and V: packed codes plus scales and offsets.
+    std::int64_t quantized_bytes() const noexcept { return qk_.bytes() + qv_.bytes(); }
+    // The full-precision residual (its allocated capacity).
+    std::int64_t residual_bytes() const noexcept { return residual_.bytes(); }
+    // The dequantized workspace the returned views point into (its allocated capacity).
+    std::int64_t workspace_bytes() const noexcept { return ws_.bytes(); }
+    std::int64_t quantized_tokens() const noexcept { return qk_.tokens(); }
+    std::int64_t residual_tokens() const noexcept { return rlen_; }
+
+    // Frees the workspace: the views returned so far become invalid, and the next update
+    // dequantizes the history again.
+    void release_workspace() noexcept {
+      ws_ = detail::dequant_workspace<S>();
+      ws_fresh_ = false;
+    }
+
+    // Records the shape; allocates nothing.
+    void lazy_initialization(LayerShape shape) {
+      detail::kv_store<S> residual(shape, 0, false);
+      clear();
+      shape_ = shape;
+      residual_ = std::move(residual);
+      initialized_ = true;
+    }
+
+    KV<view> update(const view& k, const view& v) {
+      if (!initialized_ || cumulative_ == 0) return first_update(k, v);
+      const std::int64_t q = k.extent(2);
+      const std::int64_t qlen = qk_.tokens();
+      const std::int64_t held = qlen + rlen_;
+      const std::int64_t total = held + q;
+      // An empty residual never triggers (transformers tests `keys.dim() == 4`, false for its
+      // 1-D empty residual).
+      const bool flush = rlen_ > 0 && rlen_ + 1 >= opts_.residual_length;
+
+      // Everything that can throw happens first, aside; the commit below cannot throw.
+      std::optional<detail::kv_store<S>> grown_residual;
+      if (!flush && rlen_ + q > residual_.capacity())
+        grown_residual = residual_.relocated(
+            std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)}), 0, rlen_);
+      const bool rebuild_in_place = !ws_fresh_ && !flush && ws_.capacity() >= total;
+      std::optional<detail::dequant_workspace<S>> grown_ws;
+      if (ws_.capacity() < total || (!ws_fresh_ && !rebuild_in_place)) {
+        grown_ws.emplace(shape_, workspace_capacity(total));
+        if (ws_fresh_)
+          grown_ws->copy_prefix(ws_, held);
+        else
+          fill_from_store(*grown_ws);
+      }
+      detail::dequant_workspace<S>& w = grown_ws ? *grown_ws : ws_;
+
+      if (flush) {
+        // The new tokens go after the held prefix (in place, this leaves the prefix the previous
+        // views show untouched), then all `total` tokens are quantized.
+        w.write(held, k, v);
+        qtensor nk = encode(w.keys(), w.stride_b(shape_.key_head_dim), w.stride_h(shape_.key_head_dim), total,
+                            shape_.key_head_dim, opts_.axis_key);
+        qtensor nv = encode(w.values(), w.stride_b(shape_.value_head_dim), w.stride_h(shape_.value_head_dim), total,
+                            shape_.value_head_dim, opts_.axis_value);
+        if (grown_ws) ws_ = std::move(*grown_ws);
+        qk_ = std::move(nk);
+        qv_ = std::move(nv);
+        rlen_ = 0;
+        cumulative_ += q;
+        ws_fresh_ = false;  // it holds what was returned, not dequant of the new history
+        return ws_.kv(total);
+      }
+
+      if (rebuild_in_place) fill_from_store(ws_);
+      if (grown_ws) ws_ = std::move(*grown_ws);
+      ws_.write(held, k, v);
+      if (grown_residual) residual_ = std::move(*grown_residual);
+      residual_.write(rlen_, k, v);
+      rlen_ += q;
+      cumulative_ += q;
+      ws_fresh_ = true;
+      return ws_.kv(total);
+    }
+
+    std::int64_t get_seq_length() const noexcept { return cumulative_; }
+    std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return {cumulative_ + q, 0}; }
+    std::int64_t get_max_length() const noexcept { return -1; }
+
+    void check_crop(std::int64_t) const noexcept {}
+    // Negative: removes -n tokens from the end, across the residual and the quantized history
+    // (a cut into the history dequantizes it, truncates and quantizes it again). Positive: the
+    // deprecated absolute length (with DynamicLayer's warning).
+    void crop(std::int64_t tokens_to_remove) {
+      if (!initialized_) return;
+      const std::int64_t count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
+      if (count == 0) return;
+      if (count <= rlen_) {
+        rlen_ -= count;  // the workspace's prefix stays what it was
+        cumulative_ -= count;
+        return;
+      }
+      const std::int64_t keep = cumulative_ - count;  // < quantized_tokens()
+      qtensor nk = requantized(qk_, keep, shape_.key_head_dim, opts_.axis_key);
+      qtensor nv = requantized(qv_, keep, shape_.value_head_dim, opts_.axis_value);
+      qk_ = std::move(nk);
+      qv_ = std::move(nv);
+      rlen_ = 0;
+      cumulative_ = keep;
+      ws_fresh_ = false;
+    }
+
+    // Drops everything: the next update starts afresh and may have another shape.
+    void reset() noexcept {
+      clear();
+      shape_ = LayerShape{};
+      residual_ = detail::kv_store<S>();
+      initialized_ = false;
+    }
+
+    // transformers' layer.keys / layer.values: the full-precision residual.
+    KV<view> stored() const noexcept { return residual_.kv(0, rlen_); }
+
+    // Batch entry i of the copy is entry batch_indices[i] of this layer; the quantized history is
+    // copied as packed bytes (exact, nothing is quantized again).
+    state gathered(std::span<const std::int64_t> batch_indices) const {
+      state out(*this, 0);
+      if (!initialized_) return out;
+      out.shape_.batch = static_cast<std::int64_t>(batch_indices.size());
+      out.qk_ = qk_.gathered(batch_indices);
+      out.qv_ = qv_.gathered(batch_indices);
+      out.residual_ = residual_.gathered(batch_indices);
+      if (ws_fresh_) out.ws_ = ws_.gathered(batch_indices, qk_.tokens() + rlen_);
+      out.ws_fresh_ = ws_fresh_;
+      return out;
+    }
+
+   private:
+    using qtensor = detail::quantized_tensor<meta_type>;
+
+    state(const state& o, int)
+        : opts_(o.opts_), shape_(o.shape_), rlen_(o.rlen_), cumulative_(o.cumulative_), initialized_(o.initialized_) {}
+
+    void clear() noexcept {
+      qk_ = qtensor();
+      qv_ = qtensor();
+      ws_ = detail::dequant_workspace<S>();
+      rlen_ = cumulative_ = 0;
+      ws_fresh_ = false;
+    }
+
+    // Room for `total` tokens and the ones the next few updates add: residual_length more (a
+    // single-token decode quantizes, and so rebuilds the workspace anyway, within that many steps)
+    // or a sixteenth more for long multi-token appends (amortized O(1) copies per token).
+    std::int64_t workspace_capacity(std::int64_t total) const noexcept {
+      return std::max({total + opts_.residual_length, total + total / 16, detail::min_dynamic_capacity});
+    }
+
+    qtensor encode(const element_type* src, std::int64_t stride_b, std::int64_t stride_h, std::int64_t tokens,
+                   std::int64_t dim, std::int64_t axis) const {
+      return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
+                                             src, shape_.batch, shape_.heads, tokens, dim, stride_b, stride_h);
+    }
+
+    // The first `keep` tokens of `t`, dequantized and quantized again.
+    qtensor requantized(const qtensor& t, std::int64_t keep, std::int64_t dim, std::int64_t axis) const {
+      const std::int64_t n = t.tokens();
+      typename S::buffer_type tmp(shape_.batch * shape_.heads * n * dim);
+      t.decode(tmp.data(), shape_.heads * n * dim, n * dim);
+      return encode(tmp.data(), shape_.heads * n * dim, n * dim, keep, dim, axis);
+    }
+
+    // Writes dequant(history) + residual to the front of `w`. Cannot throw.
+    void fill_from_store(detail::dequant_workspace<S>& w) const noexcept {
+      qk_.decode(w.keys(), w.stride_b(shape_.key_head_dim), w.stride_h(shape_.key_head_dim));
+      qv_.decode(w.values(), w.stride_b(shape_.value_head_dim), w.stride_h(shape_.value_head_dim));
+      const KV<view> r = residual_.kv(0, rlen_);
+      w.write(qk_.tokens(), r.keys, r.values);
+    }
+
+    KV<view> first_update(const view& k, const view& v) {
+      const LayerShape shape = detail::shape_of(k, v);
+      const std::int64_t q = k.extent(2);
+      const std::int64_t dk = shape.key_head_dim, dv = shape.value_head_dim;
+      const int nbits = static_cast<int>(opts_.nbits);
+      qtensor nk = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_key), opts_.q_group_size,
+                                                   k.data(), shape.batch, shape.heads, q, dk, k.stride(0), k.stride(1));
+      qtensor nv = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_value), opts_.q_group_size,
+                                                   v.data(), shape.batch, shape.heads, q, dv, v.stride(0), v.stride(1));
+      detail::dequant_workspace<S> w(shape, std::max(q, detail::min_dynamic_capacity));
+      w.write(0, k, v);
+      detail::kv_store<S> residual(shape, 0, false);
+      shape_ = shape;
+      qk_ = std::move(nk);
+      qv_ = std::move(nv);
+      ws_ = std::move(w);
+      residual_ = std::move(residual);
+      rlen_ = 0;
+      cumulative_ = q;
+      ws_fresh_ = false;  // it holds the inputs, not dequant of what was quantized
+      initialized_ = true;
+      return ws_.kv(q);
+    }
+
+    QuantizedLayer opts_;
+    LayerShape shape_{};
+    qtensor qk_, qv_;                  // quantized history (same number of tokens)
+    detail::kv_store<S> residual_;     // full-precision tokens [0, rlen_)
+    detail::dequant_workspace<S> ws_;  // what the last update returned
+    std::int64_t rlen_ = 0;
+    std::int64_t cumulative_ = 0;  // tokens held: quantized + residual
+    bool ws_fresh_ = false;        // ws_[0, quantized + residual) == dequant(history) + residual
+    bool initialized_ = false;
+  };
+};
+
+using QuantoQuantizedLayer = QuantizedLayer<QuantoCodec>;
+using HQQQuantizedLayer = QuantizedLayer<HqqCodec>;
+
+}  // namespace kvc

@@ -1,0 +1,137 @@
+// kvc::QuantizedCache<T>(backend, config, QuantizedOptions): inventory §1.16, §2.1 items 7-13, 33, 34,
+// §5 item 25.
+
+#include <random>
+
+#include "../support/kvc_test.hpp"
+
+#include <kvc/quantized_cache.hpp>
+
+namespace {
+
+kvc::ModelConfig llama_like(std::int64_t layers = 3) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.hidden_size = 64;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (§2.1 item 33)") {
+  const auto config = llama_like();
+  CHECK(kvc::QuantizedCache<float>("quanto", config).layer_name(0) == "QuantoQuantizedLayer");
+  CHECK(kvc::QuantizedCache<float>("hqq", config).layer_name(2) == "HQQQuantizedLayer");
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("HQQ", config), "Unknown quantization backend `HQQ`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("", config), "Unknown quantization backend ``", kvc::ValueError);
+}
+
+TEST_CASE("only full-attention layers (§2.1 item 34): a Python set repr, elements sorted") {
+  auto config = llama_like(4);
+  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention", "full_attention",
+                                                "sliding_attention"};
+  config.sliding_window = 16;
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", config),
+                       "`QuantizedCache` is only supported for models with only full attention layers. We found the "
+                       "following invalid layer types: {'sliding_attention'}",
+                       kvc::ValueError);
+  config.layer_types = std::vector<std::string>{"sliding_attention", "linear_attention", "chunked_attention", "full_attention"};
+  config.attention_chunk_size = 8;
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", config),
+                       "`QuantizedCache` is only supported for models with only full attention layers. We found the "
+                       "following invalid layer types: {'chunked_attention', 'linear_attention', 'sliding_attention'}",
+                       kvc::ValueError);
+  // A model-wide sliding_window without layer_types makes every layer sliding.
+  auto sliding = llama_like(2);
+  sliding.sliding_window = 32;
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", sliding),
+                       "`QuantizedCache` is only supported for models with only full attention layers. We found the "
+                       "following invalid layer types: {'sliding_attention'}",
+                       kvc::ValueError);
+}
+
+TEST_CASE("checks run in transformers' order: backend, layer types, then the layer's own") {
+  auto config = llama_like(2);
+  config.sliding_window = 32;
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("nope", config, {3}), "Unknown quantization backend `nope`",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", config, {3}),
+                       "`QuantizedCache` is only supported for models with only full attention layers. We found the "
+                       "following invalid layer types: {'sliding_attention'}",
+                       kvc::ValueError);
+  const auto full = llama_like(2);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", full, {3, 1, 1}),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", full, {4, 1, 1}),
+                       "`axis_key` for `quanto` backend has to be one of [`0`, `-1`] but got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", full, {4, -1, 1}),
+                       "`axis_value` for `quanto` backend has to be one of [`0`, `-1`] but got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", full, {6, 2, 2}),
+                       "`nbits` for `HQQ` backend has to be one of [`1`, `2`, `3`, `4`, `8`] but got 6",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", full, {8, -1, 2}),
+                       "`axis_key` for `HQQ` backend has to be one of [`0`, `1`] but got -1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", full, {8, 1, -1}),
+                       "`axis_value` for `HQQ` backend has to be one of [`0`, `1`] but got -1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", full, {4, 0, 0, 0}),
+                       "HQQQuantizedLayer: `q_group_size` must be a positive integer, got 0", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", full, {4, 0, 0, 64, 0}),
+                       "QuantoQuantizedLayer: `residual_length` must be a positive integer, got 0", kvc::ValueError);
+  // Checked even when the config has no layers.
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", llama_like(0), {3}),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
+}
+
+TEST_CASE("one layer per config layer, after the KV-shared layers (§5 item 25)") {
+  CHECK(kvc::QuantizedCache<float>("quanto", llama_like(3)).size() == 3);
+  auto shared = llama_like(4);
+  shared.layer_types = std::vector<std::string>(4, "full_attention");
+  shared.num_kv_shared_layers = 1;
+  CHECK(kvc::QuantizedCache<float>("hqq", shared).size() == 3);  // transformers builds 4
+}
+
+TEST_CASE_TEMPLATE("a decode loop over every layer, every element type", T, float, double, Eigen::half, Eigen::bfloat16) {
+  std::mt19937 rng(21);
+  kvc::QuantizedCache<T> cache("quanto", llama_like(2), {4, 0, -1, 16, 8});
+  CHECK_FALSE(cache.is_compileable());
+  CHECK(cache.get_max_length() == -1);
+  CHECK(cache.is_sliding() == std::vector<bool>{false, false});
+  const auto prefill = kvc_test::random_tensor<T>(2, 2, 20, 16, rng);
+  for (std::int64_t l = 0; l < 2; ++l) {
+    const auto kv = cache.update(prefill, prefill, l);
+    CHECK(kvc_test::flatten(kv.keys) == kvc_test::slice_seq(prefill, 0, 20));
+  }
+  for (std::int64_t step = 1; step <= 20; ++step) {
+    const auto tok = kvc_test::random_tensor<T>(2, 2, 1, 16, rng);
+    for (std::int64_t l = 0; l < 2; ++l) {
+      CHECK(cache.get_mask_sizes(1, l) == std::pair<std::int64_t, std::int64_t>{20 + step, 0});
+      const auto kv = cache.update(tok, tok, l);
+      CHECK(kv.keys.extent(2) == 20 + step);
+      CHECK(cache.get_seq_length(l) == 20 + step);
+    }
+  }
+  CHECK(cache.batch_size() == 2);
+  cache.batch_select_indices({1});
+  CHECK(cache.batch_size() == 1);
+  cache.crop(-25);
+  CHECK(cache.get_seq_length(1) == 15);
+  cache.reset();
+  CHECK(cache.get_seq_length() == 0);
+  CHECK(cache.bytes() == 0);
+}
+
+TEST_CASE("a throwing call changes no layer (strong guarantee)") {
+  std::mt19937 rng(22);
+  kvc::QuantizedCache<float> cache("hqq", llama_like(2), {4, 1, 1, 8, 4});
+  const auto p = kvc_test::random_tensor<float>(1, 2, 9, 16, rng);
+  cache.update(p, p, 0);
+  cache.update(p, p, 1);
+  const auto before = kvc_test::take_snapshot(cache);
+  const auto bad = kvc_test::random_tensor<float>(1, 2, 1, 8, rng);
+  CHECK_THROWS_AS(cache.update(bad, bad, 1), kvc::ValueError);
+  CHECK_THROWS_AS(cache.update(p, p, 2), kvc::IndexError);
+  CHECK_THROWS_AS(cache.reorder_cache({1}), kvc::IndexError);
+  CHECK(kvc_test::take_snapshot(cache) == before);
+}

@@ -1,0 +1,556 @@
+// QuantizedLayer<QuantoCodec> and QuantizedLayer<HqqCodec>: inventory §1.8, §2.1 items 7-9 and
+// 11-13, §4.2 items 5-6, §5 items 11-12; the codecs of <kvc/policies/quantization/codecs.hpp>.
+
+#include <cmath>
+#include <random>
+
+#include "../support/kvc_test.hpp"
+
+#include <kvc/quantized_cache.hpp>
+
+namespace {
+
+using kvc_test::flatten;
+
+template <class Kind, class T = float>
+using LayerCache = kvc::Cache<kvc::Layers<Kind>, kvc::HostStorage<T>>;
+
+template <class T>
+kvc::HostTensor<T> gaussian(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng,
+                            std::int64_t outlier_channels = 0) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  kvc::HostTensor<T> t(b, h, s, d);
+  for (std::int64_t i = 0; i < t.size(); ++i) {
+    const std::int64_t ch = i % d;
+    t.data()[i] = T(dist(rng) * (ch < outlier_channels ? 20.f : 1.f));
+  }
+  return t;
+}
+
+// Relative RMS error of the first `len` tokens of a view against a tensor.
+template <class View, class T>
+double rel_rms(const View& got, const kvc::HostTensor<T>& want, std::int64_t len) {
+  const auto a = flatten(got);
+  double num = 0, den = 0;
+  std::size_t i = 0;
+  for (std::int64_t b = 0; b < want.dimension(0); ++b)
+    for (std::int64_t h = 0; h < want.dimension(1); ++h)
+      for (std::int64_t s = 0; s < got.extent(2); ++s)
+        for (std::int64_t d = 0; d < want.dimension(3); ++d, ++i) {
+          if (s >= len) continue;
+          const double w = static_cast<double>(want(b, h, s, d));
+          num += (a[i] - w) * (a[i] - w);
+          den += w * w;
+        }
+  return std::sqrt(num / den);
+}
+
+template <class C>
+std::int64_t residual_tokens(const C& c, std::int64_t layer = 0) {
+  return c.visit_layer(layer, [](const auto& l) { return l.residual_tokens(); });
+}
+template <class C>
+std::int64_t quantized_tokens(const C& c, std::int64_t layer = 0) {
+  return c.visit_layer(layer, [](const auto& l) { return l.quantized_tokens(); });
+}
+
+// [B, H, S, D] with every position of batch row r equal to values[r] (transformers' states()).
+kvc::HostTensor<float> rows(const std::vector<float>& values, std::int64_t h, std::int64_t s, std::int64_t d) {
+  kvc::HostTensor<float> t(static_cast<std::int64_t>(values.size()), h, s, d);
+  for (std::int64_t b = 0; b < t.dimension(0); ++b)
+    for (std::int64_t i = 0; i < h * s * d; ++i) t.data()[b * h * s * d + i] = values[static_cast<std::size_t>(b)];
+  return t;
+}
+
+// Values exactly on an nbits grid in every group of either grouping (G = 2^nbits, head_dim a
+// multiple of G): 3 + 0.5 * ((s + d) mod 2^nbits).
+template <class T>
+kvc::HostTensor<T> grid(std::int64_t b, std::int64_t h, std::int64_t s0, std::int64_t s, std::int64_t d, int nbits) {
+  const std::int64_t levels = std::int64_t{1} << nbits;
+  kvc::HostTensor<T> t(b, h, s, d);
+  for (std::int64_t i = 0; i < b; ++i)
+    for (std::int64_t j = 0; j < h; ++j)
+      for (std::int64_t k = 0; k < s; ++k)
+        for (std::int64_t c = 0; c < d; ++c)
+          t(i, j, k, c) = T(3.0f + 0.5f * static_cast<float>((s0 + k + c + i + j) % levels));
+  return t;
+}
+
+}  // namespace
+
+// ---- argument checks ----------------------------------------------------------------------------
+
+TEST_CASE("quanto argument checks: messages verbatim, in transformers' order (§2.1 items 7-9)") {
+  using St = kvc::QuantoQuantizedLayer::state<kvc::HostStorage<float>>;
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{3}),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{8, 5, 7}),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 8", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{4, 1, 7}),
+                       "`axis_key` for `quanto` backend has to be one of [`0`, `-1`] but got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{2, -1, 1}),
+                       "`axis_value` for `quanto` backend has to be one of [`0`, `-1`] but got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{4, 0, 0, 0}),
+                       "QuantoQuantizedLayer: `q_group_size` must be a positive integer, got 0", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{4, 0, 0, 64, 0}),
+                       "QuantoQuantizedLayer: `residual_length` must be a positive integer, got 0", kvc::ValueError);
+  CHECK_NOTHROW(St(kvc::QuantoQuantizedLayer{2, -1, 0, 1, 1}));
+  // Through a cache's constructor too.
+  CHECK_THROWS_WITH_AS(LayerCache<kvc::QuantoQuantizedLayer>(kvc::QuantoQuantizedLayer{1}),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 1", kvc::ValueError);
+}
+
+TEST_CASE("HQQ argument checks: messages verbatim, in transformers' order (§2.1 items 11-13)") {
+  using St = kvc::HQQQuantizedLayer::state<kvc::HostStorage<float>>;
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{5, 2, 2}),
+                       "`nbits` for `HQQ` backend has to be one of [`1`, `2`, `3`, `4`, `8`] but got 5",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{0}),
+                       "`nbits` for `HQQ` backend has to be one of [`1`, `2`, `3`, `4`, `8`] but got 0",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{4, -1, 2}),
+                       "`axis_key` for `HQQ` backend has to be one of [`0`, `1`] but got -1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{8, 1, 2}),
+                       "`axis_value` for `HQQ` backend has to be one of [`0`, `1`] but got 2", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{4, 0, 0, -3}),
+                       "HQQQuantizedLayer: `q_group_size` must be a positive integer, got -3", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{4, 0, 0, 64, -1}),
+                       "HQQQuantizedLayer: `residual_length` must be a positive integer, got -1", kvc::ValueError);
+  for (const std::int64_t nbits : {1, 2, 3, 4, 8}) CHECK_NOTHROW(St(kvc::HQQQuantizedLayer{nbits, 1, 0}));
+}
+
+TEST_CASE("layer traits") {
+  using Q = kvc::QuantoQuantizedLayer::state<kvc::HostStorage<float>>;
+  using H = kvc::HQQQuantizedLayer::state<kvc::HostStorage<Eigen::half>>;
+  CHECK(kvc::concepts::CacheLayer<kvc::QuantoQuantizedLayer, kvc::HostStorage<float>>);
+  CHECK(kvc::concepts::CacheLayer<kvc::HQQQuantizedLayer, kvc::HostStorage<Eigen::bfloat16>>);
+  CHECK(kvc::concepts::supports_crop<Q>);
+  CHECK(kvc::concepts::supports_batch_ops<H>);
+  CHECK(Q::name == "QuantoQuantizedLayer");
+  CHECK(H::name == "HQQQuantizedLayer");
+  CHECK_FALSE(Q::is_sliding);
+  CHECK_FALSE(Q::is_compileable);
+  CHECK(Q::supports_early_init);
+  CHECK(std::is_same_v<H::meta_type, Eigen::half>);
+  CHECK(std::is_same_v<kvc::detail::quant_meta_t<double>, float>);
+  const kvc::QuantoQuantizedLayer defaults{};
+  CHECK(defaults.nbits == 4);
+  CHECK(defaults.axis_key == 0);
+  CHECK(defaults.axis_value == 0);
+  CHECK(defaults.q_group_size == 64);
+  CHECK(defaults.residual_length == 128);
+}
+
+// ---- the update schedule ----------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("flush schedule with residual_length 4 (§1.8), every element type", T, float, double, Eigen::half,
+                   Eigen::bfloat16) {
+  std::mt19937 rng(7);
+  LayerCache<kvc::QuantoQuantizedLayer, T> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 4});
+  const auto prefill = gaussian<T>(2, 3, 5, 16, rng);
+  const auto kv0 = cache.update(prefill, prefill, 0);
+  // The first update returns the inputs themselves.
+  CHECK(flatten(kv0.keys) == kvc_test::slice_seq(prefill, 0, 5));
+  CHECK(flatten(kv0.values) == kvc_test::slice_seq(prefill, 0, 5));
+  CHECK(residual_tokens(cache) == 0);
+  CHECK(quantized_tokens(cache) == 5);
+  const std::int64_t expected_residual[] = {1, 2, 3, 0, 1, 2, 3, 0, 1};
+  for (std::int64_t step = 0; step < 9; ++step) {
+    const auto tok = gaussian<T>(2, 3, 1, 16, rng);
+    CHECK(cache.get_mask_sizes(1, 0) == std::pair<std::int64_t, std::int64_t>{5 + step + 1, 0});
+    const auto kv = cache.update(tok, tok, 0);
+    CHECK(kv.keys.extent(2) == 5 + step + 1);
+    CHECK(kv.values.extent(2) == 5 + step + 1);
+    CHECK(cache.get_seq_length() == 5 + step + 1);
+    CHECK(residual_tokens(cache) == expected_residual[step]);
+    CHECK(quantized_tokens(cache) + residual_tokens(cache) == 5 + step + 1);
+    // The new token comes back exactly, the history within the 4-bit error.
+    CHECK(kvc_test::flatten(kv.keys).back() == static_cast<double>(tok(1, 2, 0, 15)));
+    CHECK(rel_rms(kv.keys, prefill, 5) < 0.15);
+  }
+  CHECK(quantized_tokens(cache) == 13);
+  CHECK(cache.get_max_length(0) == -1);
+  CHECK_FALSE(cache.is_compileable());
+  // stored() is transformers' layer.keys: the residual.
+  CHECK(cache.stored(0).keys.extent(2) == 1);
+}
+
+TEST_CASE("a multi-token update is checked against the existing residual only") {
+  std::mt19937 rng(8);
+  LayerCache<kvc::HQQQuantizedLayer> cache(kvc::HQQQuantizedLayer{4, 1, 1, 8, 4});
+  cache.update(gaussian<float>(1, 1, 3, 8, rng), gaussian<float>(1, 1, 3, 8, rng), 0);
+  // Empty residual: 10 tokens join it (transformers' 1-D empty residual never triggers a flush).
+  cache.update(gaussian<float>(1, 1, 10, 8, rng), gaussian<float>(1, 1, 10, 8, rng), 0);
+  CHECK(residual_tokens(cache) == 10);
+  auto kv = cache.update(gaussian<float>(1, 1, 2, 8, rng), gaussian<float>(1, 1, 2, 8, rng), 0);
+  CHECK(kv.keys.extent(2) == 15);
+  CHECK(residual_tokens(cache) == 0);
+  CHECK(quantized_tokens(cache) == 15);
+}
+
+TEST_CASE("residual_length 1: quantize on every update once the residual holds a token") {
+  std::mt19937 rng(9);
+  LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 8, 1});
+  cache.update(gaussian<float>(1, 1, 4, 8, rng), gaussian<float>(1, 1, 4, 8, rng), 0);
+  const std::int64_t expected[] = {1, 0, 1, 0};
+  for (const std::int64_t r : expected) {
+    cache.update(gaussian<float>(1, 1, 1, 8, rng), gaussian<float>(1, 1, 1, 8, rng), 0);
+    CHECK(residual_tokens(cache) == r);
+  }
+}
+
+TEST_CASE("early_initialization then the first update still returns the inputs") {
+  std::mt19937 rng(10);
+  LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{}, kvc::QuantoQuantizedLayer{});
+  cache.early_initialization(2, 4, 32);
+  CHECK(cache.is_initialized());
+  CHECK(cache.bytes() == 0);
+  const auto k = gaussian<float>(2, 4, 7, 32, rng);
+  CHECK(flatten(cache.update(k, k, 1).keys) == kvc_test::slice_seq(k, 0, 7));
+  CHECK_THROWS_AS(cache.update(gaussian<float>(1, 4, 7, 32, rng), gaussian<float>(1, 4, 7, 32, rng), 0),
+                  kvc::ValueError);
+}
+
+// ---- numbers ----------------------------------------------------------------------------------
+
+TEST_CASE("bit packing round trip is exact for every width and start") {
+  std::mt19937 rng(11);
+  for (const int nbits : {1, 2, 3, 4, 8}) {
+    std::uniform_int_distribution<int> dist(0, (1 << nbits) - 1);
+    std::vector<std::uint8_t> codes(1000);
+    for (auto& c : codes) c = static_cast<std::uint8_t>(dist(rng));
+    std::vector<std::uint8_t> packed(static_cast<std::size_t>(kvc::detail::packed_bytes(1000, nbits)));
+    CHECK(static_cast<std::int64_t>(packed.size()) == (1000 * nbits + 7) / 8);
+    kvc::detail::pack_codes(codes.data(), 1000, nbits, packed.data());
+    for (const std::int64_t first : {0, 1, 3, 8, 13, 64}) {
+      for (const std::int64_t count : {0, 1, 7, 100, 1000 - 64}) {
+        std::vector<std::uint8_t> out(static_cast<std::size_t>(count));
+        kvc::detail::unpack_codes(packed.data(), first, count, nbits, out.data());
+        CHECK(std::equal(out.begin(), out.end(), codes.begin() + first));
+      }
+    }
+  }
+  // The documented layout: two 4-bit codes per byte, the first in the low nibble; 3-bit codes
+  // run across bytes.
+  const std::uint8_t c4[] = {0x3, 0xA, 0xF};
+  std::uint8_t p4[2];
+  kvc::detail::pack_codes(c4, 3, 4, p4);
+  CHECK(p4[0] == 0xA3);
+  CHECK(p4[1] == 0x0F);
+  const std::uint8_t c3[] = {5, 6, 7};  // bits 101 110 111 -> 0b1'110'101, 0b1'1
+  std::uint8_t p3[2];
+  kvc::detail::pack_codes(c3, 3, 3, p3);
+  CHECK(p3[0] == 0xF5);
+  CHECK(p3[1] == 0x01);
+}
+
+TEST_CASE_TEMPLATE("values on the code grid come back exactly (both codecs, both groupings)", T, float, Eigen::half) {
+  for (const int nbits : {1, 2, 3, 4, 8}) {
+    const std::int64_t g = std::int64_t{1} << nbits;
+    const std::int64_t d = std::max<std::int64_t>(16, g);
+    for (const std::int64_t axis : {0, 1}) {
+      CAPTURE(nbits);
+      CAPTURE(axis);
+      const auto prefill = grid<T>(2, 2, 0, g * 2, d, nbits);
+      LayerCache<kvc::HQQQuantizedLayer, T> hqq(kvc::HQQQuantizedLayer{nbits, axis, axis, g, 64});
+      hqq.update(prefill, prefill, 0);
+      const auto next = grid<T>(2, 2, g * 2, 1, d, nbits);
+      auto kv = hqq.update(next, next, 0);
+      CHECK(flatten(kv.keys) == kvc_test::slice_seq(kvc_test::cat(prefill, next), 0, g * 2 + 1));
+      if (nbits == 2 || nbits == 4) {
+        LayerCache<kvc::QuantoQuantizedLayer, T> quanto(kvc::QuantoQuantizedLayer{nbits, -axis, -axis, g, 64});
+        quanto.update(prefill, prefill, 0);
+        kv = quanto.update(next, next, 0);
+        CHECK(flatten(kv.values) == kvc_test::slice_seq(kvc_test::cat(prefill, next), 0, g * 2 + 1));
+      }
+    }
+  }
+}
+
+TEST_CASE("constant rows reconstruct within 1e-2, every codec, width and axis (§4.2 item 5's tolerance)") {
+  struct Case {
+    bool hqq;
+    std::int64_t nbits, axis;
+  };
+  const Case cases[] = {{false, 2, 0}, {false, 2, -1}, {false, 4, 0}, {false, 4, -1}, {true, 1, 0}, {true, 1, 1},
+                        {true, 2, 0},  {true, 2, 1},   {true, 3, 0},  {true, 3, 1},   {true, 4, 0}, {true, 4, 1},
+                        {true, 8, 0},  {true, 8, 1}};
+  const auto prefill = rows({1, 2, 3, 4}, 2, 5, 8);
+  const auto next = rows({1, 2, 3, 4}, 2, 1, 8);
+  for (const Case& c : cases) {
+    CAPTURE(c.hqq);
+    CAPTURE(c.nbits);
+    CAPTURE(c.axis);
+    auto check = [&](auto& cache) {
+      cache.update(prefill, prefill, 0);
+      const auto kv = cache.update(next, next, 0);
+      for (std::int64_t b = 0; b < 4; ++b)
+        for (std::int64_t s = 0; s < 6; ++s) CHECK(std::fabs(kv.keys(b, 1, s, 7) - static_cast<float>(b + 1)) <= 1e-2);
+    };
+    if (c.hqq) {
+      LayerCache<kvc::HQQQuantizedLayer> cache(kvc::HQQQuantizedLayer{c.nbits, c.axis, c.axis, 16, 4});
+      check(cache);
+    } else {
+      LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{c.nbits, c.axis, c.axis, 16, 4});
+      check(cache);
+    }
+  }
+}
+
+TEST_CASE("gaussian reconstruction: relative RMS bounds per codec, width and axis") {
+  std::mt19937 rng(12);
+  const auto k = gaussian<float>(1, 4, 256, 128, rng);
+  const auto tok = gaussian<float>(1, 4, 1, 128, rng);
+  struct Case {
+    bool hqq;
+    std::int64_t nbits, axis;
+    double bound;
+  };
+  // Uniform rounding of a gaussian group of 64 over its min..max range gives about
+  // range / (2^nbits - 1) / sqrt(12) ~ 0.09 (4 bits) and 0.005 (8 bits) of the RMS. One bit with
+  // min/max would give ~1.7 (every value becomes the group's min or max); HQQ's zero does better.
+  const Case cases[] = {{false, 4, 0, 0.12},  {false, 4, -1, 0.12}, {false, 2, 0, 0.60}, {false, 2, -1, 0.60},
+                        {true, 4, 1, 0.12},   {true, 4, 0, 0.12},   {true, 8, 1, 0.01},  {true, 8, 0, 0.01},
+                        {true, 3, 1, 0.25},   {true, 2, 1, 0.60},   {true, 1, 1, 1.60}};
+  for (const Case& c : cases) {
+    CAPTURE(c.hqq);
+    CAPTURE(c.nbits);
+    CAPTURE(c.axis);
+    double err = 0;
+    if (c.hqq) {
+      LayerCache<kvc::HQQQuantizedLayer> cache(kvc::HQQQuantizedLayer{c.nbits, c.axis, c.axis, 64, 128});
+      cache.update(k, k, 0);
+      err = rel_rms(cache.update(tok, tok, 0).keys, k, 256);
+    } else {
+      LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{c.nbits, c.axis, c.axis, 64, 128});
+      cache.update(k, k, 0);
+      err = rel_rms(cache.update(tok, tok, 0).keys, k, 256);
+    }
+    MESSAGE("rel RMS ", err);
+    CHECK(err < c.bound);
+    CHECK(err > 0);
+  }
+}
+
+TEST_CASE("HQQ's zero refinement does not do worse than min/max on outlier-heavy data") {
+  std::mt19937 rng(13);
+  const auto k = gaussian<float>(1, 2, 128, 128, rng, 4);
+  const auto tok = gaussian<float>(1, 2, 1, 128, rng, 4);
+  for (const std::int64_t nbits : {2, 4}) {
+    LayerCache<kvc::HQQQuantizedLayer> hqq(kvc::HQQQuantizedLayer{nbits, 1, 1, 64, 128});
+    LayerCache<kvc::QuantoQuantizedLayer> quanto(kvc::QuantoQuantizedLayer{nbits, 0, 0, 64, 128});
+    hqq.update(k, k, 0);
+    quanto.update(k, k, 0);
+    const double e_hqq = rel_rms(hqq.update(tok, tok, 0).keys, k, 128);
+    const double e_quanto = rel_rms(quanto.update(tok, tok, 0).keys, k, 128);
+    MESSAGE("nbits ", nbits, ": hqq ", e_hqq, " quanto ", e_quanto);
+    CHECK(e_hqq <= e_quanto * 1.02);
+  }
+}
+
+// ---- reset, reorder, batch operations, crop -----------------------------------------------------
+
+TEST_CASE("reset drops the quantized states too (§4.2 item 6, §5 item 11)") {
+  std::mt19937 rng(14);
+  LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 4});
+  cache.update(gaussian<float>(4, 2, 5, 8, rng), gaussian<float>(4, 2, 5, 8, rng), 0);
+  cache.update(gaussian<float>(4, 2, 1, 8, rng), gaussian<float>(4, 2, 1, 8, rng), 0);
+  CHECK(cache.bytes() > 0);
+  cache.reset();
+  CHECK(cache.get_seq_length() == 0);
+  CHECK(cache.bytes() == 0);
+  CHECK_FALSE(cache.is_initialized());
+  const auto k = gaussian<float>(4, 2, 3, 8, rng);
+  const auto kv = cache.update(k, k, 0);
+  CHECK(kv.keys.extent(2) == 3);
+  CHECK(cache.get_seq_length() == 3);
+  CHECK(flatten(kv.keys) == kvc_test::slice_seq(k, 0, 3));
+  // Another shape after a reset.
+  cache.reset();
+  CHECK(cache.update(gaussian<float>(1, 3, 2, 16, rng), gaussian<float>(1, 3, 2, 16, rng), 0).keys.extent(1) == 3);
+}
+
+TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (§4.2 item 5, §5 item 12)", Kind, kvc::QuantoQuantizedLayer,
+                   kvc::HQQQuantizedLayer) {
+  const std::vector<float> row_values{1, 2, 3, 4};
+  auto states = [&](const std::vector<std::int64_t>& order, std::int64_t len) {
+    std::vector<float> v;
+    for (const std::int64_t o : order) v.push_back(row_values[static_cast<std::size_t>(o)]);
+    return rows(v, 2, len, 8);
+  };
+  LayerCache<Kind> cache(Kind{4, 0, 0, 16, 4});
+  std::vector<std::int64_t> order{0, 1, 2, 3};
+  cache.update(states(order, 5), states(order, 5), 0);
+  const std::vector<std::vector<std::int64_t>> beams{{1, 0, 3, 2}, {2, 2, 0, 1}, {3, 1, 2, 0},
+                                                     {0, 1, 2, 3}, {1, 3, 0, 2}, {2, 0, 1, 3}};
+  for (const auto& beam : beams) {
+    cache.reorder_cache(beam);
+    std::vector<std::int64_t> next(4);
+    for (std::size_t r = 0; r < 4; ++r) next[r] = order[static_cast<std::size_t>(beam[r])];
+    order = next;
+    const auto kv = cache.update(states(order, 1), states(order, 1), 0);
+    for (std::int64_t r = 0; r < 4; ++r)
+      for (std::int64_t s = 0; s < kv.keys.extent(2); ++s)
+        for (std::int64_t d = 0; d < 8; ++d) {
+          CHECK(std::fabs(kv.keys(r, 1, s, d) - row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
+          CHECK(std::fabs(kv.values(r, 0, s, d) - row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
+        }
+  }
+}
+
+// Two caches fed the same data, one reordered afterwards and one given reordered inputs from the
+// start, return identical bytes: the reorder copies packed rows and never quantizes again.
+TEST_CASE_TEMPLATE("reorder_cache and batch operations on quantized data are exact", T, float, Eigen::bfloat16) {
+  std::mt19937 rng(15);
+  const std::int64_t b = 3;
+  std::vector<kvc::HostTensor<T>> steps;
+  steps.push_back(gaussian<T>(b, 2, 9, 16, rng));
+  for (int i = 0; i < 12; ++i) steps.push_back(gaussian<T>(b, 2, 1, 16, rng));
+  auto pick = [](const kvc::HostTensor<T>& t, const std::vector<std::int64_t>& idx) {
+    kvc::HostTensor<T> out(static_cast<std::int64_t>(idx.size()), t.dimension(1), t.dimension(2), t.dimension(3));
+    const std::int64_t n = t.dimension(1) * t.dimension(2) * t.dimension(3);
+    for (std::size_t i = 0; i < idx.size(); ++i)
+      std::copy_n(t.data() + idx[i] * n, n, out.data() + static_cast<std::int64_t>(i) * n);
+    return out;
+  };
+  const std::vector<std::int64_t> perm{2, 0, 2};
+  const std::vector<std::int64_t> repeat{0, 0, 1, 1, 2, 2};
+  const std::vector<std::int64_t> select{2, 0};
+  // Reorder after `at` updates: right after the first update (workspace holds the inputs), in the
+  // middle of a residual (fresh workspace), right after a quantization (stale workspace).
+  for (const std::size_t at : {std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{9}}) {
+    for (int op = 0; op < 3; ++op) {
+      CAPTURE(at);
+      CAPTURE(op);
+      const auto& idx = op == 0 ? perm : op == 1 ? repeat : select;
+      LayerCache<kvc::QuantoQuantizedLayer, T> a(kvc::QuantoQuantizedLayer{4, -1, 0, 4, 4});
+      LayerCache<kvc::QuantoQuantizedLayer, T> ref(kvc::QuantoQuantizedLayer{4, -1, 0, 4, 4});
+      for (std::size_t i = 0; i < at; ++i) a.update(steps[i], steps[i], 0);
+      if (op == 0) a.reorder_cache(idx);
+      if (op == 1) a.batch_repeat_interleave(2);
+      if (op == 2) a.batch_select_indices(select);
+      CHECK(a.batch_size() == static_cast<std::int64_t>(idx.size()));
+      for (std::size_t i = 0; i < at; ++i) ref.update(pick(steps[i], idx), pick(steps[i], idx), 0);
+      for (std::size_t i = at; i < steps.size(); ++i) {
+        const auto s = pick(steps[i], idx);
+        const auto ka = a.update(s, s, 0);
+        const auto kr = ref.update(s, s, 0);
+        CHECK(flatten(ka.keys) == flatten(kr.keys));
+        CHECK(flatten(ka.values) == flatten(kr.values));
+      }
+      // Same quantized payload (the buffers' capacities follow each cache's own history).
+      CHECK(a.visit_layer(0, [](const auto& l) { return l.quantized_bytes(); }) ==
+            ref.visit_layer(0, [](const auto& l) { return l.quantized_bytes(); }));
+    }
+  }
+}
+
+TEST_CASE("crop: from the residual, into the quantized history, positive and past the start") {
+  // Grid data: keys (groups along head_dim, 16 levels per row) come back exactly, so the outputs
+  // can be compared exactly; values use groups along seq (partial groups: 4-bit error).
+  const auto prefill = grid<float>(2, 2, 0, 8, 16, 4);
+  auto token = [](std::int64_t pos) { return grid<float>(2, 2, pos, 1, 16, 4); };
+  auto fresh = [&] {
+    LayerCache<kvc::QuantoQuantizedLayer> c(kvc::QuantoQuantizedLayer{4, 0, -1, 16, 4});
+    c.update(prefill, prefill, 0);
+    c.update(token(8), token(8), 0);
+    c.update(token(9), token(9), 0);
+    return c;
+  };
+  const auto all = kvc_test::cat(kvc_test::cat(prefill, token(8)), token(9));
+  SUBCASE("within the residual") {
+    auto c = fresh();
+    REQUIRE(residual_tokens(c) == 2);
+    c.crop(-1);
+    CHECK(c.get_seq_length() == 9);
+    CHECK(residual_tokens(c) == 1);
+    const auto kv = c.update(token(9), token(9), 0);
+    CHECK(flatten(kv.keys) == kvc_test::slice_seq(all, 0, 10));
+  }
+  SUBCASE("into the quantized history") {
+    auto c = fresh();
+    c.crop(-5);
+    CHECK(c.get_seq_length() == 5);
+    CHECK(residual_tokens(c) == 0);
+    CHECK(quantized_tokens(c) == 5);
+    const auto kv = c.update(token(5), token(5), 0);
+    CHECK(kv.keys.extent(2) == 6);
+    CHECK(flatten(kv.keys) == kvc_test::slice_seq(all, 0, 6));
+    CHECK(rel_rms(kv.values, all, 5) < 0.05);
+    CHECK(flatten(kv.values).back() == kvc_test::slice_seq(all, 5, 1).back());
+  }
+  SUBCASE("positive: the deprecated absolute length, with DynamicLayer's warning") {
+    kvc_test::captured_warnings w;
+    auto c = fresh();
+    c.crop(7);
+    CHECK(c.get_seq_length() == 7);
+    REQUIRE(w.messages.size() == 1);
+    CHECK(w.messages[0] == kvc::positive_crop_deprecation);
+    c.crop(50);  // longer than held: nothing changes
+    CHECK(c.get_seq_length() == 7);
+  }
+  SUBCASE("past the start: empty, and the next update starts afresh") {
+    auto c = fresh();
+    c.crop(-100);
+    CHECK(c.get_seq_length() == 0);
+    const auto kv = c.update(token(0), token(0), 0);
+    CHECK(kv.keys.extent(2) == 1);
+    CHECK(flatten(kv.keys) == kvc_test::slice_seq(token(0), 0, 1));
+  }
+  SUBCASE("crop(0) and an uninitialized layer: no-op") {
+    auto c = fresh();
+    c.crop(0);
+    CHECK(c.get_seq_length() == 10);
+    LayerCache<kvc::QuantoQuantizedLayer> empty(kvc::QuantoQuantizedLayer{});
+    empty.crop(-3);
+    CHECK(empty.get_seq_length() == 0);
+  }
+}
+
+TEST_CASE("a throwing update leaves the layer exactly as it was (strong guarantee)") {
+  std::mt19937 rng(16);
+  const auto prefill = gaussian<float>(2, 2, 6, 8, rng);
+  LayerCache<kvc::HQQQuantizedLayer> a(kvc::HQQQuantizedLayer{4, 1, 0, 8, 3});
+  LayerCache<kvc::HQQQuantizedLayer> ref(kvc::HQQQuantizedLayer{4, 1, 0, 8, 3});
+  a.update(prefill, prefill, 0);
+  ref.update(prefill, prefill, 0);
+  for (int step = 0; step < 6; ++step) {
+    const auto before = kvc_test::take_snapshot(a);
+    const auto bad = gaussian<float>(2, 3, 1, 8, rng);
+    CHECK_THROWS_AS(a.update(bad, bad, 0), kvc::ValueError);
+    CHECK_THROWS_AS(a.reorder_cache({0, 2}), kvc::IndexError);
+    CHECK(kvc_test::take_snapshot(a) == before);
+    const auto tok = gaussian<float>(2, 2, 1, 8, rng);
+    CHECK(flatten(a.update(tok, tok, 0).keys) == flatten(ref.update(tok, tok, 0).keys));
+  }
+}
+
+// ---- memory --------------------------------------------------------------------------------------
+
+TEST_CASE("int4, group 64: the quantized history is <= 0.30x of fp16 per token (head_dim 128, 4096 tokens)") {
+  std::mt19937 rng(17);
+  using H = Eigen::half;
+  LayerCache<kvc::QuantoQuantizedLayer, H> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 64, 128});
+  const std::int64_t heads = 8, dim = 128;
+  cache.update(gaussian<H>(1, heads, 4096, dim, rng), gaussian<H>(1, heads, 4096, dim, rng), 0);
+  const double fp16_bytes = 2.0 /* K and V */ * heads * 4096 * dim * 2 /* bytes per half */;
+  const auto [q, r, w] = cache.visit_layer(0, [](const auto& l) {
+    return std::tuple{l.quantized_bytes(), l.residual_bytes(), l.workspace_bytes()};
+  });
+  CHECK(static_cast<double>(q) / fp16_bytes == doctest::Approx(0.28125));  // (32 + 2 + 2) / 128 per group
+  CHECK(static_cast<double>(q) / fp16_bytes <= 0.30);
+  CHECK(cache.bytes() == q + r + w);
+  CHECK(w >= static_cast<std::int64_t>(fp16_bytes));  // the dequantized workspace is counted too
+  // Releasing the workspace leaves the quantized history (and the residual).
+  cache.visit_layer(0, [](auto& l) { l.release_workspace(); });
+  CHECK(cache.bytes() == q + r);
+  // The next update rebuilds it and returns the same numbers as an uninterrupted layer.
+  LayerCache<kvc::QuantoQuantizedLayer, H> small(kvc::QuantoQuantizedLayer{4, 0, 0, 64, 128});
+  const auto p = gaussian<H>(1, 2, 100, 64, rng);
+  const auto t = gaussian<H>(1, 2, 1, 64, rng);
+  small.update(p, p, 0);
+  const auto before = flatten(small.update(t, t, 0).keys);
+  small.crop(-1);
+  small.visit_layer(0, [](auto& l) { l.release_workspace(); });
+  CHECK(flatten(small.update(t, t, 0).keys) == before);
+}
