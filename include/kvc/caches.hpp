@@ -3,6 +3,8 @@
 // (pre-built from the config's layer types) and StaticCache<T>(config, max_cache_len).
 
 #include <cstdint>
+#include <initializer_list>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -33,6 +35,9 @@ using StaticCacheLayers = Layers<StaticLayer, StaticSlidingWindowLayer, LinearAt
                                  LinearAttentionAndStaticSlidingWindowAttentionLayer /*@INDEXED_S@*/>;
 
 namespace detail {
+template <class>
+inline constexpr bool always_false = false;
+
 template <class To, class From>
 std::vector<To> widen_kinds(const std::vector<From>& kinds) {
   std::vector<To> out;
@@ -62,6 +67,33 @@ class StaticCache : public Cache<StaticCacheLayers, Storage, Offload> {
  public:
   StaticCache(const ModelConfig& config, std::int64_t max_cache_len)
       : base(detail::widen_kinds<typename base::kind_variant>(static_layer_kinds(config, max_cache_len))) {}
+
+  // Its linear-attention kinds could be cropped, but its static attention layers cannot, and a
+  // config always has one (transformers raises AttributeError from StaticLayer): rejected here at
+  // compile time, as for a cache of static kinds only.
+  static constexpr bool can_crop = false;
+  static constexpr bool can_batch_ops = false;
+  template <int = 0>
+  void crop(std::int64_t) {
+    static_assert(detail::always_false<Storage>,
+                  "kvc::StaticCache::crop: a StaticCache cannot be cropped. Its static layers keep a fixed buffer; "
+                  "use a dynamic cache to roll back");
+  }
+  template <int = 0>
+  void batch_repeat_interleave(std::int64_t) {
+    static_assert(detail::always_false<Storage>,
+                  "kvc::StaticCache::batch_repeat_interleave: a StaticCache keeps a fixed batch; use a dynamic cache");
+  }
+  template <int = 0>
+  void batch_select_indices(std::span<const std::int64_t>) {
+    static_assert(detail::always_false<Storage>,
+                  "kvc::StaticCache::batch_select_indices: a StaticCache keeps a fixed batch; use a dynamic cache");
+  }
+  template <int = 0>
+  void batch_select_indices(std::initializer_list<std::int64_t>) {
+    static_assert(detail::always_false<Storage>,
+                  "kvc::StaticCache::batch_select_indices: a StaticCache keeps a fixed batch; use a dynamic cache");
+  }
 };
 
 }  // namespace kvc

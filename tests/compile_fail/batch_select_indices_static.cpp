@@ -1,5 +1,5 @@
 // EXPECT-ERROR: kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static layers keep a fixed batch; use a dynamic cache
-// batch_select_indices on a StaticCache, whose layer kinds are all static.
+// batch_select_indices on a cache whose layer kinds are all static.
 // docs/errors.md lists the fix.
 #include <kvc/caches.hpp>
 
@@ -15,7 +15,7 @@ int main() {
   dynamic.update(k, k, 0);
   dynamic.batch_select_indices({1});
 
-  kvc::StaticCache<float> fixed(config, 16);
+  kvc::Cache<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer>> fixed(kvc::StaticLayer{16});
   fixed.update(k, k, 0);
 #ifdef KVC_SHOULD_FAIL
   fixed.batch_select_indices({1});

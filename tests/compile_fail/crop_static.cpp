@@ -1,5 +1,5 @@
 // EXPECT-ERROR: kvc::Cache::crop: no layer kind of this cache can be cropped. Static layers keep a fixed buffer; use a dynamic cache to roll back
-// crop on a StaticCache, whose layer kinds are all static. docs/errors.md lists the fix.
+// crop on a cache whose layer kinds are all static. docs/errors.md lists the fix.
 #include <kvc/caches.hpp>
 
 int main() {
@@ -14,7 +14,7 @@ int main() {
   dynamic.update(k, k, 0);
   dynamic.crop(-1);
 
-  kvc::StaticCache<float> fixed(config, 16);
+  kvc::Cache<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer>> fixed(kvc::StaticLayer{16});
   fixed.update(k, k, 0);
 #ifdef KVC_SHOULD_FAIL
   fixed.crop(-1);
