@@ -1,0 +1,424 @@
+#pragma once
+// kvc::EncoderDecoderCache<SelfCache, CrossCache>: the decoder's self-attention cache and the
+// cross-attention cache over the encoder's output, side by side (transformers'
+// EncoderDecoderCache, ../shared/reference/hf_cache_inventory.md §1.17). Usage and the
+// differences from transformers: docs/encoder_decoder.md.
+//
+// Like transformers, the pair is not itself a Cache: the model updates each half through
+// self_attention_cache() / cross_attention_cache(). The length queries answer for the
+// self-attention cache; reset and reorder_cache act on both; crop acts on the self-attention
+// cache only; the batch operations act on both. crop and the batch operations need both halves
+// to be dynamic caches (kvc::TypeError otherwise, transformers' message).
+//
+// Also here: kvc::cache_repr(cache), transformers' repr of a cache, `DynamicCache(layers=[...])`.
+
+#include <concepts>
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <boost/mp11/algorithm.hpp>
+#include <boost/mp11/list.hpp>
+
+#include <kvc/cache.hpp>
+#include <kvc/caches.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+template <class SelfCache, class CrossCache>
+class EncoderDecoderCache;
+
+namespace detail {
+
+// Whether C is a kvc::Cache instantiation or a class derived from one (deduction through a
+// pointer conversion to the base; the ellipsis catches everything else).
+template <class L, class S, class O>
+std::true_type derives_from_cache(const Cache<L, S, O>*);
+std::false_type derives_from_cache(...);
+template <class T, class S, class O>
+std::true_type derives_from_dynamic_cache(const DynamicCache<T, S, O>*);
+std::false_type derives_from_dynamic_cache(...);
+template <class T, class S, class O>
+std::true_type derives_from_static_cache(const StaticCache<T, S, O>*);
+std::false_type derives_from_static_cache(...);
+
+template <class C, template <class> class Test>
+inline constexpr bool class_test = [] {
+  if constexpr (std::is_class_v<C> && !std::is_const_v<C> && !std::is_volatile_v<C>)
+    return Test<C>::value;
+  else
+    return false;
+}();
+template <class C>
+using derives_from_cache_t = decltype(derives_from_cache(static_cast<const C*>(nullptr)));
+template <class C>
+using derives_from_dynamic_cache_t = decltype(derives_from_dynamic_cache(static_cast<const C*>(nullptr)));
+template <class C>
+using derives_from_static_cache_t = decltype(derives_from_static_cache(static_cast<const C*>(nullptr)));
+
+// A non-const, non-reference class type that is, or derives from, a kvc::Cache.
+template <class C>
+inline constexpr bool is_cache_v = class_test<C, derives_from_cache_t>;
+
+// What the layer kinds of cache C can do: every kind can crop and change its batch ("dynamic"),
+// or none can ("static").
+template <class C>
+struct cache_kind_traits {
+  template <class K>
+  using st = typename C::template state_of<K>;
+  template <class K>
+  using dynamic = std::bool_constant<concepts::supports_crop<st<K>> && concepts::supports_batch_ops<st<K>>>;
+  template <class K>
+  using fixed = std::bool_constant<!concepts::supports_crop<st<K>> && !concepts::supports_batch_ops<st<K>>>;
+  static constexpr bool all_dynamic = boost::mp11::mp_all_of<typename C::kinds, dynamic>::value;
+  static constexpr bool all_static = boost::mp11::mp_all_of<typename C::kinds, fixed>::value;
+};
+
+// transformers' isinstance(cache, DynamicCache): kvc::DynamicCache and the classes derived from
+// it (MtpCache, DFlashCache), and any cache whose layer kinds are all dynamic (the cache
+// make_dynamic_cache builds, transformers' DynamicCache(config=...)).
+template <class C>
+inline constexpr bool is_dynamic_cache_v = [] {
+  if constexpr (is_cache_v<C>)
+    return derives_from_dynamic_cache_t<C>::value ||
+           (cache_kind_traits<C>::all_dynamic && !derives_from_static_cache_t<C>::value);
+  else
+    return false;
+}();
+
+// The Python class name a cache prints as: a `static constexpr std::string_view class_name`
+// member if the class has one (MtpCache, DFlashCache), else DynamicCache / StaticCache for those
+// classes and the classes derived from them, else by the layer kinds: all dynamic →
+// "DynamicCache", all static → "StaticCache", a mix → "Cache".
+template <class C>
+constexpr std::string_view cache_class_name() {
+  if constexpr (requires { { C::class_name } -> std::convertible_to<std::string_view>; })
+    return C::class_name;
+  else if constexpr (derives_from_dynamic_cache_t<C>::value)
+    return "DynamicCache";
+  else if constexpr (derives_from_static_cache_t<C>::value)
+    return "StaticCache";
+  else if constexpr (cache_kind_traits<C>::all_dynamic)
+    return "DynamicCache";
+  else if constexpr (cache_kind_traits<C>::all_static)
+    return "StaticCache";
+  else
+    return "Cache";
+}
+
+// Joins message pieces one append at a time (a chain of operator+ trips GCC 12's -Wrestrict).
+inline std::string edc_message(std::initializer_list<std::string_view> parts) {
+  std::string out;
+  std::size_t n = 0;
+  for (std::string_view p : parts) n += p.size();
+  out.reserve(n);
+  for (std::string_view p : parts) out.append(p);
+  return out;
+}
+
+}  // namespace detail
+
+// transformers' repr of a cache: `ClassName(layers=[LayerName, ...])`, e.g.
+// `DynamicCache(layers=[DynamicLayer, DynamicLayer])` (detail::cache_class_name for the name).
+template <class C>
+  requires detail::is_cache_v<C>
+std::string cache_repr(const C& cache) {
+  std::string out(detail::cache_class_name<C>());
+  out.append("(layers=[");
+  for (std::int64_t i = 0; i < cache.size(); ++i) {
+    if (i) out.append(", ");
+    out.append(cache.layer_name(i));
+  }
+  out.append("])");
+  return out;
+}
+
+// Reached only when an argument is not a cache (transformers' TypeError "One of the two
+// arguments is not a Cache", docs/errors.md).
+template <class SelfCache, class CrossCache>
+class EncoderDecoderCache {
+  static_assert(detail::is_cache_v<SelfCache> && detail::is_cache_v<CrossCache>,
+                "kvc::EncoderDecoderCache: One of the two arguments is not a Cache. SelfCache and CrossCache must "
+                "each be a kvc::Cache instantiation or a class derived from one, such as kvc::DynamicCache or "
+                "kvc::StaticCache");
+
+ public:
+  // Accepts any arguments, so that the misuse reports only the assert above.
+  template <class... Args>
+  explicit EncoderDecoderCache(Args&&...) {}
+};
+
+template <class SelfCache, class CrossCache>
+  requires(detail::is_cache_v<SelfCache> && detail::is_cache_v<CrossCache>)
+class EncoderDecoderCache<SelfCache, CrossCache> {
+ public:
+  using self_attention_cache_type = SelfCache;
+  using cross_attention_cache_type = CrossCache;
+  using element_type = typename SelfCache::element_type;
+  // Whether crop and the batch operations are defined (both halves dynamic).
+  static constexpr bool is_dynamic = detail::is_dynamic_cache_v<SelfCache> && detail::is_dynamic_cache_v<CrossCache>;
+
+ private:
+  template <class C>
+  static constexpr bool from_data = [] {
+    using S = typename C::storage_policy;
+    if constexpr (!S::template accepts_input<HostTensor<typename C::element_type>>) {
+      return false;
+    } else if constexpr (C::replicated) {
+      return std::is_same_v<boost::mp11::mp_front<typename C::kinds>, DynamicLayer> && std::default_initializable<C>;
+    } else {
+      return boost::mp11::mp_contains<typename C::kinds, DynamicLayer>::value &&
+             boost::mp11::mp_contains<typename C::kinds, DynamicSlidingWindowLayer>::value &&
+             std::is_constructible_v<C, std::vector<typename C::kind_variant>>;
+    }
+  }();
+
+ public:
+  // Whether the runtime-data constructor exists.
+  static constexpr bool constructible_from_data =
+      from_data<SelfCache> && from_data<CrossCache> &&
+      std::is_same_v<typename SelfCache::element_type, typename CrossCache::element_type>;
+
+  // Two empty caches (an extension: transformers always takes the two caches).
+  EncoderDecoderCache()
+    requires(std::default_initializable<SelfCache> && std::default_initializable<CrossCache>)
+      : EncoderDecoderCache(SelfCache(), CrossCache()) {}
+
+  // transformers' EncoderDecoderCache(self_attention_cache, cross_attention_cache). A layer of the
+  // cross-attention cache that already holds tokens counts as updated.
+  EncoderDecoderCache(SelfCache self_attention_cache, CrossCache cross_attention_cache)
+      : self_(std::move(self_attention_cache)), cross_(std::move(cross_attention_cache)) {
+    for (std::int64_t i = 0; i < cross_.size(); ++i) is_updated_[i] = cross_.get_seq_length(i) > 0;
+  }
+
+  // transformers' EncoderDecoderCache(combined_cache_data): one entry per layer, either
+  // {self_k, self_v, cross_k, cross_v} or {self_k, self_v, self_window, cross_k, cross_v,
+  // cross_window}. A window tensor's first element is the layer's sliding window (an empty tensor
+  // means none); a windowed layer needs a cache type with DynamicSlidingWindowLayer, such as
+  // kvc::ConfiguredDynamicCache. Each half is filled by one update per layer, as
+  // DynamicCache(ddp_cache_data) does.
+  explicit EncoderDecoderCache(const std::vector<std::vector<HostTensor<element_type>>>& combined_cache_data)
+    requires constructible_from_data
+      : EncoderDecoderCache(split(combined_cache_data)) {}
+
+  // ---- the two halves --------------------------------------------------------------------------
+
+  SelfCache& self_attention_cache() noexcept { return self_; }
+  const SelfCache& self_attention_cache() const noexcept { return self_; }
+  CrossCache& cross_attention_cache() noexcept { return cross_; }
+  const CrossCache& cross_attention_cache() const noexcept { return cross_; }
+
+  // Whether the cross-attention cache of layer `layer_idx` is filled (models compute the encoder's
+  // keys/values once, then skip the update). False for a layer never recorded (dict.get).
+  bool is_updated(std::int64_t layer_idx) const {
+    const auto it = is_updated_.find(layer_idx);
+    return it != is_updated_.end() && it->second;
+  }
+  // The whole record, as transformers' `is_updated` dict.
+  const std::map<std::int64_t, bool>& is_updated() const noexcept { return is_updated_; }
+  // transformers' `is_updated[layer_idx] = True`, done by the model after filling the layer.
+  void set_is_updated(std::int64_t layer_idx, bool updated = true) {
+    if (layer_idx < 0)
+      throw IndexError(detail::edc_message({"set_is_updated: layer_idx ", std::to_string(layer_idx),
+                                            " is out of range: layer indices start at 0"}));
+    is_updated_[layer_idx] = updated;
+  }
+
+  // ---- the self-attention cache answers ---------------------------------------------------------
+
+  std::int64_t size() const noexcept { return self_.size(); }
+  std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self_.get_seq_length(layer_idx); }
+  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self_.get_query_offset(layer_idx); }
+  std::int64_t get_max_length() const { return self_.get_max_length(); }
+  std::int64_t get_max_length(std::int64_t layer_idx) const { return self_.get_max_length(layer_idx); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
+    return self_.get_mask_sizes(query_length, layer_idx);
+  }
+  std::vector<bool> is_sliding() const { return self_.is_sliding(); }
+  bool is_sliding(std::int64_t layer_idx) const { return self_.is_sliding(layer_idx); }
+  bool is_compileable() const noexcept { return self_.is_compileable(); }
+  void activate_past_recording() noexcept { self_.activate_past_recording(); }
+
+  // ---- both caches -------------------------------------------------------------------------------
+
+  // Resets both caches; no layer counts as updated afterwards.
+  void reset() {
+    self_.reset();
+    cross_.reset();
+    for (auto& entry : is_updated_) entry.second = false;
+  }
+
+  // Picks batch rows by beam index in both caches.
+  void reorder_cache(std::span<const std::int64_t> beam_idx) {
+    on_both([&](auto& c) { c.reorder_cache(beam_idx); });
+  }
+  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
+    reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
+  }
+
+  // Removes tokens from the self-attention cache only (the encoder's keys do not change).
+  void crop(std::int64_t tokens_to_remove) {
+    check_dynamic_cache("crop");
+    if constexpr (is_dynamic) self_.crop(tokens_to_remove);
+  }
+
+  void batch_repeat_interleave(std::int64_t repeats) {
+    check_dynamic_cache("batch_repeat_interleave");
+    if constexpr (is_dynamic) on_both([&](auto& c) { c.batch_repeat_interleave(repeats); });
+  }
+
+  void batch_select_indices(std::span<const std::int64_t> indices) {
+    check_dynamic_cache("batch_select_indices");
+    if constexpr (is_dynamic) on_both([&](auto& c) { c.batch_select_indices(indices); });
+  }
+  void batch_select_indices(std::initializer_list<std::int64_t> indices) {
+    batch_select_indices(std::span(indices.begin(), indices.size()));
+  }
+
+  // transformers' check_dynamic_cache: TypeError unless both halves are dynamic caches.
+  void check_dynamic_cache(std::string_view method) const {
+    if constexpr (!is_dynamic)
+      throw TypeError(detail::edc_message({"`", method, "` is only defined for dynamic cache, got ", cache_repr(self_),
+                                           " for the self attention cache and ", cache_repr(cross_),
+                                           " for the cross attention cache."}));
+    else
+      (void)method;
+  }
+
+ private:
+  struct halves {
+    SelfCache self;
+    CrossCache cross;
+  };
+  explicit EncoderDecoderCache(halves h) : EncoderDecoderCache(std::move(h.self), std::move(h.cross)) {}
+
+  using tensor = HostTensor<element_type>;
+  struct layer_data {
+    const tensor* keys;
+    const tensor* values;
+    const tensor* window;  // nullptr or empty: no sliding window
+  };
+
+  // Python's repr of one entry, with each tensor printed by its shape.
+  static std::string entry_repr(const std::vector<tensor>& entry) {
+    std::string out = "(";
+    for (std::size_t i = 0; i < entry.size(); ++i) {
+      if (i) out.append(", ");
+      out.append("tensor of shape ");
+      out.append(shape_string({entry[i].dimension(0), entry[i].dimension(1), entry[i].dimension(2),
+                               entry[i].dimension(3)}));
+    }
+    if (entry.size() == 1) out.push_back(',');
+    out.push_back(')');
+    return out;
+  }
+
+  static halves split(const std::vector<std::vector<tensor>>& data) {
+    std::vector<layer_data> self_layers, cross_layers;
+    self_layers.reserve(data.size());
+    cross_layers.reserve(data.size());
+    for (const auto& entry : data) {
+      if (entry.size() == 6) {
+        self_layers.push_back({&entry[0], &entry[1], &entry[2]});
+        cross_layers.push_back({&entry[3], &entry[4], &entry[5]});
+      } else if (entry.size() == 4) {
+        self_layers.push_back({&entry[0], &entry[1], nullptr});
+        cross_layers.push_back({&entry[2], &entry[3], nullptr});
+      } else {
+        throw ValueError(detail::edc_message({"Expected len(combined_cache_data) = ", std::to_string(entry.size()),
+                                              " to be 4 or 6.\ncombined_cache_data = ", entry_repr(entry)}));
+      }
+    }
+    return {build<SelfCache>(self_layers), build<CrossCache>(cross_layers)};
+  }
+
+  static std::int64_t window_of(const layer_data& l) {
+    return l.window && l.window->size() > 0 ? static_cast<std::int64_t>(static_cast<float>(l.window->data()[0])) : 0;
+  }
+
+  // transformers' DynamicCache(ddp_cache_data): a DynamicSlidingWindowLayer where a window is
+  // given, else a DynamicLayer; then one update per layer.
+  template <class C>
+  static C build(const std::vector<layer_data>& layers) {
+    if constexpr (C::replicated) {
+      C cache;
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        if (window_of(layers[i]) > 0)
+          throw ValueError(detail::edc_message(
+              {"EncoderDecoderCache: layer ", std::to_string(i), " has a sliding window, but ",
+               detail::cache_class_name<C>(),
+               " replicates DynamicLayer; use a cache with DynamicSlidingWindowLayer, such as "
+               "kvc::ConfiguredDynamicCache"}));
+        cache.update(*layers[i].keys, *layers[i].values, static_cast<std::int64_t>(i));
+      }
+      return cache;
+    } else {
+      std::vector<typename C::kind_variant> kinds;
+      kinds.reserve(layers.size());
+      for (const layer_data& l : layers) {
+        const std::int64_t window = window_of(l);
+        if (window > 0)
+          kinds.emplace_back(DynamicSlidingWindowLayer{window});
+        else
+          kinds.emplace_back(DynamicLayer{});
+      }
+      C cache(kinds);
+      for (std::size_t i = 0; i < layers.size(); ++i)
+        cache.update(*layers[i].keys, *layers[i].values, static_cast<std::int64_t>(i));
+      return cache;
+    }
+  }
+
+  // Applies f to both caches with the strong guarantee: f runs first on a copy of the smaller
+  // cache, then on the other one in place (a Cache operation that throws changes nothing), and
+  // the copy is moved in last. Caches that cannot be copied get f in turn (basic guarantee).
+  template <class F>
+  void on_both(F&& f) {
+    if constexpr (std::is_copy_constructible_v<SelfCache> && std::is_nothrow_move_assignable_v<SelfCache> &&
+                  std::is_copy_constructible_v<CrossCache> && std::is_nothrow_move_assignable_v<CrossCache>) {
+      if (self_.bytes() <= cross_.bytes()) {
+        SelfCache s = self_;
+        f(s);
+        f(cross_);
+        self_ = std::move(s);
+      } else {
+        CrossCache c = cross_;
+        f(c);
+        f(self_);
+        cross_ = std::move(c);
+      }
+    } else {
+      f(self_);
+      f(cross_);
+    }
+  }
+
+  SelfCache self_;
+  CrossCache cross_;
+  std::map<std::int64_t, bool> is_updated_;
+};
+
+// `EncoderDecoderCache cache(self_cache, cross_cache)` deduces both cache types.
+template <class SelfCache, class CrossCache>
+EncoderDecoderCache(SelfCache, CrossCache) -> EncoderDecoderCache<SelfCache, CrossCache>;
+
+// transformers' repr: `EncoderDecoderCache(self_attention_cache=..., cross_attention_cache=...)`.
+template <class SelfCache, class CrossCache>
+std::string cache_repr(const EncoderDecoderCache<SelfCache, CrossCache>& cache) {
+  std::string out = "EncoderDecoderCache(self_attention_cache=";
+  out.append(cache_repr(cache.self_attention_cache()));
+  out.append(", cross_attention_cache=");
+  out.append(cache_repr(cache.cross_attention_cache()));
+  out.push_back(')');
+  return out;
+}
+
+}  // namespace kvc

@@ -1,0 +1,501 @@
+#pragma once
+// Indexed layer kinds (DSA models: GLM-MoE-DSA, DeepSeek-V3.2): a K/V layer plus the keys of the
+// lightning indexer, [batch, seq, index_head_dim] (one head, seq on dim 1). Semantics:
+// ../shared/reference/hf_cache_inventory.md §1.4 and §1.7; what kvc does differently:
+// docs/indexed.md and docs/differences.md.
+//
+//  - DynamicIndexedLayer: a DynamicLayer and indexer keys that grow with every update_indexer.
+//  - StaticIndexedLayer:  a StaticLayer and an indexer buffer of max_cache_len slots, written at
+//    its own counter.
+//
+// Both are built by composition: the state holds the K/V layer's state and forwards every
+// CacheLayer member to it; the indexer keys live next to it. The Cache reaches the indexer keys
+// through Cache::update_indexer(x, layer_idx), which calls `update_indexer` below.
+//
+// Layout of the dynamic indexer keys. update_indexer returns a StateView, which is dense (no
+// strides), so the returned [batch, len, dim] must be contiguous. The keys are therefore kept
+// dense at the front of a buffer with room for `capacity` tokens per batch row:
+//  - batch 1: an append writes after the last token; the buffer grows geometrically, so q new
+//    tokens cost O(q) amortized, as for the K/V part;
+//  - batch > 1: every row has to move when the rows get longer, so an append copies the whole
+//    [batch, len + q, dim] into a second buffer of the same capacity and swaps the two. That is
+//    O(len) per append, the same cost as transformers' torch.cat, with no allocation in the
+//    steady state; the price is twice the memory. A StateView with a row stride would make this
+//    O(q) too (docs/indexed.md).
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <kvc/errors.hpp>
+#include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/static.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+namespace detail {
+
+// Joins message pieces one append at a time (a chain of operator+ trips GCC 12's -Wrestrict).
+inline std::string indexed_message(std::initializer_list<std::string_view> parts) {
+  std::string out;
+  std::size_t n = 0;
+  for (std::string_view p : parts) n += p.size();
+  out.reserve(n);
+  for (std::string_view p : parts) out.append(p);
+  return out;
+}
+
+// The indexer keys of a DynamicIndexedLayer: [batch_, len_, dim_] dense at the front of data_,
+// which has room for cap_ tokens per row. For batch > 1, spare_ has the same size and receives
+// the rows whenever they have to move (see the header comment). Copies are deep.
+template <class S>
+class dynamic_indexer_keys {
+ public:
+  using T = typename S::element_type;
+  using buffer = typename S::buffer_type;
+  using state_view = typename S::state_view_type;
+
+  bool initialized() const noexcept { return initialized_; }
+  std::int64_t batch() const noexcept { return batch_; }
+  std::int64_t length() const noexcept { return len_; }
+  std::int64_t dim() const noexcept { return dim_; }
+  std::int64_t capacity() const noexcept { return cap_; }
+  std::int64_t bytes() const noexcept {
+    return static_cast<std::int64_t>(sizeof(T)) * (std::int64_t{data_.size()} + std::int64_t{spare_.size()});
+  }
+
+  // Uninitialized: an empty view of rank 0 (transformers' None).
+  state_view view() const noexcept {
+    if (!initialized_) return S::make_state_view(nullptr, 0, {});
+    return S::make_state_view(data_.data(), 3, {batch_, len_, dim_, 0});
+  }
+
+  // Appends x ([batch, q, dim], checked by the caller). Every allocation happens before anything
+  // changes (strong guarantee).
+  void append(const state_view& x) {
+    const std::int64_t b = x.extent(0), q = x.extent(1), d = x.extent(2);
+    if (!initialized_) {
+      const std::int64_t cap = std::max(q, min_dynamic_capacity);
+      buffer fresh(b * cap * d);
+      buffer spare(b > 1 ? b * cap * d : 0);
+      S::copy_2d(fresh.data(), b * q * d, x.data(), b * q * d, b * q * d, 1);
+      data_ = std::move(fresh);
+      spare_ = std::move(spare);
+      batch_ = b;
+      dim_ = d;
+      cap_ = cap;
+      len_ = q;
+      initialized_ = true;
+      return;
+    }
+    const std::int64_t next = len_ + q;
+    const std::int64_t grown = std::max({2 * cap_, next, min_dynamic_capacity});
+    if (batch_ == 1) {
+      if (next > cap_) {
+        buffer fresh(grown * dim_);
+        S::copy_2d(fresh.data(), len_ * dim_, data_.data(), len_ * dim_, len_ * dim_, 1);
+        data_ = std::move(fresh);
+        cap_ = grown;
+      }
+      S::copy_2d(data_.data() + len_ * dim_, q * dim_, x.data(), q * dim_, q * dim_, 1);
+      len_ = next;
+      return;
+    }
+    // batch > 1: the rows are re-spaced into the other buffer.
+    if (next > cap_) {
+      buffer fresh(batch_ * grown * dim_);
+      buffer spare(batch_ * grown * dim_);
+      respace(fresh.data(), next, x);
+      data_ = std::move(fresh);
+      spare_ = std::move(spare);
+      cap_ = grown;
+    } else {
+      respace(spare_.data(), next, x);
+      data_.swap(spare_);
+    }
+    len_ = next;
+  }
+
+  // Keeps the first `keep` tokens of every row (keep <= length()). Never allocates.
+  void truncate(std::int64_t keep) noexcept {
+    if (!initialized_ || keep >= len_) return;
+    if (batch_ > 1) {
+      S::copy_2d(spare_.data(), keep * dim_, data_.data(), len_ * dim_, keep * dim_, batch_);
+      data_.swap(spare_);
+    }
+    len_ = keep;
+  }
+
+  // A copy whose batch row i is row indices[i] of this one (indices checked by the caller).
+  dynamic_indexer_keys gathered(std::span<const std::int64_t> indices) const {
+    dynamic_indexer_keys out;
+    if (!initialized_) return out;
+    const auto n = static_cast<std::int64_t>(indices.size());
+    const std::int64_t row = len_ * dim_;
+    out.data_ = buffer(n * row);
+    out.spare_ = buffer(n > 1 ? n * row : 0);
+    for (std::int64_t i = 0; i < n; ++i)
+      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
+    out.batch_ = n;
+    out.dim_ = dim_;
+    out.cap_ = len_;
+    out.len_ = len_;
+    out.initialized_ = true;
+    return out;
+  }
+
+  template <class F>
+  void for_each_buffer(F&& f) {
+    f(data_);
+    f(spare_);
+  }
+
+ private:
+  // Writes the current rows followed by x's rows to dst, with rows of `next` tokens.
+  void respace(T* dst, std::int64_t next, const state_view& x) const noexcept {
+    const std::int64_t q = x.extent(1);
+    S::copy_2d(dst, next * dim_, data_.data(), len_ * dim_, len_ * dim_, batch_);
+    S::copy_2d(dst + len_ * dim_, next * dim_, x.data(), q * dim_, q * dim_, batch_);
+  }
+
+  buffer data_;
+  buffer spare_;
+  std::int64_t batch_ = 0;
+  std::int64_t len_ = 0;
+  std::int64_t dim_ = 0;
+  std::int64_t cap_ = 0;
+  bool initialized_ = false;
+};
+
+// The indexer keys of a StaticIndexedLayer: a zeroed [batch, slots, dim] buffer, allocated by
+// the first write, written at its own counter.
+template <class S>
+class static_indexer_keys {
+ public:
+  using T = typename S::element_type;
+  using buffer = typename S::buffer_type;
+  using state_view = typename S::state_view_type;
+
+  explicit static_indexer_keys(std::int64_t slots) noexcept : slots_(slots) {}
+
+  bool initialized() const noexcept { return initialized_; }
+  std::int64_t batch() const noexcept { return batch_; }
+  std::int64_t dim() const noexcept { return dim_; }
+  std::int64_t position() const noexcept { return pos_; }
+  std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data_.size(); }
+
+  // The whole buffer (zeros in unwritten slots); uninitialized: an empty view of rank 0.
+  state_view view() const noexcept {
+    if (!initialized_) return S::make_state_view(nullptr, 0, {});
+    return S::make_state_view(data_.data(), 3, {batch_, slots_, dim_, 0});
+  }
+
+  // Writes x ([batch, q, dim], checked by the caller, pos + q <= slots) at the counter.
+  void write(const state_view& x) {
+    const std::int64_t b = x.extent(0), q = x.extent(1), d = x.extent(2);
+    if (!initialized_) {
+      buffer fresh(b * slots_ * d);
+      S::zero_2d(fresh.data(), 0, fresh.size(), fresh.size() > 0 ? 1 : 0);
+      data_ = std::move(fresh);
+      batch_ = b;
+      dim_ = d;
+      initialized_ = true;
+    }
+    S::copy_2d(data_.data() + pos_ * dim_, slots_ * dim_, x.data(), q * dim_, q * dim_, batch_);
+    pos_ += q;
+  }
+
+  void set_position(std::int64_t position) noexcept { pos_ = position; }
+
+  // Zeroes the buffer in place and rewinds; keeps the allocation.
+  void reset() noexcept {
+    if (data_.size() > 0) S::zero_2d(data_.data(), 0, data_.size(), 1);
+    pos_ = 0;
+  }
+
+  static_indexer_keys gathered(std::span<const std::int64_t> indices) const {
+    static_indexer_keys out(slots_);
+    out.pos_ = pos_;
+    if (!initialized_) return out;
+    const auto n = static_cast<std::int64_t>(indices.size());
+    const std::int64_t row = slots_ * dim_;
+    out.data_ = buffer(n * row);
+    for (std::int64_t i = 0; i < n; ++i)
+      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
+    out.batch_ = n;
+    out.dim_ = dim_;
+    out.initialized_ = true;
+    return out;
+  }
+
+  template <class F>
+  void for_each_buffer(F&& f) {
+    f(data_);
+  }
+
+ private:
+  buffer data_;
+  std::int64_t slots_ = 0;
+  std::int64_t batch_ = 0;
+  std::int64_t dim_ = 0;
+  std::int64_t pos_ = 0;
+  bool initialized_ = false;
+};
+
+// The input checks both indexed kinds share (ValueError, naming both shapes). `attn` is the K/V
+// part's state, `held` the indexer keys the layer holds (rank 0 when it holds none).
+template <class Attention, class View>
+void check_indexer_input(const Attention& attn, const View& held, const View& x) {
+  if (x.rank != 3)
+    throw ValueError(indexed_message(
+        {"update_indexer: indexer keys must have shape [batch, seq, index_head_dim], got ", shape_string(x)}));
+  if (x.extent(0) < 1 || x.extent(1) < 0 || x.extent(2) < 1)
+    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+                                      " must have a positive batch and index_head_dim"}));
+  if (attn.is_initialized() && attn.shape().batch != x.extent(0))
+    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+                                      " do not match the layer's keys of shape ",
+                                      shape_string(attn.stored().keys.extents), ": the batch sizes differ"}));
+  if (held.rank == 3 && (held.extent(0) != x.extent(0) || held.extent(2) != x.extent(2)))
+    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+                                      " do not match the indexer keys the layer holds, of shape ", shape_string(held),
+                                      ": batch and index_head_dim must stay the same"}));
+}
+
+// The K/V side of the same rule: keys whose batch differs from the indexer keys' are rejected.
+template <class View, class KeysView>
+void check_kv_batch(const View& held, const KeysView& k, std::string_view method) {
+  if (held.rank == 3 && held.extent(0) != k.extent(0))
+    throw ValueError(indexed_message({method, ": keys of shape ", shape_string(k.extents),
+                                      " do not match the layer's indexer keys of shape ", shape_string(held),
+                                      ": the batch sizes differ"}));
+}
+inline void check_shape_batch(std::int64_t held_rank, std::int64_t held_batch, const LayerShape& shape) {
+  if (held_rank == 3 && held_batch != shape.batch)
+    throw ValueError(indexed_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
+                                      " does not match the layer's indexer keys, which have batch size ",
+                                      std::to_string(held_batch)}));
+}
+
+}  // namespace detail
+
+// ---- DynamicIndexedLayer -------------------------------------------------------------------
+
+// A DynamicLayer plus indexer keys that grow with every update_indexer (§1.4).
+struct DynamicIndexedLayer {
+  template <class S>
+  class state;
+};
+
+template <class S>
+class DynamicIndexedLayer::state {
+  using attention_state = DynamicLayer::state<S>;
+
+ public:
+  using kind_type = DynamicIndexedLayer;
+  using view = typename S::view_type;
+  using state_view = typename S::state_view_type;
+  static constexpr bool is_sliding = false;
+  static constexpr bool is_compileable = false;
+  static constexpr bool supports_early_init = true;
+  static constexpr bool supports_batch_ops = true;
+  static constexpr std::string_view name = "DynamicIndexedLayer";
+
+  explicit state(const DynamicIndexedLayer&) noexcept : attn_(DynamicLayer{}) {}
+
+  const attention_state& attention_part() const noexcept { return attn_; }
+
+  // ---- the K/V part (a DynamicLayer) ----
+  bool is_initialized() const noexcept { return attn_.is_initialized(); }
+  LayerShape shape() const noexcept { return attn_.shape(); }
+  std::int64_t bytes() const noexcept { return attn_.bytes() + indexer_.bytes(); }
+  void lazy_initialization(LayerShape shape) {
+    detail::check_shape_batch(indexer_keys().rank, indexer_.batch(), shape);
+    attn_.lazy_initialization(shape);
+  }
+  KV<view> update(const view& k, const view& v) {
+    detail::check_kv_batch(indexer_keys(), k, "update");
+    return attn_.update(k, v);
+  }
+  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return attn_.get_mask_sizes(q); }
+  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
+  KV<view> stored() const noexcept { return attn_.stored(); }
+
+  // ---- the indexer keys ----
+  bool is_indexer_initialized() const noexcept { return indexer_.initialized(); }
+  // What the layer holds, [batch, len, index_head_dim]; an empty view of rank 0 before the first
+  // update_indexer (transformers' None).
+  state_view indexer_keys() const noexcept { return indexer_.view(); }
+  std::int64_t indexer_seq_length() const noexcept { return indexer_.length(); }
+
+  // Appends x ([batch, q, index_head_dim]) and returns every indexer key the layer holds.
+  state_view update_indexer(const state_view& x) {
+    detail::check_indexer_input(attn_, indexer_keys(), x);
+    indexer_.append(x);
+    return indexer_.view();
+  }
+
+  // ---- both parts ----
+  // The batch of whatever the layer holds (K/V first), -1 when it holds nothing.
+  std::int64_t batch() const noexcept {
+    if (attn_.is_initialized()) return attn_.shape().batch;
+    return indexer_.initialized() ? indexer_.batch() : -1;
+  }
+
+  void check_crop(std::int64_t tokens_to_remove) const noexcept { attn_.check_crop(tokens_to_remove); }
+  // transformers' DynamicIndexedLayer.crop: the K/V part as a DynamicLayer, then the indexer keys
+  // by the same rule on their own length (so crop(-n) with n >= length empties them).
+  void crop(std::int64_t tokens_to_remove) {
+    attn_.crop(tokens_to_remove);
+    if (!indexer_.initialized() || indexer_.length() == 0) return;
+    const std::int64_t len = indexer_.length();
+    indexer_.truncate(len - detail::dynamic_crop_count(tokens_to_remove, len));
+  }
+
+  // Drops both parts: the next update and update_indexer start afresh (transformers #48809).
+  void reset() noexcept {
+    attn_.reset();
+    indexer_ = detail::dynamic_indexer_keys<S>();
+  }
+
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out{DynamicIndexedLayer{}};
+    out.attn_ = attn_.gathered(batch_indices);
+    out.indexer_ = indexer_.gathered(batch_indices);
+    return out;
+  }
+
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    attn_.for_each_buffer(f);
+    indexer_.for_each_buffer(f);
+  }
+
+ private:
+  attention_state attn_;
+  detail::dynamic_indexer_keys<S> indexer_;
+};
+
+// ---- StaticIndexedLayer --------------------------------------------------------------------
+
+// A StaticLayer plus a static indexer buffer [batch, max_cache_len, index_head_dim] with its own
+// counter (§1.7).
+struct StaticIndexedLayer {
+  std::int64_t max_cache_len = 0;
+
+  template <class S>
+  class state;
+};
+
+template <class S>
+class StaticIndexedLayer::state {
+  using attention_state = StaticLayer::state<S>;
+
+ public:
+  using kind_type = StaticIndexedLayer;
+  using view = typename S::view_type;
+  using state_view = typename S::state_view_type;
+  static constexpr bool is_sliding = false;
+  static constexpr bool is_compileable = true;
+  static constexpr bool supports_early_init = true;
+  static constexpr bool supports_batch_ops = false;
+  static constexpr std::string_view name = "StaticIndexedLayer";
+
+  explicit state(const StaticIndexedLayer& kind) : attn_(checked(kind)), indexer_(kind.max_cache_len) {}
+
+  const attention_state& attention_part() const noexcept { return attn_; }
+  std::int64_t max_cache_len() const noexcept { return attn_.max_cache_len(); }
+
+  // ---- the K/V part (a StaticLayer) ----
+  bool is_initialized() const noexcept { return attn_.is_initialized(); }
+  LayerShape shape() const noexcept { return attn_.shape(); }
+  std::int64_t bytes() const noexcept { return attn_.bytes() + indexer_.bytes(); }
+  void lazy_initialization(LayerShape shape) {
+    detail::check_shape_batch(indexer_keys().rank, indexer_.batch(), shape);
+    attn_.lazy_initialization(shape);
+  }
+  KV<view> update(const view& k, const view& v) {
+    detail::check_kv_batch(indexer_keys(), k, "update");
+    return attn_.update(k, v);
+  }
+  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return attn_.get_mask_sizes(q); }
+  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
+  KV<view> stored() const noexcept { return attn_.stored(); }
+
+  // Sets where the next update *and* the next update_indexer write: both count the same tokens
+  // (transformers' export wrapper moves only the K/V counter; docs/indexed.md).
+  void set_write_position(std::int64_t position) {
+    attn_.set_write_position(position);  // checks the range; nothing changes if it throws
+    indexer_.set_position(position);
+  }
+
+  // ---- the indexer keys ----
+  bool is_indexer_initialized() const noexcept { return indexer_.initialized(); }
+  // The whole static buffer [batch, max_cache_len, index_head_dim]; rank 0 before the first write.
+  state_view indexer_keys() const noexcept { return indexer_.view(); }
+  // The indexer counter: where the next update_indexer writes.
+  std::int64_t indexer_seq_length() const noexcept { return indexer_.position(); }
+
+  // Writes x ([batch, q, index_head_dim]) at the indexer counter and returns the whole buffer.
+  // Past max_cache_len: IndexError, and nothing changes (transformers advances its counter first).
+  state_view update_indexer(const state_view& x) {
+    detail::check_indexer_input(attn_, indexer_keys(), x);
+    const std::int64_t q = x.extent(1), cap = attn_.max_cache_len(), pos = indexer_.position();
+    if (pos + q > cap)
+      throw IndexError(detail::indexed_message(
+          {"index ", std::to_string(cap), " is out of bounds for dimension 1 with size ", std::to_string(cap),
+           ": StaticIndexedLayer with max_cache_len ", std::to_string(cap), " holds ", std::to_string(pos),
+           " indexer keys and cannot take ", std::to_string(q), " more"}));
+    indexer_.write(x);
+    return indexer_.view();
+  }
+
+  // ---- both parts ----
+  std::int64_t batch() const noexcept {
+    if (attn_.is_initialized()) return attn_.shape().batch;
+    return indexer_.initialized() ? indexer_.batch() : -1;
+  }
+
+  // Zeroes both parts in place and rewinds both counters; keeps the allocations.
+  void reset() noexcept {
+    attn_.reset();
+    indexer_.reset();
+  }
+
+  // For reorder_cache (beam search keeps the batch size); there is no crop or batch operation.
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out(*this, 0);
+    out.attn_ = attn_.gathered(batch_indices);
+    out.indexer_ = indexer_.gathered(batch_indices);
+    return out;
+  }
+
+  template <class F>
+  void for_each_buffer(F&& f) {
+    attn_.for_each_buffer(f);
+    indexer_.for_each_buffer(f);
+  }
+
+ private:
+  // A copy of the configuration only (gathered fills in the data).
+  state(const state& o, int) : attn_(StaticLayer{o.attn_.max_cache_len()}), indexer_(o.attn_.max_cache_len()) {}
+
+  static StaticLayer checked(const StaticIndexedLayer& kind) {
+    detail::check_positive(kind.max_cache_len, "max_cache_len", "StaticIndexedLayer");
+    return StaticLayer{kind.max_cache_len};
+  }
+
+  attention_state attn_;
+  detail::static_indexer_keys<S> indexer_;
+};
+
+}  // namespace kvc
