@@ -68,6 +68,7 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
   virtual std::vector<bool> is_linear() const = 0;
   virtual std::string_view element_type_name() const noexcept = 0;
   virtual std::int64_t get_seq_length(std::int64_t) const = 0;
+  virtual std::int64_t get_query_offset(std::int64_t) const = 0;
   virtual std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t, std::int64_t) const = 0;
   virtual std::int64_t get_max_length() const = 0;
   virtual std::int64_t get_max_length(std::int64_t) const = 0;
@@ -148,6 +149,8 @@ class any_cache_model final : public any_cache_iface {
 
   std::string_view element_type_name() const noexcept override { return element_name<E>(); }
   std::int64_t get_seq_length(std::int64_t i) const override { return cache_.get_seq_length(i); }
+  // The held type's own (MtpCache and DFlashCache shift it).
+  std::int64_t get_query_offset(std::int64_t i) const override { return cache_.get_query_offset(i); }
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t i) const override {
     return cache_.get_mask_sizes(q, i);
   }
@@ -277,7 +280,7 @@ class AnyCache {
   }
 
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
-  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
+  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self().get_query_offset(layer_idx); }
 
   // Linear-attention states and indexer keys (Cache::update_conv_state and friends).
   template <class X>

@@ -638,7 +638,9 @@ class Cache<L, S, O> {
   // The batch size of a layer's data, -1 when it holds none.
   template <class St>
   static std::int64_t batch_of(const St& l) {
-    if constexpr (has_linear<St>)
+    if constexpr (has_linear<St> || requires {
+                    { l.batch() } -> std::convertible_to<std::int64_t>;
+                  })
       return l.batch();
     else
       return l.is_initialized() ? l.shape().batch : -1;

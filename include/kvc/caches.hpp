@@ -25,14 +25,14 @@ class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
 // Every kind DYNAMIC_LAYER_TYPE_MAPPING names.
 using ConfiguredDynamicLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
                                        LinearAttentionAndFullAttentionLayer,
-                                       LinearAttentionAndSlidingWindowAttentionLayer /*@INDEXED_D@*/>;
+                                       LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 using ConfiguredDynamicCache = Cache<ConfiguredDynamicLayers, Storage, Offload>;
 
 // The layer policy of StaticCache: every kind STATIC_LAYER_TYPE_MAPPING names.
 using StaticCacheLayers = Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
                                  LinearAttentionAndStaticFullAttentionLayer,
-                                 LinearAttentionAndStaticSlidingWindowAttentionLayer /*@INDEXED_S@*/>;
+                                 LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
 
 namespace detail {
 template <class>

@@ -154,10 +154,10 @@ inline std::int64_t window_of(const LayerSpec& spec, std::size_t layer) {
 
 using DynamicLayerKind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
                                       LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndSlidingWindowAttentionLayer /*@INDEXED_D@*/>;
+                                      LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
 using StaticLayerKind = std::variant<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
                                      LinearAttentionAndStaticFullAttentionLayer,
-                                     LinearAttentionAndStaticSlidingWindowAttentionLayer /*@INDEXED_S@*/>;
+                                     LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
 
 namespace detail {
 // The kinds both mappings share: linear-attention layers ("moe"/"mlp" get an empty one, so that
@@ -184,6 +184,8 @@ inline std::vector<DynamicLayerKind> dynamic_layer_kinds(const ModelConfig& conf
       out.emplace_back(DynamicSlidingWindowLayer{detail::window_of(spec, i)});
     else if (spec.type == "hybrid")
       out.emplace_back(LinearAttentionAndFullAttentionLayer{{}, spec.number_of_states});
+    else if (spec.type == "deepseek_sparse_attention")
+      out.emplace_back(DynamicIndexedLayer{});
     else if (spec.type == "hybrid_sliding")
       out.emplace_back(
           LinearAttentionAndSlidingWindowAttentionLayer{{detail::window_of(spec, i)}, spec.number_of_states});
@@ -207,6 +209,8 @@ inline std::vector<StaticLayerKind> static_layer_kinds(const ModelConfig& config
       out.emplace_back(StaticSlidingWindowLayer{max_cache_len, detail::window_of(spec, i)});
     else if (spec.type == "hybrid")
       out.emplace_back(LinearAttentionAndStaticFullAttentionLayer{{max_cache_len}, spec.number_of_states});
+    else if (spec.type == "deepseek_sparse_attention")
+      out.emplace_back(StaticIndexedLayer{max_cache_len});
     else if (spec.type == "hybrid_sliding")
       out.emplace_back(LinearAttentionAndStaticSlidingWindowAttentionLayer{
           {max_cache_len, detail::window_of(spec, i)}, spec.number_of_states});

@@ -7,10 +7,12 @@
 #include <kvc/attention.hpp>
 #include <kvc/caches.hpp>
 #include <kvc/config.hpp>
+#include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
 #include <kvc/make_cache.hpp>
 #include <kvc/quantized_cache.hpp>
+#include <kvc/speculative_caches.hpp>
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>

@@ -278,13 +278,14 @@ TEST_CASE("§4.2-2/4: a StaticCache with a linear layer: early initialization an
 
 TEST_CASE("every layer type of the mappings builds its kind; unknown types list all ten") {
   kvc::ModelConfig config;
-  config.num_hidden_layers = 7;
+  config.num_hidden_layers = 8;
   config.num_attention_heads = 2;
   config.hidden_size = 8;
   config.sliding_window = 4;
   config.number_of_conv_states = 2;
   config.layer_types =
-      std::vector<std::string>{"conv", "linear_attention", "hybrid", "hybrid_sliding", "moe", "mlp", "full_attention"};
+      std::vector<std::string>{"conv", "linear_attention", "hybrid", "hybrid_sliding", "moe", "mlp", "full_attention",
+                               "deepseek_sparse_attention"};
   auto dynamic = kvc::make_dynamic_cache<float>(config);
   kvc::StaticCache<float> fixed(config, 16);
   const std::vector<std::string> dynamic_names{"LinearAttentionLayer",
@@ -293,15 +294,17 @@ TEST_CASE("every layer type of the mappings builds its kind; unknown types list 
                                                "LinearAttentionAndSlidingWindowAttentionLayer",
                                                "LinearAttentionLayer",
                                                "LinearAttentionLayer",
-                                               "DynamicLayer"};
+                                               "DynamicLayer",
+                                               "DynamicIndexedLayer"};
   const std::vector<std::string> static_names{"LinearAttentionLayer",
                                               "LinearAttentionLayer",
                                               "LinearAttentionAndStaticFullAttentionLayer",
                                               "LinearAttentionAndStaticSlidingWindowAttentionLayer",
                                               "LinearAttentionLayer",
                                               "LinearAttentionLayer",
-                                              "StaticLayer"};
-  for (std::int64_t i = 0; i < 7; ++i) {
+                                              "StaticLayer",
+                                              "StaticIndexedLayer"};
+  for (std::int64_t i = 0; i < 8; ++i) {
     CHECK(std::string(dynamic.layer_name(i)) == dynamic_names[static_cast<std::size_t>(i)]);
     CHECK(std::string(fixed.layer_name(i)) == static_names[static_cast<std::size_t>(i)]);
   }

@@ -6,6 +6,7 @@
 #include <boost/mp11/list.hpp>
 
 #include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/indexed.hpp>
 #include <kvc/policies/layers/linear.hpp>
 #include <kvc/policies/layers/static.hpp>
 
