@@ -44,7 +44,7 @@ using examples::Decoder;
 using examples::DecoderConfig;
 
 constexpr std::int64_t weight_limit_bytes = std::int64_t{2} << 30;  // 2 GiB without --allow-large
-const std::vector<std::string> all_caches{"dynamic", "dynamic-config", "static", "quantized"};
+const std::vector<std::string> all_caches{"dynamic", "dynamic-config", "static", "offloaded", "quantized"};
 // Caches whose logits are expected to differ from the no-cache model: their difference is
 // reported, not checked against the tolerance.
 bool is_lossy(const std::string& cache) { return cache == "quantized"; }
@@ -57,7 +57,8 @@ const char* const usage =
     "  --config PATH      a transformers config.json (shapes only; weights stay random)\n"
     "  --prompt-len N     prompt tokens (default 100)\n"
     "  --tokens N         greedy decode steps after the prompt (default 50)\n"
-    "  --cache NAME|all   dynamic, dynamic-config, static, quantized (int4, lossy: its logit error is\n"
+    "  --cache NAME|all   dynamic, dynamic-config, static, offloaded (layers not in use in a spill file),\n"
+    "                     quantized (int4, lossy: its logit error is\n"
     "                     reported, not checked) or all (default all)\n"
     "  --dtype TYPE       element type of Q/K/V, the cache and attention: float, bfloat16, half\n"
     "  --seed N           seed of the weights and the prompt (default 2024)\n"
@@ -128,7 +129,7 @@ Options parse_options(int argc, char** argv) {
       else if (std::find(all_caches.begin(), all_caches.end(), name) != all_caches.end())
         o.caches = {name};
       else
-        throw UsageError("--cache: unknown cache '" + name + "' (dynamic, dynamic-config, static, quantized or all)");
+        throw UsageError("--cache: unknown cache '" + name + "' (dynamic, dynamic-config, static, offloaded, quantized or all)");
     } else if (arg == "--dtype") {
       o.dtype = value();
       if (o.dtype != "float" && o.dtype != "bfloat16" && o.dtype != "half")
@@ -431,6 +432,12 @@ Row run_cache(const std::string& name, const Decoder<T>& model, Reference<T>& re
     }
     if (name == "dynamic-config") {
       auto cache = kvc::make_dynamic_cache<T>(config);  // one layer per config.layer_types entry
+      return measure(name, model, cache, reference, run);
+    }
+    if (name == "offloaded") {
+      // make_dynamic_cache's layers; each layer's K/V goes to a spill file after its update and
+      // the next layer is read back on a background thread (docs/offload.md)
+      auto cache = kvc::make_dynamic_cache<T, kvc::HostStorage<T>, kvc::OffloadToFile<false>>(config);
       return measure(name, model, cache, reference, run);
     }
     if (name == "quantized") {

@@ -162,7 +162,7 @@ void load_and_make(const std::vector<LayerQKV>& qkv) {
       kvc::AnyCache c = kvc::make_cache(g, model);
       std::printf("  %-15s %s, %s, ...\n", name, std::string(c.layer_name(0)).c_str(),
                   std::string(c.layer_name(1)).c_str());
-    } catch (const kvc::ValueError& e) {  // names that need issue #5
+    } catch (const kvc::ValueError& e) {  // quantized: QuantizedCache needs a full-attention model
       std::printf("  %-15s ValueError: %s\n", name, e.what());
     }
   }

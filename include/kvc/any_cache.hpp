@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <kvc/cache.hpp>
+#include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/tensor.hpp>
 
@@ -66,6 +67,8 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
       typed_ops<Eigen::bfloat16>::update_state;
   virtual bool has_previous_state(std::optional<std::int64_t>, std::optional<std::int64_t>) const = 0;
   virtual std::vector<bool> is_linear() const = 0;
+  virtual bool is_dynamic_cache() const noexcept = 0;
+  virtual std::string repr() const = 0;
   virtual std::string_view element_type_name() const noexcept = 0;
   virtual std::int64_t get_seq_length(std::int64_t) const = 0;
   virtual std::int64_t get_query_offset(std::int64_t) const = 0;
@@ -146,6 +149,8 @@ class any_cache_model final : public any_cache_iface {
     return cache_.has_previous_state(l, s);
   }
   std::vector<bool> is_linear() const override { return cache_.is_linear(); }
+  bool is_dynamic_cache() const noexcept override { return detail::is_dynamic_cache_v<C>; }
+  std::string repr() const override { return cache_repr(cache_); }
 
   std::string_view element_type_name() const noexcept override { return element_name<E>(); }
   std::int64_t get_seq_length(std::int64_t i) const override { return cache_.get_seq_length(i); }
@@ -242,6 +247,9 @@ class any_cache_model final : public any_cache_iface {
 
 class AnyCache {
  public:
+  // kvc::EncoderDecoderCache<AnyCache, AnyCache> asks the two methods below at run time.
+  static constexpr bool is_type_erased_cache = true;
+
   AnyCache() = default;
   template <class C>
     requires(detail::host_cache<std::remove_cvref_t<C>> && !std::is_same_v<std::remove_cvref_t<C>, AnyCache>)
@@ -308,6 +316,10 @@ class AnyCache {
     return self().has_previous_state(layer_idx, state_idx);
   }
   std::vector<bool> is_linear() const { return self().is_linear(); }
+  // Whether the held cache is what transformers calls a DynamicCache (every layer kind can crop
+  // and change its batch), and transformers' repr of it, `DynamicCache(layers=[...])`.
+  bool is_dynamic_cache() const { return self().is_dynamic_cache(); }
+  std::string repr() const { return self().repr(); }
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t layer_idx) const {
     return self().get_mask_sizes(q, layer_idx);
   }

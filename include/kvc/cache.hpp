@@ -468,6 +468,7 @@ class Cache<L, S, O> {
   typename S::state_view_type update_indexer(const X& indexer_key_states, std::int64_t layer_idx) {
     const auto x = state_input<X>(indexer_key_states);
     check_existing(layer_idx, "update_indexer");
+    before_access(layer_idx);
     return visit_layer(layer_idx, [&](auto& l) -> typename S::state_view_type {
       using St = std::decay_t<decltype(l)>;
       if constexpr (requires { l.update_indexer(x); }) {
@@ -627,6 +628,7 @@ class Cache<L, S, O> {
   template <class F>
   typename S::state_view_type with_linear_layer(std::int64_t layer_idx, const char* method, F&& f) {
     check_existing(layer_idx, method);
+    before_access(layer_idx);  // a hybrid's buffers may be offloaded
     return visit_layer(layer_idx, [&](auto& l) -> typename S::state_view_type {
       if constexpr (has_linear<std::decay_t<decltype(l)>>)
         return f(l);

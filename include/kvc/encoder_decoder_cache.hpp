@@ -64,9 +64,30 @@ using derives_from_dynamic_cache_t = decltype(derives_from_dynamic_cache(static_
 template <class C>
 using derives_from_static_cache_t = decltype(derives_from_static_cache(static_cast<const C*>(nullptr)));
 
-// A non-const, non-reference class type that is, or derives from, a kvc::Cache.
+// A cache whose type is erased (kvc::AnyCache): what it holds is only known at run time, so the
+// checks below are made when they are needed (is_dynamic_cache(), repr()).
 template <class C>
-inline constexpr bool is_cache_v = class_test<C, derives_from_cache_t>;
+concept type_erased_cache = requires(const C& c) {
+  requires static_cast<bool>(C::is_type_erased_cache);
+  { c.is_dynamic_cache() } -> std::convertible_to<bool>;
+  { c.repr() } -> std::convertible_to<std::string>;
+};
+
+// A non-const, non-reference class type that is, or derives from, a kvc::Cache, or kvc::AnyCache.
+template <class C>
+inline constexpr bool is_cache_v = class_test<C, derives_from_cache_t> || type_erased_cache<C>;
+
+// The element type of a cache; float stands in for a type-erased one (whose data constructor is
+// disabled).
+template <class C>
+struct cache_element {
+  using type = float;
+};
+template <class C>
+  requires requires { typename C::element_type; }
+struct cache_element<C> {
+  using type = typename C::element_type;
+};
 
 // What the layer kinds of cache C can do: every kind can crop and change its batch ("dynamic"),
 // or none can ("static").
@@ -87,7 +108,9 @@ struct cache_kind_traits {
 // make_dynamic_cache builds, transformers' DynamicCache(config=...)).
 template <class C>
 inline constexpr bool is_dynamic_cache_v = [] {
-  if constexpr (is_cache_v<C>)
+  if constexpr (type_erased_cache<C>)
+    return true;  // possibly: EncoderDecoderCache asks is_dynamic_cache() at run time
+  else if constexpr (is_cache_v<C>)
     return derives_from_dynamic_cache_t<C>::value ||
            (cache_kind_traits<C>::all_dynamic && !derives_from_static_cache_t<C>::value);
   else
@@ -131,14 +154,18 @@ inline std::string edc_message(std::initializer_list<std::string_view> parts) {
 template <class C>
   requires detail::is_cache_v<C>
 std::string cache_repr(const C& cache) {
-  std::string out(detail::cache_class_name<C>());
-  out.append("(layers=[");
-  for (std::int64_t i = 0; i < cache.size(); ++i) {
-    if (i) out.append(", ");
-    out.append(cache.layer_name(i));
+  if constexpr (detail::type_erased_cache<C>) {
+    return cache.repr();
+  } else {
+    std::string out(detail::cache_class_name<C>());
+    out.append("(layers=[");
+    for (std::int64_t i = 0; i < cache.size(); ++i) {
+      if (i) out.append(", ");
+      out.append(cache.layer_name(i));
+    }
+    out.append("])");
+    return out;
   }
-  out.append("])");
-  return out;
 }
 
 // Reached only when an argument is not a cache (transformers' TypeError "One of the two
@@ -162,15 +189,16 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
  public:
   using self_attention_cache_type = SelfCache;
   using cross_attention_cache_type = CrossCache;
-  using element_type = typename SelfCache::element_type;
+  using element_type = typename detail::cache_element<SelfCache>::type;
   // Whether crop and the batch operations are defined (both halves dynamic).
   static constexpr bool is_dynamic = detail::is_dynamic_cache_v<SelfCache> && detail::is_dynamic_cache_v<CrossCache>;
 
  private:
   template <class C>
   static constexpr bool from_data = [] {
-    using S = typename C::storage_policy;
-    if constexpr (!S::template accepts_input<HostTensor<typename C::element_type>>) {
+    if constexpr (detail::type_erased_cache<C>) {
+      return false;
+    } else if constexpr (!C::storage_policy::template accepts_input<HostTensor<typename C::element_type>>) {
       return false;
     } else if constexpr (C::replicated) {
       return std::is_same_v<boost::mp11::mp_front<typename C::kinds>, DynamicLayer> && std::default_initializable<C>;
@@ -185,7 +213,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // Whether the runtime-data constructor exists.
   static constexpr bool constructible_from_data =
       from_data<SelfCache> && from_data<CrossCache> &&
-      std::is_same_v<typename SelfCache::element_type, typename CrossCache::element_type>;
+      std::is_same_v<typename detail::cache_element<SelfCache>::type, typename detail::cache_element<CrossCache>::type>;
 
   // Two empty caches (an extension: transformers always takes the two caches).
   EncoderDecoderCache()
@@ -196,6 +224,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // cross-attention cache that already holds tokens counts as updated.
   EncoderDecoderCache(SelfCache self_attention_cache, CrossCache cross_attention_cache)
       : self_(std::move(self_attention_cache)), cross_(std::move(cross_attention_cache)) {
+    if constexpr (detail::type_erased_cache<CrossCache>)
+      if (!cross_.has_value()) return;  // an empty kvc::AnyCache: nothing to record yet
     for (std::int64_t i = 0; i < cross_.size(); ++i) is_updated_[i] = cross_.get_seq_length(i) > 0;
   }
 
@@ -285,13 +315,23 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
 
   // transformers' check_dynamic_cache: TypeError unless both halves are dynamic caches.
   void check_dynamic_cache(std::string_view method) const {
-    if constexpr (!is_dynamic)
+    if (!is_dynamic || !dynamic_now(self_) || !dynamic_now(cross_))
       throw TypeError(detail::edc_message({"`", method, "` is only defined for dynamic cache, got ", cache_repr(self_),
                                            " for the self attention cache and ", cache_repr(cross_),
                                            " for the cross attention cache."}));
-    else
-      (void)method;
   }
+
+ private:
+  // A type-erased half answers at run time; a typed one was decided at compile time.
+  template <class C>
+  static bool dynamic_now(const C& c) {
+    if constexpr (detail::type_erased_cache<C>)
+      return c.is_dynamic_cache();
+    else
+      return detail::is_dynamic_cache_v<C>;
+  }
+
+ public:
 
  private:
   struct halves {

@@ -12,6 +12,7 @@
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
 #include <kvc/make_cache.hpp>
+#include <kvc/policies/offload/host.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/speculative_caches.hpp>
 #include <kvc/tensor.hpp>

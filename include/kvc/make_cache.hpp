@@ -17,9 +17,11 @@
 #include <kvc/any_cache.hpp>
 #include <kvc/caches.hpp>
 #include <kvc/config.hpp>
+#include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
+#include <kvc/policies/offload/file.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/warnings.hpp>
 
@@ -87,9 +89,16 @@ struct CacheRequest {
   std::int64_t batch_size = 1;
   // The longest sequence the cache must hold; -1: generation_config.max_length - 1.
   std::int64_t max_cache_length = -1;
+  // Encoder-decoder models with a static cache: the encoder output's length, which sizes the
+  // static cross-attention cache (transformers' encoder_outputs[0].shape[1]).
+  std::int64_t encoder_length = -1;
 };
 
 // The cache `generation_config.cache_implementation` names, for `model_config`:
+//   "offloaded" → the same dynamic cache with kvc::OffloadToFile<false> (layers not in use live in
+//     a spill file, docs/offload.md); "offloaded_static" and the deprecated offloaded names → a
+//     StaticCache with kvc::OffloadToFile<true> (sliding layers stay in memory);
+//   "quantized" → QuantizedCache<T>(cache_config's backend, default "quanto", and options);
 //   None, "dynamic", "hybrid"  → make_dynamic_cache<T>(config) (transformers turns "hybrid" into None;
 //     a max_cache_len then warns that it is ignored)
 //   "static" and the deprecated static names → StaticCache<T>(config, max(max_cache_length,
@@ -105,13 +114,15 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   checked.validate(false);  // an unknown name is a ValueError with transformers' text
   const std::string impl = generation_config.cache_implementation.value_or("dynamic");
   if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
+  // transformers' DynamicCache(config, offloading=True): offload_only_non_sliding defaults to False.
+  if (impl == "offloaded")
+    return AnyCache(make_dynamic_cache<T, HostStorage<T>, OffloadToFile<false>>(model_config));
   if (impl == "paged")
     detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
   if (impl == "quantized") {
     if (model_config.is_encoder_decoder) throw ValueError(std::string(detail::quantized_unsupported_message));
     return detail::quantized_from_cache_config<T>(generation_config.cache_config, model_config);
   }
-  if (impl.find("offloaded") != std::string::npos) detail::not_available(impl, "an offload policy (issues #5 and #6)");
   // A static name (validate() accepted it and it is none of the above).
   if (detail::contains(DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS, impl))
     warn_once("Using `cache_implementation='" + impl +
@@ -124,37 +135,62 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   if (max_len < 1)
     throw ValueError("make_cache: a static cache needs a positive max_cache_len, got " + std::to_string(max_len) +
                      " (from max_length " + std::to_string(generation_config.max_length) + " and max_cache_len)");
-  StaticCache<T> cache(model_config, max_len);
-  if (generation_config.prefill_chunk_size) {
-    const std::int64_t batch = request.batch_size * std::max(generation_config.num_beams,
-                                                             generation_config.num_return_sequences);
-    const HeadShapes shapes = get_head_shapes(model_config);
-    cache.early_initialization(batch, shapes.num_heads, shapes.head_dim);
-  }
-  return AnyCache(std::move(cache));
+  auto finish = [&](auto cache) {
+    if (generation_config.prefill_chunk_size) {
+      const std::int64_t batch = request.batch_size * std::max(generation_config.num_beams,
+                                                               generation_config.num_return_sequences);
+      const HeadShapes shapes = get_head_shapes(model_config);
+      cache.early_initialization(batch, shapes.num_heads, shapes.head_dim);
+    }
+    return AnyCache(std::move(cache));
+  };
+  // transformers' StaticCache(..., offloading=True): offload_only_non_sliding defaults to True.
+  if (impl.find("offloaded") != std::string::npos)
+    return finish(StaticCache<T, HostStorage<T>, OffloadToFile<true>>(model_config, max_len));
+  return finish(StaticCache<T>(model_config, max_len));
 }
 
-// What generate() does before its loop (_prepare_cache_for_generation, §1.20):
-//  - a cache the caller passes is used as is, unless a cache_implementation is set too (ValueError);
-//  - use_cache false: no cache (std::nullopt);
-//  - a model type that does not support Cache objects (reformer, minimax except minimaxm2/m3,
-//    xlnet, rwkv, xlstm): no cache, with a warning when a cache_implementation was asked for;
-//  - otherwise make_cache, and activate_past_recording() for an assistant model.
-// `model_type` is the model's type or class name ("mamba" in it names the argument
-// `cache_params` in messages, as transformers does).
+// The cache generate() builds for an encoder-decoder model (§1.20 step 9 and _prepare_static_cache):
+// make_cache's self-attention cache paired with a cross-attention cache, a StaticCache of
+// `request.encoder_length` slots for the static names (offloaded like the self cache), else the
+// config's dynamic cache (offloaded for "offloaded").
+using AnyEncoderDecoderCache = EncoderDecoderCache<AnyCache, AnyCache>;
+
 template <class T = float>
-std::optional<AnyCache> prepare_cache_for_generation(const GenerationConfig& generation_config,
-                                                     const ModelConfig& model_config, std::string_view model_type,
-                                                     AnyCache user_cache = {}, const CacheRequest& request = {}) {
-  const std::string name = detail::lower(model_type);
+AnyEncoderDecoderCache make_encoder_decoder_cache(const GenerationConfig& generation_config,
+                                                  const ModelConfig& model_config, const CacheRequest& request = {}) {
+  AnyCache self = make_cache<T>(generation_config, model_config, request);
+  const std::string impl = generation_config.cache_implementation.value_or("dynamic");
+  const bool offloaded = impl.find("offloaded") != std::string::npos;
+  if (detail::contains(ALL_STATIC_CACHE_IMPLEMENTATIONS, impl) && impl != "hybrid") {
+    if (request.encoder_length < 1)
+      throw ValueError("make_encoder_decoder_cache: a static cross-attention cache needs the encoder output's length "
+                       "(CacheRequest::encoder_length), got " + std::to_string(request.encoder_length));
+    if (offloaded)
+      return {std::move(self),
+              AnyCache(StaticCache<T, HostStorage<T>, OffloadToFile<true>>(model_config, request.encoder_length))};
+    return {std::move(self), AnyCache(StaticCache<T>(model_config, request.encoder_length))};
+  }
+  if (offloaded)
+    return {std::move(self), AnyCache(make_dynamic_cache<T, HostStorage<T>, OffloadToFile<false>>(model_config))};
+  return {std::move(self), AnyCache(make_dynamic_cache<T>(model_config))};
+}
+
+namespace detail {
+enum class generation_cache { use_callers, none, build };
+
+// The rules of _prepare_cache_for_generation before anything is built (§1.20 steps 1-4).
+inline generation_cache generation_cache_rule(const GenerationConfig& generation_config, std::string_view model_type,
+                                              bool has_callers_cache) {
+  const std::string name = lower(model_type);
   const std::string cache_name = name.find("mamba") != std::string::npos ? "cache_params" : "past_key_values";
-  if (user_cache.has_value()) {
+  if (has_callers_cache) {
     if (generation_config.cache_implementation)
       throw ValueError("Passing both `cache_implementation` (used to initialize certain caches) and `" + cache_name +
                        "` (a Cache object) is unsupported. Please use only one of the two.");
-    return user_cache;
+    return generation_cache::use_callers;
   }
-  if (!generation_config.use_cache.value_or(true)) return std::nullopt;
+  if (!generation_config.use_cache.value_or(true)) return generation_cache::none;
   static constexpr std::array<std::string_view, 5> no_cache_models{"reformer", "minimax", "xlnet", "rwkv", "xlstm"};
   const bool supports_cache = name.find("minimaxm2") != std::string::npos ||
                               name.find("minimaxm3") != std::string::npos ||
@@ -164,9 +200,52 @@ std::optional<AnyCache> prepare_cache_for_generation(const GenerationConfig& gen
     if (generation_config.cache_implementation)
       warn_once("This model does not support `Cache` instances. `cache_implementation` (set to " +
                 *generation_config.cache_implementation + ") will be ignored.");
-    return std::nullopt;
+    return generation_cache::none;
   }
+  return generation_cache::build;
+}
+}  // namespace detail
+
+// What generate() does before its loop (_prepare_cache_for_generation, §1.20):
+//  - a cache the caller passes is used as is, unless a cache_implementation is set too (ValueError);
+//  - use_cache false: no cache (std::nullopt);
+//  - a model type that does not support Cache objects (reformer, minimax except minimaxm2/m3,
+//    xlnet, rwkv, xlstm): no cache, with a warning when a cache_implementation was asked for;
+//  - otherwise make_cache, and activate_past_recording() for an assistant model.
+// `model_type` is the model's type or class name ("mamba" in it names the argument
+// `cache_params` in messages, as transformers does). An encoder-decoder model needs
+// prepare_encoder_decoder_cache_for_generation (ValueError here).
+template <class T = float>
+std::optional<AnyCache> prepare_cache_for_generation(const GenerationConfig& generation_config,
+                                                     const ModelConfig& model_config, std::string_view model_type,
+                                                     AnyCache user_cache = {}, const CacheRequest& request = {}) {
+  switch (detail::generation_cache_rule(generation_config, model_type, user_cache.has_value())) {
+    case detail::generation_cache::use_callers: return user_cache;
+    case detail::generation_cache::none: return std::nullopt;
+    case detail::generation_cache::build: break;
+  }
+  if (model_config.is_encoder_decoder)
+    throw ValueError("prepare_cache_for_generation: '" + std::string(model_type) +
+                     "' is an encoder-decoder model; use prepare_encoder_decoder_cache_for_generation, which pairs the "
+                     "self-attention cache with a cross-attention cache");
   AnyCache cache = make_cache<T>(generation_config, model_config, request);
+  if (generation_config.is_assistant.value_or(false)) cache.activate_past_recording();
+  return cache;
+}
+
+// The same rules for an encoder-decoder model: the caller's EncoderDecoderCache (if its
+// self-attention cache holds one), none, or make_encoder_decoder_cache.
+template <class T = float>
+std::optional<AnyEncoderDecoderCache> prepare_encoder_decoder_cache_for_generation(
+    const GenerationConfig& generation_config, const ModelConfig& model_config, std::string_view model_type,
+    AnyEncoderDecoderCache user_cache = {}, const CacheRequest& request = {}) {
+  switch (detail::generation_cache_rule(generation_config, model_type,
+                                        user_cache.self_attention_cache().has_value())) {
+    case detail::generation_cache::use_callers: return user_cache;
+    case detail::generation_cache::none: return std::nullopt;
+    case detail::generation_cache::build: break;
+  }
+  AnyEncoderDecoderCache cache = make_encoder_decoder_cache<T>(generation_config, model_config, request);
   if (generation_config.is_assistant.value_or(false)) cache.activate_past_recording();
   return cache;
 }

@@ -54,8 +54,7 @@ using ready_made_valid = std::bool_constant<valid_cache<kvc::DynamicCache<T>>::v
 static_assert(mp::mp_all_of<element_types, ready_made_valid>::value);
 static_assert(ValidCacheConfig<kvc::Replicate<kvc::DynamicLayer>, kvc::HostStorage<float>, kvc::NoOffload>);
 static_assert(std::is_same_v<config_t<kvc::StaticCache<Eigen::bfloat16>>,
-                             mp::mp_list<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer>,
-                                         kvc::HostStorage<Eigen::bfloat16>, kvc::NoOffload>>);
+                             mp::mp_list<kvc::StaticCacheLayers, kvc::HostStorage<Eigen::bfloat16>, kvc::NoOffload>>);
 // A cache may mix static and dynamic layer kinds.
 static_assert(ValidCacheConfig<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>, kvc::HostStorage<double>,
                                kvc::NoOffload>);

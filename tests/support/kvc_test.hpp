@@ -113,10 +113,39 @@ snapshot take_snapshot(const Cache& c) {
   }
   s.bytes = c.bytes();
   for (std::int64_t i = 0; i < c.size(); ++i) {
-    const auto kv = c.stored(i);
-    const auto [kl, ko] = c.get_mask_sizes(3, i);
-    s.layers.emplace_back(c.get_seq_length(i), c.get_max_length(i), kl, ko, std::string(c.layer_name(i)),
-                          flatten(kv.keys), flatten(kv.values), kv.keys.extents);
+    std::vector<double> keys, values;
+    std::array<std::int64_t, 4> extents{};
+    std::int64_t seq = -1, kl = -1, ko = -1;
+    if (!c.is_linear()[static_cast<std::size_t>(i)]) {  // pure linear layers have no K/V and no length
+      const auto kv = c.stored(i);
+      keys = flatten(kv.keys);
+      values = flatten(kv.values);
+      extents = kv.keys.extents;
+      seq = c.get_seq_length(i);
+      std::tie(kl, ko) = c.get_mask_sizes(3, i);
+    }
+    // Linear-attention states and indexer keys, appended to the values.
+    c.visit_layer(i, [&](const auto& l) {
+      auto add = [&](const auto& v) {
+        values.push_back(static_cast<double>(v.rank));
+        for (int r = 0; r < v.rank; ++r) values.push_back(static_cast<double>(v.extent(r)));
+        for (std::int64_t j = 0; j < v.size(); ++j) values.push_back(static_cast<double>(v[j]));
+      };
+      auto add_linear = [&](const auto& lin) {
+        for (std::int64_t st = 0; st < lin.number_of_states(); ++st) {
+          add(lin.conv_state(st));
+          add(lin.recurrent_state(st));
+          values.push_back(lin.has_previous_state(st));
+        }
+      };
+      if constexpr (requires { l.linear_part(); })
+        add_linear(l.linear_part());
+      else if constexpr (requires { l.conv_state(0); })
+        add_linear(l);
+      if constexpr (requires { l.indexer_keys(); }) add(l.indexer_keys());
+    });
+    s.layers.emplace_back(seq, c.get_max_length(i), kl, ko, std::string(c.layer_name(i)), std::move(keys),
+                          std::move(values), extents);
   }
   return s;
 }

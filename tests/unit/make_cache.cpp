@@ -81,11 +81,6 @@ TEST_CASE("names kvc cannot build yet are refused with a clear message") {
                        "cache_implementation 'paged' needs a paged cache for continuous batching (generate_batch), "
                        "which kvc does not provide yet",
                        kvc::ValueError);
-  for (const std::string impl : {"offloaded", "offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"}) {
-    const std::string message = "cache_implementation '" + impl +
-                                "' needs an offload policy (issues #5 and #6), which kvc does not provide yet";
-    CHECK_THROWS_WITH_AS(kvc::make_cache(with(impl), gemma_like()), message.c_str(), kvc::ValueError);
-  }
   CHECK_THROWS_AS(kvc::make_cache(with("mamba"), gemma_like()), kvc::ValueError);  // validate's message
   auto g = with("static");
   g.max_length = 1;
@@ -202,4 +197,91 @@ TEST_CASE("'quantized': the messages of the quantized path") {
                        "`QuantizedCache` is only supported for models with only full attention layers. We found the "
                        "following invalid layer types: {'sliding_attention'}",
                        kvc::ValueError);
+}
+
+TEST_CASE("offloaded names: the dynamic or static cache with OffloadToFile, same results as in memory") {
+  using Offloaded = kvc::ConfiguredDynamicCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<false>>;
+  using OffloadedStatic = kvc::StaticCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<true>>;
+  auto offloaded = kvc::make_cache(with("offloaded"), gemma_like());
+  CHECK(offloaded.get<Offloaded>() != nullptr);
+  kvc_test::captured_warnings warnings;
+  for (const std::string impl : {"offloaded_static", "offloaded_hybrid", "offloaded_hybrid_chunked"}) {
+    auto g = with(impl);
+    g.max_length = 9;
+    auto cache = kvc::make_cache(g, gemma_like());
+    CHECK(cache.get<OffloadedStatic>() != nullptr);
+    CHECK(cache.get_max_length(1) == 8);
+  }
+  CHECK(warnings.messages.size() == 2);  // the two deprecated names, once each
+  // Decoding through the offloaded cache returns what the in-memory one does.
+  auto plain = kvc::make_cache(with("dynamic"), gemma_like());
+  std::mt19937 rng(5);
+  for (int step = 0; step < 6; ++step)
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = kvc_test::random_tensor<float>(1, 2, step == 0 ? 3 : 1, 8, rng);
+      const auto a = offloaded.update(k, k, layer);
+      const auto b = plain.update(k, k, layer);
+      CHECK(kvc_test::flatten(a.keys) == kvc_test::flatten(b.keys));
+    }
+}
+
+TEST_CASE("encoder-decoder models: a self-attention cache paired with a cross-attention cache") {
+  auto t5 = llama_like();
+  t5.is_encoder_decoder = true;
+  CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with(std::nullopt), t5, "T5ForConditionalGeneration"),
+                       "prepare_cache_for_generation: 'T5ForConditionalGeneration' is an encoder-decoder model; use "
+                       "prepare_encoder_decoder_cache_for_generation, which pairs the self-attention cache with a "
+                       "cross-attention cache",
+                       kvc::ValueError);
+  // Dynamic: both halves are the config's dynamic cache; crop reaches the self-attention half only.
+  auto dynamic = kvc::prepare_encoder_decoder_cache_for_generation(with(std::nullopt), t5, "t5");
+  REQUIRE(dynamic.has_value());
+  CHECK(dynamic->self_attention_cache().get<kvc::ConfiguredDynamicCache<float>>() != nullptr);
+  CHECK(dynamic->cross_attention_cache().get<kvc::ConfiguredDynamicCache<float>>() != nullptr);
+  std::mt19937 rng(9);
+  const auto k = kvc_test::random_tensor<float>(1, 2, 4, 8, rng);
+  dynamic->self_attention_cache().update(k, k, 0);
+  dynamic->cross_attention_cache().update(k, k, 0);
+  dynamic->crop(-1);
+  CHECK(dynamic->get_seq_length() == 3);
+  CHECK(dynamic->cross_attention_cache().get_seq_length() == 4);
+  CHECK(dynamic->self_attention_cache().repr() == "DynamicCache(layers=[DynamicLayer, DynamicLayer])");
+
+  // Static: the cross-attention cache holds the encoder output's length.
+  auto g = with("static");
+  g.max_length = 17;
+  CHECK_THROWS_WITH_AS(kvc::make_encoder_decoder_cache(g, t5),
+                       "make_encoder_decoder_cache: a static cross-attention cache needs the encoder output's length "
+                       "(CacheRequest::encoder_length), got -1",
+                       kvc::ValueError);
+  kvc::CacheRequest request;
+  request.encoder_length = 6;
+  auto fixed = kvc::prepare_encoder_decoder_cache_for_generation(g, t5, "t5", {}, request);
+  REQUIRE(fixed.has_value());
+  CHECK(fixed->get_max_length() == 16);
+  CHECK(fixed->cross_attention_cache().get_max_length() == 6);
+  try {
+    fixed->crop(-1);
+    FAIL("no exception");
+  } catch (const kvc::TypeError& e) {
+    CHECK(std::string(e.what()) ==
+          "`crop` is only defined for dynamic cache, got StaticCache(layers=[StaticLayer, StaticLayer]) for the self "
+          "attention cache and StaticCache(layers=[StaticLayer, StaticLayer]) for the cross attention cache.");
+  }
+  auto offloaded = kvc::make_encoder_decoder_cache(with("offloaded"), t5);
+  CHECK(offloaded.cross_attention_cache()
+            .get<kvc::ConfiguredDynamicCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<false>>>() != nullptr);
+  // The caller's pair is used as is; with a cache_implementation too it is the usual ValueError.
+  auto mine = kvc::make_encoder_decoder_cache(with(std::nullopt), t5);
+  mine.self_attention_cache().update(k, k, 1);
+  auto used = kvc::prepare_encoder_decoder_cache_for_generation(with(std::nullopt), t5, "t5", std::move(mine));
+  CHECK(used->get_seq_length(1) == 4);
+  CHECK_THROWS_AS(kvc::prepare_encoder_decoder_cache_for_generation(with("static"), t5, "t5", std::move(*used)),
+                  kvc::ValueError);
+  auto off = with(std::nullopt);
+  off.use_cache = false;
+  CHECK_FALSE(kvc::prepare_encoder_decoder_cache_for_generation(off, t5, "t5").has_value());
+  auto assistant = with(std::nullopt);
+  assistant.is_assistant = true;
+  CHECK(kvc::prepare_encoder_decoder_cache_for_generation(assistant, t5, "t5").has_value());
 }

@@ -159,3 +159,82 @@ TEST_CASE("random operations on static caches: every throwing call changes nothi
   }
   CHECK(threw > 100);
 }
+
+TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, quantized): throws change nothing") {
+  using C = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer, kvc::LinearAttentionLayer,
+                                   kvc::LinearAttentionAndFullAttentionLayer,
+                                   kvc::LinearAttentionAndSlidingWindowAttentionLayer, kvc::DynamicIndexedLayer,
+                                   kvc::QuantoQuantizedLayer>>;
+  using State = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+  std::mt19937 rng(11);
+  int threw = 0, ran = 0;
+  auto previous = kvc::set_warning_handler({});
+  auto state = [&](std::int64_t b, std::int64_t c, std::int64_t t) {
+    State x(b, c, t);
+    for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(uniform(rng, -8, 8)) / 4;
+    return x;
+  };
+  for (int trial = 0; trial < 6; ++trial) {
+    C cache(std::vector<C::kind_variant>{kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{3}, kvc::LinearAttentionLayer{2},
+                                         kvc::LinearAttentionAndFullAttentionLayer{},
+                                         kvc::LinearAttentionAndSlidingWindowAttentionLayer{{3}, 1},
+                                         kvc::DynamicIndexedLayer{},
+                                         kvc::QuantoQuantizedLayer{4, 0, 0, 4, 2}});
+    std::int64_t batch = 2;
+    for (int step = 0; step < 120; ++step) {
+      const auto op = uniform(rng, 0, 11);
+      const bool t = run_checked(cache, [&] {
+        const auto bad = uniform(rng, 0, 5);
+        const std::int64_t b = bad == 1 ? batch + 1 : batch;
+        switch (op) {
+          case 0:
+          case 1: {  // K/V update: wrong batch, head_dim or index sometimes; pure linear layers throw
+            const std::int64_t d = bad == 2 ? 5 : 4, l = bad == 3 ? 7 : uniform(rng, 0, 6);
+            const auto k = kvc_test::random_tensor<float>(b, 2, uniform(rng, 0, 3), d, rng);
+            cache.update(k, k, l);
+            break;
+          }
+          case 2: {  // conv states: wrong channels or kernel sometimes; attention layers throw
+            const std::int64_t channels = bad == 2 ? 5 : 3;
+            cache.update_conv_state(state(b, channels, uniform(rng, 1, 4)), uniform(rng, 0, 6), uniform(rng, 0, 2),
+                                    uniform(rng, -1, 3));
+            break;
+          }
+          case 3:
+            cache.update_recurrent_state(state(b, bad == 2 ? 3 : 2, 2), uniform(rng, 0, 6), uniform(rng, 0, 1));
+            break;
+          case 4: cache.update_indexer(state(b, uniform(rng, 0, 2), bad == 2 ? 3 : 4), uniform(rng, 4, 6)); break;
+          case 5: cache.crop(uniform(rng, -5, 2)); break;
+          case 6: {
+            std::vector<std::int64_t> idx(static_cast<std::size_t>(batch));
+            for (auto& i : idx) i = uniform(rng, -1, batch);
+            cache.reorder_cache(idx);
+            break;
+          }
+          case 7: {
+            std::vector<std::int64_t> idx(static_cast<std::size_t>(uniform(rng, 1, 2)));
+            for (auto& i : idx) i = uniform(rng, 0, batch);
+            cache.batch_select_indices(idx);
+            batch = static_cast<std::int64_t>(idx.size());
+            break;
+          }
+          case 8: {
+            const auto r = uniform(rng, 0, 2);
+            if (batch * r > 4) return;
+            cache.batch_repeat_interleave(r);
+            batch *= r;
+            break;
+          }
+          case 9: (void)cache.has_previous_state(uniform(rng, 0, 7), uniform(rng, -1, 2)); break;
+          case 10: if (uniform(rng, 0, 3) == 0) cache.activate_past_recording(); break;
+          default: if (uniform(rng, 0, 8) == 0) { cache.reset(); batch = 2; } break;
+        }
+      });
+      threw += t;
+      ran += !t;
+    }
+  }
+  kvc::set_warning_handler(previous);
+  CHECK(threw > 100);
+  CHECK(ran > 100);
+}

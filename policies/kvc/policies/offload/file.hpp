@@ -1,0 +1,742 @@
+#pragma once
+// kvc::OffloadToFile<OnlyNonSliding>: host layers that are not in use live in a spill file, and a
+// background thread reads the next one back while the current one is updated (transformers'
+// offloading=True, §1.13, with a file as the slow tier instead of CPU memory). docs/offload.md
+// describes the protocol, the error behaviour and the measured cost.
+//
+// The protocol, for `update(k, v, i)`:
+//   before_update(i)  1. write the layer offloaded by the previous update to the file and free its
+//                        buffers (deferred until now, see below);
+//                     2. make layer i resident: take the prefetched copy (waiting for the thread
+//                        if it is still reading), or read it synchronously;
+//                     3. start prefetching offload::prefetch_target(i + 1) on the thread.
+//   after_update(i)   mark layer i to be offloaded, if offload::should_offload(i).
+//   before_access(i)  (crop, reorder_cache, batch ops, reset, stored, ...) make layer i, or every
+//                     layer for -1, resident.
+//
+// Why the write is deferred: the views `update` returns point into the layer's buffers and must
+// stay valid while attention reads them, and after_update must not throw (the layer has already
+// changed). Writing at the start of the next call keeps the strong guarantee: an I/O error throws
+// kvc::RuntimeError before that call changes anything; the layer simply stays in memory.
+//
+// Why pread/pwrite and not mmap: a memory-mapped spill file reports a full disk as SIGBUS on some
+// later store, not as an error code, and its pages would still count as the process's memory until
+// msync/munmap. pread/pwrite return errno at the call that failed, which becomes an exception.
+//
+// Threads: the prefetch thread only ever writes into buffers the engine owns (staged copies of the
+// layer being prefetched); the layers themselves are changed on the caller's thread, inside the
+// hooks. So moving or assigning a Cache while a prefetch is in flight is safe, and the engine's
+// destructor joins the thread.
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <kvc/errors.hpp>
+#include <kvc/policies/offload/selection.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+// Where and how OffloadToFile engines create their spill files. Read when an engine opens its file
+// (at its first offload), so a change affects engines that have not written anything yet.
+struct OffloadFileOptions {
+  std::string directory;          // empty: $KVC_OFFLOAD_DIR, else $TMPDIR, else /tmp
+  bool drop_page_cache = false;   // after each spill: write the pages back and drop them from the
+                                  // page cache, so that reads come from the device, not from RAM
+};
+
+// Counters summed over every OffloadToFile engine of the process (tests and benchmarks read them).
+struct OffloadFileStats {
+  std::int64_t spills = 0;           // layers written to a spill file
+  std::int64_t bytes_written = 0;
+  std::int64_t sync_reads = 0;       // layers read back on the caller's thread (no prefetch ready)
+  std::int64_t prefetches = 0;       // reads started on the prefetch thread
+  std::int64_t prefetch_hits = 0;    // layers made resident from a prefetch
+  std::int64_t prefetch_waits = 0;   // ... of which the caller had to wait for the thread
+  std::int64_t prefetches_dropped = 0;
+  std::int64_t bytes_read = 0;
+  std::int64_t spilled_layers = 0;   // layers in spill files now
+  std::int64_t spilled_bytes = 0;    // bytes of those layers now
+};
+
+namespace detail::spill {
+
+inline std::mutex& options_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline OffloadFileOptions& options_storage() {
+  static OffloadFileOptions o;
+  return o;
+}
+
+struct counters {
+  std::atomic<std::int64_t> spills{0}, bytes_written{0}, sync_reads{0}, prefetches{0}, prefetch_hits{0},
+      prefetch_waits{0}, prefetches_dropped{0}, bytes_read{0}, spilled_layers{0}, spilled_bytes{0};
+};
+inline counters& totals() {
+  static counters c;
+  return c;
+}
+
+// strerror_r comes in a GNU flavour (returns the text) and an XSI one (returns a status).
+inline std::string strerror_text(char* text, char*) { return text; }
+inline std::string strerror_text(int status, char* buf) {
+  return status == 0 ? std::string(buf) : std::string("unknown error");
+}
+inline std::string error_text(int err) {
+  if (err < 0) return "unexpected end of file";
+  char buf[256] = {};
+  return strerror_text(strerror_r(err, buf, sizeof buf), buf);
+}
+
+// Writes/reads exactly n bytes at `offset`; returns 0, an errno value, or -1 for end of file.
+inline int pwrite_all(int fd, const std::byte* p, std::size_t n, std::int64_t offset) noexcept {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (w == 0) return ENOSPC;
+    p += w;
+    n -= static_cast<std::size_t>(w);
+    offset += w;
+  }
+  return 0;
+}
+inline int pread_all(int fd, std::byte* p, std::size_t n, std::int64_t offset) noexcept {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (r == 0) return -1;
+    p += r;
+    n -= static_cast<std::size_t>(r);
+    offset += r;
+  }
+  return 0;
+}
+
+inline std::string spill_directory(const OffloadFileOptions& o) {
+  if (!o.directory.empty()) return o.directory;
+  for (const char* var : {"KVC_OFFLOAD_DIR", "TMPDIR"})
+    if (const char* v = std::getenv(var); v && *v) return v;
+  return "/tmp";
+}
+
+// A buffer of a layer, read back aside (by the prefetch thread or synchronously) before it replaces
+// the layer's empty buffer. The tag checks that it goes back to a buffer of the same type.
+template <class B>
+inline constexpr char type_tag = 0;
+
+struct staged_base {
+  virtual ~staged_base() = default;
+  const void* tag = nullptr;
+  std::byte* bytes = nullptr;
+  std::size_t size = 0;
+};
+template <class B>
+struct staged_buffer final : staged_base {
+  B buf;
+  explicit staged_buffer(std::int64_t n) : buf(n) {
+    tag = &type_tag<B>;
+    bytes = reinterpret_cast<std::byte*>(buf.data());
+    size = sizeof(*buf.data()) * static_cast<std::size_t>(buf.size());
+  }
+};
+// One entry per buffer of the layer, in for_each_buffer order; null for buffers that were empty.
+using staged_layer = std::vector<std::unique_ptr<staged_base>>;
+
+template <class B>
+std::size_t buffer_bytes(B& b) noexcept {
+  return sizeof(*b.data()) * static_cast<std::size_t>(b.size());
+}
+
+template <class St>
+concept has_buffers = requires(St& l) { l.for_each_buffer([](auto&) {}); };
+
+// Calls f(buffer&) for every buffer of layer i, if its state exposes them.
+template <class Cache, class F>
+void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
+  cache.visit_layer(i, [&](auto& l) {
+    if constexpr (has_buffers<std::decay_t<decltype(l)>>) l.for_each_buffer(f);
+  });
+}
+
+// The per-cache state of an OffloadToFile engine.
+class core {
+ public:
+  explicit core(bool only_non_sliding) : only_non_sliding_(only_non_sliding) {}
+  core(const core&) = delete;
+  core& operator=(const core&) = delete;
+  ~core() {
+    stop_worker();
+    auto& t = totals();
+    for (const record& r : records_)
+      if (r.spilled) {
+        t.spilled_layers -= 1;
+        t.spilled_bytes -= r.bytes;
+      }
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // A deep copy: the spilled layers' bytes are copied into a new spill file of the copy.
+  std::unique_ptr<core> clone() const {
+    auto out = std::make_unique<core>(only_non_sliding_);
+    out->flags_ = flags_;
+    out->pending_ = pending_;
+    out->records_ = records_;
+    for (record& r : out->records_) {
+      r.offset = -1;
+      r.capacity = 0;
+    }
+    for (std::size_t i = 0; i < records_.size(); ++i) {
+      const record& src = records_[i];
+      if (!src.spilled) continue;
+      record& dst = out->records_[i];
+      out->open_file();
+      const auto [offset, capacity] = out->allocate(src.bytes);
+      dst.offset = offset;
+      dst.capacity = capacity;
+      std::vector<std::byte> chunk(static_cast<std::size_t>(std::min<std::int64_t>(src.bytes, 4 << 20)));
+      for (std::int64_t done = 0; done < src.bytes;) {
+        const auto n = static_cast<std::size_t>(std::min<std::int64_t>(src.bytes - done, std::ssize(chunk)));
+        if (const int err = pread_all(fd_, chunk.data(), n, src.offset + done))
+          throw io_error("copying layer ", static_cast<std::int64_t>(i), src.bytes, "reading", err,
+                         ". The cache was not copied");
+        if (const int err = pwrite_all(out->fd_, chunk.data(), n, offset + done))
+          throw io_error("copying layer ", static_cast<std::int64_t>(i), src.bytes, "writing", err,
+                         ". The cache was not copied");
+        done += static_cast<std::int64_t>(n);
+      }
+      totals().spilled_layers += 1;
+      totals().spilled_bytes += src.bytes;
+    }
+    return out;
+  }
+
+  // ---- the hooks ----------------------------------------------------------------------------
+
+  template <class Cache>
+  void before_update(Cache& cache, std::int64_t idx) {
+    refresh_flags(cache);
+    const std::int64_t target = offload::prefetch_target(idx + 1, flags_, only_non_sliding_);
+    if (pending_ == idx)
+      pending_ = -1;  // updated again before anything else: it just stays resident
+    else
+      flush_pending(cache);
+    make_resident(cache, idx);
+    if (target != idx) start_prefetch(cache, target);
+  }
+
+  template <class Cache>
+  void after_update(Cache& cache, std::int64_t idx) noexcept {
+    try {
+      refresh_flags(cache);
+      if (offload::should_offload(idx, flags_, only_non_sliding_)) pending_ = idx;
+    } catch (...) {
+      // Not offloading is always correct: the layer stays resident.
+    }
+  }
+
+  template <class Cache>
+  void before_access(Cache& cache, std::int64_t idx) {
+    if (idx < 0) {
+      pending_ = -1;  // every layer ends up resident, the pending one included
+      finish_prefetch();
+      const std::int64_t n = std::min<std::int64_t>(std::ssize(records_), cache.size());
+      for (std::int64_t i = 0; i < n; ++i) make_resident(cache, i);
+      return;
+    }
+    if (pending_ == idx) pending_ = -1;
+    make_resident(cache, idx);
+  }
+
+  // ---- observability --------------------------------------------------------------------------
+
+  std::int64_t spilled_layers() const noexcept {
+    return std::count_if(records_.begin(), records_.end(), [](const record& r) { return r.spilled; });
+  }
+  std::int64_t spilled_bytes() const noexcept {
+    std::int64_t n = 0;
+    for (const record& r : records_) n += r.spilled ? r.bytes : 0;
+    return n;
+  }
+  bool is_spilled(std::int64_t i) const noexcept {
+    return i >= 0 && i < std::ssize(records_) && records_[static_cast<std::size_t>(i)].spilled;
+  }
+  std::int64_t pending() const noexcept { return pending_; }
+  const std::string& directory() const noexcept { return dir_; }
+
+ private:
+  struct record {
+    bool spilled = false;
+    std::int64_t offset = -1;    // of the layer's region in the file
+    std::int64_t capacity = 0;   // of that region
+    std::int64_t bytes = 0;      // of the layer's buffers, laid out one after the other
+    std::vector<std::int64_t> sizes;  // bytes of each buffer, in for_each_buffer order
+  };
+  enum class job_state { idle, queued, running, done };
+
+  // ---- errors ---------------------------------------------------------------------------------
+
+  RuntimeError io_error(const char* what, std::int64_t layer, std::int64_t bytes, const char* op, int err,
+                        const char* outcome = ". The layer stays in memory and the cache is unchanged") const {
+    std::string m = "kvc::OffloadToFile: ";
+    m += what;
+    m += std::to_string(layer);
+    m += " (";
+    m += std::to_string(bytes);
+    m += " bytes) failed while ";
+    m += op;
+    m += " the spill file in '";
+    m += dir_;
+    m += "': ";
+    m += error_text(err);
+    m += outcome;
+    return RuntimeError(m);
+  }
+
+  // ---- the file and its regions ---------------------------------------------------------------
+
+  void open_file() {
+    if (fd_ >= 0) return;
+    OffloadFileOptions o;
+    {
+      std::lock_guard lock(options_mutex());
+      o = options_storage();
+    }
+    std::string dir = spill_directory(o);
+    std::string path = dir;
+    path += "/kvc-spill-XXXXXX";
+    const int fd = ::mkostemp(path.data(), O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      std::string m = "kvc::OffloadToFile: cannot create a spill file in '";
+      m += dir;
+      m += "': ";
+      m += error_text(err);
+      m += ". Point KVC_OFFLOAD_DIR (or kvc::set_offload_file_options) at a writable directory. The cache is "
+           "unchanged";
+      throw RuntimeError(m);
+    }
+    ::unlink(path.c_str());  // the file lives until the descriptor is closed, even after a crash
+    fd_ = fd;
+    dir_ = std::move(dir);
+    drop_page_cache_ = o.drop_page_cache;
+  }
+
+  static constexpr std::int64_t region_alignment = 4096;
+
+  // First fit among the freed regions, else at the end of the file.
+  std::pair<std::int64_t, std::int64_t> allocate(std::int64_t bytes) {
+    const std::int64_t want = (bytes + region_alignment - 1) / region_alignment * region_alignment;
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < want) continue;
+      const auto [offset, size] = *it;
+      free_.erase(it);
+      if (size > want) free_.emplace(offset + want, size - want);
+      return {offset, want};
+    }
+    const std::int64_t offset = end_;
+    end_ += want;
+    return {offset, want};
+  }
+
+  void release(std::int64_t offset, std::int64_t size) noexcept {
+    if (offset < 0 || size <= 0) return;
+#if defined(__linux__) && defined(FALLOC_FL_PUNCH_HOLE)
+    (void)::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, size);  // give the disk back
+#endif
+    try {
+      auto [it, ok] = free_.emplace(offset, size);
+      if (!ok) return;
+      if (auto next = std::next(it); next != free_.end() && it->first + it->second == next->first) {
+        it->second += next->second;
+        free_.erase(next);
+      }
+      if (it != free_.begin()) {
+        auto prev = std::prev(it);
+        if (prev->first + prev->second == it->first) {
+          prev->second += it->second;
+          free_.erase(it);
+          it = prev;
+        }
+      }
+      if (it->first + it->second == end_) {
+        end_ = it->first;
+        free_.erase(it);
+      }
+    } catch (...) {
+      // Out of memory for the free list: the region is simply not reused.
+    }
+  }
+
+  // ---- flags ----------------------------------------------------------------------------------
+
+  template <class Cache>
+  void refresh_flags(Cache& cache) {
+    if (flags_.size() == cache.size() && std::ssize(records_) >= cache.size()) return;
+    offload::layer_flags f{cache.is_linear(), cache.is_sliding()};
+    if (std::ssize(records_) < cache.size()) records_.resize(static_cast<std::size_t>(cache.size()));
+    flags_ = std::move(f);
+  }
+
+  // ---- spilling -------------------------------------------------------------------------------
+
+  // Writes the pending layer to the file and frees its buffers. On error the layer stays resident.
+  template <class Cache>
+  void flush_pending(Cache& cache) {
+    const std::int64_t p = std::exchange(pending_, -1);
+    if (p < 0 || p >= cache.size() || p >= std::ssize(records_)) return;
+    record& r = records_[static_cast<std::size_t>(p)];
+    if (r.spilled) return;
+    std::vector<std::pair<const std::byte*, std::size_t>> pieces;
+    std::vector<std::int64_t> sizes;
+    std::int64_t total = 0;
+    for_each_buffer_of(cache, p, [&](auto& b) {
+      const std::size_t n = buffer_bytes(b);
+      pieces.emplace_back(reinterpret_cast<const std::byte*>(b.data()), n);
+      sizes.push_back(static_cast<std::int64_t>(n));
+      total += static_cast<std::int64_t>(n);
+    });
+    if (total == 0) return;  // nothing to move (an uninitialized layer, or no buffers at all)
+    open_file();
+    const bool reuse = r.offset >= 0 && r.capacity >= total;
+    const auto [offset, capacity] = reuse ? std::pair{r.offset, r.capacity} : allocate(total);
+    std::int64_t at = offset;
+    for (const auto& [ptr, n] : pieces) {
+      if (const int err = pwrite_all(fd_, ptr, n, at)) {
+        if (!reuse) release(offset, capacity);
+        throw io_error("offloading layer ", p, total, "writing", err);
+      }
+      at += static_cast<std::int64_t>(n);
+    }
+    if (drop_page_cache_) drop_pages(offset, total);
+    if (!reuse) release(std::exchange(r.offset, offset), std::exchange(r.capacity, capacity));
+    // Committed: nothing below throws.
+    r.sizes = std::move(sizes);
+    r.bytes = total;
+    r.spilled = true;
+    for_each_buffer_of(cache, p, [](auto& b) { b = std::remove_reference_t<decltype(b)>{}; });
+    auto& t = totals();
+    t.spills += 1;
+    t.bytes_written += total;
+    t.spilled_layers += 1;
+    t.spilled_bytes += total;
+  }
+
+  void drop_pages(std::int64_t offset, std::int64_t n) noexcept {
+#if defined(__linux__)
+    (void)::sync_file_range(fd_, offset, n,
+                            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+#else
+    (void)::fdatasync(fd_);
+#endif
+#if defined(POSIX_FADV_DONTNEED)
+    (void)::posix_fadvise(fd_, offset, n, POSIX_FADV_DONTNEED);
+#endif
+  }
+
+  // Empty buffers of the right sizes for a spilled layer, to read it into.
+  template <class Cache>
+  staged_layer stage(Cache& cache, std::int64_t i) const {
+    const record& r = records_[static_cast<std::size_t>(i)];
+    staged_layer out;
+    out.reserve(r.sizes.size());
+    std::size_t k = 0;
+    for_each_buffer_of(cache, i, [&](auto& b) {
+      using B = std::remove_reference_t<decltype(b)>;
+      const std::int64_t n = k < r.sizes.size() ? r.sizes[k] : 0;
+      ++k;
+      if (n == 0)
+        out.emplace_back();
+      else
+        out.emplace_back(std::make_unique<staged_buffer<B>>(n / static_cast<std::int64_t>(sizeof(*b.data()))));
+    });
+    return out;
+  }
+
+  // Moves staged buffers into the layer's (empty) buffers. False if they do not fit the layer.
+  template <class Cache>
+  bool install(Cache& cache, std::int64_t i, staged_layer& staged) {
+    bool fits = true;
+    std::size_t k = 0;
+    for_each_buffer_of(cache, i, [&](auto& b) {
+      using B = std::remove_reference_t<decltype(b)>;
+      const bool has = k < staged.size() && staged[k];
+      if (k >= staged.size() || (has && staged[k]->tag != &type_tag<B>)) fits = false;
+      ++k;
+    });
+    if (!fits || k != staged.size()) return false;
+    k = 0;
+    for_each_buffer_of(cache, i, [&](auto& b) {
+      using B = std::remove_reference_t<decltype(b)>;
+      if (staged[k]) b = std::move(static_cast<staged_buffer<B>&>(*staged[k]).buf);
+      ++k;
+    });
+    record& r = records_[static_cast<std::size_t>(i)];
+    r.spilled = false;
+    auto& t = totals();
+    t.spilled_layers -= 1;
+    t.spilled_bytes -= r.bytes;
+    return true;
+  }
+
+  template <class Cache>
+  void make_resident(Cache& cache, std::int64_t i) {
+    if (!is_spilled(i)) return;
+    const record& r = records_[static_cast<std::size_t>(i)];
+    if (job_layer_ == i) {
+      const bool waited = wait_job();
+      const int err = job_error_;
+      staged_layer staged = take_job();
+      if (err == 0 && install(cache, i, staged)) {
+        totals().prefetch_hits += 1;
+        if (waited) totals().prefetch_waits += 1;
+        return;
+      }
+      totals().prefetches_dropped += 1;  // fall back to a synchronous read, which reports the error
+    }
+    staged_layer staged = stage(cache, i);
+    std::int64_t at = r.offset;
+    for (const auto& s : staged) {
+      if (!s) continue;
+      if (const int err = pread_all(fd_, s->bytes, s->size, at)) 
+        throw io_error("reading back layer ", i, r.bytes, "reading", err,
+                       ". The layer stays in the spill file and the cache is unchanged");
+      at += static_cast<std::int64_t>(s->size);
+    }
+    if (!install(cache, i, staged)) throw RuntimeError("kvc::OffloadToFile: internal error: a layer's buffers changed while it was spilled");
+    totals().sync_reads += 1;
+    totals().bytes_read += r.bytes;
+  }
+
+  // ---- the prefetch thread ------------------------------------------------------------------
+
+  template <class Cache>
+  void start_prefetch(Cache& cache, std::int64_t target) {
+    if (!is_spilled(target) || job_layer_ == target) return;
+    finish_prefetch();  // at most one layer staged at a time
+    staged_layer staged = stage(cache, target);
+    if (!worker_.joinable()) {
+      try {
+        worker_ = std::thread([this] { run(); });
+      } catch (const std::system_error&) {
+        return;  // no thread: the layer will be read synchronously
+      }
+    }
+    {
+      std::lock_guard lock(m_);
+      job_staged_ = std::move(staged);
+      job_offset_ = records_[static_cast<std::size_t>(target)].offset;
+      job_bytes_ = records_[static_cast<std::size_t>(target)].bytes;
+      job_error_ = 0;
+      job_state_ = job_state::queued;
+      job_layer_ = target;
+    }
+    work_cv_.notify_one();
+    totals().prefetches += 1;
+  }
+
+  // Waits for the job in flight, if any; true if it had not finished yet.
+  bool wait_job() {
+    std::unique_lock lock(m_);
+    const bool waited = job_state_ != job_state::done;
+    done_cv_.wait(lock, [&] { return job_state_ == job_state::done || job_state_ == job_state::idle; });
+    return waited;
+  }
+  staged_layer take_job() {
+    std::lock_guard lock(m_);
+    job_state_ = job_state::idle;
+    job_layer_ = -1;
+    return std::move(job_staged_);
+  }
+  // Drops the staged layer (waiting for its read first).
+  void finish_prefetch() {
+    if (job_layer_ < 0) return;
+    wait_job();
+    staged_layer dropped = take_job();
+    totals().prefetches_dropped += 1;
+  }
+
+  void run() {
+    std::unique_lock lock(m_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stop_ || job_state_ == job_state::queued; });
+      if (stop_) return;
+      job_state_ = job_state::running;
+      std::vector<std::pair<std::byte*, std::size_t>> pieces;
+      for (const auto& s : job_staged_)
+        if (s) pieces.emplace_back(s->bytes, s->size);
+      const std::int64_t offset = job_offset_;
+      const std::int64_t bytes = job_bytes_;
+      lock.unlock();
+      int err = 0;
+      std::int64_t at = offset;
+      for (const auto& [p, n] : pieces) {
+        if ((err = pread_all(fd_, p, n, at)) != 0) break;
+        at += static_cast<std::int64_t>(n);
+      }
+      if (err == 0) totals().bytes_read += bytes;
+      lock.lock();
+      job_error_ = err;
+      job_state_ = job_state::done;
+      done_cv_.notify_all();
+    }
+  }
+
+  void stop_worker() noexcept {
+    if (!worker_.joinable()) return;
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    work_cv_.notify_one();
+    worker_.join();
+  }
+
+  bool only_non_sliding_;
+  offload::layer_flags flags_;
+  std::vector<record> records_;
+  std::int64_t pending_ = -1;
+
+  int fd_ = -1;
+  std::string dir_;
+  bool drop_page_cache_ = false;
+  std::map<std::int64_t, std::int64_t> free_;  // offset -> size of freed regions
+  std::int64_t end_ = 0;
+
+  // The prefetch job. job_layer_ is only touched by the caller's thread; the rest under m_.
+  std::thread worker_;
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+  bool stop_ = false;
+  job_state job_state_ = job_state::idle;
+  std::int64_t job_layer_ = -1;
+  staged_layer job_staged_;
+  std::int64_t job_offset_ = 0;
+  std::int64_t job_bytes_ = 0;
+  int job_error_ = 0;
+};
+
+}  // namespace detail::spill
+
+// Sets where and how OffloadToFile engines create their spill files (process-wide).
+inline void set_offload_file_options(OffloadFileOptions options) {
+  std::lock_guard lock(detail::spill::options_mutex());
+  detail::spill::options_storage() = std::move(options);
+}
+inline OffloadFileOptions offload_file_options() {
+  std::lock_guard lock(detail::spill::options_mutex());
+  return detail::spill::options_storage();
+}
+
+// The process-wide counters of every OffloadToFile engine; reset_offload_file_stats() zeroes the
+// event counters (spilled_layers and spilled_bytes describe the present and are kept).
+inline OffloadFileStats offload_file_stats() noexcept {
+  const auto& c = detail::spill::totals();
+  return {c.spills.load(),        c.bytes_written.load(),      c.sync_reads.load(),
+          c.prefetches.load(),    c.prefetch_hits.load(),      c.prefetch_waits.load(),
+          c.prefetches_dropped.load(), c.bytes_read.load(),    c.spilled_layers.load(),
+          c.spilled_bytes.load()};
+}
+inline void reset_offload_file_stats() noexcept {
+  auto& c = detail::spill::totals();
+  for (auto* a : {&c.spills, &c.bytes_written, &c.sync_reads, &c.prefetches, &c.prefetch_hits, &c.prefetch_waits,
+                  &c.prefetches_dropped, &c.bytes_read})
+    a->store(0);
+}
+
+// Bytes of buffers layer `layer_idx` holds in memory now (0 while it is spilled).
+template <class Cache>
+std::int64_t layer_ram_bytes(Cache& cache, std::int64_t layer_idx) {
+  std::int64_t n = 0;
+  detail::spill::for_each_buffer_of(cache, layer_idx,
+                                    [&](auto& b) { n += static_cast<std::int64_t>(detail::spill::buffer_bytes(b)); });
+  return n;
+}
+// Bytes of buffers every layer holds in memory now.
+template <class Cache>
+std::int64_t ram_bytes(Cache& cache) {
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < cache.size(); ++i) n += layer_ram_bytes(cache, i);
+  return n;
+}
+
+// Host layers that are not in use live in a spill file; the next one is prefetched on a thread.
+// OnlyNonSliding is transformers' offload_only_non_sliding: false is DynamicCache's default, true
+// StaticCache's. Serves host storage only.
+template <bool OnlyNonSliding = false>
+struct OffloadToFile {
+  static constexpr bool only_non_sliding = OnlyNonSliding;
+
+  template <class S>
+  static constexpr bool serves = S::space == memory_space::host;
+
+  // Copying it (hence the Cache) copies the spilled layers into a new spill file; moving it moves
+  // the file and the thread. Its destructor joins the thread and closes (so deletes) the file.
+  template <class S>
+  class engine {
+   public:
+    engine() noexcept = default;
+    engine(const engine& other) : core_(other.core_ ? other.core_->clone() : nullptr) {}
+    engine(engine&&) noexcept = default;
+    engine& operator=(const engine& other) {
+      if (this != &other) {
+        engine copy(other);
+        core_.swap(copy.core_);
+      }
+      return *this;
+    }
+    engine& operator=(engine&&) noexcept = default;
+    ~engine() = default;
+
+    template <class Cache>
+    void before_update(Cache& cache, std::int64_t layer_idx) {
+      if (!core_) core_ = std::make_unique<detail::spill::core>(OnlyNonSliding);
+      core_->before_update(cache, layer_idx);
+    }
+    template <class Cache>
+    void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
+      if (core_) core_->after_update(cache, layer_idx);
+    }
+    template <class Cache>
+    void before_access(Cache& cache, std::int64_t layer_idx) {
+      if (core_) core_->before_access(cache, layer_idx);
+    }
+
+    // Observability (tests, benchmarks).
+    std::int64_t spilled_layers() const noexcept { return core_ ? core_->spilled_layers() : 0; }
+    std::int64_t spilled_bytes() const noexcept { return core_ ? core_->spilled_bytes() : 0; }
+    bool is_spilled(std::int64_t layer_idx) const noexcept { return core_ && core_->is_spilled(layer_idx); }
+
+   private:
+    std::unique_ptr<detail::spill::core> core_;
+  };
+};
+
+}  // namespace kvc
