@@ -99,7 +99,7 @@ class Cache {
                 "or see docs/concepts/storage_policy.md");
   static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::supports_its_element_type<StoragePolicy>,
                 "kvc::Cache: the StoragePolicy does not support this element type. Use float, double, Eigen::half or "
-                "Eigen::bfloat16");
+                "Eigen::bfloat16 with HostStorage; float, __half or __nv_bfloat16 with CudaStorage");
   static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::OffloadPolicy<OffloadPolicy, StoragePolicy>,
                 "kvc::Cache: the OffloadPolicy does not model kvc::concepts::OffloadPolicy. Use kvc::NoOffload or see "
                 "docs/concepts/offload_policy.md");
@@ -207,8 +207,9 @@ class Cache<L, S, O> {
   template <class KeysT, class ValuesT>
   kv_type update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
     static_assert(S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>,
-                  "kvc::Cache::update: keys and values must be kvc::HostTensor, an Eigen::TensorMap of one or a "
-                  "kvc::TensorView, with the cache's element type");
+                  "kvc::Cache::update: keys and values must have the cache's element type and be kvc::HostTensor, an "
+                  "Eigen::TensorMap of one or a kvc::TensorView (HostStorage), or kvc::DeviceTensor or "
+                  "kvc::DeviceTensorView (CudaStorage)");
     if constexpr (S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>)
       return update_views(S::input_view(keys), S::input_view(values), layer_idx);
     else

@@ -92,8 +92,9 @@ struct StateView {
   template <int N>
   Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> to_tensor() const {
     static_assert(N >= 1 && N <= 4, "kvc::StateView::to_tensor: rank must be 1 to 4");
-    std::array<Eigen::Index, N> dims{};
+    Eigen::DSizes<Eigen::Index, N> dims;
     for (int r = 0; r < N; ++r) dims[r] = r < rank ? extents[r] : 1;
+    if (empty()) dims[0] = 0;  // an unset state: no element to read
     Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> out(dims);
     for (std::int64_t i = 0; i < out.size(); ++i) out.data()[i] = ptr[i];
     return out;

@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc::Cache::update: keys and values must be kvc::HostTensor, an Eigen::TensorMap of one or a kvc::TensorView, with the cache's element type
+// EXPECT-ERROR: kvc::Cache::update: keys and values must have the cache's element type and be kvc::HostTensor, an Eigen::TensorMap of one or a kvc::TensorView (HostStorage), or kvc::DeviceTensor or kvc::DeviceTensorView (CudaStorage)
 // Double tensors given to a float cache (a column-major Eigen::Tensor<float, 4> fails the same
 // way). docs/errors.md lists the fix.
 #include <kvc/cache.hpp>

@@ -123,7 +123,7 @@ class dynamic_indexer_keys {
   }
 
   // Keeps the first `keep` tokens of every row (keep <= length()). Never allocates.
-  void truncate(std::int64_t keep) noexcept {
+  void truncate(std::int64_t keep) {
     if (!initialized_ || keep >= len_) return;
     if (batch_ > 1) {
       S::copy_2d(spare_.data(), keep * dim_, data_.data(), len_ * dim_, keep * dim_, batch_);
@@ -158,7 +158,7 @@ class dynamic_indexer_keys {
 
  private:
   // Writes the current rows followed by x's rows to dst, with rows of `next` tokens.
-  void respace(T* dst, std::int64_t next, const state_view& x) const noexcept {
+  void respace(T* dst, std::int64_t next, const state_view& x) const {
     const std::int64_t q = x.extent(1);
     S::copy_2d(dst, next * dim_, data_.data(), len_ * dim_, len_ * dim_, batch_);
     S::copy_2d(dst + len_ * dim_, next * dim_, x.data(), q * dim_, q * dim_, batch_);
@@ -214,7 +214,7 @@ class static_indexer_keys {
   void set_position(std::int64_t position) noexcept { pos_ = position; }
 
   // Zeroes the buffer in place and rewinds; keeps the allocation.
-  void reset() noexcept {
+  void reset() {
     if (data_.size() > 0) S::zero_2d(data_.data(), 0, data_.size(), 1);
     pos_ = 0;
   }
@@ -360,7 +360,7 @@ class DynamicIndexedLayer::state {
   }
 
   // Drops both parts: the next update and update_indexer start afresh (transformers #48809).
-  void reset() noexcept {
+  void reset() {
     attn_.reset();
     indexer_ = detail::dynamic_indexer_keys<S>();
   }
@@ -466,7 +466,7 @@ class StaticIndexedLayer::state {
   }
 
   // Zeroes both parts in place and rewinds both counters; keeps the allocations.
-  void reset() noexcept {
+  void reset() {
     attn_.reset();
     indexer_.reset();
   }

@@ -51,18 +51,18 @@ class kv_store {
 
   // Copies the q = k.extent(2) tokens of k and v to slots [pos, pos + q) of every block.
   // Precondition: the caller checked the shapes, and pos + q <= capacity.
-  void write(std::int64_t pos, const view& k, const view& v) noexcept {
+  void write(std::int64_t pos, const view& k, const view& v) {
     write_one(k_.data(), shape_.key_head_dim, pos, k);
     write_one(v_.data(), shape_.value_head_dim, pos, v);
   }
 
   // Moves slots [from, from + len) to [to, to + len) in every block; the ranges must not overlap.
-  void move_within(std::int64_t from, std::int64_t len, std::int64_t to) noexcept {
+  void move_within(std::int64_t from, std::int64_t len, std::int64_t to) {
     move_one(k_.data(), shape_.key_head_dim, from, len, to);
     move_one(v_.data(), shape_.value_head_dim, from, len, to);
   }
 
-  void zero() noexcept {
+  void zero() {
     S::zero_2d(k_.data(), 0, k_.size(), k_.size() > 0 ? 1 : 0);
     S::zero_2d(v_.data(), 0, v_.size(), v_.size() > 0 ? 1 : 0);
   }
@@ -120,7 +120,7 @@ class kv_store {
                         {shape_.heads * cap_ * d, cap_ * d, d, 1});
   }
 
-  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) noexcept {
+  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) {
     const std::int64_t q = src.extent(2);
     if (q == 0) return;
     for (std::int64_t b = 0; b < shape_.batch; ++b)
@@ -128,7 +128,7 @@ class kv_store {
                  q * d, shape_.heads);
   }
 
-  void move_one(T* p, std::int64_t d, std::int64_t from, std::int64_t len, std::int64_t to) noexcept {
+  void move_one(T* p, std::int64_t d, std::int64_t from, std::int64_t len, std::int64_t to) {
     if (len <= 0 || from == to) return;
     S::copy_2d(p + to * d, cap_ * d, p + from * d, cap_ * d, len * d, shape_.batch * shape_.heads);
   }

@@ -219,7 +219,7 @@ class LinearAttentionLayer::state {
   }
 
   // Zeroes every state in place; no state has a previous state afterwards.
-  void reset() noexcept {
+  void reset() {
     for (slot& s : slots_) {
       for (detail::dense_state<S>* d : {&s.conv, &s.rec, &s.full})
         if (d->data.size() > 0) S::zero_2d(d->data.data(), d->data.size(), d->data.size(), 1);
@@ -369,7 +369,7 @@ class LinearAttentionHybrid<Attention>::state {
 
   // Both parts.
   std::int64_t bytes() const noexcept { return attn_.bytes() + linear_.bytes(); }
-  void reset() noexcept {
+  void reset() {
     linear_.reset();
     attn_.reset();
   }

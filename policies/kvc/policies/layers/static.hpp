@@ -88,7 +88,7 @@ class StaticLayer::state {
   std::int64_t get_max_length() const noexcept { return max_cache_len_; }
 
   // Zeroes the buffers in place and rewinds the counter; keeps the allocation.
-  void reset() noexcept {
+  void reset() {
     if (initialized_) store_.zero();
     position_ = 0;
   }
@@ -191,7 +191,7 @@ class StaticSlidingWindowLayer::state {
   }
   std::int64_t get_max_length() const noexcept { return window_; }
 
-  void reset() noexcept {
+  void reset() {
     if (initialized_) store_.zero();
     start_ = cumulative_ = 0;
   }

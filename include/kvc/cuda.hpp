@@ -1,0 +1,11 @@
+#pragma once
+// The CUDA umbrella header: everything in <kvc/kvc.hpp> plus device storage (kvc::CudaStorage,
+// kvc::DeviceTensorView, kvc::DeviceStateView, kvc::DeviceTensor, kvc::to_device, kvc::to_host).
+// Compile the including file with nvcc (-std=c++20); see docs/cuda.md.
+
+#if !defined(__CUDACC__)
+#error "kvc/cuda.hpp holds CUDA kernels: compile this file with nvcc as CUDA, or include kvc/kvc.hpp for host-only code"
+#endif
+
+#include <kvc/kvc.hpp>
+#include <kvc/policies/storage/cuda.cuh>

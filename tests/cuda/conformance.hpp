@@ -1,0 +1,624 @@
+#pragma once
+// Storage conformance scenarios, written once over a storage "backend" and run for every storage
+// policy: HostStorage<float> in host_conformance.cpp (host compiler, every CI stage), and
+// HostStorage<U> next to CudaStorage<T> in cuda_conformance.cu, which compares what the device
+// returned with what the host returned, element by element.
+//
+// A backend B provides
+//   using storage = <a kvc storage policy>;  using element = <host element type of the references>;
+//   B::input(HostTensor<element>)              something storage's update accepts
+//   B::state_input(Eigen::Tensor<element, N>)  something update_conv_state / update_recurrent_state accept
+//   B::fetch(storage::view_type)               HostTensor<element>, a copy of what the view shows
+//   B::fetch_state<N>(storage::state_view_type)  Eigen::Tensor<element, N, RowMajor>
+//
+// Each scenario checks kvc's semantics against a reference model on the host (doctest CHECKs) and
+// writes everything it observed (queries, shapes, capacities, every fetched element) to a Record.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include <kvc/kvc.hpp>
+
+namespace kvc_conformance {
+
+using Ref = kvc::HostTensor<float>;  // reference tensors, always float
+template <int N>
+using HostState = Eigen::Tensor<float, N, Eigen::RowMajor>;
+
+// What a scenario observed, in order.
+struct Record {
+  std::vector<std::string> labels;
+  std::vector<std::int64_t> numbers;
+  std::vector<std::vector<float>> tensors;
+
+  void number(const std::string& label, std::int64_t n) {
+    labels.push_back(label);
+    numbers.push_back(n);
+  }
+  template <class Tensor>
+  void tensor(const std::string& label, const Tensor& t) {
+    labels.push_back(label);
+    std::vector<float> flat(static_cast<std::size_t>(t.size()));
+    for (std::int64_t i = 0; i < t.size(); ++i) flat[static_cast<std::size_t>(i)] = static_cast<float>(t.data()[i]);
+    for (int r = 0; r < Tensor::NumDimensions; ++r) numbers.push_back(t.dimension(r));
+    tensors.push_back(std::move(flat));
+  }
+};
+
+// ---- reference data ----------------------------------------------------------------------------
+
+// Small integers, exact in float, half and bfloat16; distinct per token, head, batch entry and run.
+inline float pattern(int run, std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t d) {
+  return static_cast<float>((run * 31 + b * 7 + h * 5 + t * 3 + d) % 61 - 30);
+}
+
+// [batch, heads, q, dim] holding tokens t0 .. t0 + q - 1 of `run`.
+inline Ref tokens(int run, std::int64_t batch, std::int64_t heads, std::int64_t t0, std::int64_t q, std::int64_t dim) {
+  Ref out(batch, heads, q, dim);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t s = 0; s < q; ++s)
+        for (std::int64_t d = 0; d < dim; ++d) out(b, h, s, d) = pattern(run, b, h, t0 + s, d);
+  return out;
+}
+
+inline Ref zeros(std::int64_t batch, std::int64_t heads, std::int64_t len, std::int64_t dim) {
+  Ref out(batch, heads, len, dim);
+  for (std::int64_t i = 0; i < out.size(); ++i) out.data()[i] = 0.f;
+  return out;
+}
+
+// Concatenation along the sequence axis.
+inline Ref concat(const Ref& a, const Ref& b) {
+  Ref out(a.dimension(0), a.dimension(1), a.dimension(2) + b.dimension(2), a.dimension(3));
+  for (Eigen::Index i = 0; i < out.dimension(0); ++i)
+    for (Eigen::Index h = 0; h < out.dimension(1); ++h)
+      for (Eigen::Index s = 0; s < out.dimension(2); ++s)
+        for (Eigen::Index d = 0; d < out.dimension(3); ++d)
+          out(i, h, s, d) = s < a.dimension(2) ? a(i, h, s, d) : b(i, h, s - a.dimension(2), d);
+  return out;
+}
+
+// Tokens [from, from + len) along the sequence axis.
+inline Ref slice(const Ref& a, std::int64_t from, std::int64_t len) {
+  Ref out(a.dimension(0), a.dimension(1), len, a.dimension(3));
+  for (Eigen::Index i = 0; i < out.dimension(0); ++i)
+    for (Eigen::Index h = 0; h < out.dimension(1); ++h)
+      for (Eigen::Index s = 0; s < len; ++s)
+        for (Eigen::Index d = 0; d < out.dimension(3); ++d) out(i, h, s, d) = a(i, h, from + s, d);
+  return out;
+}
+
+// Batch entry i of the result is entry idx[i] of a.
+inline Ref gather(const Ref& a, const std::vector<std::int64_t>& idx) {
+  Ref out(static_cast<Eigen::Index>(idx.size()), a.dimension(1), a.dimension(2), a.dimension(3));
+  for (std::size_t i = 0; i < idx.size(); ++i)
+    for (Eigen::Index h = 0; h < out.dimension(1); ++h)
+      for (Eigen::Index s = 0; s < out.dimension(2); ++s)
+        for (Eigen::Index d = 0; d < out.dimension(3); ++d)
+          out(static_cast<Eigen::Index>(i), h, s, d) = a(idx[i], h, s, d);
+  return out;
+}
+
+template <class E, int N>
+Eigen::Tensor<E, N, Eigen::RowMajor> cast_to(const Eigen::Tensor<float, N, Eigen::RowMajor>& t) {
+  Eigen::Tensor<E, N, Eigen::RowMajor> out(t.dimensions());
+  for (Eigen::Index i = 0; i < t.size(); ++i) out.data()[i] = static_cast<E>(t.data()[i]);
+  return out;
+}
+template <class E, int N>
+Eigen::Tensor<float, N, Eigen::RowMajor> to_float(const Eigen::Tensor<E, N, Eigen::RowMajor>& t) {
+  Eigen::Tensor<float, N, Eigen::RowMajor> out(t.dimensions());
+  for (Eigen::Index i = 0; i < t.size(); ++i) out.data()[i] = static_cast<float>(t.data()[i]);
+  return out;
+}
+
+// Whether got == want (shape and every element); the first difference goes to the doctest log.
+template <int N>
+bool same(const Eigen::Tensor<float, N, Eigen::RowMajor>& got, const Eigen::Tensor<float, N, Eigen::RowMajor>& want,
+          const std::string& what) {
+  for (int r = 0; r < N; ++r)
+    if (got.dimension(r) != want.dimension(r)) {
+      MESSAGE(what << ": extent " << r << " is " << got.dimension(r) << ", expected " << want.dimension(r));
+      return false;
+    }
+  for (Eigen::Index i = 0; i < got.size(); ++i)
+    if (!(got.data()[i] == want.data()[i])) {
+      MESSAGE(what << ": flat element " << i << " is " << got.data()[i] << ", expected " << want.data()[i]);
+      return false;
+    }
+  return true;
+}
+
+// ---- the host backend ------------------------------------------------------------------------
+
+template <class T>
+struct HostBackend {
+  using storage = kvc::HostStorage<T>;
+  using element = T;
+  static const kvc::HostTensor<T>& input(const kvc::HostTensor<T>& t) { return t; }
+  template <int N>
+  static const Eigen::Tensor<T, N, Eigen::RowMajor>& state_input(const Eigen::Tensor<T, N, Eigen::RowMajor>& t) {
+    return t;
+  }
+  static kvc::HostTensor<T> fetch(const kvc::TensorView<T>& v) { return v.to_tensor(); }
+  // Not StateView::to_tensor: it sizes the tensor with a std::array, which nvcc's Eigen rejects.
+  template <int N>
+  static Eigen::Tensor<T, N, Eigen::RowMajor> fetch_state(const kvc::StateView<T>& v) {
+    Eigen::DSizes<Eigen::Index, N> dims;
+    for (int r = 0; r < N; ++r) dims[r] = r < v.rank ? v.extents[static_cast<std::size_t>(r)] : 1;
+    Eigen::Tensor<T, N, Eigen::RowMajor> out(dims);
+    for (Eigen::Index i = 0; i < out.size(); ++i) out.data()[i] = v.ptr[i];
+    return out;
+  }
+};
+
+// ---- helpers over a backend ----------------------------------------------------------------------
+
+template <class B>
+struct io {
+  using E = typename B::element;
+  using S = typename B::storage;
+
+  // Updates layer `idx` of `cache` with reference tensors and returns what it returned, as float.
+  template <class Cache>
+  static std::pair<Ref, Ref> update(Cache& cache, const Ref& k, const Ref& v, std::int64_t idx, Record& rec,
+                                    const std::string& label) {
+    const kvc::HostTensor<E> hk = cast_to<E>(k), hv = cast_to<E>(v);
+    auto&& dk = B::input(hk);
+    auto&& dv = B::input(hv);
+    const auto kv = cache.update(dk, dv, idx);
+    return record_kv(kv, rec, label);
+  }
+
+  template <class KV>
+  static std::pair<Ref, Ref> record_kv(const KV& kv, Record& rec, const std::string& label) {
+    const Ref k = to_float(B::fetch(kv.keys)), v = to_float(B::fetch(kv.values));
+    rec.tensor(label + ".keys", k);
+    rec.tensor(label + ".values", v);
+    return {k, v};
+  }
+
+  // The capacity of the buffer behind a view (its stride over heads, in tokens).
+  template <class View>
+  static std::int64_t capacity(const View& v) {
+    return v.extent(3) > 0 ? v.stride(1) / v.extent(3) : 0;
+  }
+};
+
+constexpr std::int64_t kBatch = 2, kHeads = 3, kKeyDim = 8, kValueDim = 4;  // value rows of 4 elements
+                                                                              // take the unaligned path
+
+// ---- A. DynamicLayer: appends, geometric growth, lazy layers, deep copies ---------------------------
+
+template <class B>
+void dynamic_append_growth(Record& rec) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, S> cache;
+  Ref want_k = tokens(0, kBatch, kHeads, 0, 0, kKeyDim), want_v = tokens(1, kBatch, kHeads, 0, 0, kValueDim);
+  std::vector<std::int64_t> capacities;
+  std::int64_t len = 0;
+  const std::vector<std::int64_t> steps = {5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 13, 1, 1, 20, 0, 1};
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const std::int64_t q = steps[i];
+    const Ref k = tokens(0, kBatch, kHeads, len, q, kKeyDim), v = tokens(1, kBatch, kHeads, len, q, kValueDim);
+    want_k = concat(want_k, k);
+    want_v = concat(want_v, v);
+    len += q;
+    auto [gk, gv] = IO::update(cache, k, v, 1, rec, "dynamic.step" + std::to_string(i));
+    CHECK(same(gk, want_k, "dynamic keys after step " + std::to_string(i)));
+    CHECK(same(gv, want_v, "dynamic values after step " + std::to_string(i)));
+    const auto stored = cache.stored(1);
+    const std::int64_t cap = IO::capacity(stored.keys);
+    if (capacities.empty() || capacities.back() != cap) capacities.push_back(cap);
+    CHECK(cache.get_seq_length(1) == len);
+    rec.number("dynamic.len", cache.get_seq_length(1));
+    rec.number("dynamic.capacity", cap);
+    rec.number("dynamic.bytes", cache.bytes());
+  }
+  // 5 tokens start a buffer of 16; it doubles when full: 16 -> 32 -> 64.
+  CHECK(capacities == std::vector<std::int64_t>{16, 32, 64});
+  CHECK(cache.size() == 2);  // index 1 created index 0 too, empty
+  CHECK(cache.get_seq_length(0) == 0);
+  CHECK_FALSE(cache.stored(0).keys.data());
+
+  // A copy is deep: appending to the original leaves it unchanged.
+  auto copy = cache;
+  IO::update(cache, tokens(5, kBatch, kHeads, len, 2, kKeyDim), tokens(6, kBatch, kHeads, len, 2, kValueDim), 1, rec,
+             "dynamic.after_copy");
+  const auto [ck, cv] = IO::record_kv(copy.stored(1), rec, "dynamic.copy");
+  CHECK(copy.get_seq_length(1) == len);
+  CHECK(same(ck, want_k, "keys of the copy"));
+  CHECK(same(cv, want_v, "values of the copy"));
+  CHECK(cache.get_seq_length(1) == len + 2);
+
+  cache.reset();
+  CHECK(cache.get_seq_length(1) == 0);
+  CHECK(cache.bytes() == 0);
+  rec.number("dynamic.bytes_after_reset", cache.bytes());
+}
+
+// ---- B. StaticLayer: in-place writes, overflow, write position, reset, early init ---------------------
+
+template <class B>
+void static_in_place(Record& rec) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  constexpr std::int64_t max_len = 10;
+  kvc::Cache<kvc::Layers<kvc::StaticLayer>, S> cache(kvc::StaticLayer{max_len});
+  Ref want_k = zeros(kBatch, kHeads, max_len, kKeyDim), want_v = zeros(kBatch, kHeads, max_len, kValueDim);
+  const auto put = [&](std::int64_t at, std::int64_t q, int run) {
+    for (std::int64_t b = 0; b < kBatch; ++b)
+      for (std::int64_t h = 0; h < kHeads; ++h)
+        for (std::int64_t s = 0; s < q; ++s) {
+          for (std::int64_t d = 0; d < kKeyDim; ++d) want_k(b, h, at + s, d) = pattern(run, b, h, at + s, d);
+          for (std::int64_t d = 0; d < kValueDim; ++d) want_v(b, h, at + s, d) = pattern(run + 1, b, h, at + s, d);
+        }
+  };
+  const auto step = [&](std::int64_t at, std::int64_t q, int run, const std::string& label) {
+    return IO::update(cache, tokens(run, kBatch, kHeads, at, q, kKeyDim), tokens(run + 1, kBatch, kHeads, at, q, kValueDim),
+                      0, rec, label);
+  };
+
+  auto [k1, v1] = step(0, 4, 0, "static.prefill");
+  put(0, 4, 0);
+  CHECK(same(k1, want_k, "static keys after prefill"));
+  CHECK(same(v1, want_v, "static values after prefill"));
+  const auto* buffer = cache.stored(0).keys.data();
+  auto [k2, v2] = step(4, 3, 0, "static.second");
+  put(4, 3, 0);
+  CHECK(same(k2, want_k, "static keys after the second write"));
+  CHECK(same(v2, want_v, "static values after the second write"));
+  CHECK(cache.stored(0).keys.data() == buffer);  // written in place, never reallocated
+  CHECK(cache.get_seq_length() == 7);
+  CHECK(cache.get_mask_sizes(1, 0) == std::pair<std::int64_t, std::int64_t>{max_len, 0});
+
+  // 7 + 4 > 10: IndexError, and the layer is exactly as it was.
+  const kvc::HostTensor<typename B::element> big_k = cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kKeyDim));
+  const kvc::HostTensor<typename B::element> big_v = cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kValueDim));
+  {
+    auto&& dk = B::input(big_k);
+    auto&& dv = B::input(big_v);
+    bool threw = false;
+    try {
+      cache.update(dk, dv, 0);
+    } catch (const kvc::IndexError&) {
+      threw = true;
+    }
+    CHECK(threw);
+    rec.number("static.overflow_threw", threw);
+  }
+  CHECK(cache.get_seq_length() == 7);
+  const auto [k3, v3] = IO::record_kv(cache.stored(0), rec, "static.after_overflow");
+  CHECK(same(k3, want_k, "static keys after the overflow"));
+  CHECK(same(v3, want_v, "static values after the overflow"));
+
+  // Exactly full is fine.
+  step(7, 3, 0, "static.full");
+  put(7, 3, 0);
+  CHECK(cache.get_seq_length() == max_len);
+
+  // The export path: overwrite slot 2.
+  cache.set_write_position(2);
+  auto [k4, v4] = step(2, 1, 20, "static.rewrite");
+  put(2, 1, 20);
+  CHECK(same(k4, want_k, "static keys after set_write_position"));
+  CHECK(same(v4, want_v, "static values after set_write_position"));
+
+  // reset zeroes in place.
+  cache.reset();
+  CHECK(cache.get_seq_length() == 0);
+  CHECK(cache.stored(0).keys.data() == buffer);
+  const auto [k5, v5] = IO::record_kv(cache.stored(0), rec, "static.after_reset");
+  CHECK(same(k5, zeros(kBatch, kHeads, max_len, kKeyDim), "static keys after reset"));
+  CHECK(same(v5, zeros(kBatch, kHeads, max_len, kValueDim), "static values after reset"));
+
+  // early_initialization allocates zeroed buffers up front.
+  kvc::Cache<kvc::Layers<kvc::StaticLayer>, S> early(kvc::StaticLayer{6}, kvc::StaticLayer{6});
+  early.early_initialization(kBatch, kHeads, kKeyDim);
+  CHECK(early.is_initialized());
+  CHECK(early.bytes() == static_cast<std::int64_t>(sizeof(typename S::element_type)) * 2 * 2 * kBatch * kHeads * 6 * kKeyDim);
+  const auto [k6, v6] = IO::record_kv(early.stored(1), rec, "static.early");
+  CHECK(same(k6, zeros(kBatch, kHeads, 6, kKeyDim), "early-initialized keys"));
+}
+
+// ---- C. StaticSlidingWindowLayer: every path of its update, past the window -----------------------
+
+template <class B>
+void static_sliding(Record& rec) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  constexpr std::int64_t window = 6;
+  kvc::Cache<kvc::Layers<kvc::StaticSlidingWindowLayer>, S> cache(kvc::StaticSlidingWindowLayer{32, window});
+  Ref all_k = tokens(0, kBatch, kHeads, 0, 0, kKeyDim), all_v = tokens(1, kBatch, kHeads, 0, 0, kValueDim);
+  std::int64_t seen = 0;
+  // fits, fits, becoming full, q == 1 full (many, so the window wraps in its 2W buffer), q > 1 full
+  const std::vector<std::int64_t> steps = {2, 3, 4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 1, 7, 1};
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    const std::int64_t q = steps[i];
+    const auto [mask_len, mask_offset] = cache.get_mask_sizes(q, 0);
+    rec.number("static_sliding.kv_length", mask_len);
+    rec.number("static_sliding.kv_offset", mask_offset);
+    all_k = concat(all_k, tokens(0, kBatch, kHeads, seen, q, kKeyDim));
+    all_v = concat(all_v, tokens(1, kBatch, kHeads, seen, q, kValueDim));
+    const bool fits = seen + q <= window;
+    auto [gk, gv] = IO::update(cache, slice(all_k, seen, q), slice(all_v, seen, q), 0, rec,
+                               "static_sliding.step" + std::to_string(i));
+    seen += q;
+    if (fits) {  // the whole window: the tokens seen, then zeros
+      CHECK(gk.dimension(2) == window);
+      CHECK(same(slice(gk, 0, seen), all_k, "static sliding keys (fits) step " + std::to_string(i)));
+      CHECK(same(slice(gk, seen, window - seen), zeros(kBatch, kHeads, window - seen, kKeyDim), "zeros past the tokens"));
+    } else {  // the last tokens, as many as the mask advertised
+      const std::int64_t n = gk.dimension(2);
+      CHECK(n == mask_len);
+      CHECK(same(gk, slice(all_k, seen - n, n), "static sliding keys step " + std::to_string(i)));
+      CHECK(same(gv, slice(all_v, seen - n, n), "static sliding values step " + std::to_string(i)));
+    }
+    // stored(): the window, the last W tokens once full
+    if (seen >= window) {
+      const auto [sk, sv] = IO::record_kv(cache.stored(0), rec, "static_sliding.stored");
+      CHECK(same(sk, slice(all_k, seen - window, window), "static sliding window step " + std::to_string(i)));
+      CHECK(same(sv, slice(all_v, seen - window, window), "static sliding window values step " + std::to_string(i)));
+    }
+    CHECK(cache.get_seq_length() == seen);
+  }
+}
+
+// ---- D. DynamicSlidingWindowLayer: past the window, past recording and crop ---------------------
+
+template <class B>
+void dynamic_sliding(Record& rec) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  constexpr std::int64_t window = 5;
+  for (const bool recording : {false, true}) {
+    const std::string tag = recording ? "dynamic_sliding.recording" : "dynamic_sliding";
+    kvc::Cache<kvc::Layers<kvc::DynamicSlidingWindowLayer>, S> cache(kvc::DynamicSlidingWindowLayer{window});
+    if (recording) cache.activate_past_recording();
+    Ref all_k = tokens(0, kBatch, kHeads, 0, 0, kKeyDim), all_v = tokens(1, kBatch, kHeads, 0, 0, kValueDim);
+    std::int64_t seen = 0;
+    const std::vector<std::int64_t> steps = {3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 6, 1, 1, 2, 1};
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      const std::int64_t q = steps[i];
+      const std::int64_t mask_len = cache.get_mask_sizes(q, 0).first;
+      all_k = concat(all_k, tokens(0, kBatch, kHeads, seen, q, kKeyDim));
+      all_v = concat(all_v, tokens(1, kBatch, kHeads, seen, q, kValueDim));
+      auto [gk, gv] = IO::update(cache, slice(all_k, seen, q), slice(all_v, seen, q), 0, rec,
+                                 tag + ".step" + std::to_string(i));
+      seen += q;
+      const std::int64_t n = std::min(mask_len, seen);
+      CHECK(same(gk, slice(all_k, seen - n, n), tag + " keys step " + std::to_string(i)));
+      CHECK(same(gv, slice(all_v, seen - n, n), tag + " values step " + std::to_string(i)));
+      const std::int64_t kept = recording ? seen : std::min(seen, window - 1);
+      const auto [sk, sv] = IO::record_kv(cache.stored(0), rec, tag + ".stored");
+      CHECK(same(sk, slice(all_k, seen - kept, kept), tag + " stored keys step " + std::to_string(i)));
+      CHECK(same(sv, slice(all_v, seen - kept, kept), tag + " stored values step " + std::to_string(i)));
+      rec.number(tag + ".seq_length", cache.get_seq_length());
+      rec.number(tag + ".capacity", IO::capacity(cache.stored(0).keys));
+    }
+    if (recording) {
+      // Roll back 4 tokens: the window before them stays.
+      cache.crop(-4);
+      seen -= 4;
+      CHECK(cache.get_seq_length() == seen);
+      const auto [sk, sv] = IO::record_kv(cache.stored(0), rec, tag + ".cropped");
+      CHECK(same(sk, slice(all_k, seen - (window - 1), window - 1), "dynamic sliding keys after crop"));
+      CHECK(same(sv, slice(all_v, seen - (window - 1), window - 1), "dynamic sliding values after crop"));
+    } else {
+      bool threw = false;
+      try {
+        cache.crop(-1);  // past the window without recording: RuntimeError, nothing changes
+      } catch (const kvc::RuntimeError&) {
+        threw = true;
+      }
+      CHECK(threw);
+      CHECK(cache.get_seq_length() == seen);
+    }
+  }
+}
+
+// ---- E. crop, reorder_cache, batch_repeat_interleave, batch_select_indices ----------------------
+
+template <class B>
+void batch_operations(Record& rec) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  constexpr std::int64_t batch = 3;
+  kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, S> cache;
+  Ref want_k = tokens(0, batch, kHeads, 0, 7, kKeyDim), want_v = tokens(1, batch, kHeads, 0, 7, kValueDim);
+  for (std::int64_t layer = 0; layer < 2; ++layer) IO::update(cache, want_k, want_v, layer, rec, "batch.prefill");
+
+  const auto check_all = [&](const std::string& what) {
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto [k, v] = IO::record_kv(cache.stored(layer), rec, "batch." + what);
+      CHECK(same(k, want_k, what + " keys, layer " + std::to_string(layer)));
+      CHECK(same(v, want_v, what + " values, layer " + std::to_string(layer)));
+    }
+  };
+
+  cache.crop(-3);  // drop the last 3 tokens
+  want_k = slice(want_k, 0, 4);
+  want_v = slice(want_v, 0, 4);
+  CHECK(cache.get_seq_length() == 4);
+  check_all("crop");
+
+  // New tokens (another run) overwrite the cropped slots.
+  const Ref nk = tokens(7, batch, kHeads, 4, 2, kKeyDim), nv = tokens(8, batch, kHeads, 4, 2, kValueDim);
+  for (std::int64_t layer = 0; layer < 2; ++layer) IO::update(cache, nk, nv, layer, rec, "batch.after_crop");
+  want_k = concat(want_k, nk);
+  want_v = concat(want_v, nv);
+  check_all("append after crop");
+
+  const std::vector<std::int64_t> beams = {2, 0, 0};
+  cache.reorder_cache(beams);
+  want_k = gather(want_k, beams);
+  want_v = gather(want_v, beams);
+  check_all("reorder_cache");
+
+  cache.batch_repeat_interleave(2);
+  want_k = gather(want_k, {0, 0, 1, 1, 2, 2});
+  want_v = gather(want_v, {0, 0, 1, 1, 2, 2});
+  CHECK(cache.batch_size() == 6);
+  check_all("batch_repeat_interleave");
+
+  cache.batch_select_indices({5, 1});
+  want_k = gather(want_k, {5, 1});
+  want_v = gather(want_v, {5, 1});
+  CHECK(cache.batch_size() == 2);
+  check_all("batch_select_indices");
+
+  // An out-of-range index throws and changes nothing.
+  bool threw = false;
+  try {
+    cache.reorder_cache({0, 2});
+  } catch (const kvc::IndexError&) {
+    threw = true;
+  }
+  CHECK(threw);
+  check_all("failed reorder");
+
+  // Appending after the batch operations still works.
+  const Ref tk = tokens(11, 2, kHeads, 6, 1, kKeyDim), tv = tokens(12, 2, kHeads, 6, 1, kValueDim);
+  auto [gk, gv] = IO::update(cache, tk, tv, 0, rec, "batch.final");
+  CHECK(same(gk, concat(want_k, tk), "append after batch operations"));
+  CHECK(same(gv, concat(want_v, tv), "append values after batch operations"));
+}
+
+// ---- F. linear attention: conv and recurrent states, hybrids -------------------------------------
+
+inline HostState<3> conv_input(int run, std::int64_t batch, std::int64_t channels, std::int64_t t0, std::int64_t t) {
+  HostState<3> out(batch, channels, t);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t c = 0; c < channels; ++c)
+      for (std::int64_t s = 0; s < t; ++s) out(b, c, s) = pattern(run, b, c, t0 + s, 0);
+  return out;
+}
+// Columns [from, from + n) of x, with `pad` zero columns in front.
+inline HostState<3> columns(const HostState<3>& x, std::int64_t pad, std::int64_t from, std::int64_t n) {
+  HostState<3> out(x.dimension(0), x.dimension(1), pad + n);
+  for (Eigen::Index b = 0; b < x.dimension(0); ++b)
+    for (Eigen::Index c = 0; c < x.dimension(1); ++c)
+      for (Eigen::Index s = 0; s < pad + n; ++s) out(b, c, s) = s < pad ? 0.f : x(b, c, from + s - pad);
+  return out;
+}
+
+template <class B>
+void linear_states(Record& rec) {
+  using S = typename B::storage;
+  using E = typename B::element;
+  using IO = io<B>;
+  constexpr std::int64_t batch = 2, channels = 8, kernel = 4;
+  using Kinds = kvc::Layers<kvc::LinearAttentionLayer, kvc::LinearAttentionAndFullAttentionLayer>;
+  kvc::Cache<Kinds, S> cache(kvc::LinearAttentionLayer{2}, kvc::LinearAttentionAndFullAttentionLayer{{}, 1});
+
+  const auto conv = [&](std::int64_t layer, std::int64_t state, const HostState<3>& x, const std::string& label) {
+    const Eigen::Tensor<E, 3, Eigen::RowMajor> hx = cast_to<E>(x);
+    auto&& dx = B::template state_input<3>(hx);
+    const auto out = cache.update_conv_state(dx, layer, state, kernel);
+    const HostState<3> got = to_float(B::template fetch_state<3>(out));
+    rec.tensor(label, got);
+    return got;
+  };
+  const auto recurrent = [&](std::int64_t layer, std::int64_t state, const HostState<3>& x, const std::string& label) {
+    const Eigen::Tensor<E, 3, Eigen::RowMajor> hx = cast_to<E>(x);
+    auto&& dx = B::template state_input<3>(hx);
+    const auto out = cache.update_recurrent_state(dx, layer, state);
+    const HostState<3> got = to_float(B::template fetch_state<3>(out));
+    rec.tensor(label, got);
+    return got;
+  };
+
+  // conv input of 3 columns, then 1, then 2 (time axis); columns of `all` are the ones seen
+  const HostState<3> all = conv_input(0, batch, channels, 0, 6);
+  CHECK_FALSE(cache.has_previous_state(0));
+  HostState<3> got = conv(0, 0, columns(all, 0, 0, 2), "linear.conv0");
+  CHECK(same(got, columns(all, 2, 0, 2), "first conv update: zero-padded to the kernel size"));
+  got = conv(0, 0, columns(all, 0, 2, 1), "linear.conv1");
+  CHECK(same(got, columns(all, 2, 0, 3), "second conv update: the stored columns, then the new one"));
+  got = conv(0, 0, columns(all, 0, 3, 2), "linear.conv2");
+  CHECK(same(got, columns(all, 1, 0, 5), "third conv update"));
+  const HostState<3> held = to_float(B::template fetch_state<3>(
+      cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
+        if constexpr (requires { l.conv_state(0); }) return l.conv_state(0); else return {};
+      })));
+  rec.tensor("linear.conv_state", held);
+  CHECK(same(held, columns(all, 0, 1, kernel), "conv state keeps the last kernel-size columns"));
+  CHECK(cache.has_previous_state(0, 0));
+  CHECK_FALSE(cache.has_previous_state(0, 1));
+
+  // recurrent states are overwritten
+  const HostState<3> r1 = conv_input(3, batch, 4, 0, 5), r2 = conv_input(4, batch, 4, 0, 5);
+  CHECK(same(recurrent(0, 1, r1, "linear.rec1"), r1, "first recurrent state"));
+  CHECK(same(recurrent(0, 1, r2, "linear.rec2"), r2, "recurrent state overwritten"));
+
+  // the hybrid: K/V and conv state in one layer
+  const Ref k = tokens(0, batch, kHeads, 0, 3, kKeyDim), v = tokens(1, batch, kHeads, 0, 3, kValueDim);
+  auto [gk, gv] = IO::update(cache, k, v, 1, rec, "linear.hybrid_kv");
+  CHECK(same(gk, k, "hybrid keys"));
+  const HostState<3> h = conv_input(5, batch, channels, 0, 4);
+  CHECK(same(conv(1, 0, h, "linear.hybrid_conv"), h, "hybrid conv state (kernel-size input)"));
+  CHECK(cache.get_seq_length(0) == 3);  // index 0 answers for the first attention layer
+
+  // batch ops act on the states too
+  cache.batch_select_indices({1});
+  got = conv(0, 0, conv_input(9, 1, channels, 0, 1), "linear.after_select");
+  CHECK(got.dimension(0) == 1);
+  rec.number("linear.batch", cache.batch_size());
+
+  // reset zeroes the states: no previous state any more
+  cache.reset();
+  CHECK_FALSE(cache.has_previous_state(0, 0));
+  rec.number("linear.bytes_after_reset", cache.bytes());
+}
+
+// Every scenario, in order, into one record each.
+template <class B>
+std::vector<std::pair<const char*, Record>> run_all() {
+  std::vector<std::pair<const char*, Record>> out;
+  const auto run = [&](const char* name, void (*scenario)(Record&)) {
+    Record r;
+    INFO("scenario ", name);
+    scenario(r);
+    out.emplace_back(name, std::move(r));
+  };
+  run("dynamic_append_growth", &dynamic_append_growth<B>);
+  run("static_in_place", &static_in_place<B>);
+  run("static_sliding", &static_sliding<B>);
+  run("dynamic_sliding", &dynamic_sliding<B>);
+  run("batch_operations", &batch_operations<B>);
+  run("linear_states", &linear_states<B>);
+  return out;
+}
+
+// Whether two records are identical: same labels, numbers and elements.
+inline bool same_record(const Record& a, const Record& b, const std::string& what) {
+  if (a.labels != b.labels) {
+    MESSAGE(what << ": the scenarios observed different sequences of values");
+    return false;
+  }
+  if (a.numbers != b.numbers) {
+    for (std::size_t i = 0; i < std::min(a.numbers.size(), b.numbers.size()); ++i)
+      if (a.numbers[i] != b.numbers[i]) {
+        MESSAGE(what << ": number " << i << " differs: " << a.numbers[i] << " vs " << b.numbers[i]);
+        break;
+      }
+    return false;
+  }
+  for (std::size_t t = 0; t < a.tensors.size(); ++t) {
+    const auto& x = a.tensors[t];
+    const auto& y = b.tensors[t];
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (!(x[i] == y[i])) {
+        MESSAGE(what << ": tensor " << t << " element " << i << " differs: " << x[i] << " vs " << y[i]);
+        return false;
+      }
+  }
+  return true;
+}
+
+}  // namespace kvc_conformance

@@ -1,0 +1,285 @@
+// The storage conformance scenarios (conformance.hpp) over CudaStorage<float>, <__half> and
+// <__nv_bfloat16>, each compared element by element with the same scenario over HostStorage of
+// the matching host type; plus the device-only parts: the copy kernels, transfers, views read in a
+// kernel, CUDA errors. main() (cuda_main.cpp) exits 77, "skipped", when there is no CUDA device.
+#include <kvc/cuda.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "conformance.hpp"
+
+namespace kc = kvc_conformance;
+
+// ---- compile-time conformance -------------------------------------------------------------------
+
+static_assert(kvc::concepts::StoragePolicy<kvc::CudaStorage<float>>);
+static_assert(kvc::concepts::supports_its_element_type<kvc::CudaStorage<__half>>);
+static_assert(kvc::concepts::supports_its_element_type<kvc::CudaStorage<__nv_bfloat16>>);
+static_assert(!kvc::concepts::supports_its_element_type<kvc::CudaStorage<double>>);
+static_assert(kvc::CudaStorage<float>::space == kvc::memory_space::device);
+static_assert(std::is_trivially_copyable_v<kvc::DeviceTensorView<__half>>);
+static_assert(std::is_trivially_copyable_v<kvc::DeviceStateView<__nv_bfloat16>>);
+static_assert(std::is_trivially_copyable_v<kvc::KV<kvc::DeviceTensorView<float>>>);
+// Transfers are explicit: device storage takes device data only, host storage host data only.
+// (DeviceTensorView<float> itself is checked by updating with one below: nvcc 13's front end
+// writes `DevF::accepts_input<DeviceTensorView<float>>`, already instantiated by the concept check,
+// to the host compiler as `DevF::accepts_input<>`.)
+using DevF = kvc::CudaStorage<float>;
+using DevH = kvc::CudaStorage<__half>;
+using HostF = kvc::HostStorage<float>;
+static_assert(DevF::accepts_input<kvc::DeviceTensor<float>>);
+static_assert(!DevF::accepts_input<kvc::HostTensor<float>>);
+static_assert(!DevH::accepts_input<kvc::DeviceTensor<float>>);
+static_assert(!HostF::accepts_input<kvc::DeviceTensorView<float>>);
+static_assert(DevF::accepts_state_input<kvc::DeviceStateView<float>>);
+static_assert(!DevF::accepts_state_input<kvc::DeviceTensorView<float>>);
+// Device caches are not host caches: AnyCache (TensorView<T> only) does not take them.
+static_assert(!std::is_same_v<kvc::CudaStorage<float>::view_type, kvc::TensorView<float>>);
+
+// Every member of the caches the docs name, over device memory.
+template class kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, kvc::CudaStorage<float>>;
+template class kvc::Cache<kvc::Layers<kvc::StaticLayer, kvc::StaticSlidingWindowLayer, kvc::DynamicSlidingWindowLayer,
+                                      kvc::LinearAttentionLayer>,
+                          kvc::CudaStorage<__half>>;
+template class kvc::Cache<kvc::ConfiguredDynamicLayers, kvc::CudaStorage<__nv_bfloat16>>;
+template class kvc::Cache<kvc::StaticCacheLayers, kvc::CudaStorage<float>>;
+
+namespace {
+
+// ---- the CUDA backend ---------------------------------------------------------------------------
+
+template <class T>
+struct CudaBackend {
+  using storage = kvc::CudaStorage<T>;
+  using element = kvc::detail::host_element_t<T>;
+  static kvc::DeviceTensor<T> input(const kvc::HostTensor<element>& t) { return kvc::to_device(t); }
+  template <int N>
+  static kvc::DeviceTensor<T> state_input(const Eigen::Tensor<element, N, Eigen::RowMajor>& t) {
+    return kvc::to_device(t);
+  }
+  static kvc::HostTensor<element> fetch(const kvc::DeviceTensorView<T>& v) { return kvc::to_host(v); }
+  template <int N>
+  static Eigen::Tensor<element, N, Eigen::RowMajor> fetch_state(const kvc::DeviceStateView<T>& v) {
+    return kvc::to_host<N>(v);
+  }
+};
+
+template <class T>
+void device_matches_host() {
+  using H = kvc::detail::host_element_t<T>;
+  const auto host = kc::run_all<kc::HostBackend<H>>();
+  const auto device = kc::run_all<CudaBackend<T>>();
+  REQUIRE(host.size() == device.size());
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    INFO("scenario " << host[i].first);
+    CHECK(kc::same_record(device[i].second, host[i].second, host[i].first));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("conformance: CudaStorage<float> matches HostStorage<float>") { device_matches_host<float>(); }
+TEST_CASE("conformance: CudaStorage<__half> matches HostStorage<Eigen::half>") { device_matches_host<__half>(); }
+TEST_CASE("conformance: CudaStorage<__nv_bfloat16> matches HostStorage<Eigen::bfloat16>") {
+  device_matches_host<__nv_bfloat16>();
+}
+
+// ---- the copy kernels against HostStorage's ------------------------------------------------------
+
+namespace {
+template <class T>
+void copy_kernels_match_host() {
+  using H = kvc::detail::host_element_t<T>;
+  using DS = kvc::CudaStorage<T>;
+  using HS = kvc::HostStorage<H>;
+  std::mt19937 rng(1234);
+  struct Case {
+    std::int64_t width, height, spitch, dpitch, src_offset, dst_offset;
+  };
+  // aligned (16-byte kernel), unaligned offsets and pitches (cudaMemcpy2DAsync), one row,
+  // contiguous, many narrow rows (more than one grid row of blocks)
+  const std::vector<Case> cases = {{64, 3, 64, 128, 0, 0},  {8, 40, 24, 16, 8, 0},  {5, 7, 9, 11, 1, 3},
+                                   {1000, 1, 0, 0, 0, 0},   {32, 16, 32, 32, 0, 0}, {8, 70000, 8, 16, 0, 8},
+                                   {0, 5, 4, 4, 0, 0},      {3, 1, 0, 0, 1, 1}};
+  for (const Case& c : cases) {
+    INFO("width " << c.width << " height " << c.height << " pitches " << c.spitch << "/" << c.dpitch << " offsets "
+                  << c.src_offset << "/" << c.dst_offset);
+    const std::int64_t sp = std::max(c.spitch, c.width), dp = std::max(c.dpitch, c.width);
+    const std::int64_t n_src = c.src_offset + sp * c.height, n_dst = c.dst_offset + dp * c.height;
+    std::vector<H> src(static_cast<std::size_t>(n_src)), dst(static_cast<std::size_t>(n_dst));
+    for (auto& x : src) x = static_cast<H>(static_cast<float>(static_cast<int>(rng() % 200) - 100));
+    for (auto& x : dst) x = static_cast<H>(static_cast<float>(static_cast<int>(rng() % 200) - 100));
+    typename DS::buffer_type dsrc(n_src), ddst(n_dst);
+    REQUIRE(cudaMemcpy(dsrc.data(), src.data(), sizeof(H) * src.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(ddst.data(), dst.data(), sizeof(H) * dst.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    DS::copy_2d(ddst.data() + c.dst_offset, dp, dsrc.data() + c.src_offset, sp, c.width, c.height);
+    HS::copy_2d(dst.data() + c.dst_offset, dp, src.data() + c.src_offset, sp, c.width, c.height);
+    std::vector<H> got(dst.size());
+    REQUIRE(cudaMemcpy(got.data(), ddst.data(), sizeof(H) * got.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(std::memcmp(got.data(), dst.data(), sizeof(H) * got.size()) == 0);
+    // and zero a strided block
+    DS::zero_2d(ddst.data() + c.dst_offset, dp, c.width, c.height);
+    HS::zero_2d(dst.data() + c.dst_offset, dp, c.width, c.height);
+    REQUIRE(cudaMemcpy(got.data(), ddst.data(), sizeof(H) * got.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(std::memcmp(got.data(), dst.data(), sizeof(H) * got.size()) == 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("CudaStorage::copy_2d and zero_2d do what HostStorage's do") {
+  copy_kernels_match_host<float>();
+  copy_kernels_match_host<__half>();
+  copy_kernels_match_host<__nv_bfloat16>();
+}
+
+// ---- transfers and views -------------------------------------------------------------------------
+
+TEST_CASE("to_device and to_host copy bits, Eigen::half <-> __half and Eigen::bfloat16 <-> __nv_bfloat16") {
+  kvc::HostTensor<Eigen::bfloat16> h(2, 3, 5, 7);
+  for (Eigen::Index i = 0; i < h.size(); ++i) h.data()[i] = Eigen::bfloat16(0.37f * static_cast<float>(i) - 11.f);
+  const kvc::DeviceTensor<__nv_bfloat16> d = kvc::to_device(h);
+  CHECK(d.rank() == 4);
+  CHECK(d.extent(2) == 5);
+  const kvc::HostTensor<Eigen::bfloat16> back = kvc::to_host(d.view());
+  CHECK(std::memcmp(back.data(), h.data(), sizeof(Eigen::bfloat16) * static_cast<std::size_t>(h.size())) == 0);
+
+  const kvc::DeviceTensor<__nv_bfloat16> copy = d;  // deep
+  CHECK(copy.data() != d.data());
+  const kvc::HostTensor<Eigen::bfloat16> back2 = kvc::to_host(copy.view());
+  CHECK(std::memcmp(back2.data(), h.data(), sizeof(Eigen::bfloat16) * static_cast<std::size_t>(h.size())) == 0);
+
+  Eigen::Tensor<Eigen::half, 2, Eigen::RowMajor> s(3, 4);
+  for (Eigen::Index i = 0; i < s.size(); ++i) s.data()[i] = Eigen::half(static_cast<float>(i) / 8.f);
+  const kvc::DeviceTensor<__half> ds = kvc::to_device(s);
+  CHECK(ds.rank() == 2);
+  const auto sback = kvc::to_host<2>(ds.state_view());
+  CHECK(std::memcmp(sback.data(), s.data(), sizeof(Eigen::half) * 12) == 0);
+  CHECK_THROWS_AS(ds.view(), kvc::ValueError);  // rank 2 has no [b, h, s, d] view
+}
+
+namespace {
+// Reads a strided view on the device: out[b, h, s, d] = view(b, h, s, d) * 2.
+__global__ void twice(kvc::DeviceTensorView<float> view, float* out) {
+  const std::int64_t s = threadIdx.x, d = threadIdx.y, b = blockIdx.x, h = blockIdx.y;
+  if (s < view.extent(2) && d < view.extent(3))
+    out[((b * view.extent(1) + h) * view.extent(2) + s) * view.extent(3) + d] = 2.f * view(b, h, s, d);
+}
+}  // namespace
+
+TEST_CASE("the views update returns are read by value in a kernel") {
+  kvc::DynamicCache<float, kvc::CudaStorage<float>> cache;
+  const kc::Ref k = kc::tokens(0, 2, 3, 0, 5, 8);
+  const auto dk = kvc::to_device(k);
+  const auto [keys, values] = cache.update(dk, dk, 0);
+  CHECK(keys.stride(1) == 16 * 8);  // a [capacity, head_dim] block per head: strided view
+  // views are inputs too
+  const auto again = cache.update(dk.view(), dk.view(), 1);
+  CHECK(kc::same(kc::to_float(kvc::to_host(again.keys)), k, "a cache updated from a device view"));
+  float* out = nullptr;
+  REQUIRE(cudaMalloc(&out, sizeof(float) * static_cast<std::size_t>(keys.size())) == cudaSuccess);
+  twice<<<dim3(2, 3), dim3(5, 8)>>>(keys, out);
+  REQUIRE(cudaGetLastError() == cudaSuccess);
+  std::vector<float> got(static_cast<std::size_t>(keys.size()));
+  REQUIRE(cudaMemcpy(got.data(), out, sizeof(float) * got.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(out);
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == 2.f * k.data()[i]);
+  (void)values;
+}
+
+TEST_CASE("the ready-made caches run over device memory") {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.head_dim = 8;
+  c.sliding_window = 3;
+  c.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  kvc::StaticCache<__half, kvc::CudaStorage<__half>> cache(c, 8);
+  auto dyn = kvc::make_dynamic_cache<__nv_bfloat16, kvc::CudaStorage<__nv_bfloat16>>(c);
+  for (std::int64_t t = 0; t < 5; ++t) {
+    const auto k = kvc::to_device(kc::cast_to<Eigen::half>(kc::tokens(0, 1, 2, t, 1, 8)));
+    const auto kb = kvc::to_device(kc::cast_to<Eigen::bfloat16>(kc::tokens(0, 1, 2, t, 1, 8)));
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      cache.update(k, k, layer);
+      dyn.update(kb, kb, layer);
+    }
+  }
+  CHECK(cache.get_seq_length(0) == 5);
+  CHECK(cache.get_mask_sizes(1, 1) == std::pair<std::int64_t, std::int64_t>{3, 3});
+  const auto window = kc::to_float(kvc::to_host(cache.stored(1).keys));
+  CHECK(kc::same(window, kc::tokens(0, 1, 2, 2, 3, 8), "static sliding window on the device"));
+  const auto held = kc::to_float(kvc::to_host(dyn.stored(1).keys));
+  CHECK(kc::same(held, kc::tokens(0, 1, 2, 3, 2, 8), "dynamic sliding window on the device"));
+}
+
+// ---- the example of docs/cuda.md ------------------------------------------------------------------
+
+TEST_CASE("docs/cuda.md: a dynamic cache in device memory") {
+  // [snippet:cuda_usage]
+  // Half-precision K/V in device memory. Host data goes in and out through explicit copies.
+  kvc::DynamicCache<__half, kvc::CudaStorage<__half>> cache;
+  kvc::HostTensor<Eigen::half> k(1, 8, 16, 64);  // [batch, kv_heads, seq, head_dim]
+  std::fill_n(k.data(), k.size(), Eigen::half(0.5f));
+  const kvc::DeviceTensor<__half> dk = kvc::to_device(k);  // Eigen::half -> __half, bit for bit
+  auto [keys, values] = cache.update(dk, dk, 0);  // kvc::DeviceTensorView<__half>, device pointers
+  // keys/values go to your kernels by value; queue them on the legacy default stream (or any
+  // blocking stream) and they see the copy that update queued.
+  kvc::HostTensor<Eigen::half> back = kvc::to_host(keys);  // waits for the copy; [1, 8, 16, 64]
+  // [/snippet]
+  CHECK(back.dimension(2) == 16);
+  CHECK(static_cast<float>(back(0, 7, 15, 63)) == 0.5f);
+  CHECK(values.stride(1) == 16 * 64);
+}
+
+// ---- a storage with a stream of its own (docs/cuda.md, "Streams") --------------------------------
+
+namespace {
+cudaStream_t decode_stream = nullptr;  // created by the test below
+}  // namespace
+
+// [snippet:cuda_stream]
+struct DecodeStream {  // a stream policy: every copy, fill and transfer of the cache is queued here
+  static cudaStream_t get() noexcept { return decode_stream; }
+};
+using DecodeCache = kvc::DynamicCache<float, kvc::CudaStorage<float, DecodeStream>>;
+// [/snippet]
+
+TEST_CASE("a CudaStorage queues its work on its own stream") {
+  REQUIRE(cudaStreamCreateWithFlags(&decode_stream, cudaStreamNonBlocking) == cudaSuccess);
+  {
+    DecodeCache cache;
+    const kc::Ref k = kc::tokens(0, 2, 3, 0, 20, 8);  // 20 tokens: the layer grows from 16 to 32 slots
+    for (std::int64_t t = 0; t < 20; ++t) {
+      const auto step = kvc::to_device(kc::slice(k, t, 1), decode_stream);
+      cache.update(step, step, 0);
+    }
+    const DecodeCache copy = cache;  // a deep copy, queued on the same stream
+    const auto keys = kc::to_float(kvc::to_host(copy.stored(0).keys, decode_stream));
+    CHECK(kc::same(keys, k, "keys appended on a non-blocking stream"));
+  }
+  REQUIRE(cudaStreamSynchronize(decode_stream) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(decode_stream) == cudaSuccess);
+  decode_stream = nullptr;
+}
+
+// ---- errors ----------------------------------------------------------------------------------------
+
+TEST_CASE("CUDA errors become kvc::RuntimeError naming the operation and CUDA's message") {
+  try {
+    kvc::CudaStorage<float>::buffer_type huge(std::int64_t{1} << 50);  // 4 PiB
+    FAIL("cudaMalloc of 4 PiB succeeded");
+  } catch (const kvc::RuntimeError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("cudaMalloc") != std::string::npos);
+    CHECK(what.find(cudaGetErrorString(cudaErrorMemoryAllocation)) != std::string::npos);
+  }
+  // the failure is not sticky: the storage keeps working
+  kvc::DynamicCache<float, kvc::CudaStorage<float>> cache;
+  const auto k = kvc::to_device(kc::tokens(0, 1, 1, 0, 2, 4));
+  CHECK(cache.update(k, k, 0).keys.extent(2) == 2);
+}
