@@ -446,3 +446,37 @@ TEST_CASE("docs/offload.md: using OffloadToFile") {
   CHECK(v(0, 1, 2, 7) == 2.f);
   CHECK(fixed.update(keys, values, 1).keys.extent(2) == 4096);
 }
+
+TEST_CASE("§4.2-9: prefetching across linear-attention layers wraps from layer 7 to layer 3") {
+  // 8 layers: DynamicLayer where i % 4 == 3, LinearAttentionLayer elsewhere; sliding layers offloaded
+  // too (transformers' offload_only_non_sliding=False). The file tier stands in for the accelerator.
+  spill_dir dir;
+  kvc::reset_offload_file_stats();
+  using C = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::LinearAttentionLayer>, Host, File<false>>;
+  std::vector<C::kind_variant> kinds;
+  for (int i = 0; i < 8; ++i) {
+    if (i % 4 == 3)
+      kinds.emplace_back(kvc::DynamicLayer{});
+    else
+      kinds.emplace_back(kvc::LinearAttentionLayer{});
+  }
+  C cache(kinds);
+  kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::LinearAttentionLayer>> ref(kinds);
+  std::mt19937 rng(9);
+  for (const std::int64_t q : {5, 1, 1}) {
+    for (const std::int64_t layer : {3, 7}) {
+      const auto k = random_tensor<float>(1, 4, q, 16, rng);
+      const auto got = cache.update(k, k, layer);
+      check_same(got, ref.update(k, k, layer));
+      // The returned keys are in memory ("on the accelerator"), the other attention layer is not.
+      CHECK(kvc::layer_ram_bytes(cache, layer) > 0);
+      CHECK(kvc::layer_ram_bytes(cache, layer == 3 ? 7 : 3) == 0);
+    }
+  }
+  // After the prefill, every read was served by the prefetch: layer 7's update prefetched layer 3
+  // (wrapping around, past the linear layers), and layer 3's prefetched layer 7.
+  const auto stats = kvc::offload_file_stats();
+  CHECK(stats.sync_reads == 0);
+  CHECK(stats.prefetch_hits == 4);
+  for (const std::int64_t layer : {3, 7}) check_same(cache.stored(layer), ref.stored(layer));
+}

@@ -554,3 +554,13 @@ TEST_CASE("int4, group 64: the quantized history is <= 0.30x of fp16 per token (
   small.visit_layer(0, [](auto& l) { l.release_workspace(); });
   CHECK(flatten(small.update(t, t, 0).keys) == before);
 }
+
+TEST_CASE("§4.1-10: no stale quantized data leaks through reset (residual_length 2, group 16)") {
+  std::mt19937 rng(10);
+  LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 2});
+  cache.update(gaussian<float>(1, 4, 4, 64, rng), gaussian<float>(1, 4, 4, 64, rng), 0);
+  cache.reset();
+  const auto kv = cache.update(gaussian<float>(1, 4, 2, 64, rng), gaussian<float>(1, 4, 2, 64, rng), 0);
+  CHECK(kv.keys.extent(2) == 2);
+  CHECK(cache.get_seq_length() == 2);
+}
