@@ -95,7 +95,7 @@ fi
 
 stage "benchmark: kvc_bench_cuda"
 if timeout 180 "$BUILD/benchmarks/cuda/kvc_bench_cuda" 2>&1 | tee "$logs/bench_cuda.txt"; then
-  summary+=("benchmark: $(grep -E '^SUMMARY' "$logs/bench_cuda.txt" | sed 's/^SUMMARY: //')")
+  summary+=("benchmark: $(grep -E '^SUMMARY' "$logs/bench_cuda.txt" | sed 's/^SUMMARY: //' | paste -sd ';' - | sed 's/;/; /g')")
 else
   failures+=(benchmark)
   summary+=("benchmark: FAILED or skipped (see $logs/bench_cuda.txt)")

@@ -1,6 +1,6 @@
 #pragma once
 // The CUDA umbrella header: everything in <kvc/kvc.hpp> plus device storage (kvc::CudaStorage,
-// kvc::DeviceTensorView, kvc::DeviceStateView, kvc::DeviceTensor, kvc::to_device, kvc::to_host).
+// kvc::DeviceTensorView, kvc::DeviceStateView, kvc::DeviceTensor, kvc::to_device, kvc::to_host) and the engine of kvc::OffloadToHost.
 // Compile the including file with nvcc (-std=c++20); see docs/cuda.md.
 
 #if !defined(__CUDACC__)
@@ -9,3 +9,4 @@
 
 #include <kvc/kvc.hpp>
 #include <kvc/policies/storage/cuda.cuh>
+#include <kvc/policies/offload/host_engine.cuh>  // kvc::OffloadToHost's engine for CudaStorage

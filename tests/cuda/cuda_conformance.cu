@@ -283,3 +283,152 @@ TEST_CASE("CUDA errors become kvc::RuntimeError naming the operation and CUDA's 
   const auto k = kvc::to_device(kc::tokens(0, 1, 1, 0, 2, 4));
   CHECK(cache.update(k, k, 0).keys.extent(2) == 2);
 }
+
+// ---- kvc::OffloadToHost: device layers in pinned host memory, prefetched on their own stream ------
+
+namespace {
+
+using OffDyn = kvc::DynamicCache<float, kvc::CudaStorage<float>, kvc::OffloadToHost<>>;
+using RefDyn = kvc::DynamicCache<float, kvc::CudaStorage<float>>;
+using HostDyn = kvc::DynamicCache<float>;
+
+// Every layer of three caches holds the same keys and values (stored() brings offloaded layers back).
+template <class A, class B, class H>
+void same_stored(const A& off, const B& ref, const H& host, const std::string& what) {
+  REQUIRE(off.size() == ref.size());
+  for (std::int64_t j = 0; j < off.size(); ++j) {
+    const auto o = off.stored(j), r = ref.stored(j);
+    const auto h = host.stored(j);
+    const std::string at = what + ", layer " + std::to_string(j);
+    CHECK(kc::same(kvc::to_host(o.keys), kvc::to_host(r.keys), at + " keys (offloaded vs device)"));
+    CHECK(kc::same(kvc::to_host(o.values), kvc::to_host(r.values), at + " values (offloaded vs device)"));
+    CHECK(kc::same(kvc::to_host(o.keys), h.keys.to_tensor(), at + " keys (offloaded vs host)"));
+    CHECK(kc::same(kvc::to_host(o.values), h.values.to_tensor(), at + " values (offloaded vs host)"));
+  }
+}
+
+}  // namespace
+
+// The engine for device storage exists only with <kvc/cuda.hpp>; it is a copyable, movable member.
+template class kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, kvc::CudaStorage<float>, kvc::OffloadToHost<>>;
+template class kvc::Cache<kvc::StaticCacheLayers, kvc::CudaStorage<__half>, kvc::OffloadToHost<true>>;
+template class kvc::Cache<kvc::ConfiguredDynamicLayers, kvc::CudaStorage<__nv_bfloat16>, kvc::OffloadToHost<>>;
+static_assert(std::is_nothrow_move_constructible_v<kvc::OffloadToHost<>::engine<kvc::CudaStorage<float>>>);
+static_assert(std::is_copy_constructible_v<OffDyn>);
+
+TEST_CASE("DynamicCache with OffloadToHost: identical decode, one layer on the device, every load prefetched") {
+  constexpr std::int64_t layers = 4, batch = 2, heads = 2, dim = 8;
+  OffDyn off;
+  RefDyn ref;
+  HostDyn host;
+  kvc::reset_offload_host_stats();
+  std::int64_t len = 0;
+  for (std::int64_t step = 0; step < 12; ++step) {
+    const std::int64_t q = step == 0 ? 5 : 1;  // a prefill, then decode steps
+    for (std::int64_t i = 0; i < layers; ++i) {
+      const auto k = kc::tokens(static_cast<int>(2 * i), batch, heads, len, q, dim);
+      const auto v = kc::tokens(static_cast<int>(2 * i + 1), batch, heads, len, q, dim);
+      const auto dk = kvc::to_device(k), dv = kvc::to_device(v);
+      const auto o = off.update(dk, dv, i);
+      const auto r = ref.update(dk, dv, i);
+      const auto h = host.update(k, v, i);
+      const std::string at = "step " + std::to_string(step) + ", layer " + std::to_string(i);
+      CHECK(kc::same(kvc::to_host(o.keys), kvc::to_host(r.keys), at + " keys (offloaded vs device)"));
+      CHECK(kc::same(kvc::to_host(o.values), kvc::to_host(r.values), at + " values (offloaded vs device)"));
+      CHECK(kc::same(kvc::to_host(o.keys), h.keys.to_tensor(), at + " keys (offloaded vs host)"));
+      CHECK(kc::same(kvc::to_host(o.values), h.values.to_tensor(), at + " values (offloaded vs host)"));
+      // Only the layer just updated is on the device (the prefetched one is held by the engine).
+      for (std::int64_t j = 0; j < off.size(); ++j)
+        CHECK_MESSAGE((kvc::layer_device_bytes(off, j) > 0) == (j == i), at << ": layer " << j << " resident?");
+    }
+    len += q;
+  }
+  const kvc::OffloadHostStats s = kvc::offload_host_stats();
+  CHECK(s.sync_loads == 0);
+  CHECK(s.prefetch_hits == 11 * layers);
+  CHECK(s.offloads == 12 * layers - 1);
+  CHECK(s.offloaded_layers == layers - 1);
+  CHECK(s.pool_reuses > 0);
+
+  // A copy of a cache with offloaded layers is deep; a move is cheap; both hold the same layers.
+  OffDyn copy = off;
+  same_stored(copy, ref, host, "copy");
+  OffDyn moved = std::move(copy);
+  same_stored(moved, ref, host, "moved copy");
+
+  // Every operation that reads or rewrites all layers brings them back first.
+  off.crop(-3);
+  ref.crop(-3);
+  host.crop(-3);
+  same_stored(off, ref, host, "crop(-3)");
+  off.reorder_cache({1, 0});
+  ref.reorder_cache({1, 0});
+  host.reorder_cache({1, 0});
+  same_stored(off, ref, host, "reorder_cache");
+  off.batch_repeat_interleave(2);
+  ref.batch_repeat_interleave(2);
+  host.batch_repeat_interleave(2);
+  same_stored(off, ref, host, "batch_repeat_interleave(2)");
+  off.batch_select_indices({0, 3});
+  ref.batch_select_indices({0, 3});
+  host.batch_select_indices({0, 3});
+  same_stored(off, ref, host, "batch_select_indices");
+  len = ref.get_seq_length(0);
+  for (std::int64_t step = 0; step < 3; ++step, ++len)  // decoding goes on after the batch ops
+    for (std::int64_t i = 0; i < layers; ++i) {
+      const auto k = kc::tokens(7, batch, heads, len, 1, dim);
+      const auto dk = kvc::to_device(k);
+      off.update(dk, dk, i);
+      ref.update(dk, dk, i);
+      host.update(k, k, i);
+    }
+  same_stored(off, ref, host, "decode after batch ops");
+  off.reset();
+  ref.reset();
+  host.reset();
+  CHECK(off.get_seq_length(0) == 0);
+  same_stored(off, ref, host, "reset");
+}
+
+TEST_CASE("StaticCache with OffloadToHost<true>: sliding layers stay on the device, full layers are offloaded") {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 2;
+  c.head_dim = 8;
+  c.sliding_window = 3;
+  c.layer_types =
+      std::vector<std::string>{"full_attention", "sliding_attention", "full_attention", "sliding_attention"};
+  kvc::StaticCache<float, kvc::CudaStorage<float>, kvc::OffloadToHost<true>> off(c, 16);
+  kvc::StaticCache<float, kvc::CudaStorage<float>> ref(c, 16);
+  kvc::StaticCache<float> host(c, 16);
+  const std::vector<bool> sliding = off.is_sliding();
+  std::int64_t len = 0;
+  for (std::int64_t step = 0; step < 10; ++step) {
+    const std::int64_t q = step == 0 ? 4 : 1;
+    for (std::int64_t i = 0; i < 4; ++i) {
+      const auto k = kc::tokens(static_cast<int>(i), 1, 2, len, q, 8);
+      const auto dk = kvc::to_device(k);
+      const auto o = off.update(dk, dk, i);
+      const auto r = ref.update(dk, dk, i);
+      const auto h = host.update(k, k, i);
+      const std::string at = "step " + std::to_string(step) + ", layer " + std::to_string(i);
+      CHECK(kc::same(kvc::to_host(o.keys), kvc::to_host(r.keys), at + " keys (offloaded vs device)"));
+      CHECK(kc::same(kvc::to_host(o.keys), h.keys.to_tensor(), at + " keys (offloaded vs host)"));
+      for (std::int64_t j = 0; j < 4; ++j)
+        // Sliding layers never move (once their first update allocated them); full layers only while in use.
+        CHECK_MESSAGE((kvc::layer_device_bytes(off, j) > 0) ==
+                          (j == i || (sliding[static_cast<std::size_t>(j)] && (step > 0 || j < i))),
+                      at << ": layer " << j << " resident?");
+    }
+    len += q;
+  }
+  same_stored(off, ref, host, "static decode");
+  off.reorder_cache({0});
+  ref.reorder_cache({0});
+  host.reorder_cache({0});
+  same_stored(off, ref, host, "static reorder_cache");
+  off.reset();
+  ref.reset();
+  host.reset();
+  same_stored(off, ref, host, "static reset");
+}

@@ -1,8 +1,9 @@
 #pragma once
 // kvc::OffloadToHost<OnlyNonSliding>: layers in CUDA device memory that are not in use move to
 // pinned host memory, and the next one comes back on a prefetch stream (transformers'
-// offloading=True on a GPU, §1.13). It serves device storage only; the engine is implemented with
-// the CUDA storage (issue #6). Pairing it with HostStorage is a compile error with its own message
+// offloading=True on a GPU, §1.13). It serves device storage only; the engine lives with the CUDA
+// storage in <kvc/policies/offload/host_engine.cuh> (nvcc), so that this header, which
+// <kvc/kvc.hpp> includes, stays free of CUDA headers. Pairing it with HostStorage is a compile error with its own message
 // (kvc::Cache, docs/errors.md): host layers are spilled with kvc::OffloadToFile instead.
 //
 // The choice of layers is the shared logic of <kvc/policies/offload/selection.hpp>.
@@ -16,6 +17,25 @@ namespace kvc {
 namespace detail {
 template <class>
 inline constexpr bool offload_to_host_pending = false;
+
+// The per-cache state of OffloadToHost<OnlyNonSliding> for storage S. This primary template is what
+// a host compiler sees: default-constructible (so the concept check and kvc::Cache's own message
+// for HostStorage come first), with hooks that refuse to compile. The engine for device storage is
+// a partial specialization for kvc::CudaStorage<T, Stream> in
+// <kvc/policies/offload/host_engine.cuh>, which <kvc/cuda.hpp> includes (nvcc only).
+template <bool OnlyNonSliding, class S>
+struct offload_to_host_engine {
+  template <class Cache>
+  void before_update(Cache&, std::int64_t) {
+    static_assert(offload_to_host_pending<Cache>,
+                  "kvc::OffloadToHost: the device-to-host engine is defined in <kvc/policies/offload/host_engine.cuh> "
+                  "for kvc::CudaStorage. Include <kvc/cuda.hpp> (compiled by nvcc) before using the cache");
+  }
+  template <class Cache>
+  void after_update(Cache&, std::int64_t) noexcept {}
+  template <class Cache>
+  void before_access(Cache&, std::int64_t) {}
+};
 }  // namespace detail
 
 // OnlyNonSliding is transformers' offload_only_non_sliding: false is DynamicCache's default, true
@@ -29,21 +49,9 @@ struct OffloadToHost {
   template <class S>
   static constexpr bool serves = S::space == memory_space::device;
 
-  // Default-constructible for every storage, so that the concept check and the Cache's own message
-  // come first; its hooks only compile once the CUDA engine exists.
+  // See detail::offload_to_host_engine above and host_engine.cuh (docs/offload.md, "OffloadToHost").
   template <class S>
-  struct engine {
-    template <class Cache>
-    void before_update(Cache&, std::int64_t) {
-      static_assert(detail::offload_to_host_pending<Cache>,
-                    "kvc::OffloadToHost: the device-to-host engine comes with kvc::CudaStorage. Use kvc::NoOffload "
-                    "until then");
-    }
-    template <class Cache>
-    void after_update(Cache&, std::int64_t) noexcept {}
-    template <class Cache>
-    void before_access(Cache&, std::int64_t) {}
-  };
+  using engine = detail::offload_to_host_engine<OnlyNonSliding, S>;
 };
 
 }  // namespace kvc
