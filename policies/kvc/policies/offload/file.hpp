@@ -52,6 +52,7 @@
 #include <unistd.h>
 
 #include <kvc/errors.hpp>
+#include <kvc/policies/offload/buffers.hpp>
 #include <kvc/policies/offload/selection.hpp>
 #include <kvc/tensor.hpp>
 
@@ -148,43 +149,14 @@ inline std::string spill_directory(const OffloadFileOptions& o) {
 }
 
 // A buffer of a layer, read back aside (by the prefetch thread or synchronously) before it replaces
-// the layer's empty buffer. The tag checks that it goes back to a buffer of the same type.
+// the layer's empty buffer (offload/buffers.hpp).
+using offload_buffers::buffer_bytes;
+using offload_buffers::for_each_buffer_of;
+using offload_buffers::type_tag;
+using staged_base = offload_buffers::held_base;
 template <class B>
-inline constexpr char type_tag = 0;
-
-struct staged_base {
-  virtual ~staged_base() = default;
-  const void* tag = nullptr;
-  std::byte* bytes = nullptr;
-  std::size_t size = 0;
-};
-template <class B>
-struct staged_buffer final : staged_base {
-  B buf;
-  explicit staged_buffer(std::int64_t n) : buf(n) {
-    tag = &type_tag<B>;
-    bytes = reinterpret_cast<std::byte*>(buf.data());
-    size = sizeof(*buf.data()) * static_cast<std::size_t>(buf.size());
-  }
-};
-// One entry per buffer of the layer, in for_each_buffer order; null for buffers that were empty.
-using staged_layer = std::vector<std::unique_ptr<staged_base>>;
-
-template <class B>
-std::size_t buffer_bytes(B& b) noexcept {
-  return sizeof(*b.data()) * static_cast<std::size_t>(b.size());
-}
-
-template <class St>
-concept has_buffers = requires(St& l) { l.for_each_buffer([](auto&) {}); };
-
-// Calls f(buffer&) for every buffer of layer i, if its state exposes them.
-template <class Cache, class F>
-void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
-  cache.visit_layer(i, [&](auto& l) {
-    if constexpr (has_buffers<std::decay_t<decltype(l)>>) l.for_each_buffer(f);
-  });
-}
+using staged_buffer = offload_buffers::held_buffer<B>;
+using staged_layer = offload_buffers::held_layer;
 
 // The per-cache state of an OffloadToFile engine.
 class core {

@@ -59,6 +59,7 @@
 #include <kvc/detail/cuda_runtime.cuh>
 #include <kvc/errors.hpp>
 #include <kvc/policies/offload/host.hpp>
+#include <kvc/policies/offload/buffers.hpp>
 #include <kvc/policies/offload/selection.hpp>
 #include <kvc/policies/storage/cuda.cuh>
 
@@ -174,49 +175,16 @@ class event_handle {
 
 // ---- type-erased device buffers ------------------------------------------------------------------
 
-// A device buffer of a layer's buffer type B, held by the engine (pool, prefetch). The tag checks
-// that it goes back to a buffer of the same type, and `count` that it has the same length.
-template <class B>
-inline constexpr char type_tag = 0;
-
-struct held_base {
-  virtual ~held_base() = default;
-  const void* tag = nullptr;
-  std::int64_t count = 0;     // elements
-  std::byte* bytes = nullptr;
-  std::size_t size = 0;       // bytes
-};
-template <class B>
-struct held_buffer final : held_base {
-  B buf;
-  held_buffer() noexcept { tag = &type_tag<B>; }
-  explicit held_buffer(std::int64_t n) : buf(n) {
-    tag = &type_tag<B>;
-    refresh();
-  }
-  void refresh() noexcept {
-    count = buf.size();
-    bytes = reinterpret_cast<std::byte*>(buf.data());
-    size = sizeof(*buf.data()) * static_cast<std::size_t>(buf.size());
-  }
-};
-// One entry per buffer of a layer, in for_each_buffer order; null for buffers that are empty.
-using held_layer = std::vector<std::unique_ptr<held_base>>;
-
-template <class B>
-std::size_t buffer_bytes(B& b) noexcept {
-  return sizeof(*b.data()) * static_cast<std::size_t>(b.size());
-}
-
-template <class St>
-concept has_buffers = requires(St& l) { l.for_each_buffer([](auto&) {}); };
-
-template <class Cache, class F>
-void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
-  cache.visit_layer(i, [&](auto& l) {
-    if constexpr (has_buffers<std::decay_t<decltype(l)>>) l.for_each_buffer(f);
-  });
-}
+// A device buffer of a layer's buffer type B, held by the engine (pool, prefetch): the tag checks
+// that it goes back to a buffer of the same type, `count` that it has the same length
+// (offload/buffers.hpp, shared with OffloadToFile).
+using offload_buffers::buffer_bytes;
+using offload_buffers::for_each_buffer_of;
+using offload_buffers::has_buffers;
+using offload_buffers::held_base;
+using offload_buffers::held_buffer;
+using offload_buffers::held_layer;
+using offload_buffers::type_tag;
 
 // ---- the per-cache state ---------------------------------------------------------------------------
 

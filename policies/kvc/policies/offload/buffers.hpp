@@ -1,0 +1,60 @@
+#pragma once
+// What the offload engines (OffloadToFile, OffloadToHost) share about a layer's buffers: reaching
+// them through the layer state's for_each_buffer, and holding a buffer aside (read back from a
+// tier, or pooled) with a tag that checks it goes back to a buffer of the same type.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace kvc::detail::offload_buffers {
+
+template <class B>
+inline constexpr char type_tag = 0;
+
+struct held_base {
+  virtual ~held_base() = default;
+  const void* tag = nullptr;
+  std::int64_t count = 0;  // elements
+  std::byte* bytes = nullptr;
+  std::size_t size = 0;  // bytes
+};
+
+// A buffer of type B held by an engine, outside any layer.
+template <class B>
+struct held_buffer final : held_base {
+  B buf;
+  held_buffer() noexcept { tag = &type_tag<B>; }
+  explicit held_buffer(std::int64_t n) : buf(n) {
+    tag = &type_tag<B>;
+    refresh();
+  }
+  void refresh() noexcept {
+    count = buf.size();
+    bytes = reinterpret_cast<std::byte*>(buf.data());
+    size = sizeof(*buf.data()) * static_cast<std::size_t>(buf.size());
+  }
+};
+// One entry per buffer of a layer, in for_each_buffer order; null for buffers that are empty.
+using held_layer = std::vector<std::unique_ptr<held_base>>;
+
+template <class B>
+std::size_t buffer_bytes(B& b) noexcept {
+  return sizeof(*b.data()) * static_cast<std::size_t>(b.size());
+}
+
+template <class St>
+concept has_buffers = requires(St& l) { l.for_each_buffer([](auto&) {}); };
+
+// Calls f(buffer&) for every buffer of layer i, if its state exposes them (a state that does not is
+// never offloaded).
+template <class Cache, class F>
+void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
+  cache.visit_layer(i, [&](auto& l) {
+    if constexpr (has_buffers<std::decay_t<decltype(l)>>) l.for_each_buffer(f);
+  });
+}
+
+}  // namespace kvc::detail::offload_buffers
