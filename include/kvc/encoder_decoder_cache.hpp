@@ -137,16 +137,6 @@ constexpr std::string_view cache_class_name() {
     return "Cache";
 }
 
-// Joins message pieces one append at a time (a chain of operator+ trips GCC 12's -Wrestrict).
-inline std::string edc_message(std::initializer_list<std::string_view> parts) {
-  std::string out;
-  std::size_t n = 0;
-  for (std::string_view p : parts) n += p.size();
-  out.reserve(n);
-  for (std::string_view p : parts) out.append(p);
-  return out;
-}
-
 }  // namespace detail
 
 // transformers' repr of a cache: `ClassName(layers=[LayerName, ...])`, e.g.
@@ -257,7 +247,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // transformers' `is_updated[layer_idx] = True`, done by the model after filling the layer.
   void set_is_updated(std::int64_t layer_idx, bool updated = true) {
     if (layer_idx < 0)
-      throw IndexError(detail::edc_message({"set_is_updated: layer_idx ", std::to_string(layer_idx),
+      throw IndexError(detail::join_message({"set_is_updated: layer_idx ", std::to_string(layer_idx),
                                             " is out of range: layer indices start at 0"}));
     is_updated_[layer_idx] = updated;
   }
@@ -316,7 +306,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // transformers' check_dynamic_cache: TypeError unless both halves are dynamic caches.
   void check_dynamic_cache(std::string_view method) const {
     if (!is_dynamic || !dynamic_now(self_) || !dynamic_now(cross_))
-      throw TypeError(detail::edc_message({"`", method, "` is only defined for dynamic cache, got ", cache_repr(self_),
+      throw TypeError(detail::join_message({"`", method, "` is only defined for dynamic cache, got ", cache_repr(self_),
                                            " for the self attention cache and ", cache_repr(cross_),
                                            " for the cross attention cache."}));
   }
@@ -373,7 +363,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
         self_layers.push_back({&entry[0], &entry[1], nullptr});
         cross_layers.push_back({&entry[2], &entry[3], nullptr});
       } else {
-        throw ValueError(detail::edc_message({"Expected len(combined_cache_data) = ", std::to_string(entry.size()),
+        throw ValueError(detail::join_message({"Expected len(combined_cache_data) = ", std::to_string(entry.size()),
                                               " to be 4 or 6.\ncombined_cache_data = ", entry_repr(entry)}));
       }
     }
@@ -392,7 +382,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
       C cache;
       for (std::size_t i = 0; i < layers.size(); ++i) {
         if (window_of(layers[i]) > 0)
-          throw ValueError(detail::edc_message(
+          throw ValueError(detail::join_message(
               {"EncoderDecoderCache: layer ", std::to_string(i), " has a sliding window, but ",
                detail::cache_class_name<C>(),
                " replicates DynamicLayer; use a cache with DynamicSlidingWindowLayer, such as "

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,6 +37,17 @@ struct AssertionError : std::logic_error {
 };
 
 namespace detail {
+
+// Joins message pieces one append at a time (a chain of operator+ trips GCC 12's -Wrestrict).
+inline std::string join_message(std::initializer_list<std::string_view> parts) {
+  std::string out;
+  std::size_t n = 0;
+  for (std::string_view p : parts) n += p.size();
+  out.reserve(n);
+  for (std::string_view p : parts) out.append(p);
+  return out;
+}
+
 
 // Python's repr of a list of ints: [1, 2, 3].
 inline std::string py_list(const std::vector<std::int64_t>& values) {

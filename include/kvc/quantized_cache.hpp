@@ -68,20 +68,14 @@ std::vector<KindVariant> quantized_layer_kinds(std::string_view backend, const M
     msg.append(py_str_set(invalid));
     throw ValueError(msg);
   }
-  std::vector<KindVariant> out;
-  out.reserve(specs.size());
-  if (backend == QuantoCodec::backend) {
-    QuantoCodec::validate(opts.nbits, opts.axis_key, opts.axis_value);
-    check_quantized_option(opts.q_group_size, 1, "q_group_size", QuantoCodec::layer_name);
-    check_quantized_option(opts.residual_length, 1, "residual_length", QuantoCodec::layer_name);
-    for (std::size_t i = 0; i < specs.size(); ++i) out.emplace_back(quantized_kind<QuantoQuantizedLayer>(opts));
-  } else {
-    HqqCodec::validate(opts.nbits, opts.axis_key, opts.axis_value);
-    check_quantized_option(opts.q_group_size, 1, "q_group_size", HqqCodec::layer_name);
-    check_quantized_option(opts.residual_length, 1, "residual_length", HqqCodec::layer_name);
-    for (std::size_t i = 0; i < specs.size(); ++i) out.emplace_back(quantized_kind<HQQQuantizedLayer>(opts));
-  }
-  return out;
+  // The layer's own checks, run here too so that a config without layers still reports them.
+  auto layers = [&]<class Codec>(Codec) {
+    Codec::validate(opts.nbits, opts.axis_key, opts.axis_value);
+    check_quantized_option(opts.q_group_size, 1, "q_group_size", Codec::layer_name);
+    check_quantized_option(opts.residual_length, 1, "residual_length", Codec::layer_name);
+    return std::vector<KindVariant>(specs.size(), quantized_kind<QuantizedLayer<Codec>>(opts));
+  };
+  return backend == QuantoCodec::backend ? layers(QuantoCodec{}) : layers(HqqCodec{});
 }
 
 }  // namespace detail

@@ -33,6 +33,7 @@
 #include <utility>
 
 #include <kvc/errors.hpp>
+#include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/static.hpp>
 #include <kvc/tensor.hpp>
@@ -40,16 +41,6 @@
 namespace kvc {
 
 namespace detail {
-
-// Joins message pieces one append at a time (a chain of operator+ trips GCC 12's -Wrestrict).
-inline std::string indexed_message(std::initializer_list<std::string_view> parts) {
-  std::string out;
-  std::size_t n = 0;
-  for (std::string_view p : parts) n += p.size();
-  out.reserve(n);
-  for (std::string_view p : parts) out.append(p);
-  return out;
-}
 
 // The indexer keys of a DynamicIndexedLayer: [batch_, len_, dim_] dense at the front of data_,
 // which has room for cap_ tokens per row. For batch > 1, spare_ has the same size and receives
@@ -253,17 +244,17 @@ class static_indexer_keys {
 template <class Attention, class View>
 void check_indexer_input(const Attention& attn, const View& held, const View& x) {
   if (x.rank != 3)
-    throw ValueError(indexed_message(
+    throw ValueError(join_message(
         {"update_indexer: indexer keys must have shape [batch, seq, index_head_dim], got ", shape_string(x)}));
   if (x.extent(0) < 1 || x.extent(1) < 0 || x.extent(2) < 1)
-    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+    throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
                                       " must have a positive batch and index_head_dim"}));
   if (attn.is_initialized() && attn.shape().batch != x.extent(0))
-    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+    throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
                                       " do not match the layer's keys of shape ",
                                       shape_string(attn.stored().keys.extents), ": the batch sizes differ"}));
   if (held.rank == 3 && (held.extent(0) != x.extent(0) || held.extent(2) != x.extent(2)))
-    throw ValueError(indexed_message({"update_indexer: indexer keys of shape ", shape_string(x),
+    throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
                                       " do not match the indexer keys the layer holds, of shape ", shape_string(held),
                                       ": batch and index_head_dim must stay the same"}));
 }
@@ -272,16 +263,63 @@ void check_indexer_input(const Attention& attn, const View& held, const View& x)
 template <class View, class KeysView>
 void check_kv_batch(const View& held, const KeysView& k, std::string_view method) {
   if (held.rank == 3 && held.extent(0) != k.extent(0))
-    throw ValueError(indexed_message({method, ": keys of shape ", shape_string(k.extents),
+    throw ValueError(join_message({method, ": keys of shape ", shape_string(k.extents),
                                       " do not match the layer's indexer keys of shape ", shape_string(held),
                                       ": the batch sizes differ"}));
 }
 inline void check_shape_batch(std::int64_t held_rank, std::int64_t held_batch, const LayerShape& shape) {
   if (held_rank == 3 && held_batch != shape.batch)
-    throw ValueError(indexed_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
+    throw ValueError(join_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
                                       " does not match the layer's indexer keys, which have batch size ",
                                       std::to_string(held_batch)}));
 }
+
+// What both indexed layers share: a K/V part A (checked against the indexer keys' batch) and the
+// indexer keys I (dynamic_indexer_keys or static_indexer_keys).
+template <class S, class A, class I>
+class indexed_state : public with_attention_part<A> {
+ public:
+  using view = typename S::view_type;
+  using state_view = typename S::state_view_type;
+
+  std::int64_t bytes() const noexcept { return this->attn_.bytes() + indexer_.bytes(); }
+  void lazy_initialization(LayerShape shape) {
+    check_shape_batch(indexer_keys().rank, indexer_.batch(), shape);
+    this->attn_.lazy_initialization(shape);
+  }
+  KV<view> update(const view& k, const view& v) {
+    check_kv_batch(indexer_keys(), k, "update");
+    return this->attn_.update(k, v);
+  }
+
+  bool is_indexer_initialized() const noexcept { return indexer_.initialized(); }
+  // What the layer holds; an empty view of rank 0 before the first update_indexer (transformers' None).
+  state_view indexer_keys() const noexcept { return indexer_.view(); }
+
+  // The batch of whatever the layer holds (K/V first), -1 when it holds nothing.
+  std::int64_t batch() const noexcept {
+    if (this->attn_.is_initialized()) return this->attn_.shape().batch;
+    return indexer_.initialized() ? indexer_.batch() : -1;
+  }
+
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    this->attn_.for_each_buffer(f);
+    indexer_.for_each_buffer(f);
+  }
+
+ protected:
+  indexed_state(A attn, I indexer) : with_attention_part<A>(std::move(attn)), indexer_(std::move(indexer)) {}
+
+  // Gives `out` (a state of the same configuration) both parts gathered along the batch axis.
+  void gather_into(indexed_state& out, std::span<const std::int64_t> batch_indices) const {
+    out.attn_ = this->attn_.gathered(batch_indices);
+    out.indexer_ = indexer_.gathered(batch_indices);
+  }
+
+  I indexer_;
+};
 
 }  // namespace detail
 
@@ -294,59 +332,30 @@ struct DynamicIndexedLayer {
 };
 
 template <class S>
-class DynamicIndexedLayer::state {
-  using attention_state = DynamicLayer::state<S>;
+class DynamicIndexedLayer::state
+    : public detail::indexed_state<S, DynamicLayer::state<S>, detail::dynamic_indexer_keys<S>> {
+  using base = detail::indexed_state<S, DynamicLayer::state<S>, detail::dynamic_indexer_keys<S>>;
+  using base::attn_;
+  using base::indexer_;
 
  public:
   using kind_type = DynamicIndexedLayer;
-  using view = typename S::view_type;
-  using state_view = typename S::state_view_type;
+  using typename base::state_view;
   static constexpr bool is_sliding = false;
   static constexpr bool is_compileable = false;
   static constexpr bool supports_early_init = true;
   static constexpr bool supports_batch_ops = true;
   static constexpr std::string_view name = "DynamicIndexedLayer";
 
-  explicit state(const DynamicIndexedLayer&) noexcept : attn_(DynamicLayer{}) {}
+  explicit state(const DynamicIndexedLayer&) : base(DynamicLayer::state<S>(DynamicLayer{}), {}) {}
 
-  const attention_state& attention_part() const noexcept { return attn_; }
-
-  // ---- the K/V part (a DynamicLayer) ----
-  bool is_initialized() const noexcept { return attn_.is_initialized(); }
-  LayerShape shape() const noexcept { return attn_.shape(); }
-  std::int64_t bytes() const noexcept { return attn_.bytes() + indexer_.bytes(); }
-  void lazy_initialization(LayerShape shape) {
-    detail::check_shape_batch(indexer_keys().rank, indexer_.batch(), shape);
-    attn_.lazy_initialization(shape);
-  }
-  KV<view> update(const view& k, const view& v) {
-    detail::check_kv_batch(indexer_keys(), k, "update");
-    return attn_.update(k, v);
-  }
-  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
-  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return attn_.get_mask_sizes(q); }
-  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
-  KV<view> stored() const noexcept { return attn_.stored(); }
-
-  // ---- the indexer keys ----
-  bool is_indexer_initialized() const noexcept { return indexer_.initialized(); }
-  // What the layer holds, [batch, len, index_head_dim]; an empty view of rank 0 before the first
-  // update_indexer (transformers' None).
-  state_view indexer_keys() const noexcept { return indexer_.view(); }
   std::int64_t indexer_seq_length() const noexcept { return indexer_.length(); }
 
   // Appends x ([batch, q, index_head_dim]) and returns every indexer key the layer holds.
   state_view update_indexer(const state_view& x) {
-    detail::check_indexer_input(attn_, indexer_keys(), x);
+    detail::check_indexer_input(attn_, this->indexer_keys(), x);
     indexer_.append(x);
     return indexer_.view();
-  }
-
-  // ---- both parts ----
-  // The batch of whatever the layer holds (K/V first), -1 when it holds nothing.
-  std::int64_t batch() const noexcept {
-    if (attn_.is_initialized()) return attn_.shape().batch;
-    return indexer_.initialized() ? indexer_.batch() : -1;
   }
 
   void check_crop(std::int64_t tokens_to_remove) const noexcept { attn_.check_crop(tokens_to_remove); }
@@ -367,21 +376,9 @@ class DynamicIndexedLayer::state {
 
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out{DynamicIndexedLayer{}};
-    out.attn_ = attn_.gathered(batch_indices);
-    out.indexer_ = indexer_.gathered(batch_indices);
+    this->gather_into(out, batch_indices);
     return out;
   }
-
-  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
-  template <class F>
-  void for_each_buffer(F&& f) {
-    attn_.for_each_buffer(f);
-    indexer_.for_each_buffer(f);
-  }
-
- private:
-  attention_state attn_;
-  detail::dynamic_indexer_keys<S> indexer_;
 };
 
 // ---- StaticIndexedLayer --------------------------------------------------------------------
@@ -396,40 +393,25 @@ struct StaticIndexedLayer {
 };
 
 template <class S>
-class StaticIndexedLayer::state {
-  using attention_state = StaticLayer::state<S>;
+class StaticIndexedLayer::state
+    : public detail::indexed_state<S, StaticLayer::state<S>, detail::static_indexer_keys<S>> {
+  using base = detail::indexed_state<S, StaticLayer::state<S>, detail::static_indexer_keys<S>>;
+  using base::attn_;
+  using base::indexer_;
 
  public:
   using kind_type = StaticIndexedLayer;
-  using view = typename S::view_type;
-  using state_view = typename S::state_view_type;
+  using typename base::state_view;
   static constexpr bool is_sliding = false;
   static constexpr bool is_compileable = true;
   static constexpr bool supports_early_init = true;
   static constexpr bool supports_batch_ops = false;
   static constexpr std::string_view name = "StaticIndexedLayer";
 
-  explicit state(const StaticIndexedLayer& kind) : attn_(checked(kind)), indexer_(kind.max_cache_len) {}
+  explicit state(const StaticIndexedLayer& kind)
+      : base(StaticLayer::state<S>(checked(kind)), detail::static_indexer_keys<S>(kind.max_cache_len)) {}
 
-  const attention_state& attention_part() const noexcept { return attn_; }
   std::int64_t max_cache_len() const noexcept { return attn_.max_cache_len(); }
-
-  // ---- the K/V part (a StaticLayer) ----
-  bool is_initialized() const noexcept { return attn_.is_initialized(); }
-  LayerShape shape() const noexcept { return attn_.shape(); }
-  std::int64_t bytes() const noexcept { return attn_.bytes() + indexer_.bytes(); }
-  void lazy_initialization(LayerShape shape) {
-    detail::check_shape_batch(indexer_keys().rank, indexer_.batch(), shape);
-    attn_.lazy_initialization(shape);
-  }
-  KV<view> update(const view& k, const view& v) {
-    detail::check_kv_batch(indexer_keys(), k, "update");
-    return attn_.update(k, v);
-  }
-  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
-  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return attn_.get_mask_sizes(q); }
-  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
-  KV<view> stored() const noexcept { return attn_.stored(); }
 
   // Sets where the next update *and* the next update_indexer write: both count the same tokens
   // (transformers' export wrapper moves only the K/V counter; docs/indexed.md).
@@ -438,31 +420,22 @@ class StaticIndexedLayer::state {
     indexer_.set_position(position);
   }
 
-  // ---- the indexer keys ----
-  bool is_indexer_initialized() const noexcept { return indexer_.initialized(); }
-  // The whole static buffer [batch, max_cache_len, index_head_dim]; rank 0 before the first write.
-  state_view indexer_keys() const noexcept { return indexer_.view(); }
-  // The indexer counter: where the next update_indexer writes.
+  // The whole static buffer is indexer_keys(); this is the indexer counter: where the next
+  // update_indexer writes.
   std::int64_t indexer_seq_length() const noexcept { return indexer_.position(); }
 
   // Writes x ([batch, q, index_head_dim]) at the indexer counter and returns the whole buffer.
   // Past max_cache_len: IndexError, and nothing changes (transformers advances its counter first).
   state_view update_indexer(const state_view& x) {
-    detail::check_indexer_input(attn_, indexer_keys(), x);
+    detail::check_indexer_input(attn_, this->indexer_keys(), x);
     const std::int64_t q = x.extent(1), cap = attn_.max_cache_len(), pos = indexer_.position();
     if (pos + q > cap)
-      throw IndexError(detail::indexed_message(
+      throw IndexError(detail::join_message(
           {"index ", std::to_string(cap), " is out of bounds for dimension 1 with size ", std::to_string(cap),
            ": StaticIndexedLayer with max_cache_len ", std::to_string(cap), " holds ", std::to_string(pos),
            " indexer keys and cannot take ", std::to_string(q), " more"}));
     indexer_.write(x);
     return indexer_.view();
-  }
-
-  // ---- both parts ----
-  std::int64_t batch() const noexcept {
-    if (attn_.is_initialized()) return attn_.shape().batch;
-    return indexer_.initialized() ? indexer_.batch() : -1;
   }
 
   // Zeroes both parts in place and rewinds both counters; keeps the allocations.
@@ -473,29 +446,16 @@ class StaticIndexedLayer::state {
 
   // For reorder_cache (beam search keeps the batch size); there is no crop or batch operation.
   state gathered(std::span<const std::int64_t> batch_indices) const {
-    state out(*this, 0);
-    out.attn_ = attn_.gathered(batch_indices);
-    out.indexer_ = indexer_.gathered(batch_indices);
+    state out{StaticIndexedLayer{attn_.max_cache_len()}};
+    this->gather_into(out, batch_indices);
     return out;
   }
 
-  template <class F>
-  void for_each_buffer(F&& f) {
-    attn_.for_each_buffer(f);
-    indexer_.for_each_buffer(f);
-  }
-
  private:
-  // A copy of the configuration only (gathered fills in the data).
-  state(const state& o, int) : attn_(StaticLayer{o.attn_.max_cache_len()}), indexer_(o.attn_.max_cache_len()) {}
-
   static StaticLayer checked(const StaticIndexedLayer& kind) {
     detail::check_positive(kind.max_cache_len, "max_cache_len", "StaticIndexedLayer");
     return StaticLayer{kind.max_cache_len};
   }
-
-  attention_state attn_;
-  detail::static_indexer_keys<S> indexer_;
 };
 
 }  // namespace kvc

@@ -20,6 +20,7 @@
 
 #include <kvc/concepts/cache_layer.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/static.hpp>
 #include <kvc/tensor.hpp>
@@ -69,16 +70,6 @@ struct dense_state {
     return out;
   }
 };
-
-inline std::string state_shape_string(int rank, const std::array<std::int64_t, 4>& e) {
-  std::string out = "[";
-  for (int i = 0; i < rank; ++i) {
-    if (i) out.append(", ");
-    out.append(std::to_string(e[i]));
-  }
-  out.push_back(']');
-  return out;
-}
 
 }  // namespace detail
 
@@ -146,32 +137,38 @@ class LinearAttentionLayer::state {
     if (cur.conv.initialized && cur.conv.extents[1] != x.extent(1))
       throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
                        std::to_string(state_idx) + ", which holds " + std::to_string(cur.conv.extents[1]) + " channels");
-    slot next;  // built aside, swapped in at the end (strong guarantee)
-    next.has_previous_state = true;
-    next.rec = cur.rec;
     const std::int64_t k = cur.conv.initialized ? cur.kernel : (conv_kernel_size > 0 ? conv_kernel_size : x.extent(2));
-    next.kernel = k;
     const std::int64_t rows = x.extent(0) * x.extent(1), t = x.extent(2);
-    // full = [previous columns | new columns], or the (padded) input on the first call
+    // full = [previous columns | new columns], or the (padded) input on the first call. The new
+    // buffers are built aside and moved in at the end (strong guarantee); the recurrent state is
+    // not touched.
     const bool first = !cur.has_previous_state;
     const std::int64_t prev = first ? 0 : cur.conv.last();
     const std::int64_t pad = (first && !record_past_ && t < k) ? k - t : 0;
     const std::int64_t width = pad + prev + t;
-    next.full = make(3, {x.extent(0), x.extent(1), width, 0});
-    T* f = next.full.data.data();
+    detail::dense_state<S> full = make(3, {x.extent(0), x.extent(1), width, 0}, false);
+    T* f = full.data.data();
     if (pad > 0) S::zero_2d(f, width, pad, rows);
     if (prev > 0) S::copy_2d(f, width, cur.conv.data.data(), prev, prev, rows);
     S::copy_2d(f + pad + prev, width, x.data(), t, t, rows);
-    if (record_past_) {
-      next.conv = next.full;  // keeps every column seen
-    } else {
+    detail::dense_state<S> conv;
+    if (!record_past_) {  // keeps the last k columns; recording keeps them all (conv is full)
       const std::int64_t keep = std::min(k, width);
-      next.conv = make(3, {x.extent(0), x.extent(1), k, 0});
-      if (keep < k) S::zero_2d(next.conv.data.data(), k, k - keep, rows);
-      S::copy_2d(next.conv.data.data() + (k - keep), k, f + (width - keep), width, keep, rows);
+      conv = make(3, {x.extent(0), x.extent(1), k, 0}, false);
+      if (keep < k) S::zero_2d(conv.data.data(), k, k - keep, rows);
+      S::copy_2d(conv.data.data() + (k - keep), k, f + (width - keep), width, keep, rows);
     }
-    slots_[static_cast<std::size_t>(state_idx)] = std::move(next);
-    return slots_[static_cast<std::size_t>(state_idx)].full.view();
+    slot& s = slots_[static_cast<std::size_t>(state_idx)];
+    s.kernel = k;
+    s.has_previous_state = true;
+    if (record_past_) {
+      s.conv = std::move(full);
+      s.full = detail::dense_state<S>();
+      return s.conv.view();
+    }
+    s.conv = std::move(conv);
+    s.full = std::move(full);
+    return s.full.view();
   }
 
   // Overwrites the recurrent state and returns it.
@@ -183,11 +180,11 @@ class LinearAttentionLayer::state {
     if (cur.rec.initialized && (cur.rec.rank != x.rank || cur.rec.extents != x.extents))
       throw ValueError("update_recurrent_state: recurrent states of shape " + shape_string(x) + " do not match state " +
                        std::to_string(state_idx) + ", which holds " +
-                       detail::state_shape_string(cur.rec.rank, cur.rec.extents));
-    detail::dense_state<S> rec = cur.rec.initialized ? cur.rec : make(x.rank, x.extents);
-    S::copy_2d(rec.data.data(), x.size(), x.data(), x.size(), x.size(), 1);
-    slots_[static_cast<std::size_t>(state_idx)].rec = std::move(rec);
-    return slots_[static_cast<std::size_t>(state_idx)].rec.view();
+                       shape_string(cur.rec.view()));
+    slot& s = slots_[static_cast<std::size_t>(state_idx)];
+    if (!s.rec.initialized) s.rec = make(x.rank, x.extents, false);  // the only allocation
+    S::copy_2d(s.rec.data.data(), x.size(), x.data(), x.size(), x.size(), 1);  // same shape: in place
+    return s.rec.view();
   }
 
   void check_crop(std::int64_t tokens_to_remove) const {
@@ -211,7 +208,7 @@ class LinearAttentionLayer::state {
       const std::int64_t have = s.conv.last();
       const std::int64_t stop = std::max<std::int64_t>(have + tokens_to_remove, 0);  // tokens_to_remove <= 0
       const std::int64_t start = std::max<std::int64_t>(stop - s.kernel, 0);
-      detail::dense_state<S> c = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0});
+      detail::dense_state<S> c = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0}, false);
       S::copy_2d(c.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
       s.conv = std::move(c);
     }
@@ -249,19 +246,20 @@ class LinearAttentionLayer::state {
  private:
   struct slot {
     detail::dense_state<S> conv, rec;
-    detail::dense_state<S> full;  // what the last update_conv_state returned
+    detail::dense_state<S> full;  // what the last update_conv_state returned (while recording: conv)
     std::int64_t kernel = 0;
     bool has_previous_state = false;
   };
 
-  static detail::dense_state<S> make(int rank, std::array<std::int64_t, 4> extents) {
+  // A tensor of that shape, zeroed unless the caller writes every element itself.
+  static detail::dense_state<S> make(int rank, std::array<std::int64_t, 4> extents, bool zeroed = true) {
     detail::dense_state<S> d;
     d.rank = rank;
     d.extents = extents;
     std::int64_t n = 1;
     for (int r = 0; r < rank; ++r) n *= extents[r];
     d.data = typename S::buffer_type(n);
-    if (n > 0) S::zero_2d(d.data.data(), n, n, 1);
+    if (zeroed && n > 0) S::zero_2d(d.data.data(), n, n, 1);
     d.initialized = true;
     return d;
   }
@@ -319,9 +317,12 @@ using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybri
 
 template <class Attention>
 template <class S>
-class LinearAttentionHybrid<Attention>::state {
+class LinearAttentionHybrid<Attention>::state
+    : public detail::with_attention_part<typename Attention::template state<S>> {
   using linear_state = LinearAttentionLayer::state<S>;
   using attention_state = typename Attention::template state<S>;
+  using base = detail::with_attention_part<attention_state>;
+  using base::attn_;
 
  public:
   using kind_type = LinearAttentionHybrid<Attention>;
@@ -334,22 +335,13 @@ class LinearAttentionHybrid<Attention>::state {
   static constexpr std::string_view name = detail::hybrid_name<Attention>;
 
   explicit state(const LinearAttentionHybrid& kind)
-      : attn_(kind.attention), linear_(LinearAttentionLayer{kind.number_of_states}) {}
+      : base(attention_state(kind.attention)), linear_(LinearAttentionLayer{kind.number_of_states}) {}
 
   const linear_state& linear_part() const noexcept { return linear_; }
-  const attention_state& attention_part() const noexcept { return attn_; }
 
-  // Attention part.
+  // Attention part (the length queries come from detail::with_attention_part).
   KV<view> update(const view& k, const view& v) { return attn_.update(k, v); }
-  std::int64_t get_seq_length() const noexcept { return attn_.get_seq_length(); }
-  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept {
-    return attn_.get_mask_sizes(q);
-  }
-  std::int64_t get_max_length() const noexcept { return attn_.get_max_length(); }
-  bool is_initialized() const noexcept { return attn_.is_initialized(); }
-  LayerShape shape() const noexcept { return attn_.shape(); }
   void lazy_initialization(LayerShape shape) { attn_.lazy_initialization(shape); }
-  KV<view> stored() const noexcept { return attn_.stored(); }
   void set_write_position(std::int64_t p)
     requires concepts::supports_write_position<attention_state>
   {
@@ -405,7 +397,6 @@ class LinearAttentionHybrid<Attention>::state {
   }
 
  private:
-  attention_state attn_;
   linear_state linear_;
 };
 

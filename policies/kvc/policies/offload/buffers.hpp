@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvc::detail::offload_buffers {
@@ -56,5 +57,36 @@ void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
     if constexpr (has_buffers<std::decay_t<decltype(l)>>) l.for_each_buffer(f);
   });
 }
+
+// An engine's per-cache state, created on first use: copies deep-copy it through Core::clone() (an
+// engine's copy semantics), moves move the pointer.
+template <class Core>
+class cloned_core {
+ public:
+  cloned_core() noexcept = default;
+  cloned_core(const cloned_core& other) : p_(other.p_ ? other.p_->clone() : nullptr) {}
+  cloned_core(cloned_core&&) noexcept = default;
+  cloned_core& operator=(const cloned_core& other) {
+    if (this != &other) {
+      cloned_core copy(other);
+      p_.swap(copy.p_);
+    }
+    return *this;
+  }
+  cloned_core& operator=(cloned_core&&) noexcept = default;
+  ~cloned_core() = default;
+
+  // The state, created with `args` the first time.
+  template <class... Args>
+  Core& get(Args&&... args) {
+    if (!p_) p_ = std::make_unique<Core>(std::forward<Args>(args)...);
+    return *p_;
+  }
+  Core* operator->() const noexcept { return p_.get(); }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  std::unique_ptr<Core> p_;
+};
 
 }  // namespace kvc::detail::offload_buffers

@@ -674,23 +674,9 @@ struct OffloadToFile {
   template <class S>
   class engine {
    public:
-    engine() noexcept = default;
-    engine(const engine& other) : core_(other.core_ ? other.core_->clone() : nullptr) {}
-    engine(engine&&) noexcept = default;
-    engine& operator=(const engine& other) {
-      if (this != &other) {
-        engine copy(other);
-        core_.swap(copy.core_);
-      }
-      return *this;
-    }
-    engine& operator=(engine&&) noexcept = default;
-    ~engine() = default;
-
     template <class Cache>
     void before_update(Cache& cache, std::int64_t layer_idx) {
-      if (!core_) core_ = std::make_unique<detail::spill::core>(OnlyNonSliding);
-      core_->before_update(cache, layer_idx);
+      core_.get(OnlyNonSliding).before_update(cache, layer_idx);
     }
     template <class Cache>
     void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
@@ -707,7 +693,7 @@ struct OffloadToFile {
     bool is_spilled(std::int64_t layer_idx) const noexcept { return core_ && core_->is_spilled(layer_idx); }
 
    private:
-    std::unique_ptr<detail::spill::core> core_;
+    detail::offload_buffers::cloned_core<detail::spill::core> core_;
   };
 };
 

@@ -607,23 +607,9 @@ namespace detail {
 // frees the pinned blocks, the held device buffers, the events and the stream.
 template <bool OnlyNonSliding, class T, class Stream>
 struct offload_to_host_engine<OnlyNonSliding, CudaStorage<T, Stream>> {
-  offload_to_host_engine() noexcept = default;
-  offload_to_host_engine(const offload_to_host_engine& other) : core_(other.core_ ? other.core_->clone() : nullptr) {}
-  offload_to_host_engine(offload_to_host_engine&&) noexcept = default;
-  offload_to_host_engine& operator=(const offload_to_host_engine& other) {
-    if (this != &other) {
-      offload_to_host_engine copy(other);
-      core_.swap(copy.core_);
-    }
-    return *this;
-  }
-  offload_to_host_engine& operator=(offload_to_host_engine&&) noexcept = default;
-  ~offload_to_host_engine() = default;
-
   template <class Cache>
   void before_update(Cache& cache, std::int64_t layer_idx) {
-    if (!core_) core_ = std::make_unique<pinned::core>(OnlyNonSliding);
-    core_->before_update(cache, layer_idx, CudaStorage<T, Stream>::stream());
+    core_.get(OnlyNonSliding).before_update(cache, layer_idx, CudaStorage<T, Stream>::stream());
   }
   template <class Cache>
   void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
@@ -641,7 +627,7 @@ struct offload_to_host_engine<OnlyNonSliding, CudaStorage<T, Stream>> {
   std::int64_t pool_bytes() const noexcept { return core_ ? core_->pool_bytes() : 0; }
 
  private:
-  std::unique_ptr<pinned::core> core_;
+  offload_buffers::cloned_core<pinned::core> core_;
 };
 
 }  // namespace detail
