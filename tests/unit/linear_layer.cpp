@@ -339,3 +339,16 @@ TEST_CASE("a throwing linear-state update leaves the layer unchanged") {
       CHECK(columns(l.conv_state(0), 0, 1) == std::vector<float>(before.end() - 4, before.end()));
   });
 }
+
+TEST_CASE("stored() on a pure linear layer and a kind without states: the messages") {
+  LinearOnly cache(kvc::LinearAttentionLayer{});
+  CHECK(message_of(cache, [](auto& c) { (void)c.stored(0); }) ==
+        "'LinearAttentionLayer' object has no attribute 'keys'");
+  CHECK_THROWS_AS((void)cache.stored(0), kvc::AttributeError);
+  try {
+    LinearOnly none(kvc::LinearAttentionLayer{0});
+    FAIL("no exception");
+  } catch (const kvc::ValueError& e) {
+    CHECK(std::string(e.what()) == "LinearAttentionLayer: number_of_states must be a positive integer, got 0");
+  }
+}

@@ -285,3 +285,13 @@ TEST_CASE("encoder-decoder models: a self-attention cache paired with a cross-at
   assistant.is_assistant = true;
   CHECK(kvc::prepare_encoder_decoder_cache_for_generation(assistant, t5, "t5").has_value());
 }
+
+TEST_CASE("'quantized': cache_config of the wrong JSON types") {
+  auto g = with("quantized");
+  g.cache_config = nlohmann::ordered_json::array({1, 2});
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "make_cache: `cache_config` must be an object, got [1,2]",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"backend", 4}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "make_cache: `cache_config.backend` must be a string, got 4",
+                       kvc::ValueError);
+}
