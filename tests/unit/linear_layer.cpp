@@ -352,3 +352,58 @@ TEST_CASE("stored() on a pure linear layer and a kind without states: the messag
     CHECK(std::string(e.what()) == "LinearAttentionLayer: number_of_states must be a positive integer, got 0");
   }
 }
+
+// Regression: a hybrid whose parts held different batch sizes (the attention part reset and
+// refilled with another batch, the linear states kept) let a batch operation read past the
+// linear states' buffers. Both parts now keep one batch size.
+TEST_CASE("hybrids keep one batch size in both parts: the messages, and nothing changes") {
+  Mixed cache(kvc::LinearAttentionAndFullAttentionLayer{});
+  std::mt19937 rng(6);
+  cache.update_conv_state(conv_input(1, 2, 3), 0);
+  cache.reset();  // the attention part drops its keys; the linear states are zeroed and keep batch 1
+  const auto k2 = random_tensor<float>(2, 1, 2, 2, rng);
+  const auto before = kvc_test::take_snapshot(cache);
+  CHECK(message_of(cache, [&](auto& c) { c.update(k2, k2, 0); }) ==
+        "update: keys of shape [2, 1, 2, 2] do not match the layer's linear-attention states, which have batch "
+        "size 1");
+  CHECK(kvc_test::take_snapshot(cache) == before);
+  CHECK_THROWS_AS(cache.update(k2, k2, 0), kvc::ValueError);
+
+  // The Cache never lazily initializes a hybrid early (supports_early_init is false); the state's
+  // own lazy_initialization applies the same rule.
+  using Hybrid = kvc::LinearAttentionAndFullAttentionLayer::state<kvc::HostStorage<float>>;
+  Hybrid state{kvc::LinearAttentionAndFullAttentionLayer{}};
+  const auto x = conv_input(1, 2, 3);
+  state.update_conv_state(kvc::HostStorage<float>::state_input_view(x), 0, 0);
+  try {
+    state.lazy_initialization({2, 1, 2, 2});
+    FAIL("no exception");
+  } catch (const kvc::ValueError& e) {
+    CHECK(std::string(e.what()) ==
+          "lazy_initialization: batch size 2 does not match the layer's linear-attention states, which have batch "
+          "size 1");
+  }
+  CHECK_FALSE(state.is_initialized());
+
+  Mixed other(kvc::LinearAttentionAndFullAttentionLayer{});
+  other.update(k2, k2, 0);
+  const auto held = kvc_test::take_snapshot(other);
+  CHECK(message_of(other, [](auto& c) { c.update_conv_state(conv_input(1, 2, 3), 0); }) ==
+        "update_conv_state: states of shape [1, 2, 3] do not match the layer's keys of shape [2, 1, 2, 2]: the "
+        "batch sizes differ");
+  Conv rec(3, 2, 2);
+  rec.setZero();
+  CHECK(message_of(other, [&](auto& c) { c.update_recurrent_state(rec, 0); }) ==
+        "update_recurrent_state: states of shape [3, 2, 2] do not match the layer's keys of shape [2, 1, 2, 2]: the "
+        "batch sizes differ");
+  CHECK(kvc_test::take_snapshot(other) == held);
+  other.update_conv_state(conv_input(2, 2, 3), 0);  // the same batch is fine
+  other.batch_repeat_interleave(2);
+  CHECK(other.stored(0).keys.extent(0) == 4);
+  other.visit_layer(0, [](const auto& l) {
+    if constexpr (requires { l.linear_part(); }) {
+      CHECK(l.linear_part().conv_state(0).extent(0) == 4);
+      CHECK(columns(l.linear_part().conv_state(0), 3, 1) == std::vector<float>{1100, 1101, 1102});
+    }
+  });
+}

@@ -339,9 +339,24 @@ class LinearAttentionHybrid<Attention>::state
 
   const linear_state& linear_part() const noexcept { return linear_; }
 
-  // Attention part (the length queries come from detail::with_attention_part).
-  KV<view> update(const view& k, const view& v) { return attn_.update(k, v); }
-  void lazy_initialization(LayerShape shape) { attn_.lazy_initialization(shape); }
+  // Attention part (the length queries come from detail::with_attention_part). Both parts keep
+  // one batch size: a batch operation gathers them with the same indices.
+  KV<view> update(const view& k, const view& v) {
+    const std::int64_t held = linear_.batch();
+    if (held >= 0 && k.extent(0) != held)
+      throw ValueError(detail::join_message({"update: keys of shape ", shape_string(k.extents),
+                                             " do not match the layer's linear-attention states, which have batch size ",
+                                             std::to_string(held)}));
+    return attn_.update(k, v);
+  }
+  void lazy_initialization(LayerShape shape) {
+    const std::int64_t held = linear_.batch();
+    if (held >= 0 && shape.batch != held)
+      throw ValueError(detail::join_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
+                                             " does not match the layer's linear-attention states, which have batch size ",
+                                             std::to_string(held)}));
+    attn_.lazy_initialization(shape);
+  }
   void set_write_position(std::int64_t p)
     requires concepts::supports_write_position<attention_state>
   {
@@ -350,9 +365,11 @@ class LinearAttentionHybrid<Attention>::state
 
   // Linear part.
   state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
+    check_state_batch(x, "update_conv_state");
     return linear_.update_conv_state(x, state_idx, conv_kernel_size);
   }
   state_view update_recurrent_state(const state_view& x, std::int64_t state_idx) {
+    check_state_batch(x, "update_recurrent_state");
     return linear_.update_recurrent_state(x, state_idx);
   }
   bool has_previous_state(std::int64_t state_idx) const { return linear_.has_previous_state(state_idx); }
@@ -397,6 +414,15 @@ class LinearAttentionHybrid<Attention>::state
   }
 
  private:
+  // A linear state whose batch differs from the attention part's keys (the shape checks of the
+  // linear part itself come after this one).
+  void check_state_batch(const state_view& x, std::string_view method) const {
+    if (x.rank >= 1 && attn_.is_initialized() && x.extent(0) != attn_.shape().batch)
+      throw ValueError(detail::join_message({method, ": states of shape ", shape_string(x),
+                                             " do not match the layer's keys of shape ",
+                                             shape_string(attn_.stored().keys.extents), ": the batch sizes differ"}));
+  }
+
   linear_state linear_;
 };
 
