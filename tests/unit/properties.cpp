@@ -143,7 +143,7 @@ TEST_CASE("random operations on static caches: every throwing call changes nothi
     kvc::Cache<kvc::Layers<kvc::StaticLayer>> only_static(kvc::StaticLayer{5}, kvc::StaticLayer{7});
     for (int step = 0; step < 60; ++step) {
       const auto op = uniform(rng, 0, 4);
-      const auto q = uniform(rng, 1, 4), d = uniform(rng, 0, 5) == 0 ? 3 : 2;
+      const std::int64_t q = uniform(rng, 1, 4), d = uniform(rng, 0, 5) == 0 ? 3 : 2;
       const auto k = kvc_test::random_tensor<float>(1, 1, q, d, rng);
       threw += run_checked(cache, [&] {
         switch (op) {
