@@ -11,7 +11,9 @@
 // capacity doublings included). Then the offload/prefetch overlap: a decode step of a 16-layer model
 // with kvc::OffloadToHost against the same step with every layer resident, with a spinning kernel
 // standing for each layer's compute (goal <= 1.2x). "bytes" counts K and V bytes written once; cudaMemcpy rows count
-// the bytes copied, so both are the same measure. Exit code 77 (skipped) without a CUDA device.
+// the bytes copied, so both are the same measure. Last, the device codecs of QuantizedLayer:
+// quantize and dequantize throughput (int4, group 64) and a quantized decode step against a
+// DynamicLayer's. Exit code 77 (skipped) without a CUDA device.
 
 #include <kvc/cuda.hpp>
 
@@ -148,6 +150,54 @@ void append_rows(const char* type) {
   }
 }
 
+// ---- quantized layers on the device ---------------------------------------------------------------
+
+double dequant_fraction = 0, quantized_decode_ratio = 0;
+
+// Quantize and dequantize throughput of the device codecs (int4, group 64, [1, 8, n, 128] half),
+// then a decode step of a QuantizedLayer (residual_length 128) against a DynamicLayer's.
+void quantized_rows() {
+  using M = __half;
+  using Q = kvc::detail::device_quantized_tensor<M, kvc::DefaultCudaStream>;
+  constexpr std::int64_t heads = 8, dim = 128;
+  const std::int64_t n = quick ? 256 : 4096;
+  const int iters = quick ? 2 : 50;
+  const auto x = filled<__half>(1, heads, n, dim);
+  const double bytes = 2.0 * static_cast<double>(heads * n * dim);  // fp16 elements read or written
+  const auto grouping = kvc::detail::quant_grouping::along_head_dim;
+  const double quanto = seconds_per_call(iters, [&] {
+    (void)Q::encode<kvc::QuantoCodec>(4, grouping, 64, x.data(), 1, heads, n, dim, heads * n * dim, n * dim);
+  });
+  const double hqq = seconds_per_call(iters, [&] {
+    (void)Q::encode<kvc::HqqCodec>(4, grouping, 64, x.data(), 1, heads, n, dim, heads * n * dim, n * dim);
+  });
+  const Q q = Q::encode<kvc::QuantoCodec>(4, grouping, 64, x.data(), 1, heads, n, dim, heads * n * dim, n * dim);
+  kvc::DeviceTensor<__half> out(1, heads, n, dim);
+  const double dequant = seconds_per_call(iters, [&] { q.decode(out.data(), heads * n * dim, n * dim); });
+  const double same = memcpy_seconds(static_cast<std::size_t>(bytes), false, iters);
+  std::printf("\nquantize quanto int4 g64, %lld tokens: %8.1f GB/s of fp16 input (%.2f us)\n",
+              static_cast<long long>(n), bytes / quanto * 1e-9, quanto * 1e6);
+  std::printf("quantize hqq int4 g64, %lld tokens:    %8.1f GB/s of fp16 input (%.2f us)\n",
+              static_cast<long long>(n), bytes / hqq * 1e-9, hqq * 1e6);
+  std::printf("dequantize int4 g64, %lld tokens:      %8.1f GB/s of fp16 output, %.0f%% of a same-size memcpy\n",
+              static_cast<long long>(n), bytes / dequant * 1e-9, 100.0 * same / dequant);
+  dequant_fraction = same / dequant;
+
+  // decode: 1 token per step after a prefill of n, both caches; time per step
+  const auto k1 = filled<__half>(1, heads, 1, dim);
+  const int steps = quick ? 16 : 512;
+  kvc::Cache<kvc::Layers<kvc::QuantoQuantizedLayer>, kvc::CudaStorage<__half>> quantized(
+      kvc::QuantoQuantizedLayer{4, 0, 0, 64, 128});
+  kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, kvc::CudaStorage<__half>> dynamic;
+  quantized.update(x, x, 0);
+  dynamic.update(x, x, 0);
+  const double qstep = seconds_per_call(steps, [&] { quantized.update(k1, k1, 0); });
+  const double dstep = seconds_per_call(steps, [&] { dynamic.update(k1, k1, 0); });
+  std::printf("decode step after %lld tokens: QuantizedLayer %.2f us, DynamicLayer %.2f us (%.1fx)\n",
+              static_cast<long long>(n), qstep * 1e6, dstep * 1e6, qstep / dstep);
+  quantized_decode_ratio = qstep / dstep;
+}
+
 // ---- offload/prefetch overlap (kvc::OffloadToHost) -------------------------------------------------
 
 // Spins for `ns` nanoseconds on the stream it is launched on: the attention/MLP of one layer.
@@ -233,6 +283,10 @@ int main(int argc, char** argv) {
     offload_rows();
     std::printf("SUMMARY: offload decode step %.2fx the resident one with OffloadToHost (goal <= 1.2x)\n",
                 offload_ratio);
+    quantized_rows();
+    std::printf("SUMMARY: int4 dequantize at %.0f%% of a same-size memcpy; quantized decode step %.1fx a "
+                "DynamicLayer's\n",
+                100.0 * dequant_fraction, quantized_decode_ratio);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());
     return 1;

@@ -14,6 +14,8 @@
 // Each scenario checks kvc's semantics against a reference model on the host (doctest CHECKs) and
 // writes everything it observed (queries, shapes, capacities, every fetched element) to a Record.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,19 +30,22 @@ using Ref = kvc::HostTensor<float>;  // reference tensors, always float
 template <int N>
 using HostState = Eigen::Tensor<float, N, Eigen::RowMajor>;
 
-// What a scenario observed, in order.
+// What a scenario observed, in order. A tensor recorded with a tolerance (what a quantized layer
+// returned) may differ by that much between two storages; every other observation is exact.
 struct Record {
   std::vector<std::string> labels;
   std::vector<std::int64_t> numbers;
   std::vector<std::vector<float>> tensors;
+  std::vector<float> tolerances;  // one per tensor
 
   void number(const std::string& label, std::int64_t n) {
     labels.push_back(label);
     numbers.push_back(n);
   }
   template <class Tensor>
-  void tensor(const std::string& label, const Tensor& t) {
+  void tensor(const std::string& label, const Tensor& t, float tolerance = 0) {
     labels.push_back(label);
+    tolerances.push_back(tolerance);
     std::vector<float> flat(static_cast<std::size_t>(t.size()));
     for (std::int64_t i = 0; i < t.size(); ++i) flat[static_cast<std::size_t>(i)] = static_cast<float>(t.data()[i]);
     for (int r = 0; r < Tensor::NumDimensions; ++r) numbers.push_back(t.dimension(r));
@@ -116,18 +121,25 @@ Eigen::Tensor<float, N, Eigen::RowMajor> to_float(const Eigen::Tensor<E, N, Eige
   return out;
 }
 
-// Whether got == want (shape and every element); the first difference goes to the doctest log.
+// a == b, or |a - b| <= tolerance when the tolerance is positive.
+inline bool within(float a, float b, float tolerance) {
+  return tolerance > 0 ? std::fabs(a - b) <= tolerance : a == b;
+}
+
+// Whether got == want (shape and every element), or within `tolerance` of it element by element;
+// the first difference goes to the doctest log.
 template <int N>
 bool same(const Eigen::Tensor<float, N, Eigen::RowMajor>& got, const Eigen::Tensor<float, N, Eigen::RowMajor>& want,
-          const std::string& what) {
+          const std::string& what, float tolerance = 0) {
   for (int r = 0; r < N; ++r)
     if (got.dimension(r) != want.dimension(r)) {
       MESSAGE(what << ": extent " << r << " is " << got.dimension(r) << ", expected " << want.dimension(r));
       return false;
     }
   for (Eigen::Index i = 0; i < got.size(); ++i)
-    if (!(got.data()[i] == want.data()[i])) {
-      MESSAGE(what << ": flat element " << i << " is " << got.data()[i] << ", expected " << want.data()[i]);
+    if (!within(got.data()[i], want.data()[i], tolerance)) {
+      MESSAGE(what << ": flat element " << i << " is " << got.data()[i] << ", expected " << want.data()[i]
+                   << (tolerance > 0 ? " (tolerance " + std::to_string(tolerance) + ")" : std::string()));
       return false;
     }
   return true;
@@ -164,21 +176,22 @@ struct io {
   using S = typename B::storage;
 
   // Updates layer `idx` of `cache` with reference tensors and returns what it returned, as float.
+  // (`tolerance`: how far another storage's result may be, see Record.)
   template <class Cache>
   static std::pair<Ref, Ref> update(Cache& cache, const Ref& k, const Ref& v, std::int64_t idx, Record& rec,
-                                    const std::string& label) {
+                                    const std::string& label, float tolerance = 0) {
     const kvc::HostTensor<E> hk = cast_to<E>(k), hv = cast_to<E>(v);
     auto&& dk = B::input(hk);
     auto&& dv = B::input(hv);
     const auto kv = cache.update(dk, dv, idx);
-    return record_kv(kv, rec, label);
+    return record_kv(kv, rec, label, tolerance);
   }
 
   template <class KV>
-  static std::pair<Ref, Ref> record_kv(const KV& kv, Record& rec, const std::string& label) {
+  static std::pair<Ref, Ref> record_kv(const KV& kv, Record& rec, const std::string& label, float tolerance = 0) {
     const Ref k = to_float(B::fetch(kv.keys)), v = to_float(B::fetch(kv.values));
-    rec.tensor(label + ".keys", k);
-    rec.tensor(label + ".values", v);
+    rec.tensor(label + ".keys", k, tolerance);
+    rec.tensor(label + ".values", v, tolerance);
     return {k, v};
   }
 
@@ -576,6 +589,147 @@ void linear_states(Record& rec) {
   rec.number("linear.bytes_after_reset", cache.bytes());
 }
 
+// ---- F2. Indexed layers: K/V part plus indexer keys, batch operations, crop ------------------------
+
+// [batch, q, dim] indexer keys of tokens t0 .. t0 + q - 1.
+inline HostState<3> indexer_input(int run, std::int64_t batch, std::int64_t t0, std::int64_t q, std::int64_t dim) {
+  HostState<3> out(batch, q, dim);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < q; ++s)
+      for (std::int64_t d = 0; d < dim; ++d) out(b, s, d) = pattern(run, b, 0, t0 + s, d);
+  return out;
+}
+
+template <class B>
+void indexed(Record& rec) {
+  using S = typename B::storage;
+  using E = typename B::element;
+  using IO = io<B>;
+  constexpr std::int64_t index_dim = 16, slots = 12;
+  kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer, kvc::StaticIndexedLayer>, S> cache(
+      kvc::DynamicIndexedLayer{}, kvc::StaticIndexedLayer{slots});
+  HostState<3> all(kBatch, 0, index_dim);
+  std::int64_t len = 0;
+  const auto index = [&](std::int64_t layer, const HostState<3>& x, const std::string& label) {
+    const Eigen::Tensor<E, 3, Eigen::RowMajor> hx = cast_to<E>(x);
+    auto&& dx = B::template state_input<3>(hx);
+    const HostState<3> got = to_float(B::template fetch_state<3>(cache.update_indexer(dx, layer)));
+    rec.tensor(label, got);
+    return got;
+  };
+  // Sequence-axis concatenation of [batch, seq, dim] states.
+  const auto append = [](const HostState<3>& a, const HostState<3>& b) {
+    HostState<3> out(a.dimension(0), a.dimension(1) + b.dimension(1), a.dimension(2));
+    for (Eigen::Index i = 0; i < out.dimension(0); ++i)
+      for (Eigen::Index t = 0; t < out.dimension(1); ++t)
+        for (Eigen::Index d = 0; d < out.dimension(2); ++d)
+          out(i, t, d) = t < a.dimension(1) ? a(i, t, d) : b(i, t - a.dimension(1), d);
+    return out;
+  };
+  for (const std::int64_t q : {4, 1, 1, 3}) {
+    const HostState<3> x = indexer_input(7, kBatch, len, q, index_dim);
+    all = append(all, x);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      IO::update(cache, tokens(0, kBatch, kHeads, len, q, kKeyDim), tokens(1, kBatch, kHeads, len, q, kValueDim), layer,
+                 rec, "indexed.kv" + std::to_string(layer));
+    }
+    const HostState<3> dyn = index(0, x, "indexed.dynamic");
+    CHECK(same(dyn, all, "dynamic indexer keys: every key so far"));
+    const HostState<3> fixed = index(1, x, "indexed.static");
+    CHECK(fixed.dimension(1) == slots);
+    len += q;
+  }
+  // Batch operations and crop act on the indexer keys of the dynamic layer too.
+  cache.reorder_cache({1, 0});
+  const HostState<3> held = to_float(B::template fetch_state<3>(
+      cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
+        if constexpr (requires { l.indexer_keys(); }) return l.indexer_keys(); else return {};
+      })));
+  rec.tensor("indexed.after_reorder", held);
+  CHECK(held.dimension(1) == len);
+  CHECK(held(0, 2, 3) == all(1, 2, 3));
+  cache.visit_layer(0, [&](const auto& l) {
+    if constexpr (requires { l.indexer_seq_length(); }) rec.number("indexed.seq", l.indexer_seq_length());
+  });
+  rec.number("indexed.bytes", cache.bytes());
+}
+
+// ---- G. QuantizedLayer: both codecs, the flush schedule, batch operations, crop, reset -----------
+
+// One quantized kind over the decode schedule of a generation. What the layer returns is checked
+// against the tokens within `bound` (the codec's error on these small integers) and recorded with
+// `tolerance`, how far another storage may round differently (0 for quanto, whose arithmetic is
+// bit-identical on host and device; HQQ's refinement calls powf, whose last bit may differ).
+template <class B, class Kind>
+void quantized_kind(Record& rec, const Kind& kind, const std::string& tag, float bound, float tolerance) {
+  using S = typename B::storage;
+  using IO = io<B>;
+  kvc::Cache<kvc::Layers<Kind>, S> cache(kind);
+  Ref all_k = tokens(0, kBatch, kHeads, 0, 0, kKeyDim), all_v = tokens(1, kBatch, kHeads, 0, 0, kValueDim);
+  std::int64_t len = 0;
+  const auto step = [&](std::int64_t q, const std::string& label) {
+    const Ref k = tokens(2, all_k.dimension(0), kHeads, len, q, kKeyDim);
+    const Ref v = tokens(3, all_v.dimension(0), kHeads, len, q, kValueDim);
+    all_k = concat(all_k, k);
+    all_v = concat(all_v, v);
+    len += q;
+    auto [gk, gv] = IO::update(cache, k, v, 0, rec, tag + "." + label, tolerance);
+    CHECK(same(gk, all_k, tag + " keys, " + label, bound));
+    CHECK(same(gv, all_v, tag + " values, " + label, bound));
+    CHECK(cache.get_seq_length() == len);
+    cache.visit_layer(0, [&](const auto& l) {
+      if constexpr (requires { l.quantized_tokens(); }) {
+        CHECK(l.quantized_tokens() + l.residual_tokens() == len);
+        rec.number(tag + ".quantized_tokens", l.quantized_tokens());
+        rec.number(tag + ".residual_tokens", l.residual_tokens());
+      }
+    });
+    rec.number(tag + ".bytes", cache.bytes());
+  };
+  // A prefill (quantized whole, returned as given), decode steps through several flushes
+  // (residual_length 4), a multi-token step.
+  const std::vector<std::int64_t> steps = {6, 1, 1, 1, 1, 1, 1, 1, 5, 1, 1, 1, 2};
+  for (std::size_t i = 0; i < steps.size(); ++i) step(steps[i], "step" + std::to_string(i));
+
+  // Batch operations move the quantized rows with their metadata.
+  cache.reorder_cache({1, 0});
+  all_k = gather(all_k, {1, 0});
+  all_v = gather(all_v, {1, 0});
+  step(1, "after_reorder");
+  cache.batch_repeat_interleave(2);
+  all_k = gather(all_k, {0, 0, 1, 1});
+  all_v = gather(all_v, {0, 0, 1, 1});
+  step(1, "after_repeat");
+  cache.batch_select_indices({3, 0});
+  all_k = gather(all_k, {3, 0});
+  all_v = gather(all_v, {3, 0});
+  step(1, "after_select");
+
+  // A crop into the quantized history quantizes what is kept again.
+  cache.crop(-6);
+  len -= 6;
+  all_k = slice(all_k, 0, len);
+  all_v = slice(all_v, 0, len);
+  CHECK(cache.get_seq_length() == len);
+  step(2, "after_crop");
+
+  // After reset the next update starts afresh and returns its inputs.
+  cache.reset();
+  CHECK(cache.get_seq_length() == 0);
+  rec.number(tag + ".bytes_after_reset", cache.bytes());
+  len = 0;
+  all_k = tokens(0, kBatch, kHeads, 0, 0, kKeyDim);
+  all_v = tokens(1, kBatch, kHeads, 0, 0, kValueDim);
+  step(3, "after_reset");
+}
+
+template <class B>
+void quantized(Record& rec) {
+  // keys grouped along head_dim, values along seq; int4, groups of 8, residual_length 4
+  quantized_kind<B>(rec, kvc::QuantoQuantizedLayer{4, 0, -1, 8, 4}, "quanto", 2.5f, 0.0f);
+  quantized_kind<B>(rec, kvc::HQQQuantizedLayer{4, 1, 0, 8, 4}, "hqq", 4.5f, 4.5f);
+}
+
 // Every scenario, in order, into one record each.
 template <class B>
 std::vector<std::pair<const char*, Record>> run_all() {
@@ -592,6 +746,8 @@ std::vector<std::pair<const char*, Record>> run_all() {
   run("dynamic_sliding", &dynamic_sliding<B>);
   run("batch_operations", &batch_operations<B>);
   run("linear_states", &linear_states<B>);
+  run("indexed", &indexed<B>);
+  run("quantized", &quantized<B>);
   return out;
 }
 
@@ -612,8 +768,9 @@ inline bool same_record(const Record& a, const Record& b, const std::string& wha
   for (std::size_t t = 0; t < a.tensors.size(); ++t) {
     const auto& x = a.tensors[t];
     const auto& y = b.tensors[t];
+    const float tolerance = std::max(a.tolerances[t], b.tolerances[t]);
     for (std::size_t i = 0; i < x.size(); ++i)
-      if (!(x[i] == y[i])) {
+      if (!within(x[i], y[i], tolerance)) {
         MESSAGE(what << ": tensor " << t << " element " << i << " differs: " << x[i] << " vs " << y[i]);
         return false;
       }

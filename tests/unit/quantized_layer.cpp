@@ -244,6 +244,52 @@ TEST_CASE("bit packing round trip is exact for every width and start") {
   CHECK(p3[1] == 0x01);
 }
 
+namespace {
+// What the CUDA kernels compute (cuda_codecs.cuh): the per-item steps fit_group_at,
+// packed_byte_at and decode_at over every item, serially, on strided input.
+template <class Codec, class T>
+void device_steps_match_host(int nbits, kvc::detail::quant_grouping grouping, std::int64_t group_size,
+                             std::int64_t tokens, std::int64_t dim) {
+  using M = kvc::detail::quant_meta_t<T>;
+  std::mt19937 rng(static_cast<unsigned>(nbits * 1000 + group_size * 10 + tokens + dim));
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const std::int64_t batch = 2, heads = 3, cap = tokens + 3;  // blocks of `tokens` rows in a larger buffer
+  const std::int64_t stride_h = cap * dim, stride_b = heads * stride_h;
+  std::vector<T> src(static_cast<std::size_t>(batch * stride_b));
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = T(dist(rng) * (i % 17 == 0 ? 9.f : 1.f));
+  const auto host = kvc::detail::quantized_tensor<M>::template encode<Codec>(nbits, grouping, group_size, src.data(),
+                                                                             batch, heads, tokens, dim, stride_b,
+                                                                             stride_h);
+  const kvc::detail::quant_layout l(nbits, grouping, group_size, batch, heads, tokens, dim);
+  std::vector<M> scale(static_cast<std::size_t>(l.blocks() * l.groups)), offset(scale.size());
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(l.blocks() * l.elements()));
+  for (std::int64_t m = 0; m < l.blocks() * l.groups; ++m)
+    kvc::detail::fit_group_at<Codec>(m, src.data(), stride_b, stride_h, l, scale.data(), offset.data(), codes.data());
+  std::vector<std::uint8_t> packed(static_cast<std::size_t>(l.blocks() * l.block_bytes));
+  for (std::int64_t t = 0; t < static_cast<std::int64_t>(packed.size()); ++t)
+    packed[static_cast<std::size_t>(t)] = kvc::detail::packed_byte_at(t, codes.data(), l);
+  CHECK(packed == host.packed());
+  std::vector<T> want(src.size(), T(-99.f)), got(src.size(), T(-99.f));
+  host.decode(want.data(), stride_b, stride_h);
+  for (std::int64_t e = 0; e < l.blocks() * l.elements(); ++e)
+    kvc::detail::decode_at(e, got.data(), stride_b, stride_h, l, packed.data(), scale.data(), offset.data());
+  CHECK(got == want);  // the padding rows (-99) untouched by both
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("the device codec's per-item steps give the host codec's bytes and values", T, float, Eigen::half,
+                   Eigen::bfloat16) {
+  using kvc::detail::quant_grouping;
+  for (const auto grouping : {quant_grouping::along_head_dim, quant_grouping::along_seq})
+    for (const std::int64_t group_size : {1, 5, 8, 64})
+      for (const std::int64_t tokens : {1, 7, 33}) {
+        CAPTURE(group_size);
+        CAPTURE(tokens);
+        for (const int nbits : {2, 4}) device_steps_match_host<kvc::QuantoCodec, T>(nbits, grouping, group_size, tokens, 12);
+        for (const int nbits : {1, 3, 8}) device_steps_match_host<kvc::HqqCodec, T>(nbits, grouping, group_size, tokens, 6);
+      }
+}
+
 TEST_CASE_TEMPLATE("values on the code grid come back exactly (both codecs, both groupings)", T, float, Eigen::half) {
   for (const int nbits : {1, 2, 3, 4, 8}) {
     const std::int64_t g = std::int64_t{1} << nbits;

@@ -2,7 +2,9 @@
 // kvc::QuantizedLayer<Codec>: a dynamic layer that keeps most of its tokens quantized
 // (transformers' QuantizedLayer, QuantoQuantizedLayer and HQQQuantizedLayer; inventory §1.8).
 // Codecs, the meaning of `axis` and the packing: <kvc/policies/quantization/codecs.hpp> and
-// docs/quantized.md; what kvc does differently from transformers: docs/differences.md.
+// docs/quantized.md; what kvc does differently from transformers: docs/differences.md. Over
+// CudaStorage the codes live on the device and the codecs run as kernels
+// (<kvc/policies/quantization/cuda_codecs.cuh>, docs/cuda.md).
 //
 // What the layer holds:
 //   - the quantized history of K and V (packed codes, and a scale and offset per group);
@@ -71,14 +73,15 @@ class dequant_workspace {
     return {region(k_, shape_.key_head_dim, len), region(v_, shape_.value_head_dim, len)};
   }
 
-  // Copies the tokens of k and v to slots [pos, pos + k.extent(2)). Precondition: they fit.
-  void write(std::int64_t pos, const view& k, const view& v) noexcept {
+  // Copies the tokens of k and v to slots [pos, pos + k.extent(2)). Precondition: they fit. Cannot
+  // throw on the host; on a device it throws what the storage's copies throw.
+  void write(std::int64_t pos, const view& k, const view& v) {
     write_one(k_.data(), shape_.key_head_dim, pos, k);
     write_one(v_.data(), shape_.value_head_dim, pos, v);
   }
 
   // Copies slots [0, len) of `from` (same shape, any capacity) to slots [0, len).
-  void copy_prefix(const dequant_workspace& from, std::int64_t len) noexcept {
+  void copy_prefix(const dequant_workspace& from, std::int64_t len) {
     const std::int64_t rows = shape_.batch * shape_.heads;
     S::copy_2d(k_.data(), cap_ * shape_.key_head_dim, from.k_.data(), from.cap_ * shape_.key_head_dim,
                len * shape_.key_head_dim, rows);
@@ -106,7 +109,7 @@ class dequant_workspace {
   view region(const buffer& b, std::int64_t d, std::int64_t len) const noexcept {
     return S::make_view(b.data(), {shape_.batch, shape_.heads, len, d}, {shape_.heads * cap_ * d, cap_ * d, d, 1});
   }
-  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) noexcept {
+  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) {
     const std::int64_t q = src.extent(2);
     if (q == 0) return;
     for (std::int64_t b = 0; b < shape_.batch; ++b)
@@ -143,9 +146,9 @@ struct QuantizedLayer {
   std::int64_t q_group_size = 64;
   std::int64_t residual_length = 128;
 
-  // Host storage only: the codecs run on the CPU.
+  // Any storage with a quantized tensor type (detail::quantized_tensor_for): HostStorage, where
+  // the codecs run on the CPU, and CudaStorage, where they run as kernels.
   template <class S>
-    requires(S::space == memory_space::host)
   class state {
    public:
     using kind_type = QuantizedLayer;
@@ -304,7 +307,7 @@ struct QuantizedLayer {
     }
 
    private:
-    using qtensor = detail::quantized_tensor<meta_type>;
+    using qtensor = detail::quantized_tensor_t<S, meta_type>;
 
     state(const state& o, int)
         : opts_(o.opts_), shape_(o.shape_), rlen_(o.rlen_), cumulative_(o.cumulative_), initialized_(o.initialized_) {}
@@ -338,8 +341,9 @@ struct QuantizedLayer {
       return encode(tmp.data(), shape_.heads * n * dim, n * dim, keep, dim, axis);
     }
 
-    // Writes dequant(history) + residual to the front of `w`. Cannot throw.
-    void fill_from_store(detail::dequant_workspace<S>& w) const noexcept {
+    // Writes dequant(history) + residual to the front of `w`. Cannot throw on the host (a device
+    // throws only when CUDA fails).
+    void fill_from_store(detail::dequant_workspace<S>& w) const {
       qk_.decode(w.keys(), w.stride_b(shape_.key_head_dim), w.stride_h(shape_.key_head_dim));
       qv_.decode(w.values(), w.stride_b(shape_.value_head_dim), w.stride_h(shape_.value_head_dim));
       const KV<view> r = residual_.kv(0, rlen_);

@@ -29,6 +29,13 @@
 // computed with the stored (rounded) scale and offset, so the rounding of the metadata is
 // compensated where it can be. A constant group has scale 0 and reconstructs exactly.
 //
+// Host and device. The arithmetic of fitting, coding and reconstructing is written once, as
+// KVC_HOST_DEVICE functions over a loader (a callable returning element i of a group as float),
+// and runs unchanged in kvc::QuantizedLayer over HostStorage (quantized_tensor below) and in the
+// CUDA kernels over CudaStorage (<kvc/policies/quantization/cuda_codecs.cuh>). Products are
+// rounded before they are added (mul_rn), so nvcc cannot fuse them into FMAs: quanto gives the
+// same bits on both; HQQ's soft-threshold calls powf, whose last bit may differ on the device.
+//
 // Packing. The codes of one block are a little-endian bit stream: code i occupies bits
 // [i * nbits, (i + 1) * nbits) of the block's bytes, bit 0 being the least significant bit of byte
 // 0. So 8-bit codes are one byte each, two 4-bit codes share a byte (the first in the low nibble),
@@ -44,9 +51,12 @@
 #include <type_traits>
 #include <vector>
 
+#include <math.h>  // floorf, fabsf, powf, copysignf: the same names in host and device code
+
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/tensor.hpp>  // KVC_HOST_DEVICE, memory_space
 
 namespace kvc {
 namespace detail {
@@ -59,10 +69,64 @@ struct affine_params {
   float offset = 0;
 };
 
-// What scales and offsets are stored in for element type T.
+// What scales and offsets are stored in for element type T: T itself for the 16-bit floats
+// (Eigen::half, Eigen::bfloat16 and their CUDA twins __half, __nv_bfloat16), float otherwise.
 template <class T>
-using quant_meta_t =
-    std::conditional_t<std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>, T, float>;
+using quant_meta_t = std::conditional_t<sizeof(T) == 2, T, float>;
+
+// a * b and a + b, each rounded on its own: device code must not fuse them into an FMA, or the
+// device would round differently from the host.
+KVC_HOST_DEVICE inline float mul_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+KVC_HOST_DEVICE inline float add_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// The reconstruction of code q of a group: offset + scale * q.
+KVC_HOST_DEVICE inline float dequant(float offset, float scale, unsigned q) noexcept {
+  return add_rn(offset, mul_rn(scale, static_cast<float>(q)));
+}
+
+// Code i of a bit stream written by pack_codes (any width, any position).
+KVC_HOST_DEVICE inline unsigned code_at(const std::uint8_t* bits, std::int64_t i, int nbits) noexcept {
+  const auto bit = static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(nbits);
+  const std::uint64_t byte = bit >> 3;
+  const auto shift = static_cast<unsigned>(bit & 7);
+  unsigned v = static_cast<unsigned>(bits[byte]) >> shift;
+  if (shift + static_cast<unsigned>(nbits) > 8) v |= static_cast<unsigned>(bits[byte + 1]) << (8 - shift);
+  return v & ((1u << nbits) - 1u);
+}
+
+// Where the elements of group g of a [tokens, dim] block are: element i of the group is element
+// first + i * step of the block, for i < len. Groups along head_dim cut the block's elements in
+// memory order into runs of group_size; groups along seq are numbered chunk * dim + channel.
+struct group_span {
+  std::int64_t first = 0, step = 1, len = 0;
+};
+KVC_HOST_DEVICE inline group_span span_of_group(quant_grouping grouping, std::int64_t g, std::int64_t group_size,
+                                                std::int64_t tokens, std::int64_t dim) noexcept {
+  if (grouping == quant_grouping::along_head_dim) {
+    const std::int64_t first = g * group_size, n = tokens * dim;
+    return {first, 1, n - first < group_size ? n - first : group_size};
+  }
+  const std::int64_t s0 = (g / dim) * group_size;
+  return {s0 * dim + g % dim, dim, tokens - s0 < group_size ? tokens - s0 : group_size};
+}
+// The group of element i of a block (the inverse of span_of_group).
+KVC_HOST_DEVICE inline std::int64_t group_of(quant_grouping grouping, std::int64_t i, std::int64_t group_size,
+                                             std::int64_t dim) noexcept {
+  if (grouping == quant_grouping::along_head_dim) return i / group_size;
+  return (i / dim) / group_size * dim + i % dim;
+}
 
 inline std::int64_t packed_bytes(std::int64_t count, int nbits) noexcept { return (count * nbits + 7) / 8; }
 
@@ -116,25 +180,34 @@ inline void unpack_codes(const std::uint8_t* in, std::int64_t first, std::int64_
     for (int j = 0; i < count; ++i, ++j) codes[i] = static_cast<std::uint8_t>((*p >> (j * nbits)) & mask);
     return;
   }
-  const unsigned mask = (1u << nbits) - 1u;
-  std::uint64_t bit = bit0;
-  for (std::int64_t i = 0; i < count; ++i, bit += static_cast<std::uint64_t>(nbits)) {
-    const std::uint64_t byte = bit >> 3;
-    const unsigned shift = static_cast<unsigned>(bit & 7);
-    std::uint32_t v = static_cast<std::uint32_t>(in[byte]) >> shift;
-    if (shift + static_cast<unsigned>(nbits) > 8) v |= static_cast<std::uint32_t>(in[byte + 1]) << (8 - shift);
-    codes[i] = static_cast<std::uint8_t>(v & mask);
-  }
+  for (std::int64_t i = 0; i < count; ++i) codes[i] = static_cast<std::uint8_t>(code_at(in, first + i, nbits));
 }
 
-inline float round_code(float v, float qmax) noexcept { return std::clamp(std::floor(v + 0.5f), 0.0f, qmax); }
+// v rounded to the nearest code in [0, qmax] (halves up).
+KVC_HOST_DEVICE inline float round_code(float v, float qmax) noexcept {
+  const float r = floorf(v + 0.5f);
+  return r < 0.0f ? 0.0f : (r > qmax ? qmax : r);
+}
 
-// The min/max fit both codecs start from: code 0 is the minimum, code qmax the maximum.
-inline affine_params minmax_fit(std::span<const float> x, int nbits) noexcept {
-  if (x.empty()) return {};
-  const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
+// The code of value v in a group with reconstruction p (inv = 1 / p.scale); 0 in a constant group.
+KVC_HOST_DEVICE inline std::uint8_t quant_code(float v, const affine_params& p, float inv, float qmax) noexcept {
+  if (!(p.scale > 0)) return 0;
+  return static_cast<std::uint8_t>(round_code(mul_rn(v - p.offset, inv), qmax));
+}
+
+// The min/max fit both codecs start from: code 0 is the minimum, code qmax the maximum. x(i) is
+// element i of the group, i < n.
+template <class Load>
+KVC_HOST_DEVICE affine_params minmax_fit(const Load& x, std::int64_t n, int nbits) noexcept {
+  if (n <= 0) return {};
+  float lo = x(0), hi = lo;
+  for (std::int64_t i = 1; i < n; ++i) {
+    const float v = x(i);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
   const float qmax = static_cast<float>((1 << nbits) - 1);
-  return {(*hi - *lo) / qmax, *lo};
+  return {(hi - lo) / qmax, lo};
 }
 
 }  // namespace detail
@@ -162,8 +235,10 @@ struct QuantoCodec {
     return axis == 0 ? detail::quant_grouping::along_head_dim : detail::quant_grouping::along_seq;
   }
 
-  static detail::affine_params fit(std::span<const float> group, int nbits) noexcept {
-    return detail::minmax_fit(group, nbits);
+  // The fit of one group: x(i) is element i, i < n.
+  template <class Load>
+  KVC_HOST_DEVICE static detail::affine_params fit(const Load& x, std::int64_t n, int nbits) noexcept {
+    return detail::minmax_fit(x, n, nbits);
   }
 };
 
@@ -200,9 +275,12 @@ struct HqqCodec {
     return axis == 1 ? detail::quant_grouping::along_head_dim : detail::quant_grouping::along_seq;
   }
 
-  static detail::affine_params fit(std::span<const float> w, int nbits) noexcept {
-    const detail::affine_params init = detail::minmax_fit(w, nbits);
-    if (!(init.scale > 0) || !std::isfinite(init.scale)) return init;
+  // The fit of one group: w(i) is element i, i < n.
+  template <class Load>
+  KVC_HOST_DEVICE static detail::affine_params fit(const Load& w, std::int64_t n, int nbits) noexcept {
+    const detail::affine_params init = detail::minmax_fit(w, n, nbits);
+    // A constant group, or a non-finite scale (s - s is 0 only for finite s), keeps the min/max fit.
+    if (!(init.scale > 0) || !(init.scale - init.scale == 0.0f)) return init;
     // Work with the zero in code units: x ~ s * (q - z), so z = -offset / s.
     const float qmax = static_cast<float>((1 << nbits) - 1);
     const float s = init.scale;
@@ -211,32 +289,33 @@ struct HqqCodec {
     float best_z = z;
     float best_err = INFINITY;
     float beta = beta0;
-    const auto n = static_cast<float>(w.size());
+    const auto count = static_cast<float>(n);
     for (int it = 0; it < iterations; ++it) {
       float err = 0;
       float zsum = 0;
-      for (const float x : w) {
-        const float q = detail::round_code(x * inv + z, qmax);
-        const float e = x - s * (q - z);
-        err += std::fabs(e);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float x = w(i);
+        const float q = detail::round_code(detail::add_rn(detail::mul_rn(x, inv), z), qmax);
+        const float e = x - detail::mul_rn(s, q - z);
         // Generalized soft-threshold of the error for the lp (p < 1) penalty.
-        const float a = std::fabs(e);
+        const float a = fabsf(e);
+        err += a;
         float shrunk = 0;
         if (a > 0) {
-          const float t = a - std::pow(a, lp_norm - 1.0f) / beta;
-          if (t > 0) shrunk = std::copysign(t, e);
+          const float t = a - powf(a, lp_norm - 1.0f) / beta;
+          if (t > 0) shrunk = copysignf(t, e);
         }
         // The zero that explains W - shrunk best in the least-squares sense: mean(q - (x - e) / s).
-        zsum += q - (x - shrunk) * inv;
+        zsum += q - detail::mul_rn(x - shrunk, inv);
       }
-      err /= n;
+      err /= count;
       if (err < best_err) {
         best_err = err;
         best_z = z;
       } else {
         break;
       }
-      z = zsum / n;
+      z = zsum / count;
       beta *= kappa;
     }
     return {s, -s * best_z};
@@ -245,9 +324,93 @@ struct HqqCodec {
 
 namespace detail {
 
-// One quantized K or V tensor: `blocks` = batch * heads blocks of `tokens` x `dim` elements, each
-// encoded on its own (codes as a bit stream per block, then one scale and one offset per group).
-// M is the metadata type (quant_meta_t of the element type).
+// The geometry of one quantized K or V tensor: `blocks` = batch * heads blocks of tokens x dim
+// elements, each a bit stream of block_bytes bytes with `groups` (scale, offset) pairs.
+struct quant_layout {
+  int nbits = 4;
+  quant_grouping grouping = quant_grouping::along_head_dim;
+  std::int64_t group_size = 1, batch = 0, heads = 0, tokens = 0, dim = 0;
+  std::int64_t block_bytes = 0, groups = 0;
+
+  quant_layout() = default;
+  quant_layout(int nbits_, quant_grouping grouping_, std::int64_t group_size_, std::int64_t batch_,
+               std::int64_t heads_, std::int64_t tokens_, std::int64_t dim_) noexcept
+      : nbits(nbits_), grouping(grouping_), group_size(group_size_), batch(batch_), heads(heads_), tokens(tokens_),
+        dim(dim_) {
+    block_bytes = packed_bytes(tokens * dim, nbits);
+    groups = grouping == quant_grouping::along_head_dim ? (tokens * dim + group_size - 1) / group_size
+                                                        : (tokens + group_size - 1) / group_size * dim;
+  }
+  KVC_HOST_DEVICE std::int64_t blocks() const noexcept { return batch * heads; }
+  KVC_HOST_DEVICE std::int64_t elements() const noexcept { return tokens * dim; }  // per block
+  KVC_HOST_DEVICE float qmax() const noexcept { return static_cast<float>((1 << nbits) - 1); }
+  // The same tensor with `n` batch entries.
+  quant_layout with_batch(std::int64_t n) const noexcept {
+    quant_layout out = *this;
+    out.batch = n;
+    return out;
+  }
+};
+
+// Fits group g of a block (elements x(i), i < span.len) with Codec, stores the metadata rounded to
+// M and returns the rounded reconstruction, which the codes are computed with.
+template <class Codec, class M, class Load>
+KVC_HOST_DEVICE affine_params fit_group(const Load& x, std::int64_t len, int nbits, M* scale, M* offset) noexcept {
+  const affine_params p = Codec::fit(x, len, nbits);
+  *scale = static_cast<M>(p.scale);
+  *offset = static_cast<M>(p.offset);
+  return affine_params{static_cast<float>(*scale), static_cast<float>(*offset)};
+}
+
+// The per-item steps of the device codec (<kvc/policies/quantization/cuda_codecs.cuh>), one
+// kernel thread each. They are host code too, so that the host tests run them serially and
+// compare with quantized_tensor: the device has no other place to go wrong but the launches.
+
+// Group m (of all blocks' groups) of `src`: fits it, stores its metadata at scale[m] / offset[m]
+// and writes its codes unpacked, one byte per element, to codes[block * elements + i].
+template <class Codec, class T, class M>
+KVC_HOST_DEVICE void fit_group_at(std::int64_t m, const T* src, std::int64_t stride_b, std::int64_t stride_h,
+                                  const quant_layout& l, M* scale, M* offset, std::uint8_t* codes) noexcept {
+  const std::int64_t blk = m / l.groups, g = m % l.groups;
+  const T* x = src + (blk / l.heads) * stride_b + (blk % l.heads) * stride_h;
+  const group_span gs = span_of_group(l.grouping, g, l.group_size, l.tokens, l.dim);
+  const auto load = [x, gs](std::int64_t i) { return static_cast<float>(x[gs.first + i * gs.step]); };
+  const affine_params p = fit_group<Codec>(load, gs.len, l.nbits, scale + m, offset + m);
+  const float inv = 1.0f / p.scale;
+  std::uint8_t* c = codes + blk * l.elements();
+  for (std::int64_t i = 0; i < gs.len; ++i) c[gs.first + i * gs.step] = quant_code(load(i), p, inv, l.qmax());
+}
+
+// Byte t (of all blocks' packed bytes) from the unpacked codes: the codes whose bits
+// [i * nbits, (i + 1) * nbits) meet the byte's bits [8j, 8j + 8) of its block.
+KVC_HOST_DEVICE inline std::uint8_t packed_byte_at(std::int64_t t, const std::uint8_t* codes,
+                                                   const quant_layout& l) noexcept {
+  const std::int64_t blk = t / l.block_bytes, bit0 = 8 * (t % l.block_bytes), n = l.elements();
+  const std::uint8_t* c = codes + blk * n;
+  unsigned byte = 0;
+  for (std::int64_t i = bit0 / l.nbits; i < n && i * l.nbits < bit0 + 8; ++i) {
+    const std::int64_t at = i * l.nbits - bit0;  // negative: the code began in the byte before
+    const unsigned v = c[i];
+    byte |= at >= 0 ? v << at : v >> -at;
+  }
+  return static_cast<std::uint8_t>(byte & 0xFFu);
+}
+
+// Element e (of all blocks' elements), dequantized to its place in dst.
+template <class T, class M>
+KVC_HOST_DEVICE void decode_at(std::int64_t e, T* dst, std::int64_t stride_b, std::int64_t stride_h,
+                               const quant_layout& l, const std::uint8_t* codes, const M* scale,
+                               const M* offset) noexcept {
+  const std::int64_t n = l.elements(), blk = e / n, i = e % n;
+  const std::int64_t m = blk * l.groups + group_of(l.grouping, i, l.group_size, l.dim);
+  const unsigned q = code_at(codes + blk * l.block_bytes, i, l.nbits);
+  dst[(blk / l.heads) * stride_b + (blk % l.heads) * stride_h + i] =
+      static_cast<T>(dequant(static_cast<float>(offset[m]), static_cast<float>(scale[m]), q));
+}
+
+// One quantized K or V tensor in host memory (kvc::QuantizedLayer over HostStorage): the codes as
+// a bit stream per block, then one scale and one offset per group. M is the metadata type
+// (quant_meta_t of the element type).
 template <class M>
 class quantized_tensor {
  public:
@@ -259,50 +422,28 @@ class quantized_tensor {
   static quantized_tensor encode(int nbits, quant_grouping grouping, std::int64_t group_size, const T* src,
                                  std::int64_t batch, std::int64_t heads, std::int64_t tokens, std::int64_t dim,
                                  std::int64_t stride_b, std::int64_t stride_h) {
-    quantized_tensor out(nbits, grouping, group_size, batch, heads, tokens, dim);
-    const std::int64_t n = tokens * dim;
+    quantized_tensor out(quant_layout(nbits, grouping, group_size, batch, heads, tokens, dim));
+    const quant_layout& l = out.layout_;
+    const std::int64_t n = l.elements();
     if (n == 0) return out;
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(n));
     std::vector<float> buf(static_cast<std::size_t>(std::max(group_size, dim)));
-    const float qmax = static_cast<float>((1 << nbits) - 1);
-    for (std::int64_t blk = 0; blk < batch * heads; ++blk) {
+    const float qmax = l.qmax();
+    const auto load = [&buf](std::int64_t i) { return buf[static_cast<std::size_t>(i)]; };
+    for (std::int64_t blk = 0; blk < l.blocks(); ++blk) {
       const T* x = src + (blk / heads) * stride_b + (blk % heads) * stride_h;
-      M* scale = out.scale_.data() + blk * out.groups_;
-      M* offset = out.offset_.data() + blk * out.groups_;
-      // Fits one group (the values in buf[0, len)), stores its rounded metadata, and returns it.
-      auto fit = [&](std::int64_t g, std::int64_t len) {
-        const affine_params p = Codec::fit(std::span<const float>(buf.data(), static_cast<std::size_t>(len)), nbits);
-        scale[g] = static_cast<M>(p.scale);
-        offset[g] = static_cast<M>(p.offset);
-        return affine_params{static_cast<float>(scale[g]), static_cast<float>(offset[g])};
-      };
-      auto code = [&](float v, const affine_params& p, float inv) -> std::uint8_t {
-        if (!(p.scale > 0)) return 0;
-        return static_cast<std::uint8_t>(round_code((v - p.offset) * inv, qmax));
-      };
-      if (grouping == quant_grouping::along_head_dim) {
-        for (std::int64_t g = 0; g < out.groups_; ++g) {
-          const std::int64_t first = g * group_size, len = std::min(group_size, n - first);
-          for (std::int64_t i = 0; i < len; ++i) buf[static_cast<std::size_t>(i)] = static_cast<float>(x[first + i]);
-          const affine_params p = fit(g, len);
-          const float inv = 1.0f / p.scale;
-          for (std::int64_t i = 0; i < len; ++i)
-            codes[static_cast<std::size_t>(first + i)] = code(buf[static_cast<std::size_t>(i)], p, inv);
-        }
-      } else {
-        for (std::int64_t t = 0; t * group_size < tokens; ++t) {
-          const std::int64_t s0 = t * group_size, len = std::min(group_size, tokens - s0);
-          for (std::int64_t d = 0; d < dim; ++d) {
-            for (std::int64_t i = 0; i < len; ++i)
-              buf[static_cast<std::size_t>(i)] = static_cast<float>(x[(s0 + i) * dim + d]);
-            const affine_params p = fit(t * dim + d, len);
-            const float inv = 1.0f / p.scale;
-            for (std::int64_t i = 0; i < len; ++i)
-              codes[static_cast<std::size_t>((s0 + i) * dim + d)] = code(buf[static_cast<std::size_t>(i)], p, inv);
-          }
-        }
+      for (std::int64_t g = 0; g < l.groups; ++g) {
+        const group_span gs = span_of_group(grouping, g, group_size, tokens, dim);
+        for (std::int64_t i = 0; i < gs.len; ++i)
+          buf[static_cast<std::size_t>(i)] = static_cast<float>(x[gs.first + i * gs.step]);
+        const std::int64_t m = blk * l.groups + g;
+        const affine_params p = fit_group<Codec>(load, gs.len, nbits, &out.scale_[static_cast<std::size_t>(m)],
+                                                 &out.offset_[static_cast<std::size_t>(m)]);
+        const float inv = 1.0f / p.scale;
+        for (std::int64_t i = 0; i < gs.len; ++i)
+          codes[static_cast<std::size_t>(gs.first + i * gs.step)] = quant_code(load(i), p, inv, qmax);
       }
-      pack_codes(codes.data(), n, nbits, out.codes_.data() + blk * out.block_bytes_);
+      pack_codes(codes.data(), n, nbits, out.codes_.data() + blk * l.block_bytes);
     }
     return out;
   }
@@ -313,32 +454,33 @@ class quantized_tensor {
   void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h) const noexcept {
     constexpr std::int64_t piece = 256;
     std::uint8_t codes[piece];
-    const std::int64_t n = tokens_ * dim_;
-    for (std::int64_t blk = 0; blk < batch_ * heads_; ++blk) {
-      T* y = dst + (blk / heads_) * stride_b + (blk % heads_) * stride_h;
-      const std::uint8_t* bits = codes_.data() + blk * block_bytes_;
-      const M* scale = scale_.data() + blk * groups_;
-      const M* offset = offset_.data() + blk * groups_;
-      if (grouping_ == quant_grouping::along_head_dim) {
-        for (std::int64_t g = 0; g < groups_; ++g) {
+    const quant_layout& l = layout_;
+    const std::int64_t n = l.elements();
+    for (std::int64_t blk = 0; blk < l.blocks(); ++blk) {
+      T* y = dst + (blk / l.heads) * stride_b + (blk % l.heads) * stride_h;
+      const std::uint8_t* bits = codes_.data() + blk * l.block_bytes;
+      const M* scale = scale_.data() + blk * l.groups;
+      const M* offset = offset_.data() + blk * l.groups;
+      if (l.grouping == quant_grouping::along_head_dim) {
+        for (std::int64_t g = 0; g < l.groups; ++g) {
           const float s = static_cast<float>(scale[g]), o = static_cast<float>(offset[g]);
-          const std::int64_t end = std::min(n, (g + 1) * group_size_);
-          for (std::int64_t i = g * group_size_; i < end; i += piece) {
+          const std::int64_t end = std::min(n, (g + 1) * l.group_size);
+          for (std::int64_t i = g * l.group_size; i < end; i += piece) {
             const std::int64_t len = std::min(piece, end - i);
-            unpack_codes(bits, i, len, nbits_, codes);
-            for (std::int64_t j = 0; j < len; ++j) y[i + j] = static_cast<T>(o + s * static_cast<float>(codes[j]));
+            unpack_codes(bits, i, len, l.nbits, codes);
+            for (std::int64_t j = 0; j < len; ++j) y[i + j] = static_cast<T>(dequant(o, s, codes[j]));
           }
         }
-      } else {
-        for (std::int64_t r = 0; r < tokens_; ++r) {
-          const M* sr = scale + (r / group_size_) * dim_;
-          const M* orow = offset + (r / group_size_) * dim_;
-          for (std::int64_t d0 = 0; d0 < dim_; d0 += piece) {
-            const std::int64_t len = std::min(piece, dim_ - d0);
-            unpack_codes(bits, r * dim_ + d0, len, nbits_, codes);
+      } else {  // row r uses groups (r / group_size) * dim + d
+        for (std::int64_t r = 0; r < l.tokens; ++r) {
+          const M* srow = scale + (r / l.group_size) * l.dim;
+          const M* orow = offset + (r / l.group_size) * l.dim;
+          for (std::int64_t d0 = 0; d0 < l.dim; d0 += piece) {
+            const std::int64_t len = std::min(piece, l.dim - d0);
+            unpack_codes(bits, r * l.dim + d0, len, l.nbits, codes);
             for (std::int64_t j = 0; j < len; ++j)
-              y[r * dim_ + d0 + j] = static_cast<T>(static_cast<float>(orow[d0 + j]) +
-                                                    static_cast<float>(sr[d0 + j]) * static_cast<float>(codes[j]));
+              y[r * l.dim + d0 + j] = static_cast<T>(
+                  dequant(static_cast<float>(orow[d0 + j]), static_cast<float>(srow[d0 + j]), codes[j]));
           }
         }
       }
@@ -348,9 +490,8 @@ class quantized_tensor {
   // A copy whose batch entry i is this tensor's batch entry indices[i]: packed bytes and metadata
   // are copied as they are, so the numbers do not change.
   quantized_tensor gathered(std::span<const std::int64_t> indices) const {
-    quantized_tensor out(nbits_, grouping_, group_size_, static_cast<std::int64_t>(indices.size()), heads_, tokens_,
-                         dim_);
-    const std::int64_t cb = heads_ * block_bytes_, mb = heads_ * groups_;
+    quantized_tensor out(layout_.with_batch(static_cast<std::int64_t>(indices.size())));
+    const std::int64_t cb = layout_.heads * layout_.block_bytes, mb = layout_.heads * layout_.groups;
     for (std::size_t i = 0; i < indices.size(); ++i) {
       const auto to = static_cast<std::int64_t>(i);
       std::copy_n(codes_.begin() + indices[i] * cb, cb, out.codes_.begin() + to * cb);
@@ -360,35 +501,38 @@ class quantized_tensor {
     return out;
   }
 
-  std::int64_t tokens() const noexcept { return tokens_; }
+  std::int64_t tokens() const noexcept { return layout_.tokens; }
   // Bytes held: packed codes plus every group's scale and offset.
   std::int64_t bytes() const noexcept {
     return static_cast<std::int64_t>(codes_.size() + sizeof(M) * (scale_.size() + offset_.size()));
   }
   std::int64_t code_bytes() const noexcept { return static_cast<std::int64_t>(codes_.size()); }
-  std::int64_t groups_per_block() const noexcept { return groups_; }
+  std::int64_t groups_per_block() const noexcept { return layout_.groups; }
   const std::vector<std::uint8_t>& packed() const noexcept { return codes_; }
 
  private:
-  quantized_tensor(int nbits, quant_grouping grouping, std::int64_t group_size, std::int64_t batch, std::int64_t heads,
-                   std::int64_t tokens, std::int64_t dim)
-      : nbits_(nbits), grouping_(grouping), group_size_(group_size), batch_(batch), heads_(heads), tokens_(tokens),
-        dim_(dim) {
-    block_bytes_ = packed_bytes(tokens * dim, nbits);
-    groups_ = grouping == quant_grouping::along_head_dim ? (tokens * dim + group_size - 1) / group_size
-                                                         : (tokens + group_size - 1) / group_size * dim;
-    codes_.resize(static_cast<std::size_t>(batch * heads * block_bytes_));
-    scale_.resize(static_cast<std::size_t>(batch * heads * groups_));
-    offset_.resize(static_cast<std::size_t>(batch * heads * groups_));
-  }
+  explicit quantized_tensor(const quant_layout& layout)
+      : layout_(layout),
+        codes_(static_cast<std::size_t>(layout.blocks() * layout.block_bytes)),
+        scale_(static_cast<std::size_t>(layout.blocks() * layout.groups)),
+        offset_(static_cast<std::size_t>(layout.blocks() * layout.groups)) {}
 
-  int nbits_ = 4;
-  quant_grouping grouping_ = quant_grouping::along_head_dim;
-  std::int64_t group_size_ = 1, batch_ = 0, heads_ = 0, tokens_ = 0, dim_ = 0;
-  std::int64_t block_bytes_ = 0, groups_ = 0;
+  quant_layout layout_;
   std::vector<std::uint8_t> codes_;
   std::vector<M> scale_, offset_;
 };
+
+// The quantized tensor type of QuantizedLayer over storage S with metadata M: quantized_tensor
+// for host storages. Device storages specialize it (CudaStorage: <kvc/policies/storage/cuda.cuh>);
+// a storage that does not is refused at compile time instead of having host code read its memory.
+template <class S, class M, class = void>
+struct quantized_tensor_for;
+template <class S, class M>
+struct quantized_tensor_for<S, M, std::enable_if_t<S::space == memory_space::host>> {
+  using type = quantized_tensor<M>;
+};
+template <class S, class M>
+using quantized_tensor_t = typename quantized_tensor_for<S, M>::type;
 
 }  // namespace detail
 

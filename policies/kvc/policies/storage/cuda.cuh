@@ -21,6 +21,7 @@
 #include <kvc/detail/cuda_kernels.cuh>
 #include <kvc/detail/cuda_runtime.cuh>
 #include <kvc/errors.hpp>
+#include <kvc/policies/quantization/cuda_codecs.cuh>
 #include <kvc/policies/storage/host.hpp>  // detail::is_any_of
 #include <kvc/tensor.hpp>
 
@@ -254,6 +255,15 @@ struct CudaStorage {
     return sizeof(T) * static_cast<std::size_t>(elements);
   }
 };
+
+namespace detail {
+// kvc::QuantizedLayer over device memory keeps its codes on the device and runs the codecs as
+// kernels (<kvc/policies/quantization/cuda_codecs.cuh>).
+template <class T, class Stream, class M>
+struct quantized_tensor_for<CudaStorage<T, Stream>, M, void> {
+  using type = device_quantized_tensor<M, Stream>;
+};
+}  // namespace detail
 
 // ---- explicit transfers -------------------------------------------------------------------------
 

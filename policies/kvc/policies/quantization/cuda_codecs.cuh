@@ -1,0 +1,154 @@
+#pragma once
+// The quantized tensor of kvc::QuantizedLayer over kvc::CudaStorage (kvc::detail, needs nvcc):
+// the same layout, codes and numbers as the host's detail::quantized_tensor
+// (<kvc/policies/quantization/codecs.hpp>), computed by kernels from the same KVC_HOST_DEVICE
+// arithmetic. Three kernels, each a grid-stride loop over a per-item step of codecs.hpp:
+//   - fit (fit_group_at): one thread per group fits it (QuantoCodec's min/max, HqqCodec's
+//     iterations), stores its scale and offset and writes one unpacked code byte per element to
+//     a scratch buffer;
+//   - pack (packed_byte_at): one thread per output byte gathers the codes whose bits fall in it
+//     (a byte can hold bits of several groups, so packing waits for every group's codes);
+//   - dequantize (decode_at): one thread per element reads its code and its group's metadata.
+// Every launch and copy is queued on Stream, like the storage's own work; the scratch buffer is
+// allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync), so encoding does not
+// synchronise the device.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include <kvc/detail/cuda_kernels.cuh>
+#include <kvc/detail/cuda_runtime.cuh>
+#include <kvc/policies/quantization/codecs.hpp>
+
+namespace kvc::detail {
+
+// Launch shape for one thread per item: 256-thread blocks, a capped grid, grid-stride loops.
+inline unsigned quant_blocks(std::int64_t items) noexcept {
+  return static_cast<unsigned>(std::clamp<std::int64_t>((items + 255) / 256, 1, 65535));
+}
+
+// Grid-stride loops over the per-item steps of codecs.hpp (fit_group_at, packed_byte_at,
+// decode_at).
+template <class Codec, class T, class M>
+__global__ void quant_fit_kernel(const T* __restrict__ src, std::int64_t stride_b, std::int64_t stride_h,
+                                 quant_layout l, M* __restrict__ scale, M* __restrict__ offset,
+                                 std::uint8_t* __restrict__ codes) {
+  const std::int64_t total = l.blocks() * l.groups;
+  for (std::int64_t m = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; m < total;
+       m += std::int64_t{gridDim.x} * blockDim.x)
+    fit_group_at<Codec>(m, src, stride_b, stride_h, l, scale, offset, codes);
+}
+
+template <int = 0>
+__global__ void quant_pack_kernel(const std::uint8_t* __restrict__ codes, quant_layout l,
+                                  std::uint8_t* __restrict__ out) {
+  const std::int64_t total = l.blocks() * l.block_bytes;
+  for (std::int64_t t = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < total;
+       t += std::int64_t{gridDim.x} * blockDim.x)
+    out[t] = packed_byte_at(t, codes, l);
+}
+
+template <class T, class M>
+__global__ void quant_decode_kernel(T* __restrict__ dst, std::int64_t stride_b, std::int64_t stride_h, quant_layout l,
+                                    const std::uint8_t* __restrict__ codes, const M* __restrict__ scale,
+                                    const M* __restrict__ offset) {
+  const std::int64_t total = l.blocks() * l.elements();
+  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total;
+       e += std::int64_t{gridDim.x} * blockDim.x)
+    decode_at(e, dst, stride_b, stride_h, l, codes, scale, offset);
+}
+
+// Scratch device memory that lives in stream order on Stream's stream.
+template <class Stream>
+class stream_scratch {
+ public:
+  explicit stream_scratch(std::size_t bytes) {
+    if (bytes > 0) cuda_check(cudaMallocAsync(&ptr_, bytes, Stream::get()), "cudaMallocAsync of kvc's quantization scratch");
+  }
+  stream_scratch(const stream_scratch&) = delete;
+  stream_scratch& operator=(const stream_scratch&) = delete;
+  ~stream_scratch() {
+    if (ptr_) (void)cudaFreeAsync(ptr_, Stream::get());  // a broken context reports at the next checked call
+  }
+  void* get() const noexcept { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// One quantized K or V tensor in device memory: the host quantized_tensor's layout and numbers.
+template <class M, class Stream>
+class device_quantized_tensor {
+ public:
+  device_quantized_tensor() = default;
+
+  // As quantized_tensor::encode, with src in device memory (T: float, __half or __nv_bfloat16).
+  template <class Codec, class T>
+  static device_quantized_tensor encode(int nbits, quant_grouping grouping, std::int64_t group_size, const T* src,
+                                        std::int64_t batch, std::int64_t heads, std::int64_t tokens, std::int64_t dim,
+                                        std::int64_t stride_b, std::int64_t stride_h) {
+    device_quantized_tensor out(quant_layout(nbits, grouping, group_size, batch, heads, tokens, dim));
+    const quant_layout& l = out.layout_;
+    if (l.blocks() * l.elements() == 0) return out;
+    stream_scratch<Stream> codes(static_cast<std::size_t>(l.blocks() * l.elements()));
+    auto* unpacked = static_cast<std::uint8_t*>(codes.get());
+    quant_fit_kernel<Codec><<<quant_blocks(l.blocks() * l.groups), 256, 0, Stream::get()>>>(
+        src, stride_b, stride_h, l, out.scale_.data(), out.offset_.data(), unpacked);
+    cuda_check(cudaGetLastError(), "launching kvc's quantization kernel");
+    quant_pack_kernel<><<<quant_blocks(l.blocks() * l.block_bytes), 256, 0, Stream::get()>>>(unpacked, l,
+                                                                                         out.codes_.data());
+    cuda_check(cudaGetLastError(), "launching kvc's code packing kernel");
+    return out;
+  }
+
+  // As quantized_tensor::decode, with dst in device memory.
+  template <class T>
+  void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
+    const std::int64_t total = layout_.blocks() * layout_.elements();
+    if (total == 0) return;
+    quant_decode_kernel<<<quant_blocks(total), 256, 0, Stream::get()>>>(dst, stride_b, stride_h, layout_, codes_.data(),
+                                                                       scale_.data(), offset_.data());
+    cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
+  }
+
+  // As quantized_tensor::gathered: packed bytes and metadata copied as they are.
+  device_quantized_tensor gathered(std::span<const std::int64_t> indices) const {
+    device_quantized_tensor out(layout_.with_batch(static_cast<std::int64_t>(indices.size())));
+    const auto cb = static_cast<std::size_t>(layout_.heads * layout_.block_bytes);
+    const auto mb = sizeof(M) * static_cast<std::size_t>(layout_.heads * layout_.groups);
+    for (std::size_t i = 0; i < indices.size(); ++i) {
+      const auto from = static_cast<std::size_t>(indices[i]);
+      copy_rows_bytes(out.codes_.data() + i * cb, cb, codes_.data() + from * cb, cb, cb, 1, Stream::get());
+      copy_rows_bytes(reinterpret_cast<unsigned char*>(out.scale_.data()) + i * mb, mb,
+                      reinterpret_cast<const unsigned char*>(scale_.data()) + from * mb, mb, mb, 1, Stream::get());
+      copy_rows_bytes(reinterpret_cast<unsigned char*>(out.offset_.data()) + i * mb, mb,
+                      reinterpret_cast<const unsigned char*>(offset_.data()) + from * mb, mb, mb, 1, Stream::get());
+    }
+    return out;
+  }
+
+  std::int64_t tokens() const noexcept { return layout_.tokens; }
+  std::int64_t bytes() const noexcept {
+    return static_cast<std::int64_t>(codes_.bytes() + scale_.bytes() + offset_.bytes());
+  }
+  std::int64_t code_bytes() const noexcept { return codes_.size(); }
+  std::int64_t groups_per_block() const noexcept { return layout_.groups; }
+
+ private:
+  explicit device_quantized_tensor(const quant_layout& layout)
+      : layout_(layout),
+        codes_(layout.blocks() * layout.block_bytes),
+        scale_(layout.blocks() * layout.groups),
+        offset_(layout.blocks() * layout.groups) {}
+
+  quant_layout layout_;
+  device_buffer<std::uint8_t, Stream> codes_;
+  device_buffer<M, Stream> scale_, offset_;
+};
+
+}  // namespace kvc::detail
