@@ -8,7 +8,8 @@
 //     a scratch buffer;
 //   - pack (packed_byte_at): one thread per output byte gathers the codes whose bits fall in it
 //     (a byte can hold bits of several groups, so packing waits for every group's codes);
-//   - dequantize (decode_at): one thread per element reads its code and its group's metadata.
+//   - dequantize (decode_run_at, decode_at): one thread per 16 output bytes (one per element
+//     where the output is not 16-byte aligned) reads the codes and their groups' metadata.
 // Every launch and copy is queued on Stream, like the storage's own work; the scratch buffer is
 // allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync), so encoding does not
 // synchronise the device.
@@ -63,6 +64,27 @@ __global__ void quant_decode_kernel(T* __restrict__ dst, std::int64_t stride_b, 
     decode_at(e, dst, stride_b, stride_h, l, codes, scale, offset);
 }
 
+// The same with V = 16 / sizeof(T) elements per thread and one 16-byte store: for outputs whose
+// rows, strides and base are 16-byte aligned (the layer's workspace is when a head_dim row fills whole
+// 16-byte words: 128 halves or floats, not 4).
+template <class T, class M>
+__global__ void quant_decode_vec_kernel(T* __restrict__ dst, std::int64_t stride_b, std::int64_t stride_h,
+                                        quant_layout l, const std::uint8_t* __restrict__ codes,
+                                        const M* __restrict__ scale, const M* __restrict__ offset) {
+  constexpr int V = static_cast<int>(16 / sizeof(T));
+  const std::int64_t n = l.elements(), total = l.blocks() * n / V;
+  for (std::int64_t r = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < total;
+       r += std::int64_t{gridDim.x} * blockDim.x) {
+    union {
+      uint4 word;
+      T elements[V];
+    } out;
+    const std::int64_t e = r * V, blk = e / n;
+    decode_run_at<V>(e, out.elements, l, codes, scale, offset);
+    *reinterpret_cast<uint4*>(dst + (blk / l.heads) * stride_b + (blk % l.heads) * stride_h + e % n) = out.word;
+  }
+}
+
 // Scratch device memory that lives in stream order on Stream's stream.
 template <class Stream>
 class stream_scratch {
@@ -111,6 +133,13 @@ class device_quantized_tensor {
   void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
     const std::int64_t total = layout_.blocks() * layout_.elements();
     if (total == 0) return;
+    constexpr std::int64_t V = 16 / sizeof(T);
+    if (vector_aligned(dst) && layout_.elements() % V == 0 && stride_b % V == 0 && stride_h % V == 0) {
+      quant_decode_vec_kernel<<<quant_blocks(total / V), 256, 0, Stream::get()>>>(
+          dst, stride_b, stride_h, layout_, codes_.data(), scale_.data(), offset_.data());
+      cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
+      return;
+    }
     quant_decode_kernel<<<quant_blocks(total), 256, 0, Stream::get()>>>(dst, stride_b, stride_h, layout_, codes_.data(),
                                                                        scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
