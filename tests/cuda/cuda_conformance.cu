@@ -232,8 +232,9 @@ namespace {
 // A QuantizedCache over device memory decodes after a prefill and returns, at every step, what
 // the same cache over host memory returns: bit for bit for quanto. HQQ's zero refinement calls
 // powf, which may round differently on the device, moving a group's offset by a few ulps (and,
-// rarely, a code by one step): there at least 99% of the elements agree within 1e-4 of the data's
-// range, and none differs by more than one code step of the widest group.
+// rarely, a code by one step, or the refinement's last iteration): there at least 99% of the
+// elements agree within 1e-4 of the data's range, and none differs by more than two code steps of
+// the widest group.
 template <class T>
 void quantized_cache_matches_host(std::string_view backend) {
   using H = kvc::detail::host_element_t<T>;
@@ -285,7 +286,7 @@ void quantized_cache_matches_host(std::string_view backend) {
     CHECK(exact == total);
   } else {
     CHECK(close >= total / 100 * 99);
-    CHECK(worst <= (hi - lo) / 15 * 1.01f);
+    CHECK(worst <= 2 * (hi - lo) / 15);  // a code flip plus a shifted zero point
   }
 }
 }  // namespace
