@@ -728,6 +728,8 @@ void quantized(Record& rec) {
   // keys grouped along head_dim, values along seq; int4, groups of 8, residual_length 4
   quantized_kind<B>(rec, kvc::QuantoQuantizedLayer{4, 0, -1, 8, 4}, "quanto", 2.5f, 0.0f);
   quantized_kind<B>(rec, kvc::HQQQuantizedLayer{4, 1, 0, 8, 4}, "hqq", 4.5f, 4.5f);
+  // 3-bit codes run across byte boundaries (a step of up to 60 / 7 on this data)
+  quantized_kind<B>(rec, kvc::HQQQuantizedLayer{3, 1, 0, 8, 4}, "hqq3", 9.5f, 9.5f);
 }
 
 // Every scenario, in order, into one record each.

@@ -30,8 +30,12 @@ struct DefaultCudaStream {
 namespace detail {
 
 // Throws kvc::RuntimeError("kvc: <operation> failed: <CUDA's error string> (<error name>)").
+// It first clears the runtime's last error, which a failed call also sets: a caught error (an
+// allocation that did not fit) would otherwise come back at the next launch check. A sticky
+// error (a broken context) is not cleared by this and fails every later call anyway.
 inline void cuda_check(cudaError_t status, const char* operation) {
   if (status == cudaSuccess) return;
+  (void)cudaGetLastError();
   std::string message = "kvc: ";
   message.append(operation);
   message.append(" failed: ");
@@ -98,8 +102,9 @@ class device_buffer {
  private:
   void release() noexcept {
     // A destructor cannot report: a failing cudaFree means the context is already broken, and the
-    // next checked call reports that.
-    if (ptr_) (void)cudaFree(ptr_);
+    // next checked call reports that (the last error is cleared so that it is not blamed on the
+    // next launch instead).
+    if (ptr_ && cudaFree(ptr_) != cudaSuccess) (void)cudaGetLastError();
     ptr_ = nullptr;
   }
 

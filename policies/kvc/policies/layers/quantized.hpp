@@ -210,7 +210,8 @@ struct QuantizedLayer {
       // 1-D empty residual).
       const bool flush = rlen_ > 0 && rlen_ + 1 >= opts_.residual_length;
 
-      // Everything that can throw happens first, aside; the commit below cannot throw.
+      // Everything that can throw on the host happens first, aside; the commit below cannot throw
+      // there (on a device its writes can, and they come before its moves).
       std::optional<detail::kv_store<S>> grown_residual;
       if (!flush && rlen_ + q > residual_.capacity())
         grown_residual = residual_.relocated(
@@ -243,11 +244,14 @@ struct QuantizedLayer {
         return ws_.kv(total);
       }
 
+      // Every write before any move: on a device a write can throw (a CUDA error), and then the
+      // layer keeps its buffers (writes past held / rlen_ are invisible).
       if (rebuild_in_place) fill_from_store(ws_);
+      w.write(held, k, v);
+      detail::kv_store<S>& r = grown_residual ? *grown_residual : residual_;
+      r.write(rlen_, k, v);
       if (grown_ws) ws_ = std::move(*grown_ws);
-      ws_.write(held, k, v);
       if (grown_residual) residual_ = std::move(*grown_residual);
-      residual_.write(rlen_, k, v);
       rlen_ += q;
       cumulative_ += q;
       ws_fresh_ = true;

@@ -11,8 +11,15 @@
 //   - dequantize (decode_run_at, decode_at): one thread per 16 output bytes (one per element
 //     where the output is not 16-byte aligned) reads the codes and their groups' metadata.
 // Every launch and copy is queued on Stream, like the storage's own work; the scratch buffer is
-// allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync), so encoding does not
-// synchronise the device.
+// allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync, where the device has
+// memory pools), so encoding does not synchronise the device.
+//
+// Bit-identity with the host codec holds under nvcc's default float flags (IEEE division, no
+// flush to zero; --use_fast_math changes both and powf) and a host compiler that does not fuse
+// a * b + c (x86-64 without -march flags does not; GCC with FMA targets does unless given
+// -ffp-contract=off). The conversions to and from __half / __nv_bfloat16 are static_casts, so
+// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__ (set by PyTorch extension
+// builds) are not supported here.
 
 #include <algorithm>
 #include <cstddef>
@@ -85,22 +92,35 @@ __global__ void quant_decode_vec_kernel(T* __restrict__ dst, std::int64_t stride
   }
 }
 
-// Scratch device memory that lives in stream order on Stream's stream.
-template <class Stream>
+// Scratch device memory that lives in stream order on `stream` (cudaMallocAsync / cudaFreeAsync);
+// where the device has no stream-ordered memory pools, plain cudaMalloc / cudaFree.
 class stream_scratch {
  public:
-  explicit stream_scratch(std::size_t bytes) {
-    if (bytes > 0) cuda_check(cudaMallocAsync(&ptr_, bytes, Stream::get()), "cudaMallocAsync of kvc's quantization scratch");
+  stream_scratch(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes == 0) return;
+    const cudaError_t status = cudaMallocAsync(&ptr_, bytes, stream);
+    if (status == cudaErrorNotSupported) {
+      (void)cudaGetLastError();
+      ordered_ = false;
+      cuda_check(cudaMalloc(&ptr_, bytes), "cudaMalloc of kvc's quantization scratch");
+      return;
+    }
+    cuda_check(status, "cudaMallocAsync of kvc's quantization scratch");
   }
   stream_scratch(const stream_scratch&) = delete;
   stream_scratch& operator=(const stream_scratch&) = delete;
   ~stream_scratch() {
-    if (ptr_) (void)cudaFreeAsync(ptr_, Stream::get());  // a broken context reports at the next checked call
+    if (!ptr_) return;
+    // A broken context reports at the next checked call; the last error is cleared so that it is
+    // not blamed on the next launch.
+    if ((ordered_ ? cudaFreeAsync(ptr_, stream_) : cudaFree(ptr_)) != cudaSuccess) (void)cudaGetLastError();
   }
   void* get() const noexcept { return ptr_; }
 
  private:
   void* ptr_ = nullptr;
+  cudaStream_t stream_;
+  bool ordered_ = true;
 };
 
 // One quantized K or V tensor in device memory: the host quantized_tensor's layout and numbers.
@@ -117,13 +137,13 @@ class device_quantized_tensor {
     device_quantized_tensor out(quant_layout(nbits, grouping, group_size, batch, heads, tokens, dim));
     const quant_layout& l = out.layout_;
     if (l.blocks() * l.elements() == 0) return out;
-    stream_scratch<Stream> codes(static_cast<std::size_t>(l.blocks() * l.elements()));
+    const cudaStream_t stream = Stream::get();  // once: the scratch is freed on the stream that used it
+    stream_scratch codes(static_cast<std::size_t>(l.blocks() * l.elements()), stream);
     auto* unpacked = static_cast<std::uint8_t*>(codes.get());
-    quant_fit_kernel<Codec><<<quant_blocks(l.blocks() * l.groups), 256, 0, Stream::get()>>>(
+    quant_fit_kernel<Codec><<<quant_blocks(l.blocks() * l.groups), 256, 0, stream>>>(
         src, stride_b, stride_h, l, out.scale_.data(), out.offset_.data(), unpacked);
     cuda_check(cudaGetLastError(), "launching kvc's quantization kernel");
-    quant_pack_kernel<><<<quant_blocks(l.blocks() * l.block_bytes), 256, 0, Stream::get()>>>(unpacked, l,
-                                                                                         out.codes_.data());
+    quant_pack_kernel<><<<quant_blocks(l.blocks() * l.block_bytes), 256, 0, stream>>>(unpacked, l, out.codes_.data());
     cuda_check(cudaGetLastError(), "launching kvc's code packing kernel");
     return out;
   }
