@@ -58,6 +58,48 @@ void for_each_buffer_of(Cache& cache, std::int64_t i, F&& f) {
   });
 }
 
+// Where layer i's bytes are, buffer by buffer (for_each_buffer order): what an engine copies out.
+struct layer_pieces {
+  std::vector<std::pair<const std::byte*, std::size_t>> pieces;
+  std::vector<std::int64_t> sizes;  // bytes of each buffer
+  std::int64_t total = 0;
+};
+template <class Cache>
+layer_pieces pieces_of(Cache& cache, std::int64_t i) {
+  layer_pieces out;
+  for_each_buffer_of(cache, i, [&](auto& b) {
+    const std::size_t n = buffer_bytes(b);
+    out.pieces.emplace_back(reinterpret_cast<const std::byte*>(b.data()), n);
+    out.sizes.push_back(static_cast<std::int64_t>(n));
+    out.total += static_cast<std::int64_t>(n);
+  });
+  return out;
+}
+
+// Moves `held` (one entry per buffer of layer i, null for an empty one) into layer i's buffers,
+// which must all be empty (an offloaded layer's). False, with nothing moved, when they do not fit:
+// another number of buffers, a buffer of another type, or a layer that is not empty.
+template <class Cache>
+bool install_held(Cache& cache, std::int64_t i, held_layer& held) {
+  bool fits = true;
+  std::size_t k = 0;
+  for_each_buffer_of(cache, i, [&](auto& b) {
+    using B = std::remove_reference_t<decltype(b)>;
+    if (k >= held.size() || (held[k] && held[k]->tag != &type_tag<B>) || b.size() != 0) fits = false;
+    ++k;
+  });
+  if (!fits || k != held.size()) return false;
+  k = 0;
+  for_each_buffer_of(cache, i, [&](auto& b) {
+    using B = std::remove_reference_t<decltype(b)>;
+    if (auto& h = held[k++]) {
+      std::swap(static_cast<held_buffer<B>&>(*h).buf, b);
+      h.reset();
+    }
+  });
+  return true;
+}
+
 // An engine's per-cache state, created on first use: copies deep-copy it through Core::clone() (an
 // engine's copy semantics), moves move the pointer.
 template <class Core>

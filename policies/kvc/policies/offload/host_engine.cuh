@@ -327,15 +327,7 @@ class core {
     if (p < 0 || p >= std::ssize(records_)) return;
     record& r = records_[static_cast<std::size_t>(p)];
     if (r.offloaded) return;
-    std::vector<std::pair<const std::byte*, std::size_t>> pieces;
-    std::vector<std::int64_t> sizes;
-    std::int64_t total = 0;
-    for_each_buffer_of(cache, p, [&](auto& b) {
-      const std::size_t n = buffer_bytes(b);
-      pieces.emplace_back(reinterpret_cast<const std::byte*>(b.data()), n);
-      sizes.push_back(static_cast<std::int64_t>(n));
-      total += static_cast<std::int64_t>(n);
-    });
+    auto [pieces, sizes, total] = offload_buffers::pieces_of(cache, p);
     if (total == 0) return;  // nothing to move (an uninitialized layer, or no buffers at all)
     const cudaStream_t s = stream_.get();
     if (r.host.size() < static_cast<std::size_t>(total)) {
@@ -448,22 +440,7 @@ class core {
   // Moves staged buffers into layer i's (empty) buffers. False if they do not fit the layer.
   template <class Cache>
   bool install(Cache& cache, std::int64_t i, held_layer& staged) {
-    bool fits = true;
-    std::size_t k = 0;
-    for_each_buffer_of(cache, i, [&](auto& b) {
-      using B = std::remove_reference_t<decltype(b)>;
-      if (k >= staged.size() || (staged[k] && staged[k]->tag != &type_tag<B>) || b.size() != 0) fits = false;
-      ++k;
-    });
-    if (!fits || k != staged.size()) return false;
-    k = 0;
-    for_each_buffer_of(cache, i, [&](auto& b) {
-      using B = std::remove_reference_t<decltype(b)>;
-      if (auto& h = staged[k++]) {
-        std::swap(static_cast<held_buffer<B>&>(*h).buf, b);
-        h.reset();  // an empty buffer
-      }
-    });
+    if (!offload_buffers::install_held(cache, i, staged)) return false;
     record& r = records_[static_cast<std::size_t>(i)];
     r.offloaded = false;
     auto& t = totals();
