@@ -6,8 +6,10 @@
 # (CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual").
 # Without one, or with -DKVC_ENABLE_CUDA=OFF, nothing here changes the host-only build.
 #
-# Sets KVC_CUDA_ENABLED, and when it is ON, the build-tree target kvc::cuda (kvc::kvc + CUDA::cudart,
-# C++20 and the nvcc flags kvc's device headers need) and kvc_cuda_target_warnings(<target>).
+# Sets KVC_CUDA_ENABLED, and when it is ON, the target kvc::cuda (kvcCudaTarget.cmake: kvc::kvc +
+# CUDA::cudart, C++20 and the nvcc flags kvc's device headers need) and
+# kvc_cuda_target_warnings(<target>). Installed packages define kvc::cuda too, on request
+# (find_package(kvc COMPONENTS cuda), kvcConfig.cmake.in), whether or not this build used CUDA.
 include_guard(GLOBAL)
 
 include(CheckLanguage)
@@ -44,24 +46,11 @@ elseif(KVC_ENABLE_CUDA)
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
 
-  # CMake < 3.26 does not know that nvcc >= 12 takes -std=c++20: teach it (the variables CMake
-  # itself sets for newer versions), so that cuda_std_20 and CUDA_STANDARD 20 work.
-  if(NOT "cuda_std_20" IN_LIST CMAKE_CUDA_COMPILE_FEATURES
-     AND CMAKE_CUDA_COMPILER_ID STREQUAL "NVIDIA" AND CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.0)
-    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
-    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
-    set(CMAKE_CUDA20_COMPILE_FEATURES cuda_std_20)
-    list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
-  endif()
-
+  include(kvcCudaTarget)
+  kvc_teach_cuda_std_20()
   add_library(kvc_cuda INTERFACE)
   add_library(kvc::cuda ALIAS kvc_cuda)
-  target_link_libraries(kvc_cuda INTERFACE kvc::kvc CUDA::cudart)
-  target_compile_features(kvc_cuda INTERFACE cuda_std_20)
-  # --expt-relaxed-constexpr: the views' accessors (std::array, constexpr) are called in kernels.
-  # 20012: Eigen's defaulted __host__ __device__ members ("annotation is ignored"), not kvc's.
-  target_compile_options(kvc_cuda INTERFACE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -diag-suppress=20012>)
+  kvc_set_cuda_usage(kvc_cuda)
   set(KVC_CUDA_ENABLED ON)
   message(STATUS "kvc: CUDA enabled (${CMAKE_CUDA_COMPILER_ID} ${CMAKE_CUDA_COMPILER_VERSION}, "
                  "architectures ${CMAKE_CUDA_ARCHITECTURES})")
