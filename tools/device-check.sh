@@ -67,7 +67,8 @@ summary+=("configure: ok")
 
 stage "build (CUDA tests and benchmark, -j$JOBS)"
 build_start=$(date +%s)
-if timeout 360 cmake --build "$BUILD" -j "$JOBS" --target test_cuda_conformance kvc_bench_cuda test_conformance_host \
+if timeout 360 cmake --build "$BUILD" -j "$JOBS" --target test_cuda_conformance test_cuda_conformance_torch_flags kvc_bench_cuda \
+      test_conformance_host \
       >"$logs/build.log" 2>&1; then
   summary+=("build: ok in $(( $(date +%s) - build_start ))s")
 else

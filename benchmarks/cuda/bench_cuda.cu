@@ -156,6 +156,8 @@ double dequant_fraction = 0, quantized_decode_ratio = 0;
 
 // Quantize and dequantize throughput of the device codecs (int4, group 64, [1, 8, n, 128] half),
 // then a decode step of a QuantizedLayer (residual_length 128) against a DynamicLayer's.
+double template_gain_dim = 0, template_gain_seq = 0;  // run-time / compile-time head_dim dequantize
+
 void quantized_rows() {
   using M = __half;
   using Q = kvc::detail::device_quantized_tensor<M, kvc::DefaultCudaStream>;
@@ -182,6 +184,18 @@ void quantized_rows() {
   std::printf("dequantize int4 g64, %lld tokens:      %8.1f GB/s of fp16 output, %.0f%% of a same-size memcpy\n",
               static_cast<long long>(n), bytes / dequant * 1e-9, 100.0 * same / dequant);
   dequant_fraction = same / dequant;
+  // head_dim 128 at compile time (what decode() launches) against the kernel that reads it at run
+  // time, groups along head_dim and along seq: above 1.0x the template pays.
+  const Q qs = Q::encode<kvc::QuantoCodec>(4, kvc::detail::quant_grouping::along_seq, 64, x.data(), 1, heads, n, dim,
+                                           heads * n * dim, n * dim);
+  for (const Q* t : {&q, &qs}) {
+    const double fixed = seconds_per_call(iters, [&] { t->decode_vec<dim>(out.data(), heads * n * dim, n * dim); });
+    const double any = seconds_per_call(iters, [&] { t->decode_vec<0>(out.data(), heads * n * dim, n * dim); });
+    const bool seq = t == &qs;
+    std::printf("dequantize groups along %s: head_dim 128 at compile time %.2f us, at run time %.2f us (%.2fx)\n",
+                seq ? "seq     " : "head_dim", fixed * 1e6, any * 1e6, any / fixed);
+    (seq ? template_gain_seq : template_gain_dim) = any / fixed;
+  }
 
   // decode: 1 token per step after a prefill of n, both caches; time per step
   const auto k1 = filled<__half>(1, heads, 1, dim);
@@ -285,8 +299,8 @@ int main(int argc, char** argv) {
                 offload_ratio);
     quantized_rows();
     std::printf("SUMMARY: int4 dequantize at %.0f%% of a same-size memcpy; quantized decode step %.1fx a "
-                "DynamicLayer's\n",
-                100.0 * dequant_fraction, quantized_decode_ratio);
+                "DynamicLayer's; head_dim template speed-up %.2fx (groups along head_dim), %.2fx (along seq)\n",
+                100.0 * dequant_fraction, quantized_decode_ratio, template_gain_dim, template_gain_seq);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());
     return 1;

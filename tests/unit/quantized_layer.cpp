@@ -246,8 +246,9 @@ TEST_CASE("bit packing round trip is exact for every width and start") {
 
 namespace {
 // What the CUDA kernels compute (cuda_codecs.cuh): the per-item steps fit_group_at,
-// packed_byte_at and decode_at over every item, serially, on strided input.
-template <class Codec, class T>
+// packed_byte_at and decode_at over every item, serially, on strided input; decode_run_at with
+// head_dim Dim at compile time when Dim > 0 (then dim == Dim).
+template <class Codec, class T, std::int64_t Dim = 0>
 void device_steps_match_host(int nbits, kvc::detail::quant_grouping grouping, std::int64_t group_size,
                              std::int64_t tokens, std::int64_t dim) {
   using M = kvc::detail::quant_meta_t<T>;
@@ -261,6 +262,7 @@ void device_steps_match_host(int nbits, kvc::detail::quant_grouping grouping, st
                                                                              batch, heads, tokens, dim, stride_b,
                                                                              stride_h);
   const kvc::detail::quant_layout l(nbits, grouping, group_size, batch, heads, tokens, dim);
+  REQUIRE((Dim == 0 || Dim == dim));
   std::vector<M> scale(static_cast<std::size_t>(l.blocks() * l.groups)), offset(scale.size());
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(l.blocks() * l.elements()));
   for (std::int64_t m = 0; m < l.blocks() * l.groups; ++m)
@@ -279,7 +281,7 @@ void device_steps_match_host(int nbits, kvc::detail::quant_grouping grouping, st
   if (l.elements() % V == 0) {
     std::vector<T> runs(static_cast<std::size_t>(l.blocks() * l.elements()));
     for (std::int64_t e = 0; e < l.blocks() * l.elements(); e += V)
-      kvc::detail::decode_run_at<V>(e, runs.data() + e, l, packed.data(), scale.data(), offset.data());
+      kvc::detail::decode_run_at<V, Dim>(e, runs.data() + e, l, packed.data(), scale.data(), offset.data());
     for (std::int64_t blk = 0; blk < l.blocks(); ++blk)
       for (std::int64_t i = 0; i < l.elements(); ++i)
         REQUIRE(runs[static_cast<std::size_t>(blk * l.elements() + i)] ==
@@ -298,6 +300,17 @@ TEST_CASE_TEMPLATE("the device codec's per-item steps give the host codec's byte
         CAPTURE(tokens);
         for (const int nbits : {2, 4}) device_steps_match_host<kvc::QuantoCodec, T>(nbits, grouping, group_size, tokens, 12);
         for (const int nbits : {1, 3, 8}) device_steps_match_host<kvc::HqqCodec, T>(nbits, grouping, group_size, tokens, 6);
+      }
+  // head_dim 64 (a multiple of every V), at run time and at compile time as the device kernel
+  // instantiates it: the runs that share a group or a token row, and those that do not.
+  for (const auto grouping : {quant_grouping::along_head_dim, quant_grouping::along_seq})
+    for (const std::int64_t group_size : {5, 8, 64})
+      for (const std::int64_t tokens : {1, 9}) {
+        CAPTURE(group_size);
+        CAPTURE(tokens);
+        device_steps_match_host<kvc::QuantoCodec, T>(4, grouping, group_size, tokens, 64);
+        device_steps_match_host<kvc::QuantoCodec, T, 64>(4, grouping, group_size, tokens, 64);
+        device_steps_match_host<kvc::HqqCodec, T, 64>(3, grouping, group_size, tokens, 64);
       }
 }
 

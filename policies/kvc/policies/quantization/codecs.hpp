@@ -74,6 +74,24 @@ struct affine_params {
 template <class T>
 using quant_meta_t = std::conditional_t<sizeof(T) == 2, T, float>;
 
+// An element or metadata type to and from float, round to nearest even: static_cast here;
+// cuda_codecs.cuh specialises it for __half and __nv_bfloat16 with their conversion functions,
+// which stay where PyTorch extension builds (__CUDA_NO_HALF_CONVERSIONS__,
+// __CUDA_NO_BFLOAT16_CONVERSIONS__) remove the implicit conversions.
+template <class T>
+struct float_conversion {
+  KVC_HOST_DEVICE static float to_float(T x) noexcept { return static_cast<float>(x); }
+  KVC_HOST_DEVICE static T from_float(float x) noexcept { return static_cast<T>(x); }
+};
+template <class T>
+KVC_HOST_DEVICE float to_float(T x) noexcept {
+  return float_conversion<T>::to_float(x);
+}
+template <class T>
+KVC_HOST_DEVICE T from_float(float x) noexcept {
+  return float_conversion<T>::from_float(x);
+}
+
 // a * b and a + b, each rounded on its own: device code must not fuse them into an FMA, or the
 // device would round differently from the host.
 KVC_HOST_DEVICE inline float mul_rn(float a, float b) noexcept {
@@ -357,9 +375,9 @@ struct quant_layout {
 template <class Codec, class M, class Load>
 KVC_HOST_DEVICE affine_params fit_group(const Load& x, std::int64_t len, int nbits, M* scale, M* offset) noexcept {
   const affine_params p = Codec::fit(x, len, nbits);
-  *scale = static_cast<M>(p.scale);
-  *offset = static_cast<M>(p.offset);
-  return affine_params{static_cast<float>(*scale), static_cast<float>(*offset)};
+  *scale = from_float<M>(p.scale);
+  *offset = from_float<M>(p.offset);
+  return affine_params{to_float(*scale), to_float(*offset)};
 }
 
 // The per-item steps of the device codec (<kvc/policies/quantization/cuda_codecs.cuh>), one
@@ -374,7 +392,7 @@ KVC_HOST_DEVICE void fit_group_at(std::int64_t m, const T* src, std::int64_t str
   const std::int64_t blk = m / l.groups, g = m % l.groups;
   const T* x = src + (blk / l.heads) * stride_b + (blk % l.heads) * stride_h;
   const group_span gs = span_of_group(l.grouping, g, l.group_size, l.tokens, l.dim);
-  const auto load = [x, gs](std::int64_t i) { return static_cast<float>(x[gs.first + i * gs.step]); };
+  const auto load = [x, gs](std::int64_t i) { return to_float(x[gs.first + i * gs.step]); };
   const affine_params p = fit_group<Codec>(load, gs.len, l.nbits, scale + m, offset + m);
   const float inv = 1.0f / p.scale;
   std::uint8_t* c = codes + blk * l.elements();
@@ -405,21 +423,39 @@ KVC_HOST_DEVICE void decode_at(std::int64_t e, T* dst, std::int64_t stride_b, st
   const std::int64_t m = blk * l.groups + group_of(l.grouping, i, l.group_size, l.dim);
   const unsigned q = code_at(codes + blk * l.block_bytes, i, l.nbits);
   dst[(blk / l.heads) * stride_b + (blk % l.heads) * stride_h + i] =
-      static_cast<T>(dequant(static_cast<float>(offset[m]), static_cast<float>(scale[m]), q));
+      from_float<T>(dequant(to_float(offset[m]), to_float(scale[m]), q));
 }
 
 // Elements [e, e + V) (of all blocks' elements, e a multiple of V, all in one block) dequantized to
 // out[0, V): the vectorised form of decode_at, which the device stores as one 16-byte write.
-template <int V, class T, class M>
+// Dim > 0 is head_dim known at compile time (it must equal l.dim), which turns the divisions by
+// head_dim into shifts and multiplications; 0 reads it from l. The run shares its group, or its
+// token row, where the layout allows (groups along head_dim of a multiple of V elements; groups
+// along seq with V dividing head_dim), and then divides once per run instead of once per element.
+template <int V, std::int64_t Dim = 0, class T, class M>
 KVC_HOST_DEVICE void decode_run_at(std::int64_t e, T* out, const quant_layout& l, const std::uint8_t* codes,
                                    const M* scale, const M* offset) noexcept {
-  const std::int64_t n = l.elements(), blk = e / n, i0 = e % n;
+  const std::int64_t dim = Dim > 0 ? Dim : l.dim;
+  const std::int64_t n = l.tokens * dim, blk = e / n, i0 = e - blk * n;
   const std::uint8_t* bits = codes + blk * l.block_bytes;
   const M* sb = scale + blk * l.groups;
   const M* ob = offset + blk * l.groups;
+  if (l.grouping == quant_grouping::along_head_dim && l.group_size % V == 0) {  // one group
+    const std::int64_t g = i0 / l.group_size;
+    const float o = to_float(ob[g]), sc = to_float(sb[g]);
+    for (int j = 0; j < V; ++j) out[j] = from_float<T>(dequant(o, sc, code_at(bits, i0 + j, l.nbits)));
+    return;
+  }
+  if (l.grouping == quant_grouping::along_seq && dim % V == 0) {  // one token row: groups g0 + j
+    const std::int64_t t = i0 / dim, g0 = t / l.group_size * dim + (i0 - t * dim);
+    for (int j = 0; j < V; ++j)
+      out[j] = from_float<T>(dequant(to_float(ob[g0 + j]), to_float(sb[g0 + j]),
+                                      code_at(bits, i0 + j, l.nbits)));
+    return;
+  }
   for (int j = 0; j < V; ++j) {
-    const std::int64_t i = i0 + j, g = group_of(l.grouping, i, l.group_size, l.dim);
-    out[j] = static_cast<T>(dequant(static_cast<float>(ob[g]), static_cast<float>(sb[g]), code_at(bits, i, l.nbits)));
+    const std::int64_t i = i0 + j, g = group_of(l.grouping, i, l.group_size, dim);
+    out[j] = from_float<T>(dequant(to_float(ob[g]), to_float(sb[g]), code_at(bits, i, l.nbits)));
   }
 }
 
@@ -450,7 +486,7 @@ class quantized_tensor {
       for (std::int64_t g = 0; g < l.groups; ++g) {
         const group_span gs = span_of_group(grouping, g, group_size, tokens, dim);
         for (std::int64_t i = 0; i < gs.len; ++i)
-          buf[static_cast<std::size_t>(i)] = static_cast<float>(x[gs.first + i * gs.step]);
+          buf[static_cast<std::size_t>(i)] = to_float(x[gs.first + i * gs.step]);
         const std::int64_t m = blk * l.groups + g;
         const affine_params p = fit_group<Codec>(load, gs.len, nbits, &out.scale_[static_cast<std::size_t>(m)],
                                                  &out.offset_[static_cast<std::size_t>(m)]);
@@ -478,12 +514,12 @@ class quantized_tensor {
       const M* offset = offset_.data() + blk * l.groups;
       if (l.grouping == quant_grouping::along_head_dim) {
         for (std::int64_t g = 0; g < l.groups; ++g) {
-          const float s = static_cast<float>(scale[g]), o = static_cast<float>(offset[g]);
+          const float s = to_float(scale[g]), o = to_float(offset[g]);
           const std::int64_t end = std::min(n, (g + 1) * l.group_size);
           for (std::int64_t i = g * l.group_size; i < end; i += piece) {
             const std::int64_t len = std::min(piece, end - i);
             unpack_codes(bits, i, len, l.nbits, codes);
-            for (std::int64_t j = 0; j < len; ++j) y[i + j] = static_cast<T>(dequant(o, s, codes[j]));
+            for (std::int64_t j = 0; j < len; ++j) y[i + j] = from_float<T>(dequant(o, s, codes[j]));
           }
         }
       } else {  // row r uses groups (r / group_size) * dim + d
@@ -494,8 +530,8 @@ class quantized_tensor {
             const std::int64_t len = std::min(piece, l.dim - d0);
             unpack_codes(bits, r * l.dim + d0, len, l.nbits, codes);
             for (std::int64_t j = 0; j < len; ++j)
-              y[r * l.dim + d0 + j] = static_cast<T>(
-                  dequant(static_cast<float>(orow[d0 + j]), static_cast<float>(srow[d0 + j]), codes[j]));
+              y[r * l.dim + d0 + j] = from_float<T>(
+                  dequant(to_float(orow[d0 + j]), to_float(srow[d0 + j]), codes[j]));
           }
         }
       }

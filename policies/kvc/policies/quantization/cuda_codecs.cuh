@@ -9,7 +9,8 @@
 //   - pack (packed_byte_at): one thread per output byte gathers the codes whose bits fall in it
 //     (a byte can hold bits of several groups, so packing waits for every group's codes);
 //   - dequantize (decode_run_at, decode_at): one thread per 16 output bytes (one per element
-//     where the output is not 16-byte aligned) reads the codes and their groups' metadata.
+//     where the output is not 16-byte aligned) reads the codes and their groups' metadata; the
+//     16-byte kernel is instantiated for head_dim 64, 128 and 256 at compile time, and for any.
 // Every launch and copy is queued on Stream, like the storage's own work; the scratch buffer is
 // allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync, where the device has
 // memory pools), so encoding does not synchronise the device.
@@ -17,9 +18,9 @@
 // Bit-identity with the host codec holds under nvcc's default float flags (IEEE division, no
 // flush to zero; --use_fast_math changes both and powf) and a host compiler that does not fuse
 // a * b + c (x86-64 without -march flags does not; GCC with FMA targets does unless given
-// -ffp-contract=off). The conversions to and from __half / __nv_bfloat16 are static_casts, so
-// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__ (set by PyTorch extension
-// builds) are not supported here.
+// -ffp-contract=off). The conversions to and from __half / __nv_bfloat16 are the CUDA conversion
+// functions (float_conversion below), so builds with __CUDA_NO_HALF_CONVERSIONS__ /
+// __CUDA_NO_BFLOAT16_CONVERSIONS__ (PyTorch extensions) compile and give the same bits.
 
 #include <algorithm>
 #include <cstddef>
@@ -27,6 +28,8 @@
 #include <span>
 #include <utility>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <kvc/detail/cuda_kernels.cuh>
@@ -34,6 +37,19 @@
 #include <kvc/policies/quantization/codecs.hpp>
 
 namespace kvc::detail {
+
+// The 16-bit device types to and from float, round to nearest even, as their static_casts do where
+// those exist.
+template <>
+struct float_conversion<__half> {
+  __host__ __device__ static float to_float(__half x) noexcept { return __half2float(x); }
+  __host__ __device__ static __half from_float(float x) noexcept { return __float2half_rn(x); }
+};
+template <>
+struct float_conversion<__nv_bfloat16> {
+  __host__ __device__ static float to_float(__nv_bfloat16 x) noexcept { return __bfloat162float(x); }
+  __host__ __device__ static __nv_bfloat16 from_float(float x) noexcept { return __float2bfloat16_rn(x); }
+};
 
 // Launch shape for one thread per item: 256-thread blocks, a capped grid, grid-stride loops.
 inline unsigned quant_blocks(std::int64_t items) noexcept {
@@ -73,13 +89,14 @@ __global__ void quant_decode_kernel(T* __restrict__ dst, std::int64_t stride_b, 
 
 // The same with V = 16 / sizeof(T) elements per thread and one 16-byte store: for outputs whose
 // rows, strides and base are 16-byte aligned (the layer's workspace is when a head_dim row fills whole
-// 16-byte words: 128 halves or floats, not 4).
-template <class T, class M>
+// 16-byte words: 128 halves or floats, not 4). Dim: head_dim at compile time (decode_run_at), 0 for
+// any.
+template <std::int64_t Dim, class T, class M>
 __global__ void quant_decode_vec_kernel(T* __restrict__ dst, std::int64_t stride_b, std::int64_t stride_h,
                                         quant_layout l, const std::uint8_t* __restrict__ codes,
                                         const M* __restrict__ scale, const M* __restrict__ offset) {
   constexpr int V = static_cast<int>(16 / sizeof(T));
-  const std::int64_t n = l.elements(), total = l.blocks() * n / V;
+  const std::int64_t n = l.tokens * (Dim > 0 ? Dim : l.dim), total = l.blocks() * n / V;
   for (std::int64_t r = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < total;
        r += std::int64_t{gridDim.x} * blockDim.x) {
     union {
@@ -87,7 +104,7 @@ __global__ void quant_decode_vec_kernel(T* __restrict__ dst, std::int64_t stride
       T elements[V];
     } out;
     const std::int64_t e = r * V, blk = e / n;
-    decode_run_at<V>(e, out.elements, l, codes, scale, offset);
+    decode_run_at<V, Dim>(e, out.elements, l, codes, scale, offset);
     *reinterpret_cast<uint4*>(dst + (blk / l.heads) * stride_b + (blk % l.heads) * stride_h + e % n) = out.word;
   }
 }
@@ -155,13 +172,25 @@ class device_quantized_tensor {
     if (total == 0) return;
     constexpr std::int64_t V = 16 / sizeof(T);
     if (vector_aligned(dst) && layout_.elements() % V == 0 && stride_b % V == 0 && stride_h % V == 0) {
-      quant_decode_vec_kernel<<<quant_blocks(total / V), 256, 0, Stream::get()>>>(
-          dst, stride_b, stride_h, layout_, codes_.data(), scale_.data(), offset_.data());
-      cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
-      return;
+      switch (layout_.dim) {  // the common head_dims at compile time
+        case 64: return decode_vec<64>(dst, stride_b, stride_h);
+        case 128: return decode_vec<128>(dst, stride_b, stride_h);
+        case 256: return decode_vec<256>(dst, stride_b, stride_h);
+        default: return decode_vec<0>(dst, stride_b, stride_h);
+      }
     }
     quant_decode_kernel<<<quant_blocks(total), 256, 0, Stream::get()>>>(dst, stride_b, stride_h, layout_, codes_.data(),
                                                                        scale_.data(), offset_.data());
+    cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
+  }
+
+  // The vectorised dequantization with head_dim Dim at compile time (0: any); the preconditions of
+  // quant_decode_vec_kernel hold. Public for the benchmark that compares the two.
+  template <std::int64_t Dim, class T>
+  void decode_vec(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
+    constexpr std::int64_t V = 16 / sizeof(T);
+    quant_decode_vec_kernel<Dim><<<quant_blocks(layout_.blocks() * layout_.elements() / V), 256, 0, Stream::get()>>>(
+        dst, stride_b, stride_h, layout_, codes_.data(), scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
   }
 
