@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kvc's GPU check, for a machine with a CUDA device (an H200 in the project): builds the CUDA
-# conformance tests and the CUDA benchmark (Release, nvcc, sm_90 + PTX), runs them, and prints a
-# summary. About 2-3 minutes on 16 cores; every step has a time limit so that the whole run stays
-# under 8 minutes.
+# conformance tests (twice: as they are, and with PyTorch's __CUDA_NO_HALF_* macros) and the CUDA
+# benchmark (Release, nvcc, sm_90 + PTX), runs them, and prints a summary. Estimated 3-4 minutes on
+# 16 cores (never timed on the GPU machine yet); every step has a time limit so that the whole run
+# stays under 8 minutes.
 #
 #   bash tools/device-check.sh            build-device/, -j$(nproc)
 #   BUILD=dir JOBS=n bash tools/device-check.sh

@@ -53,6 +53,11 @@
 
 #include <math.h>  // floorf, fabsf, powf, copysignf: the same names in host and device code
 
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
@@ -74,10 +79,11 @@ struct affine_params {
 template <class T>
 using quant_meta_t = std::conditional_t<sizeof(T) == 2, T, float>;
 
-// An element or metadata type to and from float, round to nearest even: static_cast here;
-// cuda_codecs.cuh specialises it for __half and __nv_bfloat16 with their conversion functions,
-// which stay where PyTorch extension builds (__CUDA_NO_HALF_CONVERSIONS__,
-// __CUDA_NO_BFLOAT16_CONVERSIONS__) remove the implicit conversions.
+// An element or metadata type to and from float, round to nearest even: static_cast, except for
+// __half and __nv_bfloat16 under nvcc, which use their conversion functions (below): those stay
+// where PyTorch extension builds (__CUDA_NO_HALF_CONVERSIONS__, __CUDA_NO_BFLOAT16_CONVERSIONS__)
+// remove the implicit conversions. The specialisations live here, next to the primary template,
+// so that every translation unit that can name the CUDA types sees them.
 template <class T>
 struct float_conversion {
   KVC_HOST_DEVICE static float to_float(T x) noexcept { return static_cast<float>(x); }
@@ -91,6 +97,19 @@ template <class T>
 KVC_HOST_DEVICE T from_float(float x) noexcept {
   return float_conversion<T>::from_float(x);
 }
+
+#if defined(__CUDACC__)
+template <>
+struct float_conversion<__half> {
+  __host__ __device__ static float to_float(__half x) noexcept { return __half2float(x); }
+  __host__ __device__ static __half from_float(float x) noexcept { return __float2half_rn(x); }
+};
+template <>
+struct float_conversion<__nv_bfloat16> {
+  __host__ __device__ static float to_float(__nv_bfloat16 x) noexcept { return __bfloat162float(x); }
+  __host__ __device__ static __nv_bfloat16 from_float(float x) noexcept { return __float2bfloat16_rn(x); }
+};
+#endif
 
 // a * b and a + b, each rounded on its own: device code must not fuse them into an FMA, or the
 // device would round differently from the host.

@@ -19,7 +19,7 @@
 // flush to zero; --use_fast_math changes both and powf) and a host compiler that does not fuse
 // a * b + c (x86-64 without -march flags does not; GCC with FMA targets does unless given
 // -ffp-contract=off). The conversions to and from __half / __nv_bfloat16 are the CUDA conversion
-// functions (float_conversion below), so builds with __CUDA_NO_HALF_CONVERSIONS__ /
+// functions (float_conversion in codecs.hpp), so builds with __CUDA_NO_HALF_CONVERSIONS__ /
 // __CUDA_NO_BFLOAT16_CONVERSIONS__ (PyTorch extensions) compile and give the same bits.
 
 #include <algorithm>
@@ -28,28 +28,14 @@
 #include <span>
 #include <utility>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <kvc/detail/cuda_kernels.cuh>
 #include <kvc/detail/cuda_runtime.cuh>
+#include <kvc/errors.hpp>
 #include <kvc/policies/quantization/codecs.hpp>
 
 namespace kvc::detail {
-
-// The 16-bit device types to and from float, round to nearest even, as their static_casts do where
-// those exist.
-template <>
-struct float_conversion<__half> {
-  __host__ __device__ static float to_float(__half x) noexcept { return __half2float(x); }
-  __host__ __device__ static __half from_float(float x) noexcept { return __float2half_rn(x); }
-};
-template <>
-struct float_conversion<__nv_bfloat16> {
-  __host__ __device__ static float to_float(__nv_bfloat16 x) noexcept { return __bfloat162float(x); }
-  __host__ __device__ static __nv_bfloat16 from_float(float x) noexcept { return __float2bfloat16_rn(x); }
-};
 
 // Launch shape for one thread per item: 256-thread blocks, a capped grid, grid-stride loops.
 inline unsigned quant_blocks(std::int64_t items) noexcept {
@@ -184,11 +170,15 @@ class device_quantized_tensor {
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
   }
 
-  // The vectorised dequantization with head_dim Dim at compile time (0: any); the preconditions of
-  // quant_decode_vec_kernel hold. Public for the benchmark that compares the two.
+  // The vectorised dequantization with head_dim Dim at compile time (0: any). Public for the
+  // benchmark that compares the two; it checks what decode() checks before choosing it.
   template <std::int64_t Dim, class T>
   void decode_vec(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
     constexpr std::int64_t V = 16 / sizeof(T);
+    if ((Dim > 0 && layout_.dim != Dim) || !vector_aligned(dst) || layout_.elements() % V != 0 || stride_b % V != 0 ||
+        stride_h % V != 0)
+      throw AssertionError("kvc: the 16-byte dequantization kernel needs a 16-byte aligned output, strides and rows of "
+                           "whole 16-byte words, and its compile-time head_dim equal to the tensor's");
     quant_decode_vec_kernel<Dim><<<quant_blocks(layout_.blocks() * layout_.elements() / V), 256, 0, Stream::get()>>>(
         dst, stride_b, stride_h, layout_, codes_.data(), scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
