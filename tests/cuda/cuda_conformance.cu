@@ -300,23 +300,28 @@ TEST_CASE("QuantizedCache over device memory returns what the host's returns (he
 
 // The 16-byte dequantization kernel's entry point (public for kvc_bench_cuda) checks its
 // preconditions: a compile-time head_dim other than the tensor's, or an output that is not 16-byte
-// aligned, is refused before any launch.
+// aligned, is refused before any launch. Groups along seq: the runs whose head_dim division the
+// template turns into a shift.
 TEST_CASE("device_quantized_tensor::decode_vec refuses what its kernel cannot write") {
   using Q = kvc::detail::device_quantized_tensor<__half, kvc::DefaultCudaStream>;
-  kvc::HostTensor<Eigen::half> x(1, 2, 4, 64);
-  for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = Eigen::half(static_cast<float>(i % 13) - 6.f);
-  const kvc::DeviceTensor<__half> dx = kvc::to_device(x);
-  const Q q = Q::encode<kvc::QuantoCodec>(4, kvc::detail::quant_grouping::along_head_dim, 64, dx.data(), 1, 2, 4, 64,
-                                          2 * 4 * 64, 4 * 64);
-  kvc::DeviceTensor<__half> out(1, 2, 4, 64), any(1, 2, 4, 64);
+  const auto encoded = [](std::int64_t dim) {
+    kvc::HostTensor<Eigen::half> x(1, 2, 4, dim);
+    for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = Eigen::half(static_cast<float>(i % 13) - 6.f);
+    const kvc::DeviceTensor<__half> dx = kvc::to_device(x);
+    return Q::encode<kvc::QuantoCodec>(4, kvc::detail::quant_grouping::along_seq, 2, dx.data(), 1, 2, 4, dim,
+                                       2 * 4 * dim, 4 * dim);
+  };
+  const Q q = encoded(128), narrow = encoded(64);
+  kvc::DeviceTensor<__half> fixed(1, 2, 4, 128), any(1, 2, 4, 128);
   const std::string text =
       "kvc: the 16-byte dequantization kernel needs a 16-byte aligned output, strides and rows of whole 16-byte "
       "words, and its compile-time head_dim equal to the tensor's";
-  CHECK_THROWS_WITH_AS(q.decode_vec<128>(out.data(), 2 * 4 * 64, 4 * 64), text.c_str(), kvc::AssertionError);
-  CHECK_THROWS_WITH_AS(q.decode_vec<64>(out.data() + 1, 2 * 4 * 64, 4 * 64), text.c_str(), kvc::AssertionError);
-  q.decode_vec<64>(out.data(), 2 * 4 * 64, 4 * 64);
-  q.decode_vec<0>(any.data(), 2 * 4 * 64, 4 * 64);
-  const kvc::HostTensor<Eigen::half> a = kvc::to_host(out.view()), b = kvc::to_host(any.view());
+  CHECK_THROWS_WITH_AS(narrow.decode_vec<128>(fixed.data(), 2 * 4 * 64, 4 * 64), text.c_str(), kvc::AssertionError);
+  CHECK_THROWS_WITH_AS(q.decode_vec<128>(fixed.data() + 1, 2 * 4 * 128, 4 * 128), text.c_str(), kvc::AssertionError);
+  // What decode() launches at head_dim 128 and the run-time kernel write the same bytes.
+  q.decode(fixed.data(), 2 * 4 * 128, 4 * 128);
+  q.decode_vec<0>(any.data(), 2 * 4 * 128, 4 * 128);
+  const kvc::HostTensor<Eigen::half> a = kvc::to_host(fixed.view()), b = kvc::to_host(any.view());
   CHECK(std::memcmp(a.data(), b.data(), sizeof(Eigen::half) * static_cast<std::size_t>(a.size())) == 0);
 }
 

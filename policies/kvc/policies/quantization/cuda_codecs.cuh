@@ -10,7 +10,7 @@
 //     (a byte can hold bits of several groups, so packing waits for every group's codes);
 //   - dequantize (decode_run_at, decode_at): one thread per 16 output bytes (one per element
 //     where the output is not 16-byte aligned) reads the codes and their groups' metadata; the
-//     16-byte kernel is instantiated for head_dim 64, 128 and 256 at compile time, and for any.
+//     16-byte kernel is instantiated for head_dim 128 at compile time, and for any.
 // Every launch and copy is queued on Stream, like the storage's own work; the scratch buffer is
 // allocated and freed in stream order (cudaMallocAsync / cudaFreeAsync, where the device has
 // memory pools), so encoding does not synchronise the device.
@@ -156,27 +156,26 @@ class device_quantized_tensor {
   void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
     const std::int64_t total = layout_.blocks() * layout_.elements();
     if (total == 0) return;
-    constexpr std::int64_t V = 16 / sizeof(T);
-    if (vector_aligned(dst) && layout_.elements() % V == 0 && stride_b % V == 0 && stride_h % V == 0) {
-      switch (layout_.dim) {  // the common head_dims at compile time
-        case 64: return decode_vec<64>(dst, stride_b, stride_h);
-        case 128: return decode_vec<128>(dst, stride_b, stride_h);
-        case 256: return decode_vec<256>(dst, stride_b, stride_h);
-        default: return decode_vec<0>(dst, stride_b, stride_h);
-      }
-    }
+    if (vectorisable(dst, stride_b, stride_h))  // head_dim 128 (the benchmarked one) at compile time
+      return layout_.dim == 128 ? decode_vec<128>(dst, stride_b, stride_h) : decode_vec<0>(dst, stride_b, stride_h);
     quant_decode_kernel<<<quant_blocks(total), 256, 0, Stream::get()>>>(dst, stride_b, stride_h, layout_, codes_.data(),
                                                                        scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
   }
 
+  // Whether the 16-byte kernel can write dst: aligned base, strides and rows of whole 16-byte words.
+  template <class T>
+  bool vectorisable(const T* dst, std::int64_t stride_b, std::int64_t stride_h) const noexcept {
+    constexpr std::int64_t V = 16 / sizeof(T);
+    return vector_aligned(dst) && layout_.elements() % V == 0 && stride_b % V == 0 && stride_h % V == 0;
+  }
+
   // The vectorised dequantization with head_dim Dim at compile time (0: any). Public for the
-  // benchmark that compares the two; it checks what decode() checks before choosing it.
+  // benchmark that compares the two, so it checks its preconditions itself.
   template <std::int64_t Dim, class T>
   void decode_vec(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
     constexpr std::int64_t V = 16 / sizeof(T);
-    if ((Dim > 0 && layout_.dim != Dim) || !vector_aligned(dst) || layout_.elements() % V != 0 || stride_b % V != 0 ||
-        stride_h % V != 0)
+    if ((Dim > 0 && layout_.dim != Dim) || !vectorisable(dst, stride_b, stride_h))
       throw AssertionError("kvc: the 16-byte dequantization kernel needs a 16-byte aligned output, strides and rows of "
                            "whole 16-byte words, and its compile-time head_dim equal to the tensor's");
     quant_decode_vec_kernel<Dim><<<quant_blocks(layout_.blocks() * layout_.elements() / V), 256, 0, Stream::get()>>>(
