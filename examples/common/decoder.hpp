@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -76,10 +77,26 @@ struct DecoderConfig {
   }
   // [/snippet]
 
+  // The number of weights; -1 when it does not fit in 64 bits (validate() refuses such a config:
+  // every field within its own limit can still multiply past 2^63).
   std::int64_t parameter_count() const {
-    const std::int64_t h = hidden_size, q = num_attention_heads * head_dim, kv = num_key_value_heads * head_dim;
-    const std::int64_t per_layer = h * q + 2 * h * kv + q * h + 3 * h * intermediate_size + 2 * h;
-    return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + h;
+    using kvc::detail::mul_fits;
+    const std::int64_t h = hidden_size;
+    std::int64_t q = 0, kv = 0, attn = 0, kvw = 0, mlp = 0, embed = 0, layers = 0;
+    if (!mul_fits(num_attention_heads, head_dim, q) || !mul_fits(num_key_value_heads, head_dim, kv) ||
+        !mul_fits(h, q, attn) || !mul_fits(h, kv, kvw) || !mul_fits(h, intermediate_size, mlp) ||
+        !mul_fits(vocab_size, h, embed))
+      return -1;
+    std::int64_t per_layer = 0;
+    for (const auto& [count, weights] : {std::pair{2, attn}, std::pair{2, kvw}, std::pair{3, mlp}, std::pair{2, h}}) {
+      std::int64_t part = 0;
+      if (!mul_fits(count, weights, part) || __builtin_add_overflow(per_layer, part, &per_layer)) return -1;
+    }
+    std::int64_t total = 0;
+    if (!mul_fits(embed, tie_word_embeddings ? 1 : 2, total) || !mul_fits(num_hidden_layers, per_layer, layers) ||
+        __builtin_add_overflow(total, layers, &total) || __builtin_add_overflow(total, h, &total))
+      return -1;
+    return total;
   }
   std::int64_t weight_bytes() const { return parameter_count() * static_cast<std::int64_t>(sizeof(float)); }
 
@@ -104,6 +121,9 @@ struct DecoderConfig {
       throw std::invalid_argument("head_dim must be even for the rotary embedding, got " + std::to_string(head_dim));
     if (!(rms_norm_eps > 0) || !(rope_theta > 1))
       throw std::invalid_argument("rms_norm_eps must be positive and rope_theta above 1");
+    // weight_bytes() is parameter_count() * 4: both must fit in 64 bits.
+    if (const std::int64_t n = parameter_count(); n < 0 || n > std::numeric_limits<std::int64_t>::max() / 4)
+      throw std::invalid_argument("the config's parameter count does not fit in 64 bits");
     if (static_cast<std::int64_t>(layer_types.size()) != num_hidden_layers)
       throw std::invalid_argument("layer_types has " + std::to_string(layer_types.size()) + " entries but " +
                                   "num_hidden_layers is " + std::to_string(num_hidden_layers));

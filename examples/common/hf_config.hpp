@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <kvc/config.hpp>
+#include <kvc/detail/json.hpp>
 
 namespace examples {
 
@@ -33,9 +34,11 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
   using nlohmann::json;
   json root;
   try {
-    root = json::parse(text);
+    root = kvc::detail::parse_json<json>(text, "config");  // kvc's parser: nesting depth bounded
   } catch (const json::exception& e) {
     throw ConfigError(std::string("malformed JSON: ") + e.what());
+  } catch (const kvc::ValueError& e) {
+    throw ConfigError(e.what());
   }
   if (!root.is_object()) throw ConfigError("the config is not a JSON object");
   const json* text_config = nullptr;
@@ -51,13 +54,15 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
   auto integer = [&](const char* name) -> std::optional<std::int64_t> {
     const json* v = find(name);
     if (!v) return std::nullopt;
-    if (!v->is_number_integer()) throw ConfigError(std::string("'") + name + "' must be an integer, got " + v->dump());
-    return v->get<std::int64_t>();
+    const std::optional<std::int64_t> i = kvc::detail::json_integer(*v);
+    if (!i)
+      throw ConfigError(std::string("'") + name + "' must be an integer of 64 bits, got " + kvc::detail::json_excerpt(*v));
+    return *i;
   };
   auto number = [&](const char* name, double fallback) {
     const json* v = find(name);
     if (!v) return fallback;
-    if (!v->is_number()) throw ConfigError(std::string("'") + name + "' must be a number, got " + v->dump());
+    if (!v->is_number()) throw ConfigError(std::string("'") + name + "' must be a number, got " + kvc::detail::json_excerpt(*v));
     return v->get<double>();
   };
 
@@ -91,7 +96,8 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
   if (const json* rope = find("rope_parameters"); rope && rope->is_object() && !find("rope_theta"))
     if (auto it = rope->find("rope_theta"); it != rope->end() && it->is_number()) c.rope_theta = it->get<double>();
   if (const json* tie = find("tie_word_embeddings")) {
-    if (!tie->is_boolean()) throw ConfigError("'tie_word_embeddings' must be true or false, got " + tie->dump());
+    if (!tie->is_boolean())
+      throw ConfigError("'tie_word_embeddings' must be true or false, got " + kvc::detail::json_excerpt(*tie));
     c.tie_word_embeddings = tie->get<bool>();
   }
   c.layer_types.clear();
@@ -115,13 +121,14 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
 inline DecoderConfig decoder_config_from_file(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw ConfigError("cannot read '" + path + "': it is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError("cannot read '" + path + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw ConfigError("cannot read '" + path + "'");
+  std::string text;
   try {
-    return decoder_config_from_json(text.str());
+    text = kvc::detail::read_json_file(path, "kvc_demo");  // a regular file of at most 16 MiB
+  } catch (const std::exception& e) {
+    throw ConfigError(e.what());
+  }
+  try {
+    return decoder_config_from_json(text);
   } catch (const ConfigError& e) {
     throw ConfigError(path + ": " + e.what());
   }

@@ -26,6 +26,7 @@
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -97,6 +98,40 @@ inline std::string shape_pair(const char* a, const std::array<std::int64_t, 4>& 
   return std::string(a) + " of shape " + shape_string(x) + " and " + b + " of shape " + shape_string(y);
 }
 
+// The checks of scaled_dot_product_attention that need only shapes and the mask (attend runs them
+// before it updates the cache, with the shapes the update will return): ValueError.
+inline void check_attention(const std::array<std::int64_t, 4>& q, const std::array<std::int64_t, 4>& k,
+                            const std::array<std::int64_t, 4>& v, const AttentionMask& mask) {
+  for (const auto* e : {&q, &k, &v})
+    for (const std::int64_t x : *e)
+      if (x < 0 || x > max_extent)
+        throw ValueError("scaled_dot_product_attention: " + shape_pair("queries", q, "keys", k) + " (values " +
+                         shape_string(v) + ") must have dimensions between 0 and kvc's limit of " +
+                         std::to_string(max_extent));
+  if (k[0] != q[0] || v[0] != q[0] || v[1] != k[1] || v[2] != k[2] || k[3] != q[3])
+    throw ValueError("scaled_dot_product_attention: " + shape_pair("queries", q, "keys", k) + " (values " +
+                     shape_string(v) + ") must agree on batch and head_dim, and keys and values on heads and length");
+  if (k[1] < 1 || q[1] % k[1] != 0)
+    throw ValueError("scaled_dot_product_attention: " + std::to_string(q[1]) + " query heads are not a multiple of " +
+                     std::to_string(k[1]) + " key/value heads");
+  if (k[2] != mask.kv_length)
+    throw ValueError("scaled_dot_product_attention: keys hold " + std::to_string(k[2]) +
+                     " positions but the mask's kv_length is " + std::to_string(mask.kv_length));
+  if (mask.sliding_window && *mask.sliding_window < 1)
+    throw ValueError("scaled_dot_product_attention: sliding_window must be positive, got " +
+                     std::to_string(*mask.sliding_window));
+  if (mask.attention_chunk_size && *mask.attention_chunk_size < 1)
+    throw ValueError("scaled_dot_product_attention: attention_chunk_size must be positive, got " +
+                     std::to_string(*mask.attention_chunk_size));
+  // Positions and windows are sizes too: bounded, the mask arithmetic cannot overflow.
+  check_size("scaled_dot_product_attention: the mask's kv_offset", mask.kv_offset, 0, max_extent);
+  check_size("scaled_dot_product_attention: the mask's query_position", mask.query_position, 0, max_extent);
+  if (mask.sliding_window) check_size("scaled_dot_product_attention: sliding_window", *mask.sliding_window, 1, max_extent);
+  if (mask.attention_chunk_size)
+    check_size("scaled_dot_product_attention: attention_chunk_size", *mask.attention_chunk_size, 1, max_extent);
+  (void)checked_elements({q[0], q[1], q[2], v[3]}, 8);  // the output, in the widest element type
+}
+
 }  // namespace detail
 
 // out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
@@ -109,26 +144,10 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
   using A = detail::accum_t<T>;
   const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
   const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3);
-  if (keys.extent(0) != B || values.extent(0) != B || values.extent(1) != Hkv || values.extent(2) != S ||
-      keys.extent(3) != D)
-    throw ValueError("scaled_dot_product_attention: " + detail::shape_pair("queries", queries.extents, "keys", keys.extents) +
-                     " (values " + shape_string(values.extents) +
-                     ") must agree on batch and head_dim, and keys and values on heads and length");
-  if (Hkv < 1 || Hq % Hkv != 0)
-    throw ValueError("scaled_dot_product_attention: " + std::to_string(Hq) +
-                     " query heads are not a multiple of " + std::to_string(Hkv) + " key/value heads");
-  if (S != mask.kv_length)
-    throw ValueError("scaled_dot_product_attention: keys hold " + std::to_string(S) +
-                     " positions but the mask's kv_length is " + std::to_string(mask.kv_length));
+  detail::check_attention(queries.extents, keys.extents, values.extents, mask);
   for (const TensorView<T>* t : {&queries, &keys, &values})
     if (t->stride(3) != 1 || t->stride(2) != t->extent(3))
       throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
-  if (mask.sliding_window && *mask.sliding_window < 1)
-    throw ValueError("scaled_dot_product_attention: sliding_window must be positive, got " +
-                     std::to_string(*mask.sliding_window));
-  if (mask.attention_chunk_size && *mask.attention_chunk_size < 1)
-    throw ValueError("scaled_dot_product_attention: attention_chunk_size must be positive, got " +
-                     std::to_string(*mask.attention_chunk_size));
 
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t group = Hq / Hkv;
@@ -241,13 +260,26 @@ struct AttendOptions {
 
 // One attention layer's step through a cache: asks the mask sizes and the position, stores the
 // new keys/values in layer `layer_idx`, and attends over what the layer returns.
+// Queries that attention would refuse (their shape against the new keys, or a bad option) are
+// refused before the update, so a throwing attend leaves the cache as it was.
 template <class Cache, class Q, class KT, class VT>
 auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             const AttendOptions& options = {}) {
-  const std::int64_t q = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries).extent(2);
+  const auto qv = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries);
+  const std::int64_t q = qv.extent(2);
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
   AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), options.sliding_window, true,
                      options.attention_chunk_size};
+  if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid && detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
+    // What the update will return: [batch, kv heads, kv_length, head_dim] of the new keys/values.
+    // (A copy of kv_length: clang 14 lambdas cannot capture a structured binding.)
+    auto returned = [length = mask.kv_length](const auto& x) {
+      auto e = detail::tensor_input<std::remove_cvref_t<decltype(x)>>::view(x).extents;
+      e[2] = length;
+      return e;
+    };
+    detail::check_attention(qv.extents, returned(new_keys), returned(new_values), mask);
+  }
   const auto kv = cache.update(new_keys, new_values, layer_idx);
   if (!options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
     mask.sliding_window = cache.get_max_length(layer_idx);

@@ -6,6 +6,7 @@
 // exactly as it was.
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -27,6 +28,7 @@
 #include <kvc/concepts/offload_policy.hpp>
 #include <kvc/concepts/storage_policy.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers.hpp>
 #include <kvc/policies/offload/none.hpp>
 #include <kvc/policies/storage/host.hpp>
@@ -52,6 +54,23 @@ inline constexpr bool device_offload_on_host = [] {
 
 template <class L>
 inline constexpr bool has_layer_kinds = boost::mp11::mp_size<layer_kinds<L>>::value > 0;
+
+// A layer kind whose crop allocates splits it in two: prepare_crop (const, may throw) and
+// commit_crop (cannot throw), so that Cache::crop can prepare every layer before changing any.
+template <class St>
+concept staged_crop = requires(St& l, const St& c, std::int64_t n) {
+  typename St::crop_plan;
+  { c.prepare_crop(n) } -> std::same_as<typename St::crop_plan>;
+  l.commit_crop(std::declval<typename St::crop_plan&&>());
+};
+template <class St>
+struct crop_plan {
+  using type = std::monostate;
+};
+template <staged_crop St>
+struct crop_plan<St> {
+  using type = typename St::crop_plan;
+};
 
 // An int broadcast to every layer, or one value per layer (early_initialization's arguments).
 class int_or_list {
@@ -148,6 +167,10 @@ class Cache<L, S, O> {
   using has_batch_ops = std::bool_constant<concepts::supports_batch_ops<St>>;
   template <class St>
   using has_write_position = std::bool_constant<concepts::supports_write_position<St>>;
+  template <class St>
+  using has_staged_crop = std::bool_constant<detail::staged_crop<St>>;
+  template <class St>
+  using crop_plan_of = typename detail::crop_plan<St>::type;
   // K/V layers have `update`; linear-attention layers have conv/recurrent states; hybrids both.
   template <class St>
   static constexpr bool has_kv = concepts::has_update<St, S>;
@@ -163,6 +186,19 @@ class Cache<L, S, O> {
   static constexpr bool can_set_write_position = any_kind<has_write_position>;
 
   // ---- construction --------------------------------------------------------------------------
+
+  // Copies are deep; a copy assignment that throws (out of memory, a spill file that cannot be
+  // copied) leaves the cache as it was.
+  Cache(const Cache&) = default;
+  Cache(Cache&&) = default;
+  Cache& operator=(const Cache& other) {
+    if (this != &other) {
+      Cache copy(other);
+      *this = std::move(copy);
+    }
+    return *this;
+  }
+  Cache& operator=(Cache&&) = default;
 
   // Replicated: layers are copies of `prototype` (checked now, so a bad prototype throws here).
   // The constrained constructors are templates so that `template class Cache<...>;` skips them.
@@ -238,8 +274,7 @@ class Cache<L, S, O> {
   // (kv_length, kv_offset) for a query of `query_length` new tokens, asked before the update.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
     check_index(layer_idx, "get_mask_sizes");
-    if (query_length < 0)
-      throw ValueError("get_mask_sizes: query_length must be 0 or more, got " + std::to_string(query_length));
+    detail::check_size("get_mask_sizes: query_length", query_length, 0, max_extent);
     if (layer_idx >= size()) return {query_length, 0};
     layer_idx = attention_layer_for("get_mask_sizes", layer_idx);
     return visit_layer(layer_idx, [&](const auto& l) -> std::pair<std::int64_t, std::int64_t> {
@@ -256,9 +291,11 @@ class Cache<L, S, O> {
       throw ValueError(
           "`get_max_length` was called on a Cache that has no layers yet: a replicated Cache creates its layers on "
           "the first `update` of each index");
-    std::int64_t out = 0;
+    // Linear-attention layers have no length; with no attention layer at all the answer is -1
+    // (transformers' max over the layers' -1).
+    std::int64_t out = -1;
     for (std::int64_t i = 0; i < size(); ++i) {
-      if (!layer_has_kv(i)) continue;  // linear-attention layers have no length
+      if (!layer_has_kv(i)) continue;
       const std::int64_t m = get_max_length(i);
       if (m < 0) return -1;
       out = std::max(out, m);
@@ -293,9 +330,36 @@ class Cache<L, S, O> {
       else
         throw_missing_attribute<St>("crop");
     });
-    for_each_layer([&](auto& l) {
-      if constexpr (concepts::supports_crop<std::decay_t<decltype(l)>>) l.crop(tokens_to_remove);
-    });
+    if constexpr (any_kind<has_staged_crop>) {
+      // Kinds whose crop allocates (a quantized history cut and quantized again, linear-attention
+      // states) prepare it aside in every layer first; then every layer commits, which cannot throw.
+      using namespace boost::mp11;
+      using plan_variant = mp_rename<
+          mp_unique<mp_push_front<mp_transform<crop_plan_of, mp_transform<state_of, kinds>>, std::monostate>>,
+          std::variant>;
+      std::vector<plan_variant> plans;
+      plans.reserve(layers_.size());
+      for_each_layer([&](const auto& l) {
+        using St = std::decay_t<decltype(l)>;
+        if constexpr (detail::staged_crop<St>)
+          plans.emplace_back(std::in_place_type<typename St::crop_plan>, l.prepare_crop(tokens_to_remove));
+        else
+          plans.emplace_back();
+      });
+      std::size_t i = 0;
+      for_each_layer([&](auto& l) {
+        using St = std::decay_t<decltype(l)>;
+        auto& plan = plans[i++];
+        if constexpr (detail::staged_crop<St>)
+          l.commit_crop(std::move(std::get<typename St::crop_plan>(plan)));
+        else if constexpr (concepts::supports_crop<St>)
+          l.crop(tokens_to_remove);
+      });
+    } else {
+      for_each_layer([&](auto& l) {
+        if constexpr (concepts::supports_crop<std::decay_t<decltype(l)>>) l.crop(tokens_to_remove);
+      });
+    }
   }
 
   // Picks batch rows by beam index in every layer that holds data (beam search).
@@ -312,9 +376,12 @@ class Cache<L, S, O> {
                   "kvc::Cache::batch_repeat_interleave: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
     before_access(-1);
-    if (repeats < 1)
-      throw ValueError("batch_repeat_interleave: repeats must be a positive integer, got " + std::to_string(repeats));
+    detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
     gather_all<true>("batch_repeat_interleave", [&](std::int64_t batch) {
+      if (batch * repeats > max_batch)  // both at most max_batch: no overflow
+        throw ValueError("batch_repeat_interleave: batch " + std::to_string(batch) + " repeated " +
+                         std::to_string(repeats) + " times is " + std::to_string(batch * repeats) +
+                         ", above kvc's limit of " + std::to_string(max_batch));
       std::vector<std::int64_t> idx;
       idx.reserve(static_cast<std::size_t>(batch * repeats));
       for (std::int64_t b = 0; b < batch; ++b) idx.insert(idx.end(), static_cast<std::size_t>(repeats), b);
@@ -384,13 +451,14 @@ class Cache<L, S, O> {
     if (head_dim.is_list() && head_dim.length() != n)
       throw ValueError("`head_dim` was provided as a list of length " + std::to_string(head_dim.length()) +
                        ", but the Cache currently has " + std::to_string(n) + " layers");
-    if (batch_size < 1)
-      throw ValueError("early_initialization: batch_size must be a positive integer, got " + std::to_string(batch_size));
+    detail::check_size("early_initialization: batch_size", batch_size, 1, max_batch);
     for (std::size_t i = 0; i < n; ++i) {
       if (num_heads.at(i) < 1 || head_dim.at(i) < 1)
         throw ValueError("early_initialization: layer " + std::to_string(i) +
                          " needs a positive number of heads and head_dim, got num_heads " +
                          std::to_string(num_heads.at(i)) + " and head_dim " + std::to_string(head_dim.at(i)));
+      // The layer must at least be able to hold one token (a dynamic layer allocates nothing now).
+      (void)detail::checked_elements({batch_size, num_heads.at(i), 1, head_dim.at(i)}, sizeof(element_type));
     }
     before_access(-1);
     std::vector<std::pair<std::size_t, layer_variant>> prepared;
@@ -520,12 +588,17 @@ class Cache<L, S, O> {
     return all;
   }
 
+  // transformers: whether there is a layer that supports early initialization and every such layer
+  // is initialized (linear-attention layers and hybrids are not asked).
   bool is_initialized() const noexcept {
-    bool all = !layers_.empty();
+    bool any = false, all = true;
     for_each_layer([&](const auto& l) {
-      if constexpr (std::decay_t<decltype(l)>::supports_early_init) all = all && l.is_initialized();
+      if constexpr (std::decay_t<decltype(l)>::supports_early_init) {
+        any = true;
+        all = all && l.is_initialized();
+      }
     });
-    return all;
+    return any && all;
   }
 
   // The batch size shared by the initialized layers, -1 when none is initialized.
@@ -601,7 +674,13 @@ class Cache<L, S, O> {
     static_assert(S::template accepts_state_input<X>,
                   "kvc::Cache: linear-attention states and indexer keys must be a dense Eigen::Tensor<T, N, "
                   "Eigen::RowMajor> (N = 1..4), a TensorMap of one or a kvc::StateView, with the cache's element type");
-    return S::state_input_view(x);
+    const auto view = S::state_input_view(x);
+    std::int64_t n = 1;
+    for (int r = 0; r < view.rank; ++r)
+      if (view.extent(r) < 0 || view.extent(r) > max_extent || !detail::mul_fits(n, view.extent(r), n))
+        throw ValueError("kvc::Cache: a state of shape " + shape_string(view) + " has a negative dimension, one above "
+                         "kvc's limit of " + std::to_string(max_extent) + ", or a product of dimensions that overflows");
+    return view;
   }
 
   bool layer_has_linear(std::int64_t idx) const {
@@ -679,6 +758,15 @@ class Cache<L, S, O> {
       throw ValueError(shapes_of(k, v) + " must have the same batch, heads and seq dimensions");
     if (k.extent(0) < 1 || k.extent(1) < 1 || k.extent(2) < 0 || k.extent(3) < 1 || v.extent(3) < 1)
       throw ValueError(shapes_of(k, v) + ": batch, heads and head_dim must be positive");
+    // A view describes memory its owner allocated: one whose size overflows, or that is larger than
+    // a buffer kvc would allocate, is a bad view (and its seq extent then cannot overflow a position).
+    for (const view_type* t : {&k, &v}) {
+      std::int64_t n = 1;
+      for (int r = 0; r < 4; ++r)
+        if (t->extent(r) > max_extent || !detail::mul_fits(n, t->extent(r), n))
+          throw ValueError(shapes_of(k, v) + ": a dimension is above kvc's limit of " + std::to_string(max_extent) +
+                           " or their product overflows");
+    }
     for (const view_type* t : {&k, &v})
       if (t->stride(3) != 1 || t->stride(2) != t->extent(3) || t->stride(1) < t->extent(2) * t->extent(3))
         throw ValueError("update: keys and values must have contiguous [seq, head_dim] blocks, got strides [" +
@@ -693,6 +781,9 @@ class Cache<L, S, O> {
     const auto idx = static_cast<std::size_t>(layer_idx);
     if (idx >= old_size) {
       if constexpr (replicated) {
+        if (layer_idx >= max_layers)
+          throw IndexError("update: layer_idx " + std::to_string(layer_idx) + " is above kvc's limit of " +
+                           std::to_string(max_layers) + " layers");
         layers_.reserve(idx + 1);  // the only allocation; the emplaces below cannot throw
         while (layers_.size() <= idx) layers_.emplace_back(std::in_place_index<0>, prototype_);
       } else {

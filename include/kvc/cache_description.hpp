@@ -21,7 +21,9 @@
 
 #include <kvc/any_cache.hpp>
 #include <kvc/cache.hpp>
+#include <kvc/detail/json.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 
 namespace kvc {
 
@@ -39,24 +41,25 @@ namespace detail {
 
 using any_kind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
 
-inline constexpr std::int64_t max_described_size = std::int64_t{1} << 31;
-inline constexpr std::size_t max_described_layers = std::size_t{1} << 20;
+// The limits of the layer kinds themselves (kvc::max_extent slots or tokens, kvc::max_layers layers).
+inline constexpr std::int64_t max_described_size = max_extent;
+inline constexpr std::size_t max_described_layers = static_cast<std::size_t>(max_layers);
 
 inline std::int64_t described_size(const nlohmann::json& entry, const char* field, const std::string& where) {
   const auto it = entry.find(field);
   if (it == entry.end()) throw ValueError("cache description: " + where + " needs `" + field + "`");
   if (!it->is_number_integer())
-    throw ValueError("cache description: " + where + " `" + field + "` must be an integer, got " + it->dump());
-  const auto v = it->get<std::int64_t>();
-  if (v < 1 || v > max_described_size)
+    throw ValueError("cache description: " + where + " `" + field + "` must be an integer, got " + json_excerpt(*it));
+  const std::optional<std::int64_t> v = json_integer(*it);
+  if (!v || *v < 1 || *v > max_described_size)  // the value as written: 18446744073709551615 is not -1
     throw ValueError("cache description: " + where + " `" + field + "` must be between 1 and " +
-                     std::to_string(max_described_size) + ", got " + std::to_string(v));
-  return v;
+                     std::to_string(max_described_size) + ", got " + json_excerpt(*it));
+  return *v;
 }
 
 inline any_kind described_kind(const nlohmann::json& entry, const std::string& where) {
   if (!entry.is_string() && !entry.is_object())
-    throw ValueError("cache description: " + where + " must be a kind name or an object, got " + entry.dump());
+    throw ValueError("cache description: " + where + " must be a kind name or an object, got " + json_excerpt(entry));
   const nlohmann::json object = entry.is_string() ? nlohmann::json{{"type", entry}} : entry;
   const auto type = object.find("type");
   if (type == object.end() || !type->is_string())
@@ -85,7 +88,7 @@ AnyCache described_cache(const nlohmann::json& doc) {
                       kind);
   }
   const auto& list = doc["layers"];
-  if (!list.is_array()) throw ValueError("cache description: `layers` must be an array, got " + list.dump());
+  if (!list.is_array()) throw ValueError("cache description: `layers` must be an array, got " + json_excerpt(list));
   if (list.size() > max_described_layers)
     throw ValueError("cache description: `layers` holds " + std::to_string(list.size()) + " entries, more than " +
                      std::to_string(max_described_layers));
@@ -104,14 +107,14 @@ AnyCache described_cache(const nlohmann::json& doc) {
 inline AnyCache cache_from_description(std::string_view json_text) {
   nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(json_text);
+    doc = detail::parse_json<nlohmann::json>(json_text, "cache description");
   } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for huge numbers
     throw ValueError(std::string("cache description: malformed JSON: ") + e.what());
   }
-  if (!doc.is_object()) throw ValueError("cache description: expected a JSON object, got " + doc.dump());
+  if (!doc.is_object()) throw ValueError("cache description: expected a JSON object, got " + detail::json_excerpt(doc));
   std::string dtype = "float";
   if (const auto it = doc.find("dtype"); it != doc.end()) {
-    if (!it->is_string()) throw ValueError("cache description: `dtype` must be a string, got " + it->dump());
+    if (!it->is_string()) throw ValueError("cache description: `dtype` must be a string, got " + detail::json_excerpt(*it));
     dtype = it->get<std::string>();
   }
   if (dtype == "float") return detail::described_cache<float>(doc);

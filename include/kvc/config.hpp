@@ -9,10 +9,8 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -20,7 +18,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <kvc/detail/json.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers.hpp>
 #include <kvc/warnings.hpp>
 
@@ -104,12 +104,39 @@ inline constexpr std::array<std::string_view, 10> known_layer_types{
     "full_attention", "sliding_attention", "chunked_attention",         "conv", "linear_attention",
     "hybrid",         "hybrid_sliding",    "deepseek_sparse_attention", "moe",  "mlp"};
 
+namespace detail {
+// The ranges ModelConfig::from_json enforces, for a ModelConfig filled in code (every consumer
+// reaches the config through layer_specs): ValueError naming the field.
+inline void check_model_config(const ModelConfig& c) {
+  check_size("ModelConfig: num_hidden_layers", c.num_hidden_layers, 0, max_layers);
+  check_size("ModelConfig: num_attention_heads", c.num_attention_heads, 0, max_layers);
+  if (c.num_key_value_heads) check_size("ModelConfig: num_key_value_heads", *c.num_key_value_heads, 1, max_layers);
+  if (c.head_dim) check_size("ModelConfig: head_dim", *c.head_dim, 1, max_extent);
+  check_size("ModelConfig: hidden_size", c.hidden_size, 0, max_extent);
+  if (c.sliding_window) check_size("ModelConfig: sliding_window", *c.sliding_window, 1, max_extent);
+  if (c.attention_chunk_size) check_size("ModelConfig: attention_chunk_size", *c.attention_chunk_size, 1, max_extent);
+  if (c.layer_types)
+    check_size("ModelConfig: the length of layer_types", static_cast<std::int64_t>(c.layer_types->size()), 0,
+               max_layers);
+  check_size("ModelConfig: num_kv_shared_layers", c.num_kv_shared_layers, 0, max_layers);
+  check_size("ModelConfig: number_of_conv_states", c.number_of_conv_states, 1, max_layers);
+  for (const auto& [layer, o] : c.per_layer_config) {
+    const std::string at = "ModelConfig: per_layer_config[" + std::to_string(layer) + "]";
+    check_size(at + " (a layer index)", layer, 0, max_layers - 1);
+    if (o.sliding_window) check_size(at + ".sliding_window", *o.sliding_window, 1, max_extent);
+    if (o.num_attention_heads) check_size(at + ".num_attention_heads", *o.num_attention_heads, 1, max_layers);
+    if (o.num_key_value_heads) check_size(at + ".num_key_value_heads", *o.num_key_value_heads, 1, max_layers);
+    if (o.head_dim) check_size(at + ".head_dim", *o.head_dim, 1, max_extent);
+  }
+}
+}  // namespace detail
+
 // transformers' get_layer_types_and_kwargs, with each layer's own window: sliding layers use
 // sliding_window, chunked layers attention_chunk_size (transformers lets the chunk size overwrite
 // the window of every layer when both kinds are present, §5 item 33), and per_layer_config wins.
+// The config's fields are range-checked first (detail::check_model_config).
 inline std::vector<LayerSpec> layer_specs(const ModelConfig& config) {
-  if (config.num_hidden_layers < 0)
-    throw ValueError("ModelConfig: num_hidden_layers must be 0 or more, got " + std::to_string(config.num_hidden_layers));
+  detail::check_model_config(config);
   std::vector<std::string> types;
   if (config.layer_types) {
     types = *config.layer_types;
@@ -197,8 +224,7 @@ inline std::vector<DynamicLayerKind> dynamic_layer_kinds(const ModelConfig& conf
 
 // STATIC_LAYER_TYPE_MAPPING, every layer built with `max_cache_len`.
 inline std::vector<StaticLayerKind> static_layer_kinds(const ModelConfig& config, std::int64_t max_cache_len) {
-  if (max_cache_len < 1)
-    throw ValueError("StaticCache: max_cache_len must be a positive integer, got " + std::to_string(max_cache_len));
+  detail::check_size("StaticCache: max_cache_len", max_cache_len, 1, max_extent);
   std::vector<StaticLayerKind> out;
   const auto specs = layer_specs(config);
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -229,21 +255,14 @@ namespace detail::model_json {
 using json = nlohmann::json;
 
 // Limits checked before anything is allocated from a size (a fuzz target reads arbitrary files):
-// layer counts, head counts and list lengths, then hidden sizes, head dims and windows.
-inline constexpr std::int64_t max_count = std::int64_t{1} << 20;
-inline constexpr std::int64_t max_extent = std::int64_t{1} << 40;
+// layer counts, head counts and list lengths (kvc::max_layers), then hidden sizes, head dims and
+// windows (kvc::max_extent).
+inline constexpr std::int64_t max_count = max_layers;
+using kvc::max_extent;
 
 [[noreturn]] inline void fail(const std::string& what) { throw ValueError("ModelConfig: " + what); }
 
-// A JSON value as the messages quote it: at most 64 bytes, cut on a UTF-8 boundary.
-inline std::string excerpt(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() <= 64) return s;
-  std::size_t cut = 61;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  s.resize(cut);
-  return s + "...";
-}
+inline std::string excerpt(const json& v) { return json_excerpt(v); }
 
 // One JSON object read as a configuration: the top level, or the nested text config (then every
 // field is named with its path, e.g. `text_config.num_hidden_layers`).
@@ -265,17 +284,10 @@ struct scope {
 };
 
 inline std::int64_t to_int(const json& v, const std::string& name, std::int64_t minimum, std::int64_t maximum) {
-  std::int64_t i = 0;
-  if (v.is_number_unsigned()) {
-    const auto u = v.get<std::uint64_t>();
-    if (u > static_cast<std::uint64_t>(maximum))
-      fail(name + " is " + std::to_string(u) + ", above kvc's limit of " + std::to_string(maximum));
-    i = static_cast<std::int64_t>(u);
-  } else if (v.is_number_integer()) {
-    i = v.get<std::int64_t>();
-  } else {
-    fail(name + " must be an integer, got " + excerpt(v));
-  }
+  if (!v.is_number_integer()) fail(name + " must be an integer, got " + excerpt(v));
+  const std::optional<std::int64_t> fits = json_integer(v);
+  if (!fits) fail(name + " is " + excerpt(v) + ", above kvc's limit of " + std::to_string(maximum));
+  const std::int64_t i = *fits;
   if (i < minimum)
     fail(name + " must be " + (minimum == 0 ? std::string("0 or more") : std::string("a positive integer")) +
          ", got " + std::to_string(i));
@@ -587,7 +599,7 @@ inline ModelConfig ModelConfig::from_json(std::string_view text) {
   using json = nlohmann::json;
   json doc;
   try {
-    doc = json::parse(text.begin(), text.end());
+    doc = detail::parse_json<json>(text, "ModelConfig");
   } catch (const json::exception& e) {  // parse_error carries the position, out_of_range the number
     throw ValueError(std::string("ModelConfig: malformed JSON: ") + e.what());
   }
@@ -598,13 +610,10 @@ inline ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
   using json = nlohmann::json;
   std::error_code ec;
   const std::filesystem::path file = std::filesystem::is_directory(path, ec) ? path / "config.json" : path;
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw RuntimeError("ModelConfig: cannot open '" + file.string() + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = detail::read_json_file(file, "ModelConfig");
   json doc;
   try {
-    doc = json::parse(text.str());
+    doc = detail::parse_json<json>(text, "ModelConfig");
   } catch (const json::exception& e) {
     // transformers' from_pretrained message (an OSError there), then the parser's detail.
     throw ValueError("It looks like the config file at '" + file.string() + "' is not a valid JSON file. " +

@@ -16,6 +16,7 @@
 
 #include <kvc/cache.hpp>
 #include <kvc/config.hpp>
+#include <kvc/detail/json.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/generation.hpp>
 
@@ -63,9 +64,11 @@ inline std::int64_t export_size(std::optional<std::int64_t> argument, const Gene
   if (g.cache_config.is_object()) {
     const auto it = g.cache_config.find(key);
     if (it != g.cache_config.end() && !it->is_null()) {
-      if (!it->is_number_integer())
-        throw ValueError(std::string("cache_config: `") + key + "` must be an integer, got " + it->dump());
-      return it->get<std::int64_t>();
+      const std::optional<std::int64_t> v = json_integer(*it);
+      if (!v)
+        throw ValueError(std::string("cache_config: `") + key + "` must be an integer" +
+                         (it->is_number_integer() ? " that fits in 64 bits" : "") + ", got " + json_excerpt(*it));
+      return *v;
     }
   }
   throw ValueError(std::string(key) + " must be provided, either as an argument or in cache_config.");

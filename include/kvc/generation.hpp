@@ -11,11 +11,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -23,7 +21,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <kvc/detail/json.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/warnings.hpp>
 
 namespace kvc {
@@ -252,7 +252,8 @@ namespace detail {
 
 inline std::string generation_field_error(std::string_view field, std::string_view expected,
                                           const nlohmann::ordered_json& got) {
-  return "GenerationConfig: `" + std::string(field) + "` must be " + std::string(expected) + ", got " + got.dump();
+  return "GenerationConfig: `" + std::string(field) + "` must be " + std::string(expected) + ", got " +
+         json_excerpt(got);
 }
 
 inline const nlohmann::ordered_json* generation_field(const nlohmann::ordered_json& doc, std::string_view key) {
@@ -278,25 +279,21 @@ inline std::optional<std::string> generation_string(const nlohmann::ordered_json
 inline std::optional<std::int64_t> generation_int(const nlohmann::ordered_json& doc, std::string_view key) {
   const auto* v = generation_field(doc, key);
   if (!v) return std::nullopt;
-  if (v->is_number_unsigned()) {
-    if (v->get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-      throw ValueError(generation_field_error(key, "an integer that fits in 64 bits", *v));
-    return static_cast<std::int64_t>(v->get<std::uint64_t>());
-  }
   if (!v->is_number_integer()) throw ValueError(generation_field_error(key, "an integer or null", *v));
-  return v->get<std::int64_t>();
+  const std::optional<std::int64_t> fits = json_integer(*v);
+  if (!fits) throw ValueError(generation_field_error(key, "an integer that fits in 64 bits", *v));
+  return *fits;
 }
 
-inline void check_generation_size(std::string_view field, std::int64_t value, std::int64_t minimum) {
-  if (value >= minimum) return;
-  throw ValueError("GenerationConfig: `" + std::string(field) + "` must be " +
-                   (minimum == 0 ? std::string("0 or more") : std::string("a positive integer")) + ", got " +
-                   std::to_string(value));
+// A size between `minimum` and kvc's limit for it (max_extent for lengths, max_batch for beams).
+inline void check_generation_size(std::string_view field, std::int64_t value, std::int64_t minimum,
+                                  std::int64_t maximum = max_extent) {
+  check_size(join_message({"GenerationConfig: `", field, "`"}), value, minimum, maximum);
 }
 
 inline GenerationConfig generation_config_from(const nlohmann::ordered_json& doc) {
   if (!doc.is_object())
-    throw ValueError("GenerationConfig: a generation config must be a JSON object, got " + doc.dump());
+    throw ValueError("GenerationConfig: a generation config must be a JSON object, got " + json_excerpt(doc));
   GenerationConfig c;
   c.use_cache = generation_bool(doc, "use_cache");
   c.cache_implementation = generation_string(doc, "cache_implementation");
@@ -320,7 +317,7 @@ inline GenerationConfig generation_config_from(const nlohmann::ordered_json& doc
 inline GenerationConfig GenerationConfig::from_json(std::string_view text) {
   nlohmann::ordered_json doc;
   try {
-    doc = nlohmann::ordered_json::parse(text);
+    doc = detail::parse_json<nlohmann::ordered_json>(text, "GenerationConfig");
   } catch (const nlohmann::ordered_json::exception& e) {  // parse_error, and out_of_range for huge numbers
     throw ValueError(std::string("GenerationConfig: malformed JSON: ") + e.what());
   }
@@ -328,13 +325,10 @@ inline GenerationConfig GenerationConfig::from_json(std::string_view text) {
 }
 
 inline GenerationConfig GenerationConfig::from_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw RuntimeError("GenerationConfig: cannot open '" + path.string() + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = detail::read_json_file(path, "GenerationConfig");
   nlohmann::ordered_json doc;
   try {
-    doc = nlohmann::ordered_json::parse(text.str());
+    doc = detail::parse_json<nlohmann::ordered_json>(text, "GenerationConfig");
   } catch (const nlohmann::ordered_json::exception& e) {  // parse_error, and out_of_range for huge numbers
     // transformers' from_pretrained message (an OSError there), then the parser's detail.
     throw ValueError("It looks like the config file at '" + path.string() + "' is not a valid JSON file. " +
@@ -355,9 +349,10 @@ inline void GenerationConfig::validate(bool strict) const {
   // kvc's own range checks (transformers fails later, or not at all).
   if (max_cache_len.has_value()) detail::check_generation_size("max_cache_len", *max_cache_len, 1);
   if (prefill_chunk_size.has_value()) detail::check_generation_size("prefill_chunk_size", *prefill_chunk_size, 1);
+  if (max_new_tokens.has_value()) detail::check_generation_size("max_new_tokens", *max_new_tokens, 1);
   detail::check_generation_size("max_length", max_length, 0);
-  detail::check_generation_size("num_beams", num_beams, 1);
-  detail::check_generation_size("num_return_sequences", num_return_sequences, 1);
+  detail::check_generation_size("num_beams", num_beams, 1, max_batch);
+  detail::check_generation_size("num_return_sequences", num_return_sequences, 1, max_batch);
 
   const bool static_implementation =
       cache_implementation.has_value() &&

@@ -11,6 +11,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/make_cache.hpp>
 #include <kvc/policies/offload/host.hpp>
 #include <kvc/quantized_cache.hpp>

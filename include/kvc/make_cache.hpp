@@ -17,10 +17,12 @@
 #include <kvc/any_cache.hpp>
 #include <kvc/caches.hpp>
 #include <kvc/config.hpp>
+#include <kvc/detail/json.hpp>
 #include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/offload/file.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/warnings.hpp>
@@ -48,7 +50,7 @@ inline constexpr std::string_view quantized_unsupported_message =
 template <class T>
 AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {
   if (!cache_config.is_null() && !cache_config.is_object())
-    throw ValueError("make_cache: `cache_config` must be an object, got " + cache_config.dump());
+    throw ValueError("make_cache: `cache_config` must be an object, got " + json_excerpt(cache_config));
   std::string backend = "quanto";
   QuantizedOptions opts;
   if (cache_config.is_object()) {
@@ -61,14 +63,16 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
                                                        : nullptr;
       if (key == "backend") {
         if (!value.is_string())
-          throw ValueError("make_cache: `cache_config.backend` must be a string, got " + value.dump());
+          throw ValueError("make_cache: `cache_config.backend` must be a string, got " + json_excerpt(value));
         backend = value.template get<std::string>();
       } else if (key == "config") {
         continue;  // generate() sets it to the model's text config; kvc takes model_config
       } else if (field) {
-        if (!value.is_number_integer())
-          throw ValueError("make_cache: `cache_config." + key + "` must be an integer, got " + value.dump());
-        *field = value.template get<std::int64_t>();
+        const std::optional<std::int64_t> v = json_integer(value);
+        if (!v)
+          throw ValueError("make_cache: `cache_config." + key + "` must be an integer" +
+                           (value.is_number_integer() ? " that fits in 64 bits" : "") + ", got " + json_excerpt(value));
+        *field = *v;
       } else {
         throw TypeError("QuantizedCache.__init__() got an unexpected keyword argument '" + key + "'");
       }
@@ -137,6 +141,9 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
                      " (from max_length " + std::to_string(generation_config.max_length) + " and max_cache_len)");
   auto finish = [&](auto cache) {
     if (generation_config.prefill_chunk_size) {
+      // Both factors at most max_batch (validate() bounds the beams): the product cannot overflow,
+      // and early_initialization checks it against max_batch.
+      detail::check_size("make_cache: CacheRequest::batch_size", request.batch_size, 1, max_batch);
       const std::int64_t batch = request.batch_size * std::max(generation_config.num_beams,
                                                                generation_config.num_return_sequences);
       const HeadShapes shapes = get_head_shapes(model_config);

@@ -71,8 +71,8 @@ std::vector<KindVariant> quantized_layer_kinds(std::string_view backend, const M
   // The layer's own checks, run here too so that a config without layers still reports them.
   auto layers = [&]<class Codec>(Codec) {
     Codec::validate(opts.nbits, opts.axis_key, opts.axis_value);
-    check_quantized_option(opts.q_group_size, 1, "q_group_size", Codec::layer_name);
-    check_quantized_option(opts.residual_length, 1, "residual_length", Codec::layer_name);
+    check_quantized_option(opts.q_group_size, "q_group_size", Codec::layer_name);
+    check_quantized_option(opts.residual_length, "residual_length", Codec::layer_name);
     return std::vector<KindVariant>(specs.size(), quantized_kind<QuantizedLayer<Codec>>(opts));
   };
   return backend == QuantoCodec::backend ? layers(QuantoCodec{}) : layers(HqqCodec{});

@@ -6,6 +6,7 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <string_view>
@@ -34,21 +35,27 @@ inline WarningHandler set_warning_handler(WarningHandler handler) {
   return std::exchange(s.handler, std::move(handler));
 }
 
+// Out of memory while bookkeeping (copying the handler, remembering a message) drops the warning
+// instead of throwing: kvc warns from inside operations that must not fail half-way (crop).
 inline void warn(std::string_view message) {
   auto& s = detail::warnings();
   WarningHandler h;
-  {
+  try {
     std::lock_guard lock(s.mutex);
     h = s.handler;
+  } catch (const std::bad_alloc&) {
+    return;
   }
   if (h) h(message);
 }
 
 inline void warn_once(std::string_view message) {
   auto& s = detail::warnings();
-  {
+  try {
     std::lock_guard lock(s.mutex);
     if (!s.seen.emplace(message).second) return;
+  } catch (const std::bad_alloc&) {
+    return;
   }
   warn(message);
 }

@@ -4,6 +4,8 @@
 // cache (for the strong exception guarantee).
 
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <string>
@@ -75,6 +77,44 @@ kvc::HostTensor<T> cat(const kvc::HostTensor<T>& a, const kvc::HostTensor<T>& b)
           out(i, h, s, d) = s < a.dimension(2) ? a(i, h, s, d) : b(i, h, s - a.dimension(2), d);
   return out;
 }
+
+// A fresh directory for spill files, used by every engine created while it lives.
+struct spill_dir {
+  std::string path;
+  kvc::OffloadFileOptions saved = kvc::offload_file_options();
+
+  explicit spill_dir(bool drop_page_cache = false) {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "kvc-offload-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+    kvc::set_offload_file_options({path, drop_page_cache});
+  }
+  ~spill_dir() {
+    kvc::set_offload_file_options(saved);
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  spill_dir(const spill_dir&) = delete;
+  spill_dir& operator=(const spill_dir&) = delete;
+
+  // Names in the directory (spill files are unlinked as soon as they are open).
+  std::int64_t entries() const {
+    std::int64_t n = 0;
+    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(path)) ++n;
+    return n;
+  }
+  // Spill files of this directory the process holds open.
+  std::int64_t open_spill_files() const {
+    std::int64_t n = 0;
+    const std::string prefix = path + "/kvc-spill-";
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+      std::error_code ec;
+      const auto target = std::filesystem::read_symlink(e.path(), ec);
+      if (!ec && target.string().starts_with(prefix)) ++n;
+    }
+    return n;
+  }
+};
 
 // Collects warnings for the lifetime of the object.
 struct captured_warnings {

@@ -69,8 +69,13 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": "8"}]})"),
                        "cache description: `layers[0]` `max_cache_len` must be an integer, got \"8\"", kvc::ValueError);
   CHECK_THROWS_WITH_AS(
-      cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": 1000000000000}]})"),
-      "cache description: `layers[0]` `max_cache_len` must be between 1 and 2147483648, got 1000000000000",
+      cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": 10000000000000}]})"),
+      "cache description: `layers[0]` `max_cache_len` must be between 1 and 1099511627776, got 10000000000000",
+      kvc::ValueError);
+  // The value as written: 2^64 - 1 used to be reported as -1.
+  CHECK_THROWS_WITH_AS(
+      cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": 18446744073709551615}]})"),
+      "cache description: `layers[0]` `max_cache_len` must be between 1 and 1099511627776, got 18446744073709551615",
       kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": ["StaticLayer"]})"),
                        "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
@@ -89,4 +94,22 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [], "dtype": 4})"),
                        "cache description: `dtype` must be a string, got 4", kvc::ValueError);
+}
+
+TEST_CASE("hostile descriptions: deep nesting, and a buffer above the allocation limit") {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');  // used to overflow the stack
+  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"layers": )" + deep + "}"),
+                       "cache description: the JSON nests arrays and objects deeper than kvc's limit of 128 levels",
+                       kvc::ValueError);
+  // A StaticLayer of 2^31 slots is a valid description; its buffer for 256 heads of 128 is 2^48
+  // bytes: refused with the limit's message (it used to reach the allocator: std::bad_alloc).
+  auto cache = kvc::cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": 2147483648}]})");
+  kvc::HostTensor<float> k(1, 256, 1, 128);
+  k.setZero();
+  CHECK_THROWS_WITH_AS(cache.update(k, k, 0),
+                       "kvc: a buffer of [1, 256, 2147483648, 128] elements of 4 bytes is larger than kvc's allocation "
+                       "limit of 1099511627776 bytes (kvc::set_allocation_limit)",
+                       kvc::ValueError);
+  CHECK_FALSE(cache.is_initialized());
+  CHECK(cache.bytes() == 0);
 }

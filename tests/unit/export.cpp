@@ -123,3 +123,26 @@ TEST_CASE("get_head_shapes: one entry per cache layer, never an empty list") {
   c.num_kv_shared_layers = 0;  // transformers: layer_types[:-0] == [] (§5 item 34)
   CHECK(kvc::get_head_shapes(c).num_heads.size() == 2);
 }
+
+TEST_CASE("hostile export sizes: cache_config and positions past the limits") {
+  auto g = static_generation();
+  // cache_config.max_cache_len 2^62 + 1 used to build a cache whose buffers' sizes wrapped around.
+  g.cache_config = nlohmann::ordered_json{{"batch_size", 1}, {"max_cache_len", (std::int64_t{1} << 62) + 1}};
+  CHECK_THROWS_WITH_AS(kvc::StaticCacheExport<float>(gemma_like(), g),
+                       "StaticCache: max_cache_len is 4611686018427387905, above kvc's limit of 1099511627776",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json::parse(R"({"batch_size": 18446744073709551615, "max_cache_len": 8})");
+  CHECK_THROWS_WITH_AS(kvc::StaticCacheExport<float>(gemma_like(), g),
+                       "cache_config: `batch_size` must be an integer that fits in 64 bits, got 18446744073709551615",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"batch_size", std::int64_t{1} << 40}, {"max_cache_len", 8}};
+  CHECK_THROWS_WITH_AS(kvc::StaticCacheExport<float>(gemma_like(), g),
+                       "early_initialization: batch_size is 1099511627776, above kvc's limit of 1048576",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"batch_size", 1}, {"max_cache_len", 8}};
+  kvc::StaticCacheExport<float> exported(gemma_like(), g);
+  CHECK_THROWS_WITH_AS(exported.begin_step({std::int64_t{1} << 40}),
+                       "set_write_position: position 1099511627776 is out of range for a StaticLayer with max_cache_len 8",
+                       kvc::IndexError);
+  CHECK(exported.cache().get_seq_length() == 0);
+}

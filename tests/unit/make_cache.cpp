@@ -1,6 +1,8 @@
 // kvc::make_cache (the cache_implementation → cache table, §3.3) and
 // kvc::prepare_cache_for_generation (§1.20, §2.4).
 
+#include <limits>
+
 #include <kvc/make_cache.hpp>
 
 #include "../support/kvc_test.hpp"
@@ -293,5 +295,52 @@ TEST_CASE("'quantized': cache_config of the wrong JSON types") {
                        kvc::ValueError);
   g.cache_config = nlohmann::ordered_json{{"backend", 4}};
   CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "make_cache: `cache_config.backend` must be a string, got 4",
+                       kvc::ValueError);
+}
+
+TEST_CASE("hostile model files: sizes that overflowed reach no cache") {
+  // config.json with 1 layer, 1 head, head_dim 4, and a generation_config.json asking for a static
+  // cache of 2^62 + 1 slots: update used to write past a 32-byte buffer.
+  const auto config = kvc::ModelConfig::from_json(
+      R"({"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 4})");
+  CHECK_THROWS_WITH_AS(
+      kvc::GenerationConfig::from_json(R"({"cache_implementation": "static", "max_cache_len": 4611686018427387905})"),
+      "GenerationConfig: `max_cache_len` is 4611686018427387905, above kvc's limit of 1099511627776", kvc::ValueError);
+  auto g = with("static");
+  g.max_cache_len = (std::int64_t{1} << 62) + 1;  // filled in code: make_cache validates it
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, config),
+                       "GenerationConfig: `max_cache_len` is 4611686018427387905, above kvc's limit of 1099511627776",
+                       kvc::ValueError);
+  g.max_cache_len.reset();
+  g.max_length = std::numeric_limits<std::int64_t>::max();  // used to end in SIGSEGV
+  CHECK_THROWS_AS(kvc::make_cache(g, config), kvc::ValueError);
+  // A static cache as large as the limits allow is refused by the allocation limit, not written past.
+  g.max_length = 20;
+  g.max_cache_len = kvc::max_extent;
+  auto huge = kvc::make_cache(g, config);
+  kvc::HostTensor<float> k(1, 1, 1, 4);
+  k.setZero();
+  CHECK_THROWS_AS(huge.update(k, k, 0), kvc::ValueError);
+  CHECK(huge.bytes() == 0);
+  // Beams times the batch: each factor bounded, the product checked.
+  g.max_cache_len = 16;
+  g.prefill_chunk_size = 4;
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, config, {std::int64_t{1} << 40, -1}),
+                       "make_cache: CacheRequest::batch_size is 1099511627776, above kvc's limit of 1048576",
+                       kvc::ValueError);
+  g.num_beams = std::int64_t{1} << 11;
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, config, {std::int64_t{1} << 10, -1}),
+                       "early_initialization: batch_size is 2097152, above kvc's limit of 1048576", kvc::ValueError);
+  // quantized: residual_length near INT64_MAX used to corrupt the heap at decode step 16.
+  auto q = with("quantized");
+  q.cache_config = nlohmann::ordered_json{{"residual_length", std::numeric_limits<std::int64_t>::max() - 1}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(q, config),
+                       "QuantoQuantizedLayer: `residual_length` is 9223372036854775806, above kvc's limit of "
+                       "1099511627776",
+                       kvc::ValueError);
+  q.cache_config = nlohmann::ordered_json::parse(R"({"q_group_size": 18446744073709551615})");
+  CHECK_THROWS_WITH_AS(kvc::make_cache(q, config),
+                       "make_cache: `cache_config.q_group_size` must be an integer that fits in 64 bits, got "
+                       "18446744073709551615",
                        kvc::ValueError);
 }

@@ -16,6 +16,7 @@
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 
 namespace kvc {
 
@@ -63,7 +64,8 @@ template <class T, class Stream>
 class device_buffer {
  public:
   device_buffer() noexcept = default;
-  explicit device_buffer(std::int64_t n) : size_(n > 0 ? n : 0) {
+  // n elements (at most allocation_limit() bytes: ValueError otherwise, checked before cudaMalloc).
+  explicit device_buffer(std::int64_t n) : size_(checked_elements({n > 0 ? n : 0}, sizeof(T))) {
     if (size_ > 0) {
       void* p = nullptr;
       cuda_check(cudaMalloc(&p, bytes()), "cudaMalloc of a kvc device buffer");
@@ -83,8 +85,17 @@ class device_buffer {
   }
   device_buffer(device_buffer&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  device_buffer& operator=(device_buffer other) noexcept {
-    swap(other);
+  // Copy and swap (see host_buffer's copy assignment for why it is not one by-value operator=).
+  device_buffer& operator=(const device_buffer& other) {
+    if (this != &other) {
+      device_buffer copy(other);
+      swap(copy);
+    }
+    return *this;
+  }
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    device_buffer moved(std::move(other));
+    swap(moved);
     return *this;
   }
   ~device_buffer() { release(); }

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 #include <kvc/warnings.hpp>
 
@@ -138,9 +139,7 @@ class DynamicSlidingWindowLayer::state {
   static constexpr std::string_view name = "DynamicSlidingWindowLayer";
 
   explicit state(const DynamicSlidingWindowLayer& kind) : window_(kind.sliding_window) {
-    if (window_ < 1)
-      throw ValueError("DynamicSlidingWindowLayer: sliding_window must be a positive integer, got " +
-                       std::to_string(window_));
+    detail::check_size("DynamicSlidingWindowLayer: sliding_window", window_, 1, max_extent);
   }
 
   std::int64_t sliding_window() const noexcept { return window_; }
@@ -209,7 +208,8 @@ class DynamicSlidingWindowLayer::state {
       return;
     }
     // Past the window, with recording: keep the window - 1 tokens before the last n removed ones.
-    const std::int64_t n = tokens_to_remove == 0 ? 0 : std::min(-tokens_to_remove, cumulative_);
+    // min(-tokens_to_remove, cumulative_), without negating INT64_MIN.
+    const std::int64_t n = tokens_to_remove <= -cumulative_ ? cumulative_ : -tokens_to_remove;
     const std::int64_t stop = std::max<std::int64_t>(len_ - n, 0);
     const std::int64_t first = std::max<std::int64_t>(stop - (window_ - 1), 0);
     start_ += first;

@@ -33,6 +33,7 @@
 #include <utility>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/static.hpp>
@@ -73,8 +74,8 @@ class dynamic_indexer_keys {
     const std::int64_t b = x.extent(0), q = x.extent(1), d = x.extent(2);
     if (!initialized_) {
       const std::int64_t cap = std::max(q, min_dynamic_capacity);
-      buffer fresh(b * cap * d);
-      buffer spare(b > 1 ? b * cap * d : 0);
+      buffer fresh(checked_elements({b, cap, d}, sizeof(T)));
+      buffer spare(b > 1 ? checked_elements({b, cap, d}, sizeof(T)) : 0);
       S::copy_2d(fresh.data(), b * q * d, x.data(), b * q * d, b * q * d, 1);
       data_ = std::move(fresh);
       spare_ = std::move(spare);
@@ -89,7 +90,7 @@ class dynamic_indexer_keys {
     const std::int64_t grown = std::max({2 * cap_, next, min_dynamic_capacity});
     if (batch_ == 1) {
       if (next > cap_) {
-        buffer fresh(grown * dim_);
+        buffer fresh(checked_elements({grown, dim_}, sizeof(T)));
         S::copy_2d(fresh.data(), len_ * dim_, data_.data(), len_ * dim_, len_ * dim_, 1);
         data_ = std::move(fresh);
         cap_ = grown;
@@ -100,8 +101,8 @@ class dynamic_indexer_keys {
     }
     // batch > 1: the rows are re-spaced into the other buffer.
     if (next > cap_) {
-      buffer fresh(batch_ * grown * dim_);
-      buffer spare(batch_ * grown * dim_);
+      buffer fresh(checked_elements({batch_, grown, dim_}, sizeof(T)));
+      buffer spare(checked_elements({batch_, grown, dim_}, sizeof(T)));
       respace(fresh.data(), next, x);
       data_ = std::move(fresh);
       spare_ = std::move(spare);
@@ -129,8 +130,8 @@ class dynamic_indexer_keys {
     if (!initialized_) return out;
     const auto n = static_cast<std::int64_t>(indices.size());
     const std::int64_t row = len_ * dim_;
-    out.data_ = buffer(n * row);
-    out.spare_ = buffer(n > 1 ? n * row : 0);
+    out.data_ = buffer(checked_elements({n, row}, sizeof(T)));
+    out.spare_ = buffer(n > 1 ? checked_elements({n, row}, sizeof(T)) : 0);
     for (std::int64_t i = 0; i < n; ++i)
       S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
     out.batch_ = n;
@@ -191,7 +192,7 @@ class static_indexer_keys {
   void write(const state_view& x) {
     const std::int64_t b = x.extent(0), q = x.extent(1), d = x.extent(2);
     if (!initialized_) {
-      buffer fresh(b * slots_ * d);
+      buffer fresh(checked_elements({b, slots_, d}, sizeof(T)));
       S::zero_2d(fresh.data(), 0, fresh.size(), fresh.size() > 0 ? 1 : 0);
       data_ = std::move(fresh);
       batch_ = b;
@@ -216,7 +217,7 @@ class static_indexer_keys {
     if (!initialized_) return out;
     const auto n = static_cast<std::int64_t>(indices.size());
     const std::int64_t row = slots_ * dim_;
-    out.data_ = buffer(n * row);
+    out.data_ = buffer(checked_elements({n, row}, sizeof(T)));
     for (std::int64_t i = 0; i < n; ++i)
       S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
     out.batch_ = n;

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc::detail {
@@ -25,8 +26,8 @@ class kv_store {
   kv_store(LayerShape shape, std::int64_t capacity, bool zeroed)
       : shape_(shape),
         cap_(capacity),
-        k_(shape.batch * shape.heads * capacity * shape.key_head_dim),
-        v_(shape.batch * shape.heads * capacity * shape.value_head_dim) {
+        k_(checked_elements({shape.batch, shape.heads, capacity, shape.key_head_dim}, sizeof(T))),
+        v_(checked_elements({shape.batch, shape.heads, capacity, shape.value_head_dim}, sizeof(T))) {
     if (zeroed) zero();
   }
 

@@ -20,6 +20,7 @@
 
 #include <kvc/concepts/cache_layer.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/static.hpp>
@@ -64,7 +65,7 @@ struct dense_state {
     if (!initialized) return out;
     const std::int64_t per = extents[0] > 0 ? data.size() / extents[0] : 0;
     out.extents[0] = static_cast<std::int64_t>(indices.size());
-    out.data = typename S::buffer_type(per * out.extents[0]);
+    out.data = typename S::buffer_type(checked_elements({per, out.extents[0]}, sizeof(T)));
     for (std::size_t i = 0; i < indices.size(); ++i)
       S::copy_2d(out.data.data() + static_cast<std::int64_t>(i) * per, per, data.data() + indices[i] * per, per, per, 1);
     return out;
@@ -86,8 +87,7 @@ class LinearAttentionLayer::state {
   static constexpr std::string_view name = "LinearAttentionLayer";
 
   explicit state(const LinearAttentionLayer& kind) : n_(kind.number_of_states) {
-    if (n_ < 1)
-      throw ValueError("LinearAttentionLayer: number_of_states must be a positive integer, got " + std::to_string(n_));
+    detail::check_size("LinearAttentionLayer: number_of_states", n_, 1, max_layers);
     slots_.resize(static_cast<std::size_t>(n_));
   }
 
@@ -133,6 +133,7 @@ class LinearAttentionLayer::state {
                        shape_string(x));
     if (conv_kernel_size < 0)
       throw ValueError("update_conv_state: conv_kernel_size must be positive, got " + std::to_string(conv_kernel_size));
+    detail::check_size("update_conv_state: conv_kernel_size", conv_kernel_size, 0, max_extent);
     check_batch(x.extent(0), "update_conv_state");
     if (cur.conv.initialized && cur.conv.extents[1] != x.extent(1))
       throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
@@ -200,7 +201,16 @@ class LinearAttentionLayer::state {
 
   // Rolls the recorded conv states back by -tokens_to_remove columns and keeps the kernel size
   // before that point (crop(0) shrinks them to the kernel size). Recurrent states cannot roll back.
-  void crop(std::int64_t tokens_to_remove) {
+  void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
+
+ private:
+  struct slot;
+
+ public:
+  // crop in two steps (Cache::crop prepares every layer before it changes any): the new states
+  // are built aside by prepare_crop, which changes nothing, and swapped in by commit_crop.
+  using crop_plan = std::vector<slot>;
+  crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
     check_crop(tokens_to_remove);
     std::vector<slot> next = slots_;
     for (slot& s : next) {
@@ -212,8 +222,9 @@ class LinearAttentionLayer::state {
       S::copy_2d(c.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
       s.conv = std::move(c);
     }
-    slots_.swap(next);
+    return next;
   }
+  void commit_crop(crop_plan&& next) noexcept { slots_.swap(next); }
 
   // Zeroes every state in place; no state has a previous state afterwards.
   void reset() {
@@ -257,7 +268,7 @@ class LinearAttentionLayer::state {
     d.rank = rank;
     d.extents = extents;
     std::int64_t n = 1;
-    for (int r = 0; r < rank; ++r) n *= extents[r];
+    for (int r = 0; r < rank; ++r) n = detail::checked_elements({n, extents[r]}, sizeof(T));
     d.data = typename S::buffer_type(n);
     if (zeroed && n > 0) S::zero_2d(d.data.data(), n, n, 1);
     d.initialized = true;
@@ -395,11 +406,25 @@ class LinearAttentionHybrid<Attention>::state
   void crop(std::int64_t n)
     requires concepts::supports_crop<attention_state>
   {
+    commit_crop(prepare_crop(n));
+  }
+  // crop in two steps (see LinearAttentionLayer): the linear part's new states are prepared aside;
+  // the attention part's crop cannot throw once checked.
+  struct crop_plan {
+    typename linear_state::crop_plan linear;
+    std::int64_t tokens_to_remove = 0;
+  };
+  crop_plan prepare_crop(std::int64_t n) const
+    requires concepts::supports_crop<attention_state>
+  {
     check_crop(n);
-    linear_state l = linear_;  // the attention crop cannot throw once checked
-    l.crop(n);
-    attn_.crop(n);
-    linear_ = std::move(l);
+    return {linear_.prepare_crop(n), n};
+  }
+  void commit_crop(crop_plan&& plan) noexcept
+    requires concepts::supports_crop<attention_state>
+  {
+    attn_.crop(plan.tokens_to_remove);
+    linear_.commit_crop(std::move(plan.linear));
   }
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out = *this;

@@ -15,7 +15,7 @@
 //     between two quantizations its front holds dequant(history) + residual, and an update only
 //     appends the new tokens (amortized O(q)); after a quantization (every residual_length decode
 //     steps) the next update dequantizes the history again (O(sequence)). Its capacity is the
-//     sequence plus max(residual_length, sequence / 16) tokens. `release_workspace()` frees it
+//     sequence plus max(min(residual_length, sequence), sequence / 16) tokens. `release_workspace()` frees it
 //     when the caller no longer needs the views (the next update rebuilds it).
 // bytes() counts all three; quantized_bytes(), residual_bytes() and workspace_bytes() split it.
 //
@@ -34,6 +34,7 @@
 #include <vector>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 #include <kvc/policies/quantization/codecs.hpp>
@@ -54,8 +55,8 @@ class dequant_workspace {
   dequant_workspace(LayerShape shape, std::int64_t capacity)
       : shape_(shape),
         cap_(capacity),
-        k_(shape.batch * shape.heads * capacity * shape.key_head_dim),
-        v_(shape.batch * shape.heads * capacity * shape.value_head_dim) {}
+        k_(checked_elements({shape.batch, shape.heads, capacity, shape.key_head_dim}, sizeof(T))),
+        v_(checked_elements({shape.batch, shape.heads, capacity, shape.value_head_dim}, sizeof(T))) {}
 
   std::int64_t capacity() const noexcept { return cap_; }
   std::int64_t bytes() const noexcept {
@@ -123,15 +124,9 @@ class dequant_workspace {
   buffer v_;
 };
 
-inline void check_quantized_option(std::int64_t value, std::int64_t minimum, std::string_view option,
-                                   std::string_view layer) {
-  if (value >= minimum) return;
-  std::string msg(layer);
-  msg.append(": `");
-  msg.append(option);
-  msg.append("` must be a positive integer, got ");
-  msg.append(std::to_string(value));
-  throw ValueError(msg);
+// q_group_size and residual_length: positive, and at most kvc::max_extent.
+inline void check_quantized_option(std::int64_t value, std::string_view option, std::string_view layer) {
+  check_size(join_message({layer, ": `", option, "`"}), value, 1, max_extent);
 }
 
 }  // namespace detail
@@ -165,8 +160,8 @@ struct QuantizedLayer {
     // axis_value), then q_group_size and residual_length.
     explicit state(const QuantizedLayer& kind) : opts_(kind) {
       Codec::validate(kind.nbits, kind.axis_key, kind.axis_value);
-      detail::check_quantized_option(kind.q_group_size, 1, "q_group_size", name);
-      detail::check_quantized_option(kind.residual_length, 1, "residual_length", name);
+      detail::check_quantized_option(kind.q_group_size, "q_group_size", name);
+      detail::check_quantized_option(kind.residual_length, "residual_length", name);
     }
 
     const QuantizedLayer& options() const noexcept { return opts_; }
@@ -266,22 +261,34 @@ struct QuantizedLayer {
     // Negative: removes -n tokens from the end, across the residual and the quantized history
     // (a cut into the history dequantizes it, truncates and quantizes it again). Positive: the
     // deprecated absolute length (with DynamicLayer's warning).
-    void crop(std::int64_t tokens_to_remove) {
-      if (!initialized_) return;
-      const std::int64_t count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
-      if (count == 0) return;
-      if (count <= rlen_) {
-        rlen_ -= count;  // the workspace's prefix stays what it was
-        cumulative_ -= count;
+    void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
+
+    // crop in two steps (Cache::crop prepares every layer before it changes any): what can throw
+    // (the history quantized again) happens in prepare_crop, which changes nothing.
+    struct crop_plan {
+      std::int64_t count = 0;               // tokens removed
+      std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the cut history, if cut
+    };
+    crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
+      crop_plan plan;
+      if (!initialized_) return plan;
+      plan.count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
+      if (plan.count <= rlen_) return plan;
+      const std::int64_t keep = cumulative_ - plan.count;  // < quantized_tokens()
+      plan.keys = requantized(qk_, keep, shape_.key_head_dim, opts_.axis_key);
+      plan.values = requantized(qv_, keep, shape_.value_head_dim, opts_.axis_value);
+      return plan;
+    }
+    void commit_crop(crop_plan&& plan) noexcept {
+      if (plan.count == 0) return;
+      cumulative_ -= plan.count;
+      if (!plan.keys) {
+        rlen_ -= plan.count;  // the workspace's prefix stays what it was
         return;
       }
-      const std::int64_t keep = cumulative_ - count;  // < quantized_tokens()
-      qtensor nk = requantized(qk_, keep, shape_.key_head_dim, opts_.axis_key);
-      qtensor nv = requantized(qv_, keep, shape_.value_head_dim, opts_.axis_value);
-      qk_ = std::move(nk);
-      qv_ = std::move(nv);
+      qk_ = std::move(*plan.keys);
+      qv_ = std::move(*plan.values);
       rlen_ = 0;
-      cumulative_ = keep;
       ws_fresh_ = false;
     }
 
@@ -325,10 +332,13 @@ struct QuantizedLayer {
     }
 
     // Room for `total` tokens and the ones the next few updates add: residual_length more (a
-    // single-token decode quantizes, and so rebuilds the workspace anyway, within that many steps)
-    // or a sixteenth more for long multi-token appends (amortized O(1) copies per token).
+    // single-token decode quantizes, and so rebuilds the workspace anyway, within that many steps),
+    // but never more than `total` more (a residual_length far above the sequence would otherwise
+    // reserve room for tokens that may never come; doubling keeps appends amortized O(1)), or a
+    // sixteenth more for long multi-token appends (amortized O(1) copies per token).
     std::int64_t workspace_capacity(std::int64_t total) const noexcept {
-      return std::max({total + opts_.residual_length, total + total / 16, detail::min_dynamic_capacity});
+      const std::int64_t extra = std::max(std::min(opts_.residual_length, total), total / 16);
+      return std::max(total + extra, detail::min_dynamic_capacity);
     }
 
     qtensor encode(const element_type* src, std::int64_t stride_b, std::int64_t stride_h, std::int64_t tokens,
@@ -340,7 +350,7 @@ struct QuantizedLayer {
     // The first `keep` tokens of `t`, dequantized and quantized again.
     qtensor requantized(const qtensor& t, std::int64_t keep, std::int64_t dim, std::int64_t axis) const {
       const std::int64_t n = t.tokens();
-      typename S::buffer_type tmp(shape_.batch * shape_.heads * n * dim);
+      typename S::buffer_type tmp(detail::checked_elements({shape_.batch, shape_.heads, n, dim}, sizeof(element_type)));
       t.decode(tmp.data(), shape_.heads * n * dim, n * dim);
       return encode(tmp.data(), shape_.heads * n * dim, n * dim, keep, dim, axis);
     }

@@ -11,14 +11,15 @@
 #include <utility>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 
 namespace kvc {
 
 namespace detail {
+// A layer kind's size option: positive and at most kvc::max_extent.
 inline void check_positive(std::int64_t value, const char* what, const char* kind) {
-  if (value < 1)
-    throw ValueError(std::string(kind) + ": " + what + " must be a positive integer, got " + std::to_string(value));
+  check_size(join_message({kind, ": ", what}), value, 1, max_extent);
 }
 }  // namespace detail
 
@@ -60,7 +61,7 @@ class StaticLayer::state {
 
   KV<view> update(const view& k, const view& v) {
     const std::int64_t q = k.extent(2);
-    if (position_ + q > max_cache_len_)
+    if (q > max_cache_len_ - position_)  // position_ <= max_cache_len_: no overflow
       throw IndexError("index " + std::to_string(max_cache_len_) + " is out of bounds for dimension 2 with size " +
                        std::to_string(max_cache_len_) + ": StaticLayer with max_cache_len " +
                        std::to_string(max_cache_len_) + " holds " + std::to_string(position_) +

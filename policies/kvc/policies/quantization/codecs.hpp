@@ -497,7 +497,8 @@ class quantized_tensor {
     const std::int64_t n = l.elements();
     if (n == 0) return out;
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(n));
-    std::vector<float> buf(static_cast<std::size_t>(std::max(group_size, dim)));
+    // A group holds at most min(group_size, n) elements (group_size may be far larger than the block).
+    std::vector<float> buf(static_cast<std::size_t>(std::min(std::max(group_size, dim), n)));
     const float qmax = l.qmax();
     const auto load = [&buf](std::int64_t i) { return buf[static_cast<std::size_t>(i)]; };
     for (std::int64_t blk = 0; blk < l.blocks(); ++blk) {

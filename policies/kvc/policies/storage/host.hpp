@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -22,16 +23,31 @@ class host_buffer {
   static constexpr std::size_t alignment = 64;
 
   host_buffer() noexcept = default;
-  explicit host_buffer(std::int64_t n) : size_(n) {
-    if (n > 0) ptr_ = static_cast<T*>(::operator new(sizeof(T) * static_cast<std::size_t>(n), std::align_val_t{alignment}));
+  // n elements (n >= 0, at most allocation_limit() bytes: ValueError otherwise, checked before
+  // allocating); MemoryError when the system refuses them.
+  explicit host_buffer(std::int64_t n) {
+    const std::int64_t count = checked_elements({n}, sizeof(T));
+    if (count > 0) ptr_ = static_cast<T*>(allocate_bytes(count * std::int64_t{sizeof(T)}, alignment));
+    size_ = count;
   }
   host_buffer(const host_buffer& other) : host_buffer(other.size_) {
     if (size_ > 0) std::memcpy(ptr_, other.ptr_, sizeof(T) * static_cast<std::size_t>(size_));
   }
   host_buffer(host_buffer&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-  host_buffer& operator=(host_buffer other) noexcept {
-    swap(other);
+  // Copy and swap: a copy that throws leaves *this as it was. (Not one by-value operator= marked
+  // noexcept: clang counts the parameter's copy as part of the noexcept call, so a class holding a
+  // buffer got a noexcept copy assignment that terminated on std::bad_alloc.)
+  host_buffer& operator=(const host_buffer& other) {
+    if (this != &other) {
+      host_buffer copy(other);
+      swap(copy);
+    }
+    return *this;
+  }
+  host_buffer& operator=(host_buffer&& other) noexcept {
+    host_buffer moved(std::move(other));
+    swap(moved);
     return *this;
   }
   ~host_buffer() {
