@@ -98,6 +98,13 @@ if command -v valgrind >/dev/null 2>&1 && [[ -f build/gcc/CTestTestfile.cmake ]]
   while read -r -a cmd; do
     [[ ${#cmd[@]} -gt 0 ]] || continue
     name=$(basename "${cmd[0]}")
+    # test_alloc_failure replaces operator new/delete to fail allocations on purpose; memcheck
+    # replaces them too (its delete then frees what the test's new allocated), so that one test
+    # runs in the other three stages only (ASan and UBSan check its memory).
+    if [[ $name == test_alloc_failure ]]; then
+      echo "memcheck $name: not run (it replaces the allocator memcheck replaces)"
+      continue
+    fi
     if (cd "$(dirname "${cmd[0]}")" && timeout 900 valgrind -q --error-exitcode=99 \
           --suppressions="$PWD_ROOT/tools/valgrind.supp" "${cmd[@]}") >"$log_dir/memcheck-$name.log" 2>&1; then
       mc_pass=$((mc_pass + 1))

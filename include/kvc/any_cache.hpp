@@ -80,6 +80,7 @@ struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::h
   virtual void batch_repeat_interleave(std::int64_t) = 0;
   virtual void batch_select_indices(std::span<const std::int64_t>) = 0;
   virtual void reset() = 0;
+  virtual void make_resident(std::int64_t) = 0;
   virtual void activate_past_recording() noexcept = 0;
   virtual void set_write_position(std::int64_t) = 0;
   virtual void early_initialization(std::int64_t, const int_or_list&, const int_or_list&) = 0;
@@ -181,6 +182,7 @@ class any_cache_model final : public any_cache_iface {
       missing("batch_select_indices");
   }
   void reset() override { cache_.reset(); }
+  void make_resident(std::int64_t i) override { cache_.make_resident(i); }
   void activate_past_recording() noexcept override { cache_.activate_past_recording(); }
   void set_write_position(std::int64_t p) override {
     if constexpr (C::can_set_write_position)
@@ -337,6 +339,10 @@ class AnyCache {
   }
   void reset() {
     if (impl_) impl_->reset();
+  }
+  // Brings layer `layer_idx` (-1: every layer) back from an offload tier (Cache::make_resident).
+  void make_resident(std::int64_t layer_idx = -1) {
+    if (impl_) impl_->make_resident(layer_idx);
   }
   void activate_past_recording() noexcept {
     if (impl_) impl_->activate_past_recording();

@@ -269,8 +269,12 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
 
   // ---- both caches -------------------------------------------------------------------------------
 
-  // Resets both caches; no layer counts as updated afterwards.
+  // Resets both caches; no layer counts as updated afterwards. Both are brought back from their
+  // offload tiers first, the one step that can fail (I/O): a failure there leaves both as they
+  // were, and resetting layers in memory cannot fail.
   void reset() {
+    self_.make_resident();
+    cross_.make_resident();
     self_.reset();
     cross_.reset();
     for (auto& entry : is_updated_) entry.second = false;

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -28,43 +29,7 @@ using File = kvc::OffloadToFile<OnlyNonSliding>;
 using Host = kvc::HostStorage<float>;
 using Bf16 = Eigen::bfloat16;
 
-// A fresh directory for spill files, used by every engine created while it lives.
-struct spill_dir {
-  std::string path;
-  kvc::OffloadFileOptions saved = kvc::offload_file_options();
-
-  explicit spill_dir(bool drop_page_cache = false) {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvc-offload-test-XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-    kvc::set_offload_file_options({path, drop_page_cache});
-  }
-  ~spill_dir() {
-    kvc::set_offload_file_options(saved);
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  spill_dir(const spill_dir&) = delete;
-  spill_dir& operator=(const spill_dir&) = delete;
-
-  // Names in the directory (spill files are unlinked as soon as they are open).
-  std::int64_t entries() const {
-    std::int64_t n = 0;
-    for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(path)) ++n;
-    return n;
-  }
-  // Spill files of this directory the process holds open.
-  std::int64_t open_spill_files() const {
-    std::int64_t n = 0;
-    const std::string prefix = path + "/kvc-spill-";
-    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
-      std::error_code ec;
-      const auto target = std::filesystem::read_symlink(e.path(), ec);
-      if (!ec && target.string().starts_with(prefix)) ++n;
-    }
-    return n;
-  }
-};
+using kvc_test::spill_dir;
 
 template <class KV>
 std::vector<double> both(const KV& kv) {
@@ -356,10 +321,11 @@ TEST_CASE("a full disk (a file-size limit): RuntimeError, layer kept in memory, 
   std::mt19937 rng(9);
   for (int s = 0; s < 3; ++s) step<float>(off, ref, 3, 1, 2, s == 0 ? 4 : 1, 16, rng, nothing);
 
-  // Every write past the limit fails with EFBIG (SIGXFSZ ignored, as a full disk fails with ENOSPC).
+  // A write past the limit would raise SIGXFSZ, whose default action (kept here: `ulimit -f` in a
+  // shell that did not ignore it) ends the process; kvc refuses the write first, with EFBIG.
   rlimit saved{};
   REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_DFL);
   rlimit tight = saved;
   tight.rlim_cur = 0;
   REQUIRE(::setrlimit(RLIMIT_FSIZE, &tight) == 0);
@@ -479,4 +445,60 @@ TEST_CASE("§4.2-9: prefetching across linear-attention layers wraps from layer 
   CHECK(stats.sync_reads == 0);
   CHECK(stats.prefetch_hits == 4);
   for (const std::int64_t layer : {3, 7}) check_same(cache.stored(layer), ref.stored(layer));
+}
+
+TEST_CASE("a deep copy that fails on a full disk leaves the spill counters as they were") {
+  spill_dir dir;
+  kvc::DynamicCache<float, Host, File<>> off;
+  kvc::DynamicCache<float> ref;
+  std::mt19937 rng(12);
+  for (int s = 0; s < 2; ++s) step<float>(off, ref, 4, 1, 2, s == 0 ? 4 : 1, 8, rng, nothing);
+  const kvc::OffloadFileStats before = kvc::offload_file_stats();
+  REQUIRE(before.spilled_layers >= 3);
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+  rlimit tight = saved;
+  tight.rlim_cur = 0;  // the copy's spill file cannot take a byte
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &tight) == 0);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    CAPTURE(attempt);
+    CHECK_THROWS_AS([&] { auto copy = off; }(), kvc::RuntimeError);
+    // A failed copy used to uncount every spilled layer of the source: -3 per attempt.
+    CHECK(kvc::offload_file_stats().spilled_layers == before.spilled_layers);
+    CHECK(kvc::offload_file_stats().spilled_bytes == before.spilled_bytes);
+  }
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &saved) == 0);
+  check_same_contents(off, ref);
+}
+
+TEST_CASE("EncoderDecoderCache::reset when one half cannot be read back changes neither half") {
+  using D = kvc::DynamicCache<float, Host, File<>>;
+  kvc::EncoderDecoderCache<D, D> pair{D(), D()};
+  std::mt19937 rng(13);
+  kvc::DynamicCache<float> self_ref, cross_ref;
+  spill_dir self_dir;
+  for (int s = 0; s < 2; ++s) step<float>(pair.self_attention_cache(), self_ref, 2, 1, 2, s == 0 ? 3 : 1, 8, rng, nothing);
+  spill_dir cross_dir;  // the cross-attention half's spill file lives here
+  for (int s = 0; s < 2; ++s) step<float>(pair.cross_attention_cache(), cross_ref, 2, 1, 2, 4, 8, rng, nothing);
+  REQUIRE(cross_dir.open_spill_files() == 1);
+  // Make the cross half's spill file unreadable: its descriptor now refers to a write-only file.
+  const std::string prefix = cross_dir.path + "/kvc-spill-";
+  int spill_fd = -1;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(e.path(), ec).string().starts_with(prefix))
+      spill_fd = std::stoi(e.path().filename().string());
+  }
+  REQUIRE(spill_fd >= 0);
+  const int null_fd = ::open("/dev/null", O_WRONLY);
+  REQUIRE(null_fd >= 0);
+  REQUIRE(::dup2(null_fd, spill_fd) == spill_fd);
+  ::close(null_fd);
+  pair.set_is_updated(0);
+  // reset used to reset the self-attention half, then fail on the cross half: self 0, cross 8.
+  CHECK_THROWS_AS(pair.reset(), kvc::RuntimeError);
+  CHECK(pair.self_attention_cache().get_seq_length() == 4);
+  CHECK(pair.is_updated(0));
+  check_same_contents(pair.self_attention_cache(), self_ref);
+  CHECK(pair.cross_attention_cache().size() == 2);
 }

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -111,8 +112,18 @@ inline std::string error_text(int err) {
   return strerror_text(strerror_r(err, buf, sizeof buf), buf);
 }
 
+// Whether writing up to byte `end` of a file would pass the process's file size limit
+// (RLIMIT_FSIZE, `ulimit -f`). The kernel answers such a write with SIGXFSZ, whose default action
+// kills the process; kvc refuses the write first, with EFBIG, so that it becomes an exception.
+inline bool beyond_file_size_limit(std::int64_t end) noexcept {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return false;
+  return static_cast<std::uint64_t>(end) > static_cast<std::uint64_t>(limit.rlim_cur);
+}
+
 // Writes/reads exactly n bytes at `offset`; returns 0, an errno value, or -1 for end of file.
 inline int pwrite_all(int fd, const std::byte* p, std::size_t n, std::int64_t offset) noexcept {
+  if (beyond_file_size_limit(offset + static_cast<std::int64_t>(n))) return EFBIG;
   while (n > 0) {
     const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
     if (w < 0) {
@@ -184,6 +195,7 @@ class core {
     for (record& r : out->records_) {
       r.offset = -1;
       r.capacity = 0;
+      r.spilled = false;  // set once its bytes are copied (and counted), so a failed copy uncounts only those
     }
     for (std::size_t i = 0; i < records_.size(); ++i) {
       const record& src = records_[i];
@@ -204,6 +216,7 @@ class core {
                          ". The cache was not copied");
         done += static_cast<std::int64_t>(n);
       }
+      dst.spilled = true;
       totals().spilled_layers += 1;
       totals().spilled_bytes += src.bytes;
     }
@@ -533,23 +546,24 @@ class core {
     totals().prefetches_dropped += 1;
   }
 
-  void run() {
+  // The prefetch thread allocates nothing (an exception escaping it would end the process): it
+  // reads into the staged buffers the caller's thread allocated. While the job runs, the caller's
+  // thread does not touch job_staged_ (it waits for job_state::done first).
+  void run() noexcept {
     std::unique_lock lock(m_);
     for (;;) {
       work_cv_.wait(lock, [&] { return stop_ || job_state_ == job_state::queued; });
       if (stop_) return;
       job_state_ = job_state::running;
-      std::vector<std::pair<std::byte*, std::size_t>> pieces;
-      for (const auto& s : job_staged_)
-        if (s) pieces.emplace_back(s->bytes, s->size);
       const std::int64_t offset = job_offset_;
       const std::int64_t bytes = job_bytes_;
       lock.unlock();
       int err = 0;
       std::int64_t at = offset;
-      for (const auto& [p, n] : pieces) {
-        if ((err = pread_all(fd_, p, n, at)) != 0) break;
-        at += static_cast<std::int64_t>(n);
+      for (const auto& s : job_staged_) {
+        if (!s) continue;
+        if ((err = pread_all(fd_, s->bytes, s->size, at)) != 0) break;
+        at += static_cast<std::int64_t>(s->size);
       }
       if (err == 0) totals().bytes_read += bytes;
       lock.lock();

@@ -1,0 +1,420 @@
+// Allocation failures: a replacement operator new fails the N-th allocation, for N = 0, 1, 2, ...,
+// during each operation of a sequence, over every cache kind. After each failure the cache must
+// be exactly as it was before the call (the strong guarantee, docs/errors.md); an operation that
+// absorbs a failure (a warning dropped, a prefetch thread not started) must end as it does when
+// nothing fails. The replacement counts every thread's allocations, so one on OffloadToFile's
+// prefetch thread would fail too (and end the process if it escaped the thread).
+
+#include <atomic>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <kvc/kvc.hpp>
+
+#include "../support/kvc_test.hpp"
+
+// ---- the failing allocator ---------------------------------------------------------------------
+
+namespace {
+
+std::atomic<std::int64_t> countdown{-1};  // allocations left before the failing one; -1: disarmed
+std::atomic<bool> fired{false};
+std::atomic<std::int64_t> off_thread{0};  // allocations made by threads other than the test's
+const std::thread::id test_thread = std::this_thread::get_id();
+
+void arm(std::int64_t n) {
+  fired = false;
+  countdown = n;
+}
+// Disarms; whether the armed failure happened.
+bool disarm() {
+  countdown = -1;
+  return fired;
+}
+
+void* allocate(std::size_t n, std::size_t alignment) {
+  if (std::this_thread::get_id() != test_thread) off_thread.fetch_add(1);
+  if (countdown.load() >= 0 && countdown.fetch_sub(1) == 0) {
+    countdown = -1;  // one failure per arming: what runs after it (messages, unwinding) may allocate
+    fired = true;
+    throw std::bad_alloc();
+  }
+  void* p = nullptr;
+  if (alignment <= alignof(std::max_align_t))
+    p = std::malloc(n ? n : 1);
+  else if (::posix_memalign(&p, alignment, n ? n : 1) != 0)
+    p = nullptr;
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) { return allocate(n, 0); }
+void* operator new[](std::size_t n) { return allocate(n, 0); }
+void* operator new(std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return allocate(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+// ---- scenarios ---------------------------------------------------------------------------------
+
+namespace {
+
+using kvc_test::random_tensor;
+using Host = kvc::HostStorage<float>;
+using T3 = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+using T2 = Eigen::Tensor<float, 2, Eigen::RowMajor>;
+
+constexpr std::int64_t batch = 2, heads = 2, head_dim = 4;
+
+kvc::HostTensor<float> tokens(std::int64_t q, unsigned seed) {
+  std::mt19937 rng(seed);
+  return random_tensor<float>(batch, heads, q, head_dim, rng);
+}
+T3 conv_input(std::int64_t time, unsigned seed) {
+  T3 x(batch, 3, time);
+  for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>((seed * 7 + i) % 13) - 6.0f;
+  return x;
+}
+T2 recurrent_input(unsigned seed) {
+  T2 x(batch, 5);
+  for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>((seed * 5 + i) % 11) - 5.0f;
+  return x;
+}
+T3 indexer_input(std::int64_t q, unsigned seed) {
+  T3 x(batch, q, 2);
+  for (std::int64_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>((seed * 3 + i) % 17) - 8.0f;
+  return x;
+}
+
+// What a caller can observe of a cache (every layer brought back into memory first, so that where
+// an offloaded layer's bytes are does not count).
+template <class C>
+kvc_test::snapshot observe(C& c) {
+  c.make_resident(-1);
+  return kvc_test::take_snapshot(c);
+}
+template <class S, class X>
+std::pair<std::pair<kvc_test::snapshot, kvc_test::snapshot>, std::map<std::int64_t, bool>> observe(
+    kvc::EncoderDecoderCache<S, X>& c) {
+  return {{observe(c.self_attention_cache()), observe(c.cross_attention_cache())}, c.is_updated()};
+}
+
+template <class C>
+struct op {
+  std::string name;
+  std::function<void(C&)> run;
+};
+
+template <class C>
+struct scenario {
+  std::string name;
+  std::function<C()> make;
+  std::vector<op<C>> ops;
+};
+
+// For every op k and every N until op k runs without reaching its N-th allocation: replays ops
+// [0, k) on a fresh cache, fails allocation N during op k, and compares with the cache as it was
+// (replayed again: observing an offloaded cache brings its layers back, which would change the
+// paths op k takes).
+template <class C>
+void check_every_failure(const scenario<C>& s) {
+  std::int64_t failures = 0;
+  for (std::size_t k = 0; k < s.ops.size(); ++k) {
+    for (std::int64_t n = 0;; ++n) {
+      C before = s.make();
+      for (std::size_t j = 0; j < k; ++j) s.ops[j].run(before);
+      const auto expected_before = observe(before);
+      C cache = s.make();
+      for (std::size_t j = 0; j < k; ++j) s.ops[j].run(cache);
+      bool threw = false;
+      std::string what;
+      arm(n);
+      try {
+        s.ops[k].run(cache);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      } catch (const std::exception& e) {
+        disarm();
+        what = e.what();
+      }
+      const bool failed = disarm();
+      CAPTURE(s.name);
+      CAPTURE(s.ops[k].name);
+      CAPTURE(n);
+      CAPTURE(what);
+      REQUIRE(what.empty());  // only the injected failure may stop an op
+      if (!failed) {
+        CHECK_FALSE(threw);
+        break;
+      }
+      ++failures;
+      if (threw) {
+        CHECK(observe(cache) == expected_before);
+      } else {  // absorbed: the op must end as it does without a failure
+        C reference = s.make();
+        for (std::size_t j = 0; j <= k; ++j) s.ops[j].run(reference);
+        CHECK(observe(cache) == observe(reference));
+      }
+    }
+  }
+  MESSAGE(s.name << ": " << failures << " injected failures over " << s.ops.size() << " operations");
+  CHECK(failures > 0);
+}
+
+// The ops of a mixed config layout: K/V updates of the attention layers, linear states, indexer
+// keys, then the whole-cache operations given.
+template <class C>
+std::vector<op<C>> layer_ops(const std::vector<std::string>& types, std::int64_t prefill, std::int64_t decodes) {
+  std::vector<op<C>> ops;
+  auto add_step = [&](std::int64_t q, unsigned seed) {
+    for (std::size_t i = 0; i < types.size(); ++i) {
+      const auto layer = static_cast<std::int64_t>(i);
+      const std::string& t = types[i];
+      const std::string at = std::to_string(i) + " (" + t + "), q=" + std::to_string(q);
+      const bool linear = t == "linear_attention" || t == "hybrid" || t == "hybrid_sliding";
+      if (linear) {
+        ops.push_back({"update_conv_state " + at, [=](C& c) { c.update_conv_state(conv_input(q, seed), layer, 0, 4); }});
+        ops.push_back({"update_recurrent_state " + at, [=](C& c) { c.update_recurrent_state(recurrent_input(seed), layer); }});
+      }
+      if (t != "linear_attention")
+        ops.push_back({"update " + at, [=](C& c) {
+                         const auto k = tokens(q, seed + static_cast<unsigned>(i)), v = tokens(q, seed + 100);
+                         c.update(k, v, layer);
+                       }});
+      if (t == "deepseek_sparse_attention")
+        ops.push_back({"update_indexer " + at, [=](C& c) { c.update_indexer(indexer_input(q, seed), layer); }});
+    }
+  };
+  add_step(prefill, 1);
+  for (std::int64_t d = 0; d < decodes; ++d) add_step(1, 10 + static_cast<unsigned>(d));
+  return ops;
+}
+
+template <class C>
+void add_dynamic_ops(std::vector<op<C>>& ops) {
+  ops.push_back({"crop(-2)", [](C& c) { c.crop(-2); }});
+  ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
+  ops.push_back({"batch_repeat_interleave(2)", [](C& c) { c.batch_repeat_interleave(2); }});
+  ops.push_back({"batch_select_indices({3, 0})", [](C& c) { c.batch_select_indices({3, 0}); }});
+}
+// Copy assignment from another cache of the kind (`make()` with its first `layers` layers updated,
+// built once, outside the failing window) and reset.
+template <class C>
+void add_common_ops(std::vector<op<C>>& ops, const std::function<C()>& make, std::int64_t layers = 1) {
+  auto source = std::make_shared<C>(make());
+  for (std::int64_t i = 0; i < layers; ++i) source->update(tokens(2, 3), tokens(2, 4), i);
+  ops.push_back({"copy assignment", [source](C& c) { c = *source; }});
+  ops.push_back({"reset", [](C& c) { c.reset(); }});
+}
+
+const std::vector<std::string> dynamic_types{"full_attention", "sliding_attention", "linear_attention",
+                                             "hybrid",         "hybrid_sliding",    "deepseek_sparse_attention"};
+
+kvc::ModelConfig config_of(const std::vector<std::string>& types) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = heads;
+  c.head_dim = head_dim;
+  c.hidden_size = heads * head_dim;
+  c.sliding_window = 3;
+  c.layer_types = types;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("DynamicCache: every allocation failure leaves the cache as it was") {
+  using C = kvc::DynamicCache<float>;
+  scenario<C> s{"DynamicCache", [] { return C(); }, layer_ops<C>({"full_attention", "full_attention"}, 5, 2)};
+  add_dynamic_ops(s.ops);
+  add_common_ops<C>(s.ops, [] { return C(); });
+  s.ops.push_back({"update after reset", [](C& c) { c.update(tokens(2, 9), tokens(2, 9), 1); }});
+  check_every_failure(s);
+}
+
+TEST_CASE("make_dynamic_cache, every dynamic kind (full, sliding, linear, hybrids, indexed)") {
+  using C = kvc::ConfiguredDynamicCache<float>;
+  const auto make = [] {
+    auto c = kvc::make_dynamic_cache<float>(config_of(dynamic_types));
+    c.activate_past_recording();  // linear layers crop only while recording
+    return c;
+  };
+  scenario<C> s{"make_dynamic_cache", make, layer_ops<C>(dynamic_types, 5, 2)};
+  add_dynamic_ops(s.ops);
+  add_common_ops<C>(s.ops, make);
+  s.ops.push_back({"early_initialization after reset", [](C& c) { c.early_initialization(batch, heads, head_dim); }});
+  check_every_failure(s);
+}
+
+TEST_CASE("StaticCache, every static kind (full, sliding, linear, hybrids, indexed)") {
+  using C = kvc::StaticCache<float>;
+  const auto make = [] { return C(config_of(dynamic_types), 12); };
+  scenario<C> s{"StaticCache", make, {}};
+  s.ops.push_back({"early_initialization", [](C& c) { c.early_initialization(batch, heads, head_dim); }});
+  for (auto& o : layer_ops<C>(dynamic_types, 5, 2)) s.ops.push_back(std::move(o));
+  s.ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
+  add_common_ops<C>(s.ops, make);
+  check_every_failure(s);
+}
+
+TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop into the history, batch operations") {
+  for (const char* backend : {"quanto", "hqq"}) {
+    using C = kvc::QuantizedCache<float>;
+    const std::string b = backend;
+    const auto make = [b] {
+      return C(b, config_of({"full_attention", "full_attention"}),
+               kvc::QuantizedOptions{.nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 4, .residual_length = 3});
+    };
+    // Decode steps past residual_length quantize everything again.
+    scenario<C> s{std::string("QuantizedCache ") + backend, make, layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
+    s.ops.push_back({"crop(-3) into the history", [](C& c) { c.crop(-3); }});
+    add_dynamic_ops(s.ops);
+    add_common_ops<C>(s.ops, make);
+    check_every_failure(s);
+  }
+}
+
+TEST_CASE("OffloadToFile: dynamic and static caches with spilled layers and prefetches") {
+  kvc_test::spill_dir dir;
+  off_thread = 0;
+  {
+    using C = kvc::ConfiguredDynamicCache<float, Host, kvc::OffloadToFile<false>>;
+    const std::vector<std::string> types{"full_attention", "sliding_attention", "full_attention"};
+    const auto make = [types] {
+      auto c = kvc::make_dynamic_cache<float, Host, kvc::OffloadToFile<false>>(config_of(types));
+      c.activate_past_recording();  // the sliding layer crops past its window only while recording
+      return c;
+    };
+    scenario<C> s{"offloaded dynamic", make, layer_ops<C>(types, 5, 3)};
+    s.ops.push_back({"stored(1)", [](C& c) { (void)c.stored(1); }});
+    s.ops.push_back({"crop(-1)", [](C& c) { c.crop(-1); }});
+    s.ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
+    s.ops.push_back({"update layer 0 again", [](C& c) { c.update(tokens(1, 50), tokens(1, 51), 0); }});
+    add_common_ops<C>(s.ops, make, 3);  // layers 0 and 1 of the source spilled
+    check_every_failure(s);
+  }
+  {
+    using C = kvc::StaticCache<float, Host, kvc::OffloadToFile<true>>;
+    const std::vector<std::string> types{"full_attention", "sliding_attention", "full_attention"};
+    const auto make = [types] { return C(config_of(types), 10); };
+    scenario<C> s{"offloaded static", make, layer_ops<C>(types, 5, 3)};
+    s.ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
+    add_common_ops<C>(s.ops, make, 3);
+    check_every_failure(s);
+  }
+  // Every cache is gone: no spilled layer may still be counted (a failed copy once uncounted
+  // layers it had never counted).
+  CHECK(kvc::offload_file_stats().spilled_layers == 0);
+  CHECK(kvc::offload_file_stats().spilled_bytes == 0);
+  // The prefetch thread reads into buffers the caller allocated: it allocates nothing itself.
+  CHECK(off_thread == 0);
+}
+
+namespace {
+template <class E>
+std::vector<op<E>> encoder_decoder_ops() {
+  std::vector<op<E>> ops;
+  for (std::int64_t i = 0; i < 2; ++i) {
+    ops.push_back({"self update " + std::to_string(i),
+                   [i](E& c) { c.self_attention_cache().update(tokens(4, 1), tokens(4, 2), i); }});
+    ops.push_back({"cross update " + std::to_string(i),
+                   [i](E& c) { c.cross_attention_cache().update(tokens(6, 3), tokens(6, 4), i); }});
+    ops.push_back({"set_is_updated(" + std::to_string(i) + ")", [i](E& c) { c.set_is_updated(i); }});
+  }
+  ops.push_back({"self decode", [](E& c) { c.self_attention_cache().update(tokens(1, 5), tokens(1, 6), 0); }});
+  ops.push_back({"reorder_cache({1, 0})", [](E& c) { c.reorder_cache({1, 0}); }});
+  ops.push_back({"batch_repeat_interleave(2)", [](E& c) { c.batch_repeat_interleave(2); }});
+  ops.push_back({"batch_select_indices({2, 1})", [](E& c) { c.batch_select_indices({2, 1}); }});
+  ops.push_back({"crop(-1)", [](E& c) { c.crop(-1); }});
+  ops.push_back({"reset", [](E& c) { c.reset(); }});
+  return ops;
+}
+}  // namespace
+
+TEST_CASE("EncoderDecoderCache: operations on both halves, plain and offloaded") {
+  kvc_test::spill_dir dir;
+  {
+    using D = kvc::DynamicCache<float>;
+    using E = kvc::EncoderDecoderCache<D, D>;
+    check_every_failure(scenario<E>{"EncoderDecoderCache", [] { return E(D(), D()); }, encoder_decoder_ops<E>()});
+  }
+  {
+    using D = kvc::DynamicCache<float, Host, kvc::OffloadToFile<false>>;
+    using E = kvc::EncoderDecoderCache<D, D>;
+    check_every_failure(
+        scenario<E>{"offloaded EncoderDecoderCache", [] { return E(D(), D()); }, encoder_decoder_ops<E>()});
+  }
+}
+
+TEST_CASE("copy assignment of a layer's buffers reports an allocation failure instead of terminating") {
+  // A by-value `operator=(buffer) noexcept` made the implicit copy assignment of every class holding
+  // a buffer noexcept under clang, so an allocation failure there called std::terminate.
+  CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::detail::host_buffer<float>>);
+  CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::detail::kv_store<Host>>);
+  CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::DynamicLayer::state<Host>>);
+  CHECK(std::is_nothrow_move_assignable_v<kvc::detail::kv_store<Host>>);
+  kvc::DynamicCache<float> a, b;
+  a.update(tokens(3, 1), tokens(3, 2), 0);
+  b.update(tokens(5, 3), tokens(5, 4), 0);
+  kvc::DynamicLayer::state<Host> la(kvc::DynamicLayer{}), lb(kvc::DynamicLayer{});
+  a.visit_layer(0, [&](const auto& l) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(l)>, kvc::DynamicLayer::state<Host>>) la = l;
+  });
+  b.visit_layer(0, [&](const auto& l) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(l)>, kvc::DynamicLayer::state<Host>>) lb = l;
+  });
+  const auto before = kvc_test::flatten(la.stored().keys);
+  bool threw = false;
+  arm(0);
+  try {
+    la = lb;
+  } catch (const std::bad_alloc&) {
+    threw = true;
+  }
+  CHECK(disarm());
+  CHECK(threw);
+  CHECK(kvc_test::flatten(la.stored().keys) == before);  // copy and swap: unchanged
+}
+
+TEST_CASE("a host allocation the system refuses is a kvc::MemoryError naming its bytes") {
+  arm(0);
+  try {
+    kvc::detail::host_buffer<float> b(16);
+    FAIL("the allocation did not fail");
+  } catch (const kvc::MemoryError& e) {
+    CHECK(std::string(e.what()) == "kvc: the system cannot allocate 64 bytes (out of memory)");
+  }
+  CHECK(disarm());
+  CHECK(std::is_base_of_v<std::bad_alloc, kvc::MemoryError>);
+}
