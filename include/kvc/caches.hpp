@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -26,8 +27,14 @@ class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
 using ConfiguredDynamicLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
                                        LinearAttentionAndFullAttentionLayer,
                                        LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
+// A class of its own (not an alias of the Cache) because it is transformers' DynamicCache(config=...):
+// it prints as a DynamicCache, where a kvc::Cache<Layers<...>> prints as transformers' Cache.
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
-using ConfiguredDynamicCache = Cache<ConfiguredDynamicLayers, Storage, Offload>;
+class ConfiguredDynamicCache : public Cache<ConfiguredDynamicLayers, Storage, Offload> {
+ public:
+  using Cache<ConfiguredDynamicLayers, Storage, Offload>::Cache;
+  static constexpr std::string_view class_name = "DynamicCache";
+};
 
 // The layer policy of StaticCache: every kind STATIC_LAYER_TYPE_MAPPING names.
 using StaticCacheLayers = Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
@@ -52,7 +59,7 @@ std::vector<To> widen_kinds(const std::vector<From>& kinds) {
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig& config) {
   using C = ConfiguredDynamicCache<T, Storage, Offload>;
-  if constexpr (concepts::ValidCacheConfig<typename C::layer_policy, Storage, Offload>)
+  if constexpr (concepts::ValidCacheConfig<ConfiguredDynamicLayers, Storage, Offload>)
     return C(detail::widen_kinds<typename C::kind_variant>(dynamic_layer_kinds(config)));
   else
     return C();  // the misconfiguration is reported once, by C's static_asserts

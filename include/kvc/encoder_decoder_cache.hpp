@@ -118,9 +118,10 @@ inline constexpr bool is_dynamic_cache_v = [] {
 }();
 
 // The Python class name a cache prints as: a `static constexpr std::string_view class_name`
-// member if the class has one (MtpCache, DFlashCache), else DynamicCache / StaticCache for those
-// classes and the classes derived from them, else by the layer kinds: all dynamic →
-// "DynamicCache", all static → "StaticCache", a mix → "Cache".
+// member if the class has one (MtpCache, DFlashCache, QuantizedCache, make_dynamic_cache's
+// ConfiguredDynamicCache), else DynamicCache / StaticCache for those classes and the classes
+// derived from them, else "Cache": a kvc::Cache<...> is transformers' Cache(layers=...), whatever
+// its layer kinds.
 template <class C>
 constexpr std::string_view cache_class_name() {
   if constexpr (requires { { C::class_name } -> std::convertible_to<std::string_view>; })
@@ -128,10 +129,6 @@ constexpr std::string_view cache_class_name() {
   else if constexpr (derives_from_dynamic_cache_t<C>::value)
     return "DynamicCache";
   else if constexpr (derives_from_static_cache_t<C>::value)
-    return "StaticCache";
-  else if constexpr (cache_kind_traits<C>::all_dynamic)
-    return "DynamicCache";
-  else if constexpr (cache_kind_traits<C>::all_static)
     return "StaticCache";
   else
     return "Cache";

@@ -87,6 +87,7 @@ class QuantizedCache : public Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLay
   using base = Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLayer>, Storage, Offload>;
 
  public:
+  static constexpr std::string_view class_name = "QuantizedCache";
   QuantizedCache(std::string_view backend, const ModelConfig& config, QuantizedOptions opts = {})
       : base(detail::quantized_layer_kinds<typename base::kind_variant>(backend, config, opts)) {}
 };

@@ -236,8 +236,13 @@ TEST_CASE("cache_repr prints transformers' repr") {
         "DynamicCache(layers=[DynamicLayer, DynamicSlidingWindowLayer])");
   CHECK(kvc::cache_repr(kvc::StaticCache<float>(config, 8)) ==
         "StaticCache(layers=[StaticLayer, StaticSlidingWindowLayer])");
-  CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::StaticLayer>>(kvc::StaticLayer{3})) ==
-        "StaticCache(layers=[StaticLayer])");
+  // transformers' Cache(layers=[...]) prints as Cache, whatever its layers (kvc used to name a cache of
+  // only static or only dynamic kinds after StaticCache / DynamicCache).
+  CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::StaticLayer>>(kvc::StaticLayer{3})) == "Cache(layers=[StaticLayer])");
+  CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::DynamicLayer>>(kvc::DynamicLayer{})) ==
+        "Cache(layers=[DynamicLayer])");
+  CHECK(kvc::cache_repr(kvc::QuantizedCache<float>("quanto", two_full_layers())) ==
+        "QuantizedCache(layers=[QuantoQuantizedLayer, QuantoQuantizedLayer])");
   kvc::MtpCache<float> mtp;
   mtp.update(seq({1}), seq({1}), 0);
   CHECK(kvc::cache_repr(mtp) == "MtpCache(layers=[DynamicLayer])");
