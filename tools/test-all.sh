@@ -5,8 +5,9 @@
 #                tests report themselves skipped where there is no GPU
 #   memcheck     valgrind over build/gcc's unit tests (tools/valgrind.supp)
 #   build/clang  clang++ Release: compile_fail suite + unit tests only
-#   build/asan   clang++ RelWithDebInfo + ASan/UBSan: unit tests, and the JSON fuzz target for
-#                KVC_FUZZ_SECONDS (default 60) seconds
+#   build/asan   clang++ RelWithDebInfo + ASan/UBSan: unit tests, and the two fuzz targets
+#                (fuzz.json: the JSON readers; fuzz.e2e: model files to caches and attention) for
+#                KVC_FUZZ_SECONDS (default 60) seconds each
 # Ends with "N passed, N failed" summed over the three ctest runs and the memcheck stage (skipped
 # tests, such as the gpu tests without a GPU, are counted apart); a failed build counts as one
 # failed test. Exits non-zero on any failure.
@@ -131,11 +132,11 @@ if configure build/clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release
   run_ctest clang --test-dir build/clang --output-on-failure -j "$JOBS" -L '^(unit|compile_fail)$'
 fi
 
-stage "clang++ RelWithDebInfo + ASan/UBSan: unit + fuzz"
+stage "clang++ RelWithDebInfo + ASan/UBSan: unit + fuzz (json, e2e)"
 if configure build/asan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common[@]}" \
      -DKVC_SANITIZE=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF -DKVC_ENABLE_CUDA=OFF \
      -DKVC_BUILD_FUZZERS=ON -DKVC_FUZZ_SECONDS="${KVC_FUZZ_SECONDS:-60}"; then
-  build build/asan --target kvc_unit_tests fuzz_json
+  build build/asan --target kvc_unit_tests fuzz_json fuzz_e2e
   ASAN_OPTIONS=${ASAN_OPTIONS:-strict_string_checks=1:detect_stack_use_after_return=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
     run_ctest asan --test-dir build/asan --output-on-failure -j "$JOBS" -L '^(unit|fuzz)$'

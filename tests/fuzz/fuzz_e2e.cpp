@@ -1,0 +1,148 @@
+// libFuzzer target over the path a model's files take through kvc: config.json, then
+// generation_config.json, then a cache description, separated by NUL bytes. Each part that parses
+// goes on: make_cache (and make_encoder_decoder_cache) builds the cache generate() would build,
+// StaticCacheExport the exported one, cache_from_description the described one, and each gets a
+// prefill and two decode steps through kvc::attend on its first layers (linear-attention layers
+// get their states instead).
+//
+// Whatever the files say must end in a documented kvc exception or in a working cache: never a
+// crash, an out-of-bounds access (ASan, UBSan), an allocation beyond libFuzzer's -malloc_limit_mb
+// or another exception type. The target lowers kvc::set_allocation_limit to 16 MiB per buffer,
+// as a service reading untrusted files would, and updates at most 4 layers of at most 16, so that
+// a valid but huge cache is refused by kvc (ValueError) rather than by the fuzzer's memory limit.
+// Built with clang only; tools/test-all.sh runs it (fuzz.e2e) on the seeds in tests/fuzz/corpus_e2e.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include <kvc/cache_description.hpp>
+#include <kvc/kvc.hpp>
+
+namespace {
+
+constexpr std::int64_t max_layers_built = 16;  // more than this: parsed and checked, not built
+constexpr std::int64_t layers_updated = 4;
+constexpr std::int64_t max_width = 1024;  // heads * head_dim of an updated layer
+
+// Small deterministic values.
+template <class Tensor>
+void fill(Tensor& t, std::uint32_t seed) {
+  for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>((seed * 2654435761u + i * 40503u) % 17) / 8.0f - 1.0f;
+}
+
+// A prefill of 3 tokens and two decode steps through attend on the first layers of `cache`;
+// linear-attention layers get a conv and a recurrent state.
+template <class C>
+void exercise(C& cache, const kvc::ModelConfig& config, std::int64_t batch) {
+  if (cache.size() > max_layers_built) return;
+  const std::vector<bool> linear = cache.is_linear();
+  const kvc::HeadShapes shapes = kvc::get_head_shapes(config);
+  for (std::int64_t step = 0; step < 3; ++step) {
+    const std::int64_t q = step == 0 ? 3 : 1;
+    for (std::int64_t i = 0; i < cache.size() && i < layers_updated; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      if (linear[u]) {
+        Eigen::Tensor<float, 3, Eigen::RowMajor> conv(batch, 4, q);
+        fill(conv, static_cast<std::uint32_t>(i + step));
+        cache.update_conv_state(conv, i, 0, 4);
+        Eigen::Tensor<float, 2, Eigen::RowMajor> rec(batch, 4);
+        fill(rec, static_cast<std::uint32_t>(i));
+        cache.update_recurrent_state(rec, i);
+        continue;
+      }
+      const std::int64_t kv_heads = u < shapes.num_heads.size() ? shapes.num_heads[u] : 1;
+      const std::int64_t dim = u < shapes.head_dim.size() ? shapes.head_dim[u] : 4;
+      const std::int64_t q_heads = config.layer_num_attention_heads(i) > 0 ? config.layer_num_attention_heads(i) : kv_heads;
+      if (kv_heads * dim > max_width || q_heads * dim > max_width) return;
+      kvc::HostTensor<float> queries(batch, q_heads, q, dim), keys(batch, kv_heads, q, dim), values(batch, kv_heads, q, dim);
+      fill(queries, 1);
+      fill(keys, 2);
+      fill(values, 3);
+      const auto out = kvc::attend(cache, i, queries, keys, values);
+      if (out.dimension(2) != q) std::abort();
+    }
+  }
+  (void)cache.get_seq_length();
+  (void)cache.bytes();
+}
+
+// Up to three documents, separated by NUL bytes.
+std::vector<std::string_view> split(std::string_view text) {
+  std::vector<std::string_view> parts;
+  while (parts.size() < 2) {
+    const std::size_t nul = text.find('\0');
+    if (nul == std::string_view::npos) break;
+    parts.push_back(text.substr(0, nul));
+    text.remove_prefix(nul + 1);
+  }
+  parts.push_back(text);
+  return parts;
+}
+
+template <class F>
+void guarded(F&& f) {
+  try {
+    f();
+  } catch (const kvc::ValueError&) {
+  } catch (const kvc::KeyError&) {
+  } catch (const kvc::TypeError&) {
+  } catch (const kvc::IndexError&) {
+  } catch (const kvc::AttributeError&) {
+  } catch (const kvc::AssertionError&) {
+  } catch (const kvc::RuntimeError&) {  // the offloaded caches' spill file
+  } catch (const std::exception&) {
+    std::abort();  // an exception kvc does not document (std::bad_alloc included: the limit is 16 MiB)
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kvc::set_warning_handler({});  // warnings are expected on odd input; keep the output quiet
+  kvc::set_allocation_limit(std::int64_t{16} << 20);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const std::vector<std::string_view> parts = split(std::string_view(reinterpret_cast<const char*>(data), size));
+  std::optional<kvc::ModelConfig> config;
+  guarded([&] { config = kvc::ModelConfig::from_json(parts[0]); });
+  if (!config) return 0;
+  guarded([&] { (void)kvc::layer_specs(*config); });
+  std::optional<kvc::GenerationConfig> generation;
+  if (parts.size() > 1) guarded([&] { generation = kvc::GenerationConfig::from_json(parts[1]); });
+  const std::int64_t batch = 1 + static_cast<std::int64_t>(size % 2);
+  if (config->num_hidden_layers <= max_layers_built) {
+    const kvc::GenerationConfig g = generation.value_or(kvc::GenerationConfig{});
+    guarded([&] {
+      kvc::AnyCache cache = kvc::make_cache<float>(g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
+      exercise(cache, *config, batch);
+      cache.reorder_cache(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0));
+      cache.reset();
+    });
+    if (config->is_encoder_decoder)
+      guarded([&] {
+        auto pair = kvc::make_encoder_decoder_cache<float>(g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
+        exercise(pair.self_attention_cache(), *config, batch);
+        pair.reset();
+      });
+    guarded([&] {
+      kvc::StaticCacheExport<float> exported(*config, generation, batch);
+      exported.begin_step({0});
+      exercise(exported.cache(), *config, batch);
+      (void)exported.buffers();
+    });
+  }
+  if (parts.size() > 2)
+    guarded([&] {
+      kvc::AnyCache described = kvc::cache_from_description(parts[2]);
+      if (described.element_type_name() == "float") exercise(described, *config, batch);
+    });
+  return 0;
+}
