@@ -34,7 +34,7 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
   using nlohmann::json;
   json root;
   try {
-    root = kvc::detail::parse_json<json>(text, "config");  // kvc's parser: nesting depth bounded
+    root = kvc::detail::parse_json<json>(text, "kvc_demo");  // kvc's parser: nesting depth bounded
   } catch (const json::exception& e) {
     throw ConfigError(std::string("malformed JSON: ") + e.what());
   } catch (const kvc::ValueError& e) {

@@ -271,6 +271,10 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), options.sliding_window, true,
                      options.attention_chunk_size};
   if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid && detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
+    const auto kv_in = detail::tensor_input<std::remove_cvref_t<KT>>::view(new_keys);
+    if (kv_in.extent(2) != q)  // the mask sizes were asked for q new tokens
+      throw ValueError("attend: queries of shape " + shape_string(qv.extents) + " and new keys of shape " +
+                       shape_string(kv_in.extents) + " must have the same seq length");
     // What the update will return: [batch, kv heads, kv_length, head_dim] of the new keys/values.
     // (A copy of kv_length: clang 14 lambdas cannot capture a structured binding.)
     auto returned = [length = mask.kv_length](const auto& x) {

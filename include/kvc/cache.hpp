@@ -6,7 +6,6 @@
 // exactly as it was.
 
 #include <algorithm>
-#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -30,6 +29,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/policies/layers.hpp>
+#include <kvc/policies/layers/crop_plan.hpp>
 #include <kvc/policies/offload/none.hpp>
 #include <kvc/policies/storage/host.hpp>
 #include <kvc/tensor.hpp>
@@ -54,23 +54,6 @@ inline constexpr bool device_offload_on_host = [] {
 
 template <class L>
 inline constexpr bool has_layer_kinds = boost::mp11::mp_size<layer_kinds<L>>::value > 0;
-
-// A layer kind whose crop allocates splits it in two: prepare_crop (const, may throw) and
-// commit_crop (cannot throw), so that Cache::crop can prepare every layer before changing any.
-template <class St>
-concept staged_crop = requires(St& l, const St& c, std::int64_t n) {
-  typename St::crop_plan;
-  { c.prepare_crop(n) } -> std::same_as<typename St::crop_plan>;
-  l.commit_crop(std::declval<typename St::crop_plan&&>());
-};
-template <class St>
-struct crop_plan {
-  using type = std::monostate;
-};
-template <staged_crop St>
-struct crop_plan<St> {
-  using type = typename St::crop_plan;
-};
 
 // An int broadcast to every layer, or one value per layer (early_initialization's arguments).
 class int_or_list {
@@ -378,7 +361,7 @@ class Cache<L, S, O> {
     before_access(-1);
     detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
     gather_all<true>("batch_repeat_interleave", [&](std::int64_t batch) {
-      if (batch * repeats > max_batch)  // both at most max_batch: no overflow
+      if (batch * repeats > max_batch)  // batch at most max_extent, repeats at most max_batch: no overflow
         throw ValueError("batch_repeat_interleave: batch " + std::to_string(batch) + " repeated " +
                          std::to_string(repeats) + " times is " + std::to_string(batch * repeats) +
                          ", above kvc's limit of " + std::to_string(max_batch));
@@ -758,14 +741,16 @@ class Cache<L, S, O> {
       throw ValueError(shapes_of(k, v) + " must have the same batch, heads and seq dimensions");
     if (k.extent(0) < 1 || k.extent(1) < 1 || k.extent(2) < 0 || k.extent(3) < 1 || v.extent(3) < 1)
       throw ValueError(shapes_of(k, v) + ": batch, heads and head_dim must be positive");
-    // A view describes memory its owner allocated: one whose size overflows, or that is larger than
-    // a buffer kvc would allocate, is a bad view (and its seq extent then cannot overflow a position).
+    // A view describes memory its owner allocated: one whose size overflows is a bad view, and one
+    // larger than a buffer kvc would allocate could not be stored (the layer's buffer holds at least
+    // the view): both are refused here, so that no size computed from a view can overflow.
     for (const view_type* t : {&k, &v}) {
       std::int64_t n = 1;
       for (int r = 0; r < 4; ++r)
         if (t->extent(r) > max_extent || !detail::mul_fits(n, t->extent(r), n))
           throw ValueError(shapes_of(k, v) + ": a dimension is above kvc's limit of " + std::to_string(max_extent) +
                            " or their product overflows");
+      (void)detail::checked_elements({t->extent(0), t->extent(1), t->extent(2), t->extent(3)}, sizeof(element_type));
     }
     for (const view_type* t : {&k, &v})
       if (t->stride(3) != 1 || t->stride(2) != t->extent(3) || t->stride(1) < t->extent(2) * t->extent(3))

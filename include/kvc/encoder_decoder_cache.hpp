@@ -202,6 +202,21 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
       from_data<SelfCache> && from_data<CrossCache> &&
       std::is_same_v<typename detail::cache_element<SelfCache>::type, typename detail::cache_element<CrossCache>::type>;
 
+  // Copies are deep; a copy assignment that throws leaves both halves as they were (member by
+  // member, a failed copy of the cross-attention half would leave the new self-attention half).
+  EncoderDecoderCache(const EncoderDecoderCache&) = default;
+  EncoderDecoderCache(EncoderDecoderCache&&) = default;
+  EncoderDecoderCache& operator=(const EncoderDecoderCache& other)
+    requires(std::is_copy_constructible_v<SelfCache> && std::is_copy_constructible_v<CrossCache>)
+  {
+    if (this != &other) {
+      EncoderDecoderCache copy(other);
+      *this = std::move(copy);
+    }
+    return *this;
+  }
+  EncoderDecoderCache& operator=(EncoderDecoderCache&&) = default;
+
   // Two empty caches (an extension: transformers always takes the two caches).
   EncoderDecoderCache()
     requires(std::default_initializable<SelfCache> && std::default_initializable<CrossCache>)

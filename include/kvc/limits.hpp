@@ -84,6 +84,10 @@ constexpr bool mul_fits(std::int64_t a, std::int64_t b, std::int64_t& out) noexc
 inline std::int64_t checked_elements(std::initializer_list<std::int64_t> extents, std::size_t element_bytes) {
   std::int64_t n = 1, bytes = 0;
   for (const std::int64_t e : extents)
+    if (e < 0)
+      throw ValueError(join_message({"kvc: a buffer of ", py_list(std::vector<std::int64_t>(extents)),
+                                     " elements has a negative dimension"}));
+  for (const std::int64_t e : extents)
     if (!mul_fits(n, e, n)) throw_allocation_limit(extents, element_bytes);
   if (!mul_fits(n, static_cast<std::int64_t>(element_bytes), bytes) || bytes > allocation_limit())
     throw_allocation_limit(extents, element_bytes);

@@ -305,6 +305,20 @@ TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop into the history, 
   }
 }
 
+TEST_CASE("a hybrid whose attention part is quantized: its crop is prepared in both parts") {
+  using Hybrid = kvc::LinearAttentionHybrid<kvc::QuantoQuantizedLayer>;
+  using C = kvc::Cache<kvc::Layers<Hybrid>>;
+  const auto make = [] {
+    const Hybrid kind{kvc::QuantoQuantizedLayer{.q_group_size = 4, .residual_length = 3}, 1};
+    C c(kind, kind);
+    c.activate_past_recording();
+    return c;
+  };
+  scenario<C> s{"quantized hybrid", make, layer_ops<C>({"hybrid", "hybrid"}, 5, 4)};
+  s.ops.push_back({"crop(-3) into the history", [](C& c) { c.crop(-3); }});
+  check_every_failure(s);
+}
+
 TEST_CASE("OffloadToFile: dynamic and static caches with spilled layers and prefetches") {
   kvc_test::spill_dir dir;
   off_thread = 0;
@@ -357,6 +371,10 @@ std::vector<op<E>> encoder_decoder_ops() {
   ops.push_back({"batch_repeat_interleave(2)", [](E& c) { c.batch_repeat_interleave(2); }});
   ops.push_back({"batch_select_indices({2, 1})", [](E& c) { c.batch_select_indices({2, 1}); }});
   ops.push_back({"crop(-1)", [](E& c) { c.crop(-1); }});
+  auto source = std::make_shared<E>();
+  source->self_attention_cache().update(tokens(2, 7), tokens(2, 8), 0);
+  source->cross_attention_cache().update(tokens(3, 9), tokens(3, 9), 1);
+  ops.push_back({"copy assignment", [source](E& c) { c = *source; }});
   ops.push_back({"reset", [](E& c) { c.reset(); }});
   return ops;
 }
@@ -377,34 +395,38 @@ TEST_CASE("EncoderDecoderCache: operations on both halves, plain and offloaded")
   }
 }
 
-TEST_CASE("copy assignment of a layer's buffers reports an allocation failure instead of terminating") {
+TEST_CASE("copy assignment of a layer's buffers reports an allocation failure and changes nothing") {
   // A by-value `operator=(buffer) noexcept` made the implicit copy assignment of every class holding
-  // a buffer noexcept under clang, so an allocation failure there called std::terminate.
+  // a buffer noexcept under clang, so an allocation failure there called std::terminate; and a
+  // member-by-member assignment could fail after the capacity or K had changed.
   CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::detail::host_buffer<float>>);
   CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::detail::kv_store<Host>>);
   CHECK_FALSE(std::is_nothrow_copy_assignable_v<kvc::DynamicLayer::state<Host>>);
   CHECK(std::is_nothrow_move_assignable_v<kvc::detail::kv_store<Host>>);
-  kvc::DynamicCache<float> a, b;
-  a.update(tokens(3, 1), tokens(3, 2), 0);
-  b.update(tokens(5, 3), tokens(5, 4), 0);
-  kvc::DynamicLayer::state<Host> la(kvc::DynamicLayer{}), lb(kvc::DynamicLayer{});
-  a.visit_layer(0, [&](const auto& l) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(l)>, kvc::DynamicLayer::state<Host>>) la = l;
-  });
-  b.visit_layer(0, [&](const auto& l) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(l)>, kvc::DynamicLayer::state<Host>>) lb = l;
-  });
-  const auto before = kvc_test::flatten(la.stored().keys);
-  bool threw = false;
-  arm(0);
-  try {
-    la = lb;
-  } catch (const std::bad_alloc&) {
-    threw = true;
+  // Different shapes and capacities, and a failure at each allocation the copy makes.
+  const kvc::detail::kv_store<Host> small({1, 1, 2, 2}, 3, true), large({2, 2, 4, 4}, 9, true);
+  for (std::int64_t n = 0;; ++n) {
+    kvc::detail::kv_store<Host> target = small;
+    arm(n);
+    bool threw = false;
+    try {
+      target = large;
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    const bool failed = disarm();
+    CAPTURE(n);
+    if (!failed) {
+      CHECK_FALSE(threw);
+      CHECK(target.capacity() == 9);
+      CHECK(target.shape() == large.shape());
+      break;
+    }
+    CHECK(threw);
+    CHECK(target.capacity() == 3);
+    CHECK(target.shape() == small.shape());
+    CHECK(target.bytes() == small.bytes());
   }
-  CHECK(disarm());
-  CHECK(threw);
-  CHECK(kvc_test::flatten(la.stored().keys) == before);  // copy and swap: unchanged
 }
 
 TEST_CASE("a host allocation the system refuses is a kvc::MemoryError naming its bytes") {

@@ -78,7 +78,7 @@ TEST_CASE("an object of 40000 keys parses in time linear in its size, also in ke
   unordered = seconds([&] { CHECK(kvc::ModelConfig::from_json(model).num_hidden_layers == 1); });
   CAPTURE(ordered);
   CAPTURE(unordered);
-  CHECK(ordered < 20 * unordered + 0.05);
+  CHECK(ordered < 40 * unordered + 0.2);  // quadratic was 150-200 times the unordered parse
   // Order and values survive in an object large enough for the index.
   std::string big = R"({"cache_config": {)";
   for (int i = 0; i < 40; ++i) big += "\"c" + std::to_string(i) + "\": " + std::to_string(i) + ",";
@@ -115,7 +115,7 @@ TEST_CASE("from_file refuses what is not a regular file, and files past max_json
                            .c_str(),
                        kvc::ValueError);
   CHECK_THROWS_AS(kvc::GenerationConfig::from_file(big), kvc::ValueError);
-  // A directory without config.json, and a missing file: the existing message.
+  // A missing file: the existing message.
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_file(s.dir / "missing.json"),
                        ("GenerationConfig: cannot open '" + (s.dir / "missing.json").string() + "'").c_str(),
                        kvc::RuntimeError);

@@ -36,7 +36,8 @@ TEST_CASE("checked element counts: overflow, negative factors and the allocation
                        "kvc: a buffer of [1, 1, 4611686018427387905, 4] elements of 4 bytes is larger than kvc's "
                        "allocation limit of 1099511627776 bytes (kvc::set_allocation_limit)",
                        kvc::ValueError);
-  CHECK_THROWS_AS(kvc::detail::checked_elements({2, -3}, 4), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::detail::checked_elements({2, -3}, 4),
+                       "kvc: a buffer of [2, -3] elements has a negative dimension", kvc::ValueError);
   CHECK(kvc::detail::checked_elements({std::int64_t{1} << 38}, 4) == std::int64_t{1} << 38);  // 2^40 bytes: the limit
   CHECK_THROWS_AS(kvc::detail::checked_elements({(std::int64_t{1} << 38) + 1}, 4), kvc::ValueError);
   {
@@ -145,6 +146,19 @@ TEST_CASE("views whose sizes overflow are refused, and a static position cannot 
                        "9223372036854775807, 1]: a dimension is above kvc's limit of 1099511627776 or their product "
                        "overflows",
                        kvc::ValueError);
+  // Each dimension within the limit, their product past 2^63; then a product that fits but whose
+  // bytes are above the allocation limit (no layer could hold it).
+  const kvc::TensorView<float> product{data, {std::int64_t{1} << 40, std::int64_t{1} << 40, 1 << 20, 1}, {1, 1, 1, 1}};
+  CHECK_THROWS_WITH_AS(cache.update(product, product, 0),
+                       "update: keys of shape [1099511627776, 1099511627776, 1048576, 1] and values of shape "
+                       "[1099511627776, 1099511627776, 1048576, 1]: a dimension is above kvc's limit of 1099511627776 "
+                       "or their product overflows",
+                       kvc::ValueError);
+  const kvc::TensorView<float> big{data, {1, 1, std::int64_t{1} << 39, 1}, {std::int64_t{1} << 39, std::int64_t{1} << 39, 1, 1}};
+  CHECK_THROWS_WITH_AS(cache.update(big, big, 0),
+                       "kvc: a buffer of [1, 1, 549755813888, 1] elements of 4 bytes is larger than kvc's allocation "
+                       "limit of 1099511627776 bytes (kvc::set_allocation_limit)",
+                       kvc::ValueError);
   CHECK(take_snapshot(cache) == before);
   CHECK(cache.get_seq_length() == 2);
 }
@@ -223,7 +237,7 @@ TEST_CASE("attention: negative extents and extreme mask fields are ValueErrors")
 TEST_CASE("attend refuses bad queries before it updates the cache") {
   kvc::DynamicCache<float> cache;
   const auto prompt = ones(1, 2, 3, 4), step = ones(1, 2, 1, 4), three_heads = ones(1, 3, 1, 4),
-             wide = ones(1, 2, 1, 8);
+             wide = ones(1, 2, 1, 8), two = ones(1, 2, 2, 4);
   cache.update(prompt, prompt, 0);
   const auto before = take_snapshot(cache);
   // 3 query heads over 2 key/value heads, then a head_dim that differs from the keys': attention
@@ -234,6 +248,11 @@ TEST_CASE("attend refuses bad queries before it updates the cache") {
   CHECK(take_snapshot(cache) == before);
   CHECK_THROWS_AS(kvc::attend(cache, 0, wide, step, step), kvc::ValueError);
   CHECK_THROWS_AS(kvc::attend(cache, 0, step, step, step, {.sliding_window = 0}), kvc::ValueError);
+  // One query for two new tokens: the mask sizes were asked for one.
+  CHECK_THROWS_WITH_AS(kvc::attend(cache, 0, step, two, two),
+                       "attend: queries of shape [1, 2, 1, 4] and new keys of shape [1, 2, 2, 4] must have the same "
+                       "seq length",
+                       kvc::ValueError);
   CHECK(take_snapshot(cache) == before);
   CHECK(cache.get_seq_length() == 3);
 }

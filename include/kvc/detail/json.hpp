@@ -11,10 +11,10 @@
 //    float, anything else), so that no reader wraps 18446744073709551615 around to -1.
 //  - json_excerpt(v): a value as messages quote it, at most 64 bytes.
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <string>
@@ -23,6 +23,10 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -144,34 +148,43 @@ J parse_json(std::string_view text, std::string_view who) {
 
 // The text of a JSON file: RuntimeError("{who}: cannot open '{path}'") when it cannot be opened,
 // RuntimeError for something that is not a regular file (a FIFO or a device would block or never
-// end), ValueError for a file above max_json_file_bytes.
+// end) and for a read error, ValueError for a file above max_json_file_bytes. The file is opened
+// without blocking and checked through its descriptor, so it cannot be swapped for a FIFO between
+// the check and the read.
 inline std::string read_json_file(const std::filesystem::path& path, std::string_view who) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
   const std::string name = path.string();
-  if (ec || !std::filesystem::exists(status))
-    throw RuntimeError(join_message({who, ": cannot open '", name, "'"}));
-  if (!std::filesystem::is_regular_file(status))
+  const auto fail = [&](std::string_view what) {
+    return RuntimeError(join_message({who, ": ", what, " '", name, "'"}));
+  };
+  const int fd = ::open(name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw fail("cannot open");
+  struct closer {
+    int fd;
+    ~closer() { ::close(fd); }
+  } guard{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw fail("cannot read");
+  if (!S_ISREG(st.st_mode))
     throw RuntimeError(join_message({who, ": '", name, "' is not a regular file"}));
   const auto too_large = [&](std::string_view size) {
     return ValueError(join_message({who, ": '", name, "' holds ", size, " bytes, above kvc's limit of ",
                                     std::to_string(max_json_file_bytes), " bytes for a JSON file"}));
   };
-  const auto size = std::filesystem::file_size(path, ec);
-  if (!ec && size > static_cast<std::uintmax_t>(max_json_file_bytes)) throw too_large(std::to_string(size));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw RuntimeError(join_message({who, ": cannot open '", name, "'"}));
-  // Read in chunks and stop one byte past the limit: a file that grew since it was measured is
+  if (st.st_size > max_json_file_bytes) throw too_large(std::to_string(st.st_size));
+  // Read until the end, and stop one byte past the limit: a file that grew since it was measured is
   // refused too, and nothing is allocated beyond what the file holds.
   std::string text;
-  if (!ec) text.reserve(static_cast<std::size_t>(size));
+  text.reserve(static_cast<std::size_t>(st.st_size));
   char chunk[1 << 16];
-  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
-    text.append(chunk, static_cast<std::size_t>(in.gcount()));
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk, sizeof chunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw fail("cannot read");
+    if (n == 0) return text;
+    text.append(chunk, static_cast<std::size_t>(n));
     if (static_cast<std::int64_t>(text.size()) > max_json_file_bytes)
       throw too_large("more than " + std::to_string(max_json_file_bytes));
   }
-  return text;
 }
 
 // An integer that fits in int64 (see the header comment).

@@ -30,6 +30,18 @@ class kv_store {
         v_(checked_elements({shape.batch, shape.heads, capacity, shape.value_head_dim}, sizeof(T))) {
     if (zeroed) zero();
   }
+  // Copies are deep; a copy assignment that throws leaves *this as it was (copy and swap: member by
+  // member, a failed copy of V would leave the new K, or a failed K the new capacity).
+  kv_store(const kv_store&) = default;
+  kv_store(kv_store&&) noexcept = default;
+  kv_store& operator=(const kv_store& other) {
+    if (this != &other) {
+      kv_store copy(other);
+      *this = std::move(copy);
+    }
+    return *this;
+  }
+  kv_store& operator=(kv_store&&) noexcept = default;
 
   const LayerShape& shape() const noexcept { return shape_; }
   std::int64_t capacity() const noexcept { return cap_; }

@@ -22,6 +22,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/policies/layers/attention_part.hpp>
+#include <kvc/policies/layers/crop_plan.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/static.hpp>
 #include <kvc/tensor.hpp>
@@ -408,22 +409,30 @@ class LinearAttentionHybrid<Attention>::state
   {
     commit_crop(prepare_crop(n));
   }
-  // crop in two steps (see LinearAttentionLayer): the linear part's new states are prepared aside;
-  // the attention part's crop cannot throw once checked.
+  // crop in two steps (see LinearAttentionLayer): the linear part's new states are prepared aside,
+  // and so is the attention part's crop when it allocates (a quantized attention part); the crop of
+  // a dynamic attention part cannot throw once checked.
+  static constexpr bool staged_attention = detail::staged_crop<attention_state>;
   struct crop_plan {
     typename linear_state::crop_plan linear;
     std::int64_t tokens_to_remove = 0;
+    typename detail::crop_plan<attention_state>::type attention{};
   };
   crop_plan prepare_crop(std::int64_t n) const
     requires concepts::supports_crop<attention_state>
   {
     check_crop(n);
-    return {linear_.prepare_crop(n), n};
+    crop_plan plan{linear_.prepare_crop(n), n};
+    if constexpr (staged_attention) plan.attention = attn_.prepare_crop(n);
+    return plan;
   }
   void commit_crop(crop_plan&& plan) noexcept
     requires concepts::supports_crop<attention_state>
   {
-    attn_.crop(plan.tokens_to_remove);
+    if constexpr (staged_attention)
+      attn_.commit_crop(std::move(plan.attention));
+    else
+      attn_.crop(plan.tokens_to_remove);
     linear_.commit_crop(std::move(plan.linear));
   }
   state gathered(std::span<const std::int64_t> batch_indices) const {

@@ -57,6 +57,17 @@ class dequant_workspace {
         cap_(capacity),
         k_(checked_elements({shape.batch, shape.heads, capacity, shape.key_head_dim}, sizeof(T))),
         v_(checked_elements({shape.batch, shape.heads, capacity, shape.value_head_dim}, sizeof(T))) {}
+  // Copy and swap, as kv_store.
+  dequant_workspace(const dequant_workspace&) = default;
+  dequant_workspace(dequant_workspace&&) noexcept = default;
+  dequant_workspace& operator=(const dequant_workspace& other) {
+    if (this != &other) {
+      dequant_workspace copy(other);
+      *this = std::move(copy);
+    }
+    return *this;
+  }
+  dequant_workspace& operator=(dequant_workspace&&) noexcept = default;
 
   std::int64_t capacity() const noexcept { return cap_; }
   std::int64_t bytes() const noexcept {

@@ -61,6 +61,7 @@
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>  // KVC_HOST_DEVICE, memory_space
 
 namespace kvc {
@@ -496,7 +497,7 @@ class quantized_tensor {
     const quant_layout& l = out.layout_;
     const std::int64_t n = l.elements();
     if (n == 0) return out;
-    std::vector<std::uint8_t> codes(static_cast<std::size_t>(n));
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(checked_elements({n}, 1)));
     // A group holds at most min(group_size, n) elements (group_size may be far larger than the block).
     std::vector<float> buf(static_cast<std::size_t>(std::min(std::max(group_size, dim), n)));
     const float qmax = l.qmax();
@@ -584,9 +585,9 @@ class quantized_tensor {
  private:
   explicit quantized_tensor(const quant_layout& layout)
       : layout_(layout),
-        codes_(static_cast<std::size_t>(layout.blocks() * layout.block_bytes)),
-        scale_(static_cast<std::size_t>(layout.blocks() * layout.groups)),
-        offset_(static_cast<std::size_t>(layout.blocks() * layout.groups)) {}
+        codes_(static_cast<std::size_t>(checked_elements({layout.blocks(), layout.block_bytes}, 1))),
+        scale_(static_cast<std::size_t>(checked_elements({layout.blocks(), layout.groups}, sizeof(M)))),
+        offset_(static_cast<std::size_t>(checked_elements({layout.blocks(), layout.groups}, sizeof(M)))) {}
 
   quant_layout layout_;
   std::vector<std::uint8_t> codes_;

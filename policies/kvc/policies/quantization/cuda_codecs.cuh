@@ -141,7 +141,7 @@ class device_quantized_tensor {
     const quant_layout& l = out.layout_;
     if (l.blocks() * l.elements() == 0) return out;
     const cudaStream_t stream = Stream::get();  // once: the scratch is freed on the stream that used it
-    stream_scratch codes(static_cast<std::size_t>(l.blocks() * l.elements()), stream);
+    stream_scratch codes(static_cast<std::size_t>(checked_elements({l.blocks(), l.elements()}, 1)), stream);
     auto* unpacked = static_cast<std::uint8_t*>(codes.get());
     quant_fit_kernel<Codec><<<quant_blocks(l.blocks() * l.groups), 256, 0, stream>>>(
         src, stride_b, stride_h, l, out.scale_.data(), out.offset_.data(), unpacked);
@@ -209,9 +209,9 @@ class device_quantized_tensor {
  private:
   explicit device_quantized_tensor(const quant_layout& layout)
       : layout_(layout),
-        codes_(layout.blocks() * layout.block_bytes),
-        scale_(layout.blocks() * layout.groups),
-        offset_(layout.blocks() * layout.groups) {}
+        codes_(checked_elements({layout.blocks(), layout.block_bytes}, 1)),
+        scale_(checked_elements({layout.blocks(), layout.groups}, sizeof(M))),
+        offset_(checked_elements({layout.blocks(), layout.groups}, sizeof(M))) {}
 
   quant_layout layout_;
   device_buffer<std::uint8_t, Stream> codes_;

@@ -109,7 +109,7 @@ class DeviceTensor {
     for (int r = 0; r < rank; ++r) {
       if (extents[static_cast<std::size_t>(r)] < 0)
         throw ValueError("kvc::DeviceTensor: negative extent in " + shape_string(StateView<T>{nullptr, rank, extents}));
-      n *= extents[static_cast<std::size_t>(r)];
+      n = detail::checked_elements({n, extents[static_cast<std::size_t>(r)]}, sizeof(T));
     }
     for (int r = rank; r < 4; ++r) extents_[static_cast<std::size_t>(r)] = 0;
     data_ = buffer(n);
