@@ -55,7 +55,7 @@ TEST_CASE("a replicated kind and the element type") {
 TEST_CASE("malformed descriptions are ValueErrors naming the field") {
   using kvc::cache_from_description;
   CHECK_THROWS_AS(cache_from_description("{\"layers\": ["), kvc::ValueError);
-  // A number too large for a double is nlohmann's out_of_range, not a parse_error (found by fuzz_json).
+  // A number too large for a double is nlohmann's out_of_range, not a parse_error (found by the fuzz.json test).
   CHECK_THROWS_WITH_AS(cache_from_description("1e999"),
                        "cache description: malformed JSON: [json.exception.out_of_range.406] number overflow parsing "
                        "'1e999'",

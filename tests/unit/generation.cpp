@@ -296,7 +296,7 @@ TEST_CASE("from_json: malformed JSON and wrong types name the problem") {
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(""),
                        doctest::Contains("GenerationConfig: malformed JSON: "), kvc::ValueError);
-  // nlohmann reports a number too large for a double as out_of_range (found by fuzz_json).
+  // nlohmann reports a number too large for a double as out_of_range (found by the fuzz.json test).
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(R"({"max_length": 1e999})"),
                        "GenerationConfig: malformed JSON: [json.exception.out_of_range.406] number overflow parsing "
                        "'1e999'",

@@ -1,16 +1,21 @@
-// libFuzzer target over the path a model's files take through kvc: config.json, then
-// generation_config.json, then a cache description, separated by NUL bytes. Each part that parses
-// goes on: make_cache (and make_encoder_decoder_cache) builds the cache generate() would build,
-// StaticCacheExport the exported one, cache_from_description the described one, and each gets a
-// prefill and two decode steps through kvc::attend on its first layers (linear-attention layers
-// get their states instead).
-//
+// libFuzzer target over everything kvc reads from files: the first byte picks what the rest is.
+//   byte % 4 == 0, 1, 2: one document for one JSON reader, ModelConfig::from_json (then
+//     layer_specs), GenerationConfig::from_json (then validate(true)) or cache_from_description
+//     (then size() and is_sliding()). Only ValueError, KeyError, TypeError and IndexError may
+//     come out (the seeds in tests/fuzz/corpus; the fuzz.json test).
+//   byte % 4 == 3: the path a model's files take through kvc (the seeds in tests/fuzz/corpus_e2e;
+//     the fuzz.e2e test): config.json, then generation_config.json, then a cache description,
+//     separated by NUL bytes. Each part that parses goes on: make_cache (and
+//     make_encoder_decoder_cache) builds the cache generate() would build, StaticCacheExport the
+//     exported one, cache_from_description the described one, and each gets a prefill of 3 tokens
+//     and two decode steps through kvc::attend on its first layers (linear-attention layers get
+//     their states instead), then reorder_cache and reset.
 // Whatever the files say must end in a documented kvc exception or in a working cache: never a
 // crash, an out-of-bounds access (ASan, UBSan), an allocation beyond libFuzzer's -malloc_limit_mb
 // or another exception type. The target lowers kvc::set_allocation_limit to 16 MiB per buffer,
 // as a service reading untrusted files would, and updates at most 4 layers of at most 16, so that
 // a valid but huge cache is refused by kvc (ValueError) rather than by the fuzzer's memory limit.
-// Built with clang only; tools/test-all.sh runs it (fuzz.e2e) on the seeds in tests/fuzz/corpus_e2e.
+// One binary for both (the heavy instantiations compile once); built with clang only.
 
 #include <cstddef>
 #include <cstdint>
@@ -101,19 +106,34 @@ void guarded(F&& f) {
   }
 }
 
-}  // namespace
-
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  kvc::set_warning_handler({});  // warnings are expected on odd input; keep the output quiet
-  kvc::set_allocation_limit(std::int64_t{16} << 20);
-  return 0;
+// One JSON document for one reader: only the readers' exception types are allowed.
+void read_one(std::uint8_t which, std::string_view text) {
+  try {
+    switch (which) {
+      case 0: (void)kvc::layer_specs(kvc::ModelConfig::from_json(text)); break;
+      case 1: kvc::GenerationConfig::from_json(text).validate(true); break;
+      default: {
+        const kvc::AnyCache cache = kvc::cache_from_description(text);
+        (void)cache.size();
+        (void)cache.is_sliding();
+      }
+    }
+  } catch (const kvc::ValueError&) {
+  } catch (const kvc::KeyError&) {
+  } catch (const kvc::TypeError&) {
+  } catch (const kvc::IndexError&) {
+  } catch (const std::exception&) {
+    std::abort();  // an exception the readers do not document: a bug
+  }
 }
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  const std::vector<std::string_view> parts = split(std::string_view(reinterpret_cast<const char*>(data), size));
+// The model files, through every cache built from them.
+void end_to_end(std::string_view input) {
+  const std::vector<std::string_view> parts = split(input);
+  const std::size_t size = input.size();
   std::optional<kvc::ModelConfig> config;
   guarded([&] { config = kvc::ModelConfig::from_json(parts[0]); });
-  if (!config) return 0;
+  if (!config) return;
   guarded([&] { (void)kvc::layer_specs(*config); });
   std::optional<kvc::GenerationConfig> generation;
   if (parts.size() > 1) guarded([&] { generation = kvc::GenerationConfig::from_json(parts[1]); });
@@ -144,5 +164,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       kvc::AnyCache described = kvc::cache_from_description(parts[2]);
       if (described.element_type_name() == "float") exercise(described, *config, batch);
     });
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kvc::set_warning_handler({});  // warnings are expected on odd input; keep the output quiet
+  kvc::set_allocation_limit(std::int64_t{16} << 20);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size == 0) return 0;
+  const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
+  if (data[0] % 4 == 3)
+    end_to_end(rest);
+  else
+    read_one(static_cast<std::uint8_t>(data[0] % 4), rest);
   return 0;
 }
