@@ -55,7 +55,8 @@ std::vector<To> widen_kinds(const std::vector<From>& kinds) {
 }  // namespace detail
 
 // transformers' DynamicCache(config=...): one layer per config layer type (full → DynamicLayer,
-// sliding/chunked → DynamicSlidingWindowLayer with that layer's window).
+// sliding/chunked → DynamicSlidingWindowLayer with that layer's window; the linear-attention,
+// hybrid and indexed types: dynamic_layer_kinds in <kvc/config.hpp>).
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig& config) {
   using C = ConfiguredDynamicCache<T, Storage, Offload>;
@@ -66,7 +67,8 @@ ConfiguredDynamicCache<T, Storage, Offload> make_dynamic_cache(const ModelConfig
 }
 
 // transformers' StaticCache(config, max_cache_len): full → StaticLayer(max_cache_len),
-// sliding/chunked → StaticSlidingWindowLayer(max_cache_len, window).
+// sliding/chunked → StaticSlidingWindowLayer(max_cache_len, window); the linear-attention, hybrid
+// and indexed types: static_layer_kinds in <kvc/config.hpp>.
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 class StaticCache : public Cache<StaticCacheLayers, Storage, Offload> {
   using base = Cache<StaticCacheLayers, Storage, Offload>;

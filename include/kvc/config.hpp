@@ -1,7 +1,7 @@
 #pragma once
 // kvc::ModelConfig (the fields of a transformers config.json that caches need) and the mapping
 // from a config's layer types to layer kinds (transformers' get_layer_types_and_kwargs and
-// DYNAMIC/STATIC_LAYER_TYPE_MAPPING, §1.12 and §3.2), and ModelConfig::from_json / from_file,
+// DYNAMIC/STATIC_LAYER_TYPE_MAPPING in cache_utils.py), and ModelConfig::from_json / from_file,
 // which read a real transformers config.json the way its configuration class does
 // (docs/model_configs.md).
 
@@ -133,7 +133,8 @@ inline void check_model_config(const ModelConfig& c) {
 
 // transformers' get_layer_types_and_kwargs, with each layer's own window: sliding layers use
 // sliding_window, chunked layers attention_chunk_size (transformers lets the chunk size overwrite
-// the window of every layer when both kinds are present, §5 item 33), and per_layer_config wins.
+// the window of every layer when both kinds are present: docs/differences.md item 8), and
+// per_layer_config wins.
 // The config's fields are range-checked first (detail::check_model_config).
 inline std::vector<LayerSpec> layer_specs(const ModelConfig& config) {
   detail::check_model_config(config);
@@ -158,7 +159,8 @@ inline std::vector<LayerSpec> layer_specs(const ModelConfig& config) {
     const auto it = config.per_layer_config.find(static_cast<std::int64_t>(i));
     if (it != config.per_layer_config.end() && it->second.sliding_window) {
       spec.sliding_window = it->second.sliding_window;
-      // transformers' per-layer window turns a full-attention layer into a sliding one (test 4.2-7).
+      // transformers' per-layer window turns a full-attention layer into a sliding one (its test
+      // test_dynamic_cache_uses_per_layer_sliding_windows).
       if (spec.type == "full_attention") spec.type = "sliding_attention";
     }
     specs.push_back(std::move(spec));
@@ -319,7 +321,7 @@ inline std::optional<std::string> string_field(const scope& s, std::string_view 
 
 // How a configuration class fills `layer_types` when the file has none.
 enum class layer_rule {
-  generic,        // none: get_layer_types_and_kwargs's rule (§1.12) applies later
+  generic,        // none: get_layer_types_and_kwargs's rule applies later (layer_specs)
   qwen2,          // sliding from layer max_window_layers on, when sliding_window survives the gate
   qwen2_moe,      // sliding at even indices below max_window_layers, when use_sliding_window
   every_other,    // sliding at even indices, full at odd ones

@@ -1,7 +1,7 @@
 #pragma once
 // kvc::EncoderDecoderCache<SelfCache, CrossCache>: the decoder's self-attention cache and the
 // cross-attention cache over the encoder's output, side by side (transformers'
-// EncoderDecoderCache, ../shared/reference/hf_cache_inventory.md §1.17). Usage and the
+// EncoderDecoderCache in src/transformers/cache_utils.py at a597f974). Usage and the
 // differences from transformers: docs/encoder_decoder.md.
 //
 // Like transformers, the pair is not itself a Cache: the model updates each half through

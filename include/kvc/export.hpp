@@ -1,6 +1,6 @@
 #pragma once
 // Static-cache export, mirroring transformers' TorchExportableModuleWithStaticCache
-// (integrations/executorch.py, inventory §1.21 and §2.5): a StaticCache whose layers are all
+// (transformers' integrations/executorch.py): a StaticCache whose layers are all
 // full StaticLayers (sliding layers replaced, so one exported program serves any position up to
 // max_cache_len), allocated up front with the model's per-layer head shapes, a step function that
 // sets every layer's write position from cache_position[0], and the buffer list an exporter
@@ -25,7 +25,7 @@ namespace kvc {
 // The per-layer KV head count and head dim of a config's cache layers (executorch's
 // get_head_shapes): one entry per layer that holds a cache, i.e. after dropping the
 // num_kv_shared_layers shared ones. transformers slices layer_types[:-0] when there are none,
-// which gives an empty list (§5 item 34); kvc keeps every layer.
+// which gives an empty list (docs/differences.md item 20); kvc keeps every layer.
 struct HeadShapes {
   std::vector<std::int64_t> num_heads;
   std::vector<std::int64_t> head_dim;

@@ -47,7 +47,7 @@ constexpr bool contains_name(const std::array<std::string_view, N>& names, std::
 
 }  // namespace detail
 
-// ---- the constant lists (configuration_utils.py, module level; inventory §3.1) ----------------
+// ---- the constant lists (generation/configuration_utils.py, module level) -------------------
 inline constexpr std::array<std::string_view, 2> STATIC_CACHE_IMPLEMENTATIONS{"static", "offloaded_static"};
 inline constexpr std::array<std::string_view, 3> DYNAMIC_CACHE_IMPLEMENTATIONS{"dynamic", "offloaded", "quantized"};
 // "All the following are redundant and deprecated, but kept for BC" (transformers' comment).

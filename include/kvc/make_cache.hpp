@@ -1,6 +1,6 @@
 #pragma once
-// Runtime-built caches: transformers' cache_implementation string → cache table (§3.3) and
-// generate()'s _prepare_cache_for_generation rules (§1.20), returning a kvc::AnyCache.
+// Runtime-built caches: transformers' cache_implementation string → cache table and generate()'s
+// _prepare_cache_for_generation rules (generation/utils.py), returning a kvc::AnyCache.
 //
 // "paged" (continuous batching) is accepted by GenerationConfig::validate but has no cache in kvc:
 // make_cache refuses it with a ValueError saying so.
@@ -45,7 +45,7 @@ inline constexpr std::string_view quantized_unsupported_message =
     "open an issue and tag @zucchini-nlp.";
 
 // transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
-// without changing the caller's cache_config (§5 item 26). An unknown key is the TypeError Python
+// without changing the caller's cache_config (docs/differences.md item 19). An unknown key is the TypeError Python
 // raises for an unexpected keyword argument.
 template <class T>
 AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {
@@ -157,7 +157,8 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   return finish(StaticCache<T>(model_config, max_len));
 }
 
-// The cache generate() builds for an encoder-decoder model (§1.20 step 9 and _prepare_static_cache):
+// The cache generate() builds for an encoder-decoder model (_prepare_cache_for_generation's
+// encoder-decoder step and _prepare_static_cache):
 // make_cache's self-attention cache paired with a cross-attention cache, a StaticCache of
 // `request.encoder_length` slots for the static names (offloaded like the self cache), else the
 // config's dynamic cache (offloaded for "offloaded").
@@ -186,7 +187,7 @@ AnyEncoderDecoderCache make_encoder_decoder_cache(const GenerationConfig& genera
 namespace detail {
 enum class generation_cache { use_callers, none, build };
 
-// The rules of _prepare_cache_for_generation before anything is built (§1.20 steps 1-4).
+// The rules of _prepare_cache_for_generation before anything is built (its first four steps).
 inline generation_cache generation_cache_rule(const GenerationConfig& generation_config, std::string_view model_type,
                                               bool has_callers_cache) {
   const std::string name = lower(model_type);
@@ -213,7 +214,7 @@ inline generation_cache generation_cache_rule(const GenerationConfig& generation
 }
 }  // namespace detail
 
-// What generate() does before its loop (_prepare_cache_for_generation, §1.20):
+// What generate() does before its loop (_prepare_cache_for_generation):
 //  - a cache the caller passes is used as is, unless a cache_implementation is set too (ValueError);
 //  - use_cache false: no cache (std::nullopt);
 //  - a model type that does not support Cache objects (reformer, minimax except minimaxm2/m3,

@@ -1,7 +1,7 @@
 #pragma once
 // kvc::QuantizedCache<T>(backend, config, QuantizedOptions{...}): transformers' QuantizedCache
-// (inventory §1.16): one QuantizedLayer per layer of a full-attention model, with the quanto or
-// HQQ codec (docs/quantized.md).
+// (src/transformers/cache_utils.py at a597f974): one QuantizedLayer per layer of a full-attention
+// model, with the quanto or HQQ codec (docs/quantized.md).
 
 #include <cstdint>
 #include <set>

@@ -1,5 +1,5 @@
 #pragma once
-// Caches for speculative decoding (transformers' MtpCache and DFlashCache, inventory §1.18): a
+// Caches for speculative decoding (transformers' MtpCache and DFlashCache in cache_utils.py): a
 // kvc::DynamicCache whose query offset and mask sizes are shifted. Usage: docs/encoder_decoder.md.
 //
 //  - MtpCache (multi-token prediction): the draft layer `layer_idx` predicts the token

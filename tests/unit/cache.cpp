@@ -1,5 +1,6 @@
 // kvc::Cache's method set: lazy growth, index and shape errors, early_initialization, the
-// whole-cache operations and their dispatch to layer kinds, and the properties (§1.13).
+// whole-cache operations and their dispatch to layer kinds, and the properties (transformers'
+// Cache, src/transformers/cache_utils.py at a597f974).
 
 #include "../support/kvc_test.hpp"
 

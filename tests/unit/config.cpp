@@ -1,5 +1,6 @@
-// kvc::ModelConfig, layer_specs (transformers' get_layer_types_and_kwargs, §1.12) and the
-// layer-type mappings (§3.2) behind make_dynamic_cache and StaticCache.
+// kvc::ModelConfig, layer_specs (transformers' get_layer_types_and_kwargs) and the layer-type
+// mappings (DYNAMIC/STATIC_LAYER_TYPE_MAPPING, src/transformers/cache_utils.py at a597f974) behind
+// make_dynamic_cache and StaticCache.
 
 #include "../support/kvc_test.hpp"
 
@@ -43,7 +44,7 @@ TEST_CASE("explicit layer types, num_kv_shared_layers and each layer's own windo
   c.layer_types = S{"sliding_attention", "chunked_attention", "full_attention", "full_attention"};
   auto specs = kvc::layer_specs(c);
   CHECK(types_of(specs) == *c.layer_types);
-  CHECK(specs[0].sliding_window == 4);   // transformers: 16 for every layer (§5 item 33)
+  CHECK(specs[0].sliding_window == 4);   // transformers: 16 for every layer (docs/differences.md item 8)
   CHECK(specs[1].sliding_window == 16);
   CHECK_FALSE(specs[2].sliding_window.has_value());
   c.num_kv_shared_layers = 2;
@@ -52,7 +53,7 @@ TEST_CASE("explicit layer types, num_kv_shared_layers and each layer's own windo
   CHECK(kvc::layer_specs(c).empty());
 }
 
-TEST_CASE("per-layer sliding windows in a DynamicCache (§4.2 item 7)") {
+TEST_CASE("per-layer sliding windows in a DynamicCache (test_dynamic_cache_uses_per_layer_sliding_windows)") {
   auto c = base(4);
   c.num_key_value_heads = 4;
   c.per_layer_config[0].sliding_window = 32;
@@ -64,7 +65,7 @@ TEST_CASE("per-layer sliding windows in a DynamicCache (§4.2 item 7)") {
   CHECK(cache.is_sliding() == std::vector<bool>{true, false, true, false});
 }
 
-TEST_CASE("per-layer sliding windows in a StaticCache (§4.2 item 8)") {
+TEST_CASE("per-layer sliding windows in a StaticCache (test_static_cache_uses_per_layer_sliding_windows)") {
   auto c = base(4);
   c.per_layer_config[1].sliding_window = 24;
   c.per_layer_config[3].sliding_window = 48;

@@ -1,6 +1,6 @@
-// §4.3 CacheCroppingTests: every dynamic layer kind (attention, sliding, linear, both dynamic
-// hybrids, indexed) recorded for 45 tokens, then cropped: sliding_window 12, conv kernel 4,
-// attention [2, 32, 45, 32], conv [2, 32, 45], indexer [2, 45, 32].
+// transformers' CacheCroppingTests (tests/utils/test_cache_utils.py): every dynamic layer kind
+// (attention, sliding, linear, both dynamic hybrids, indexed) recorded for 45 tokens, then cropped:
+// sliding_window 12, conv kernel 4, attention [2, 32, 45, 32], conv [2, 32, 45], indexer [2, 45, 32].
 #include <random>
 #include <string>
 #include <vector>
@@ -106,7 +106,7 @@ std::vector<C::kind_variant> all_kinds() {
 
 }  // namespace
 
-TEST_CASE("§4.3: after recording 45 tokens every part holds 45") {
+TEST_CASE("CacheCroppingTests: after recording 45 tokens every part holds 45") {
   const Inputs in = make_inputs();
   for (const auto& kind : all_kinds()) {
     const C cache = std::visit([&](const auto& k) { return filled(k, in); }, kind);
@@ -119,7 +119,7 @@ TEST_CASE("§4.3: after recording 45 tokens every part holds 45") {
   }
 }
 
-TEST_CASE("§4.3-1 crop(-3): sliding keep 11 before the cut, the rest 42; conv the 4 before the cut") {
+TEST_CASE("test_crop_with_past: crop(-3): sliding keep 11 before the cut, the rest 42; conv the 4 before the cut") {
   const Inputs in = make_inputs();
   for (const auto& kind : all_kinds()) {
     C cache = std::visit([&](const auto& k) { return filled(k, in); }, kind);
@@ -146,7 +146,7 @@ TEST_CASE("§4.3-1 crop(-3): sliding keep 11 before the cut, the rest 42; conv t
   }
 }
 
-TEST_CASE("§4.3-2 crop(0) still shrinks sliding and conv states") {
+TEST_CASE("test_crop_with_zero_still_shrink_states: crop(0) still shrinks sliding and conv states") {
   const Inputs in = make_inputs();
   for (const auto& kind : all_kinds()) {
     C cache = std::visit([&](const auto& k) { return filled(k, in); }, kind);
@@ -163,7 +163,7 @@ TEST_CASE("§4.3-2 crop(0) still shrinks sliding and conv states") {
   }
 }
 
-TEST_CASE("§4.3-3 crop(-46) empties every part") {
+TEST_CASE("test_crop_outside_range: crop(-46) empties every part") {
   const Inputs in = make_inputs();
   for (const auto& kind : all_kinds()) {
     C cache = std::visit([&](const auto& k) { return filled(k, in); }, kind);
@@ -176,7 +176,7 @@ TEST_CASE("§4.3-3 crop(-46) empties every part") {
   }
 }
 
-TEST_CASE("§4.3-4 a positive crop on DynamicLayer and DynamicIndexedLayer warns and keeps that many") {
+TEST_CASE("test_bc_crop_with_positive_value: a positive crop on DynamicLayer and DynamicIndexedLayer warns and keeps that many") {
   const Inputs in = make_inputs();
   for (const C::kind_variant kind : {C::kind_variant(kvc::DynamicLayer{}), C::kind_variant(kvc::DynamicIndexedLayer{})}) {
     kvc_test::captured_warnings warnings;

@@ -1,5 +1,7 @@
-// DynamicLayer through kvc::DynamicCache (replicated) and standalone: inventory §1.2, §4.1 items 4-5,
-// §4.2 item 13, §4.3 items 1-4 for the full-attention layer.
+// DynamicLayer through kvc::DynamicCache (replicated) and standalone: transformers' DynamicLayer
+// (src/transformers/cache_utils.py at a597f974) and, for the full-attention layer, the scenarios of
+// tests/utils/test_cache_utils.py: test_dynamic_cache, test_dynamic_cache_batch_select_indices,
+// test_dynamic_layers_reset_drops_their_states (transformers #48809) and CacheCroppingTests.
 
 #include "../support/kvc_test.hpp"
 
@@ -7,7 +9,7 @@ using kvc_test::seq;
 using kvc_test::values_of;
 using V = std::vector<float>;
 
-TEST_CASE("DynamicCache scenario 1: appends along seq (§4.1 test_dynamic_cache)") {
+TEST_CASE("DynamicCache scenario 1: appends along seq (test_dynamic_cache)") {
   kvc::DynamicCache<float> cache;
   cache.update(seq({1, 2}), seq({1, 2}), 0);
   auto [k, v] = cache.update(seq({3}), seq({3}), 0);
@@ -32,7 +34,7 @@ TEST_CASE("DynamicCache scenario 2: interleaved layers") {
   CHECK(values_of(cache.stored(1).values) == V{10, 20, 30, 40});
 }
 
-TEST_CASE("batch_select_indices keeps the chosen rows (§4.1 test_dynamic_cache_batch_select_indices)") {
+TEST_CASE("batch_select_indices keeps the chosen rows (test_dynamic_cache_batch_select_indices)") {
   kvc::DynamicCache<float> cache;
   kvc::HostTensor<float> t(3, 1, 2, 1);
   const float rows[3][2] = {{1, 2}, {10, 20}, {100, 200}};
@@ -73,7 +75,7 @@ TEST_CASE("batch_repeat_interleave and reorder_cache act on every row") {
   CHECK(values_of(k, 3) == V{1, 2, 8});
 }
 
-TEST_CASE("reset drops the states: the next update starts afresh (§4.2 item 13, transformers #48809)") {
+TEST_CASE("reset drops the states: the next update starts afresh (transformers #48809)") {
   std::mt19937 rng(13);
   kvc::DynamicCache<float> cache;
   cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng), kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
@@ -91,7 +93,7 @@ TEST_CASE("reset drops the states: the next update starts afresh (§4.2 item 13,
             .keys.extent(1) == 2);
 }
 
-TEST_CASE("crop rules of DynamicLayer (§1.2, §4.3 items 1-4)") {
+TEST_CASE("crop rules of DynamicLayer (DynamicLayer.crop, CacheCroppingTests)") {
   std::mt19937 rng(45);
   const auto keys = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);
   const auto values = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);

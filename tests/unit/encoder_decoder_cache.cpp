@@ -1,5 +1,8 @@
-// kvc::EncoderDecoderCache and kvc::cache_repr: inventory §1.17, §2.1 items 35, 36 (compile-fail
-// test encoder_decoder_not_a_cache), 37 (a typed API: no such constructor), 38; §5 item 29.
+// kvc::EncoderDecoderCache and kvc::cache_repr: transformers' EncoderDecoderCache
+// (src/transformers/cache_utils.py at a597f974) and the errors of its __init__ (the TypeError for
+// an argument that is not a Cache is the compile-fail test encoder_decoder_not_a_cache; the
+// ValueError for another argument count has no counterpart in a typed API) and of
+// check_dynamic_cache; docs/differences.md items 32-34.
 
 #include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/speculative_caches.hpp>
@@ -136,7 +139,7 @@ TEST_CASE("reorder_cache acts on both caches") {
   CHECK(values_of(cache.cross_attention_cache().stored(0).values, 1) == V{10, 20, 30, 40, 50});
 }
 
-TEST_CASE("crop acts on the self-attention cache only (§5 item 29)") {
+TEST_CASE("crop acts on the self-attention cache only (EncoderDecoderCache.crop)") {
   EDC cache = filled(1);
   cache.crop(-2);
   CHECK(cache.get_seq_length() == 1);
@@ -183,7 +186,7 @@ TEST_CASE("an operation that fails on one cache leaves both unchanged") {
   }
 }
 
-TEST_CASE("crop and the batch operations need two dynamic caches: transformers' TypeError (§2.1 item 38)") {
+TEST_CASE("crop and the batch operations need two dynamic caches: transformers' TypeError (check_dynamic_cache)") {
   kvc::StaticCache<float> fixed(two_full_layers(), 8);
   fixed.update(seq({1, 2}), seq({1, 2}), 0);
   Dyn dynamic;
@@ -323,7 +326,7 @@ TEST_CASE("from per-layer 6-tuples with sliding-window tensors") {
   CHECK(EDC(unwindowed).get_seq_length() == 1);
 }
 
-TEST_CASE("an entry of another length is transformers' ValueError (§2.1 item 35)") {
+TEST_CASE("an entry of another length is transformers' ValueError (EncoderDecoderCache.__init__)") {
   const std::vector<std::vector<kvc::HostTensor<float>>> five{
       {seq({1, 2}), seq({1, 2}), seq({1, 2}), seq({1, 2}), seq({1, 2})}};
   CHECK_THROWS_AS(EDC{five}, kvc::ValueError);

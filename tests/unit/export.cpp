@@ -120,7 +120,7 @@ TEST_CASE("get_head_shapes: one entry per cache layer, never an empty list") {
   c.num_kv_shared_layers = 1;
   shapes = kvc::get_head_shapes(c);
   CHECK(shapes.num_heads == std::vector<std::int64_t>{2});
-  c.num_kv_shared_layers = 0;  // transformers: layer_types[:-0] == [] (§5 item 34)
+  c.num_kv_shared_layers = 0;  // transformers: layer_types[:-0] == [] (docs/differences.md item 20)
   CHECK(kvc::get_head_shapes(c).num_heads.size() == 2);
 }
 

@@ -1,5 +1,5 @@
 // kvc::GenerationConfig and the cache_implementation constant lists (transformers'
-// generation/configuration_utils.py; inventory §1.20, §2.3, §3.1).
+// generation/configuration_utils.py: GenerationConfig.validate and the module-level constants).
 
 #include "../support/kvc_test.hpp"
 
@@ -32,8 +32,7 @@ static_assert(names_are(kvc::ALL_STATIC_CACHE_IMPLEMENTATIONS,
 static_assert(names_are(kvc::ALL_CACHE_IMPLEMENTATIONS,
                         {"static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
                          "offloaded_hybrid_chunked", "dynamic", "offloaded", "quantized"}));
-// No "dynamic_full" alias at the reference (inventory, Corrections); "paged" is valid for
-// validate() only.
+// No "dynamic_full" alias in transformers at a597f974; "paged" is valid for validate() only.
 static_assert(!kvc::detail::contains_name(kvc::ALL_CACHE_IMPLEMENTATIONS, "dynamic_full"));
 static_assert(!kvc::detail::contains_name(kvc::ALL_CACHE_IMPLEMENTATIONS, "paged"));
 static_assert(kvc::detail::valid_cache_implementations.size() == 11);

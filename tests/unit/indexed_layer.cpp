@@ -1,5 +1,7 @@
-// DynamicIndexedLayer and StaticIndexedLayer: inventory §1.4, §1.7, §4.2 item 13 (reset), §4.3
-// (the cropping scenario with indexer keys of shape (2, 45, 32)), §2.1 item 20.
+// DynamicIndexedLayer and StaticIndexedLayer: transformers' classes of the same names and
+// Cache.update_indexer's ValueError (src/transformers/cache_utils.py at a597f974), the reset of
+// transformers #48809 (test_dynamic_layers_reset_drops_their_states) and the CacheCroppingTests
+// scenario with indexer keys of shape (2, 45, 32) (tests/utils/test_cache_utils.py).
 
 #include <kvc/policies/layers/indexed.hpp>
 
@@ -48,7 +50,7 @@ std::array<std::int64_t, 3> shape3(const kvc::StateView<float>& v) {
   return {v.extent(0), v.extent(1), v.extent(2)};
 }
 
-// §4.3: attention (2, 32, 45, 32) and indexer (2, 45, 32), or batch 1.
+// transformers' CacheCroppingTests: attention (2, 32, 45, 32) and indexer (2, 45, 32), or batch 1.
 struct scenario {
   std::mt19937 rng{43};
   std::int64_t batch;
@@ -96,7 +98,7 @@ TEST_CASE("usage: a DSA layer stores keys, values and indexer keys") {
   }) == 3);
 }
 
-TEST_CASE("DynamicIndexedLayer: crop rules of §4.3 on keys and indexer keys, batch 2 and 1") {
+TEST_CASE("DynamicIndexedLayer: crop rules of CacheCroppingTests on keys and indexer keys, batch 2 and 1") {
   SUBCASE("crop(-3) drops the last 3 tokens of both (test_crop_with_past)") {
     for (const std::int64_t b : {2, 1}) {
       CAPTURE(b);
@@ -230,7 +232,7 @@ TEST_CASE("DynamicIndexedLayer: reorder_cache and the batch operations act on th
   CHECK_THROWS_AS(s.cache.reorder_cache({1}), kvc::IndexError);
 }
 
-TEST_CASE("DynamicIndexedLayer: reset drops both parts (§4.2 item 13, transformers #48809)") {
+TEST_CASE("DynamicIndexedLayer: reset drops both parts (transformers #48809)") {
   std::mt19937 rng(13);
   DynamicIndexedCache cache{kvc::DynamicIndexedLayer{}};
   cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng), kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
@@ -316,7 +318,7 @@ TEST_CASE("indexer keys are checked: rank, batch and index_head_dim (ValueError,
   CHECK_FALSE(c.is_initialized());
 }
 
-TEST_CASE("Cache::update_indexer on a layer without indexer keys is transformers' ValueError (§2.1 item 20)") {
+TEST_CASE("Cache::update_indexer on a layer without indexer keys is transformers' ValueError") {
   using Mixed = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicIndexedLayer>>;
   Mixed cache(kvc::DynamicLayer{}, kvc::DynamicIndexedLayer{});
   std::mt19937 rng(1);
@@ -331,7 +333,7 @@ TEST_CASE("Cache::update_indexer on a layer without indexer keys is transformers
 
 // ---- StaticIndexedLayer --------------------------------------------------------------------
 
-TEST_CASE("StaticIndexedLayer: writes at its own counter and returns the whole buffer (§1.7)") {
+TEST_CASE("StaticIndexedLayer: writes at its own counter and returns the whole buffer") {
   std::mt19937 rng(17);
   StaticIndexedCache cache{kvc::StaticIndexedLayer{50}};
   CHECK(cache.layer_name(0) == "StaticIndexedLayer");

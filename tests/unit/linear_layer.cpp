@@ -1,5 +1,6 @@
-// LinearAttentionLayer and the hybrids (§1.9–§1.11), the Cache's linear-attention methods and
-// their redirection rules (§1.13), and the §4.2/§4.3 scenarios that involve linear layers.
+// LinearAttentionLayer and the hybrids, the Cache's linear-attention methods and their redirection
+// rules (transformers' classes of the same names and Cache, src/transformers/cache_utils.py at
+// a597f974), and the tests of tests/utils/test_cache_utils.py that involve linear layers.
 #include <random>
 #include <string>
 #include <vector>
@@ -176,7 +177,8 @@ TEST_CASE("update_conv_state / update_recurrent_state on an attention layer, upd
   const auto conv = conv_input(1, 1, 2);
   CHECK(message_of(cache, [&](auto& c) { c.update_conv_state(conv, 1); }) ==
         "Cannot call `update_conv_state` on a non-LinearAttention layer!");
-  // transformers names update_conv_state here too (§5 item 2); kvc names the method called.
+  // transformers names update_conv_state here too (docs/differences.md item 26); kvc names the
+  // method called.
   CHECK(message_of(cache, [&](auto& c) { c.update_recurrent_state(conv, 1); }) ==
         "Cannot call `update_recurrent_state` on a non-LinearAttention layer!");
   CHECK_THROWS_AS(cache.update_conv_state(conv, 1), kvc::ValueError);
@@ -222,7 +224,7 @@ TEST_CASE("reorder_cache and batch operations act on linear states and on both p
 
 TEST_CASE("hybrids: lengths and max length from the attention part, crop of both parts") {
   Mixed cache(kvc::LinearAttentionAndSlidingWindowAttentionLayer{{4}, 1}, kvc::LinearAttentionAndFullAttentionLayer{});
-  CHECK(cache.get_max_length(0) == 4);  // transformers reports -1 through the MRO (§5 item 18)
+  CHECK(cache.get_max_length(0) == 4);  // transformers reports -1 through the MRO (docs/differences.md item 24)
   CHECK(cache.get_max_length(1) == -1);
   CHECK(cache.layer_name(0) == "LinearAttentionAndSlidingWindowAttentionLayer");
   CHECK(cache.is_sliding() == std::vector<bool>{true, false});
@@ -257,7 +259,9 @@ TEST_CASE("static hybrids cannot be cropped (AttributeError before anything chan
   CHECK(cache.get_max_length() == 8);
 }
 
-TEST_CASE("§4.2-2/4: a StaticCache with a linear layer: early initialization and max length ignore it") {
+TEST_CASE("a StaticCache with a linear layer: early initialization and max length ignore it") {
+  // transformers' test_early_initialization_does_not_corrupt_linear_attention_layers and
+  // test_max_cache_len_ignores_linear_attention_layers.
   kvc::ModelConfig config;
   config.num_hidden_layers = 2;
   config.num_attention_heads = 4;

@@ -1,5 +1,6 @@
-// kvc::make_cache (the cache_implementation → cache table, §3.3) and
-// kvc::prepare_cache_for_generation (§1.20, §2.4).
+// kvc::make_cache (the cache generate() builds for each cache_implementation) and
+// kvc::prepare_cache_for_generation (transformers' _prepare_cache_for_generation and its messages,
+// generation/utils.py).
 
 #include <limits>
 
@@ -155,7 +156,7 @@ kvc::ModelConfig llama_like() {
 }
 }  // namespace
 
-TEST_CASE("'quantized': QuantizedCache from cache_config, which is never changed (§5 item 26)") {
+TEST_CASE("'quantized': QuantizedCache from cache_config, which is never changed (docs/differences.md item 19)") {
   auto g = with("quantized");
   g.cache_config = nlohmann::ordered_json{{"backend", "hqq"}, {"nbits", 8}, {"axis_key", 1}, {"residual_length", 4}};
   const auto before = g.cache_config;

@@ -413,7 +413,8 @@ TEST_CASE("docs/offload.md: using OffloadToFile") {
   CHECK(fixed.update(keys, values, 1).keys.extent(2) == 4096);
 }
 
-TEST_CASE("§4.2-9: prefetching across linear-attention layers wraps from layer 7 to layer 3") {
+TEST_CASE("prefetching across linear-attention layers wraps from layer 7 to layer 3") {
+  // transformers' test_offloaded_cache_prefetches_across_linear_attention_layers.
   // 8 layers: DynamicLayer where i % 4 == 3, LinearAttentionLayer elsewhere; sliding layers offloaded
   // too (transformers' offload_only_non_sliding=False). The file tier stands in for the accelerator.
   spill_dir dir;

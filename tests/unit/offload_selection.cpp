@@ -1,7 +1,8 @@
 // The layer selection shared by the offload policies (<kvc/policies/offload/selection.hpp>):
 // which layer is prefetched (first offloadable at or after the index, wrapping around), which is
 // offloaded after its update, only_non_sliding, linear layers, and the table of what transformers
-// does for every layer kind (§1.13, §5 items 19-20).
+// does for every layer kind (Cache.prefetch, Cache.offload, Cache.is_linear in cache_utils.py;
+// docs/offload.md).
 
 #include "../support/kvc_test.hpp"
 
@@ -27,7 +28,7 @@ layer_flags flags(std::string_view kinds) {
   return f;
 }
 
-// transformers' Cache.prefetch index choice, written from §1.13 to compare with: `is_offloaded` is
+// transformers' Cache.prefetch index choice, written from its code to compare with: `is_offloaded` is
 // its list, and list.index(True) raises when nothing is True.
 std::int64_t transformers_prefetch(std::int64_t layer_idx, const std::vector<bool>& is_offloaded) {
   const auto n = static_cast<std::int64_t>(is_offloaded.size());
@@ -138,7 +139,7 @@ TEST_CASE("bad arguments are errors, not undefined behaviour") {
   CHECK_THROWS_AS(offloadable(-2, flags("f"), false), kvc::IndexError);
 }
 
-// transformers, per layer kind (§1.13 is_linear/is_sliding, §1.11, §5 items 18-19):
+// transformers, per layer kind (Cache.is_linear / Cache.is_sliding and the hybrid classes):
 //   prefetched  = not is_linear and not (only_non_sliding and is_sliding), where is_linear is True
 //                 for every linear-mixin layer except LinearAttentionAndFullAttentionLayer;
 //   offloaded   = reached Cache.update and not (only_non_sliding and is_sliding).

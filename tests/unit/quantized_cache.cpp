@@ -1,5 +1,6 @@
-// kvc::QuantizedCache<T>(backend, config, QuantizedOptions): inventory §1.16, §2.1 items 7-13, 33, 34,
-// §5 item 25.
+// kvc::QuantizedCache<T>(backend, config, QuantizedOptions): transformers' QuantizedCache and the
+// argument checks of QuantoQuantizedLayer, HQQQuantizedLayer and QuantizedCache.__init__
+// (src/transformers/cache_utils.py at a597f974); the layer count of docs/differences.md item 29.
 
 #include <random>
 
@@ -20,7 +21,7 @@ kvc::ModelConfig llama_like(std::int64_t layers = 3) {
 
 }  // namespace
 
-TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (§2.1 item 33)") {
+TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (QuantizedCache.__init__)") {
   const auto config = llama_like();
   CHECK(kvc::QuantizedCache<float>("quanto", config).layer_name(0) == "QuantoQuantizedLayer");
   CHECK(kvc::QuantizedCache<float>("hqq", config).layer_name(2) == "HQQQuantizedLayer");
@@ -28,7 +29,7 @@ TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (§2.1 item 33)") {
   CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("", config), "Unknown quantization backend ``", kvc::ValueError);
 }
 
-TEST_CASE("only full-attention layers (§2.1 item 34): a Python set repr, elements sorted") {
+TEST_CASE("only full-attention layers (QuantizedCache.__init__): a Python set repr, elements sorted") {
   auto config = llama_like(4);
   config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention", "full_attention",
                                                 "sliding_attention"};
@@ -84,7 +85,7 @@ TEST_CASE("checks run in transformers' order: backend, layer types, then the lay
                        "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
 }
 
-TEST_CASE("one layer per config layer, after the KV-shared layers (§5 item 25)") {
+TEST_CASE("one layer per config layer, after the KV-shared layers (docs/differences.md item 29)") {
   CHECK(kvc::QuantizedCache<float>("quanto", llama_like(3)).size() == 3);
   auto shared = llama_like(4);
   shared.layer_types = std::vector<std::string>(4, "full_attention");

@@ -1,5 +1,8 @@
-// QuantizedLayer<QuantoCodec> and QuantizedLayer<HqqCodec>: inventory §1.8, §2.1 items 7-9 and
-// 11-13, §4.2 items 5-6, §5 items 11-12; the codecs of <kvc/policies/quantization/codecs.hpp>.
+// QuantizedLayer<QuantoCodec> and QuantizedLayer<HqqCodec>: transformers' QuantizedLayer and the
+// argument checks of QuantoQuantizedLayer and HQQQuantizedLayer (src/transformers/cache_utils.py
+// at a597f974), the later transformers tests test_quantized_layer_beam_reorder and
+// test_quantized_layer_reset, docs/differences.md item 28; the codecs of
+// <kvc/policies/quantization/codecs.hpp>.
 
 #include <cmath>
 #include <random>
@@ -80,7 +83,7 @@ kvc::HostTensor<T> grid(std::int64_t b, std::int64_t h, std::int64_t s0, std::in
 
 // ---- argument checks ----------------------------------------------------------------------------
 
-TEST_CASE("quanto argument checks: messages verbatim, in transformers' order (§2.1 items 7-9)") {
+TEST_CASE("quanto argument checks: messages verbatim, in transformers' order (QuantoQuantizedLayer.__init__)") {
   using St = kvc::QuantoQuantizedLayer::state<kvc::HostStorage<float>>;
   CHECK_THROWS_WITH_AS(St(kvc::QuantoQuantizedLayer{3}),
                        "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
@@ -100,7 +103,7 @@ TEST_CASE("quanto argument checks: messages verbatim, in transformers' order (§
                        "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 1", kvc::ValueError);
 }
 
-TEST_CASE("HQQ argument checks: messages verbatim, in transformers' order (§2.1 items 11-13)") {
+TEST_CASE("HQQ argument checks: messages verbatim, in transformers' order (HQQQuantizedLayer.__init__)") {
   using St = kvc::HQQQuantizedLayer::state<kvc::HostStorage<float>>;
   CHECK_THROWS_WITH_AS(St(kvc::HQQQuantizedLayer{5, 2, 2}),
                        "`nbits` for `HQQ` backend has to be one of [`1`, `2`, `3`, `4`, `8`] but got 5",
@@ -143,7 +146,7 @@ TEST_CASE("layer traits") {
 
 // ---- the update schedule ----------------------------------------------------------------------
 
-TEST_CASE_TEMPLATE("flush schedule with residual_length 4 (§1.8), every element type", T, float, double, Eigen::half,
+TEST_CASE_TEMPLATE("flush schedule with residual_length 4 (QuantizedLayer.update), every element type", T, float, double, Eigen::half,
                    Eigen::bfloat16) {
   std::mt19937 rng(7);
   LayerCache<kvc::QuantoQuantizedLayer, T> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 4});
@@ -340,7 +343,7 @@ TEST_CASE_TEMPLATE("values on the code grid come back exactly (both codecs, both
   }
 }
 
-TEST_CASE("constant rows reconstruct within 1e-2, every codec, width and axis (§4.2 item 5's tolerance)") {
+TEST_CASE("constant rows reconstruct within 1e-2, every codec, width and axis (the tolerance of test_quantized_layer_beam_reorder)") {
   struct Case {
     bool hqq;
     std::int64_t nbits, axis;
@@ -423,7 +426,7 @@ TEST_CASE("HQQ's zero refinement does not do worse than min/max on outlier-heavy
 
 // ---- reset, reorder, batch operations, crop -----------------------------------------------------
 
-TEST_CASE("reset drops the quantized states too (§4.2 item 6, §5 item 11)") {
+TEST_CASE("reset drops the quantized states too (test_quantized_layer_reset)") {
   std::mt19937 rng(14);
   LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 4});
   cache.update(gaussian<float>(4, 2, 5, 8, rng), gaussian<float>(4, 2, 5, 8, rng), 0);
@@ -443,7 +446,7 @@ TEST_CASE("reset drops the quantized states too (§4.2 item 6, §5 item 11)") {
   CHECK(cache.update(gaussian<float>(1, 3, 2, 16, rng), gaussian<float>(1, 3, 2, 16, rng), 0).keys.extent(1) == 3);
 }
 
-TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (§4.2 item 5, §5 item 12)", Kind, kvc::QuantoQuantizedLayer,
+TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (test_quantized_layer_beam_reorder)", Kind, kvc::QuantoQuantizedLayer,
                    kvc::HQQQuantizedLayer) {
   const std::vector<float> row_values{1, 2, 3, 4};
   auto states = [&](const std::vector<std::int64_t>& order, std::int64_t len) {
@@ -628,7 +631,7 @@ TEST_CASE("int4, group 64: the quantized history is <= 0.30x of fp16 per token (
   CHECK(flatten(small.update(t, t, 0).keys) == before);
 }
 
-TEST_CASE("§4.1-10: no stale quantized data leaks through reset (residual_length 2, group 16)") {
+TEST_CASE("no stale quantized data leaks through reset, as in transformers' test_quantized_cache_reset (residual_length 2, group 16)") {
   std::mt19937 rng(10);
   LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 2});
   cache.update(gaussian<float>(1, 4, 4, 64, rng), gaussian<float>(1, 4, 4, 64, rng), 0);

@@ -1,5 +1,7 @@
-// DynamicSlidingWindowLayer: inventory §1.3 (worked examples, crop rules, both RuntimeErrors),
-// §4.3 items 1-3 and 5, §4.2 item 13, and the returned width matching get_mask_sizes.
+// DynamicSlidingWindowLayer: transformers' DynamicSlidingWindowLayer (src/transformers/cache_utils.py
+// at a597f974: worked examples, crop rules, both RuntimeErrors), the scenarios of its
+// CacheCroppingTests and test_dynamic_layers_reset_drops_their_states, and the returned width
+// matching get_mask_sizes (test_update_with_recording_returns_advertised_kv_width).
 
 #include "../support/kvc_test.hpp"
 
@@ -19,7 +21,7 @@ const char* const positive_after_window =
     "negative int, to specify how many tokens to remove";
 }  // namespace
 
-TEST_CASE("worked example of §1.3 (window 4, no recording)") {
+TEST_CASE("worked example (window 4, no recording)") {
   SlidingCache cache(kvc::DynamicSlidingWindowLayer{4});
   struct step {
     V input;
@@ -46,7 +48,7 @@ TEST_CASE("worked example of §1.3 (window 4, no recording)") {
   CHECK(cache.is_sliding() == std::vector<bool>{true});
 }
 
-TEST_CASE("with recording, update returns exactly the advertised kv_length (§4.3 item 5)") {
+TEST_CASE("with recording, update returns exactly the advertised kv_length (test_update_with_recording_returns_advertised_kv_width)") {
   SlidingCache cache(kvc::DynamicSlidingWindowLayer{4});
   cache.update(seq({}), seq({}), 0);  // creates the layer; a zero-token update adds nothing
   cache.activate_past_recording();
@@ -75,7 +77,7 @@ TEST_CASE("with recording, a multi-token update that crosses the window") {
   CHECK(values_of(kv.keys) == V{2, 3, 4, 5});
 }
 
-TEST_CASE("crop past the window (sliding_window 12, 45 tokens, §4.3)") {
+TEST_CASE("crop past the window (sliding_window 12, 45 tokens, CacheCroppingTests)") {
   std::mt19937 rng(12);
   const auto keys = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);
   const auto values = kvc_test::random_tensor<float>(2, 32, 45, 32, rng);
@@ -157,7 +159,7 @@ TEST_CASE("crop before the window is reached follows DynamicLayer and resets the
   CHECK(cache.get_seq_length() == 2);
 }
 
-TEST_CASE("reset drops the states (§4.2 item 13 for DynamicSlidingWindowLayer(1024))") {
+TEST_CASE("reset drops the states (test_dynamic_layers_reset_drops_their_states for DynamicSlidingWindowLayer(1024))") {
   std::mt19937 rng(3);
   SlidingCache cache(kvc::DynamicSlidingWindowLayer{1024});
   cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng), kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);

@@ -1,4 +1,5 @@
-// kvc::MtpCache and kvc::DFlashCache: inventory §1.18.
+// kvc::MtpCache and kvc::DFlashCache: transformers' MtpCache and DFlashCache
+// (src/transformers/cache_utils.py at a597f974).
 
 #include <kvc/speculative_caches.hpp>
 

@@ -1,4 +1,6 @@
-// StaticLayer through kvc::StaticCache: inventory §1.5, §4.1 items 1-2, §4.2 items 1 and 4.
+// StaticLayer through kvc::StaticCache: transformers' StaticLayer (src/transformers/cache_utils.py
+// at a597f974) and the scenarios of transformers' tests/utils/test_cache_utils.py
+// (test_static_cache_out_of_bounds, test_static_cache, test_static_cache_mha_mqa_gqa).
 
 #include "../support/kvc_test.hpp"
 
@@ -8,7 +10,8 @@ using V = std::vector<float>;
 
 namespace {
 // Gemma2Config(num_hidden_layers=1, heads 1, kv heads 1, head_dim 1, hidden 1, sliding_window=4,
-// attention_chunk_size=4, layer_types=["full_attention"]) of §4.1.
+// attention_chunk_size=4, layer_types=["full_attention"]) of
+// transformers' SyntheticCacheTest.
 kvc::ModelConfig synthetic(std::vector<std::string> layer_types = {"full_attention"}) {
   kvc::ModelConfig c;
   c.num_hidden_layers = static_cast<std::int64_t>(layer_types.size());
@@ -23,7 +26,7 @@ kvc::ModelConfig synthetic(std::vector<std::string> layer_types = {"full_attenti
 }
 }  // namespace
 
-TEST_CASE("writing past max_cache_len is an IndexError that changes nothing (§4.1 item 1)") {
+TEST_CASE("writing past max_cache_len is an IndexError that changes nothing (test_static_cache_out_of_bounds)") {
   kvc::StaticCache<float> cache(synthetic(), 4);
   cache.update(seq({1, 2, 3, 4}), seq({1, 2, 3, 4}), 0);
   const auto before = kvc_test::take_snapshot(cache);
@@ -42,7 +45,7 @@ TEST_CASE("a first update longer than the buffer leaves the layer uninitialized"
   CHECK(cache.bytes() == 0);
 }
 
-TEST_CASE("writes at the counter, zeros elsewhere (§4.1 item 2)") {
+TEST_CASE("writes at the counter, zeros elsewhere (test_static_cache)") {
   kvc::StaticCache<float> cache(synthetic(), 4);
   cache.update(seq({1, 2}), seq({1, 2}), 0);
   auto kv = cache.update(seq({3}), seq({3}), 0);
@@ -58,7 +61,7 @@ TEST_CASE("writes at the counter, zeros elsewhere (§4.1 item 2)") {
   CHECK(cache.is_sliding() == std::vector<bool>{false});
 }
 
-TEST_CASE("MHA, GQA and MQA shapes (§4.2 item 1)") {
+TEST_CASE("MHA, GQA and MQA shapes (test_static_cache_mha_mqa_gqa)") {
   std::mt19937 rng(1);
   for (const std::int64_t kv_heads : {32, 4, 1}) {
     kvc::ModelConfig llama;
@@ -76,7 +79,7 @@ TEST_CASE("MHA, GQA and MQA shapes (§4.2 item 1)") {
   }
 }
 
-TEST_CASE("get_max_length is max_cache_len (§4.2 item 4)") {
+TEST_CASE("get_max_length is max_cache_len") {
   kvc::ModelConfig c = synthetic({"full_attention", "full_attention"});
   kvc::StaticCache<float> cache(c, 8);
   CHECK(cache.get_max_length() == 8);

@@ -1,5 +1,7 @@
-// StaticSlidingWindowLayer: the five update paths of inventory §1.6 with one counter, the worked
-// examples, and §4.1 items 3, 6, 7, 8 (sliding, hybrid and chunked static caches).
+// StaticSlidingWindowLayer: the five paths of transformers' StaticSlidingWindowLayer.update
+// (src/transformers/cache_utils.py at a597f974) with one counter, worked examples, and the sliding,
+// hybrid and chunked static caches of transformers' SyntheticCacheTest (test_sliding_window_cache,
+// test_hybrid_cache, test_hybrid_chunked_cache, test_hybrid_chunked_cache_extra_cases).
 
 #include "../support/kvc_test.hpp"
 
@@ -25,7 +27,7 @@ kvc::ModelConfig config(std::vector<std::string> types, std::optional<std::int64
 }
 }  // namespace
 
-TEST_CASE("sliding window cache scenarios (§4.1 item 3, W = 4)") {
+TEST_CASE("sliding window cache scenarios (test_sliding_window_cache, W = 4)") {
   const auto c = config({"sliding_attention"}, 4, 4);
   SUBCASE("fits") {
     kvc::StaticCache<float> cache(c, 4);
@@ -49,7 +51,7 @@ TEST_CASE("sliding window cache scenarios (§4.1 item 3, W = 4)") {
   }
 }
 
-TEST_CASE("hybrid cache (§4.1 item 6: full + sliding 2, max_cache_len 4)") {
+TEST_CASE("hybrid cache (test_hybrid_cache: full + sliding 2, max_cache_len 4)") {
   kvc::StaticCache<float> cache(config({"full_attention", "sliding_attention"}, 2, std::nullopt), 4);
   CHECK(cache.layer_name(0) == "StaticLayer");
   CHECK(cache.layer_name(1) == "StaticSlidingWindowLayer");
@@ -68,7 +70,7 @@ TEST_CASE("hybrid cache (§4.1 item 6: full + sliding 2, max_cache_len 4)") {
   CHECK(cache.get_max_length(1) == 2);
 }
 
-TEST_CASE("hybrid chunked cache (§4.1 item 7: chunk 2, no sliding_window)") {
+TEST_CASE("hybrid chunked cache (test_hybrid_chunked_cache: chunk 2, no sliding_window)") {
   kvc::StaticCache<float> cache(config({"full_attention", "chunked_attention"}, std::nullopt, 2), 4);
   CHECK(values_of(cache.update(seq({1, 2, 3}), seq({1, 2, 3}), 0).keys) == V{1, 2, 3, 0});
   CHECK(values_of(cache.update(seq({10, 20, 30}), seq({10, 20, 30}), 1).keys) == V{10, 20, 30});
@@ -81,7 +83,7 @@ TEST_CASE("hybrid chunked cache (§4.1 item 7: chunk 2, no sliding_window)") {
   CHECK(values_of(cache.stored(1).keys) == V{60, 70});
 }
 
-TEST_CASE("chunked extra cases (§4.1 item 8: chunk 3, max_cache_len 3)") {
+TEST_CASE("chunked extra cases (test_hybrid_chunked_cache_extra_cases: chunk 3, max_cache_len 3)") {
   kvc::StaticCache<float> cache(config({"chunked_attention"}, std::nullopt, 3), 3);
   auto kv = cache.update(seq({10, 20}), seq({10, 20}), 0);
   CHECK(values_of(cache.stored(0).keys) == V{10, 20, 0});

@@ -1,7 +1,8 @@
 #pragma once
 // Dynamic layer kinds: DynamicLayer (grows without bound) and DynamicSlidingWindowLayer (keeps the
-// last sliding_window - 1 tokens). Semantics: ../shared/reference/hf_cache_inventory.md §1.2, §1.3;
-// what kvc does differently: docs/differences.md.
+// last sliding_window - 1 tokens). Semantics: transformers' DynamicLayer and
+// DynamicSlidingWindowLayer (src/transformers/cache_utils.py at a597f974); what kvc does
+// differently: docs/differences.md.
 
 #include <algorithm>
 #include <cstdint>

@@ -1,8 +1,8 @@
 #pragma once
 // Indexed layer kinds (DSA models: GLM-MoE-DSA, DeepSeek-V3.2): a K/V layer plus the keys of the
 // lightning indexer, [batch, seq, index_head_dim] (one head, seq on dim 1). Semantics:
-// ../shared/reference/hf_cache_inventory.md §1.4 and §1.7; what kvc does differently:
-// docs/indexed.md and docs/differences.md.
+// transformers' DynamicIndexedLayer and StaticIndexedLayer (src/transformers/cache_utils.py at
+// a597f974); what kvc does differently: docs/indexed.md and docs/differences.md.
 //
 //  - DynamicIndexedLayer: a DynamicLayer and indexer keys that grow with every update_indexer.
 //  - StaticIndexedLayer:  a StaticLayer and an indexer buffer of max_cache_len slots, written at
@@ -326,7 +326,8 @@ class indexed_state : public with_attention_part<A> {
 
 // ---- DynamicIndexedLayer -------------------------------------------------------------------
 
-// A DynamicLayer plus indexer keys that grow with every update_indexer (§1.4).
+// A DynamicLayer plus indexer keys that grow with every update_indexer
+// (transformers' DynamicIndexedLayer).
 struct DynamicIndexedLayer {
   template <class S>
   class state;
@@ -385,7 +386,7 @@ class DynamicIndexedLayer::state
 // ---- StaticIndexedLayer --------------------------------------------------------------------
 
 // A StaticLayer plus a static indexer buffer [batch, max_cache_len, index_head_dim] with its own
-// counter (§1.7).
+// counter (transformers' StaticIndexedLayer).
 struct StaticIndexedLayer {
   std::int64_t max_cache_len = 0;
 

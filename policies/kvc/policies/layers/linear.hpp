@@ -1,8 +1,9 @@
 #pragma once
 // Linear-attention layers (Mamba, gated DeltaNet, LFM2-style short convolutions) and the hybrids
-// of a linear part with an attention part. Semantics: ../shared/reference/hf_cache_inventory.md
-// §1.9–§1.11; what kvc does differently (hybrids by composition, batch operations on the states,
-// crop of uninitialized states): docs/differences.md.
+// of a linear part with an attention part. Semantics: transformers' LinearAttentionCacheLayerMixin,
+// LinearAttentionLayer and the four LinearAttentionAnd...Layer hybrids
+// (src/transformers/cache_utils.py at a597f974); what kvc does differently (hybrids by
+// composition, batch operations on the states, crop of uninitialized states): docs/differences.md.
 //
 // A linear layer has no sequence axis. Each of its `number_of_states` slots holds
 //   - a conv state [batch, channels, time] (time last), kept at the kernel size k (or, once

@@ -1,6 +1,7 @@
 #pragma once
 // kvc::QuantizedLayer<Codec>: a dynamic layer that keeps most of its tokens quantized
-// (transformers' QuantizedLayer, QuantoQuantizedLayer and HQQQuantizedLayer; inventory §1.8).
+// (transformers' QuantizedLayer, QuantoQuantizedLayer and HQQQuantizedLayer in
+// src/transformers/cache_utils.py at a597f974).
 // Codecs, the meaning of `axis` and the packing: <kvc/policies/quantization/codecs.hpp> and
 // docs/quantized.md; what kvc does differently from transformers: docs/differences.md. Over
 // CudaStorage the codes live on the device and the codecs run as kernels

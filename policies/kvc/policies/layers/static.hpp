@@ -1,7 +1,8 @@
 #pragma once
 // Static layer kinds: StaticLayer (a buffer of max_cache_len slots written at a counter) and
 // StaticSlidingWindowLayer (a window of min(sliding_window, max_cache_len) slots). Semantics:
-// ../shared/reference/hf_cache_inventory.md §1.5, §1.6; differences: docs/differences.md.
+// transformers' StaticLayer and StaticSlidingWindowLayer (src/transformers/cache_utils.py at
+// a597f974); differences: docs/differences.md.
 
 #include <algorithm>
 #include <cstdint>
@@ -157,7 +158,7 @@ class StaticSlidingWindowLayer::state {
     initialized_ = true;
   }
 
-  // The five paths of transformers' update (§1.6) with one counter:
+  // The five paths of transformers' StaticSlidingWindowLayer.update with one counter:
   //  full, q == 1 and full, q > 1: return the last W - 1 tokens + the new ones;
   //  becoming full: return everything seen + the new ones; in each case the window becomes the
   //  last W of what is returned;  fits: write at the counter and return the whole window.

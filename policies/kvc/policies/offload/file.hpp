@@ -1,8 +1,8 @@
 #pragma once
 // kvc::OffloadToFile<OnlyNonSliding>: host layers that are not in use live in a spill file, and a
 // background thread reads the next one back while the current one is updated (transformers'
-// offloading=True, §1.13, with a file as the slow tier instead of CPU memory). docs/offload.md
-// describes the protocol, the error behaviour and the measured cost.
+// Cache.update with offloading=True, with a file as the slow tier instead of CPU memory).
+// docs/offload.md describes the protocol, the error behaviour and the measured cost.
 //
 // The protocol, for `update(k, v, i)`:
 //   before_update(i)  1. write the layer offloaded by the previous update to the file and free its

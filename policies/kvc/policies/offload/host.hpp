@@ -1,8 +1,8 @@
 #pragma once
 // kvc::OffloadToHost<OnlyNonSliding>: layers in CUDA device memory that are not in use move to
 // pinned host memory, and the next one comes back on a prefetch stream (transformers'
-// offloading=True on a GPU, §1.13). It serves device storage only; the engine lives with the CUDA
-// storage in <kvc/policies/offload/host_engine.cuh> (nvcc), so that this header, which
+// Cache.update with offloading=True on a GPU). It serves device storage only; the engine lives
+// with the CUDA storage in <kvc/policies/offload/host_engine.cuh> (nvcc), so that this header, which
 // <kvc/kvc.hpp> includes, stays free of CUDA headers. Pairing it with HostStorage is a compile error with its own message
 // (kvc::Cache, docs/errors.md): host layers are spilled with kvc::OffloadToFile instead.
 //

@@ -2,7 +2,8 @@
 // The engine of kvc::OffloadToHost<OnlyNonSliding> for kvc::CudaStorage<T, Stream>: layers that
 // are not in use move from device memory to pinned host memory, and the next offloadable layer is
 // copied back on a prefetch stream while the current one is updated (transformers'
-// offloading=True on a GPU, §1.13). Included by <kvc/cuda.hpp>; needs nvcc (CUDA headers).
+// Cache.update with offloading=True on a GPU). Included by <kvc/cuda.hpp>; needs nvcc (CUDA
+// headers).
 // <kvc/policies/offload/host.hpp> declares the policy for host compilers; this file defines the
 // engine as a partial specialization of detail::offload_to_host_engine. docs/offload.md
 // ("OffloadToHost") describes the protocol and its costs.

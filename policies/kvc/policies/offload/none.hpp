@@ -1,7 +1,7 @@
 #pragma once
 // kvc::NoOffload: every layer stays where its storage put it. The engine's hooks are where an
 // offloading policy waits for its prefetch, prefetches the next layer and offloads the current one
-// (transformers' Cache.update with offloading=True, §1.13); here they do nothing.
+// (transformers' Cache.update with offloading=True); here they do nothing.
 
 #include <cstdint>
 

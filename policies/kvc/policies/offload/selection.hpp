@@ -1,6 +1,6 @@
 #pragma once
 // Which layers an offloading cache moves out of fast memory, and which one it prefetches next
-// (transformers' Cache.prefetch / Cache.offload with offloading=True, §1.13). Pure functions over
+// (transformers' Cache.prefetch / Cache.offload with offloading=True). Pure functions over
 // the per-layer flags the cache reports (`is_linear()`, `is_sliding()`), shared by every offload
 // policy (OffloadToFile, OffloadToHost) and tested on the host (tests/unit/offload_selection.cpp).
 //
