@@ -8,11 +8,14 @@
 #   compile_fail.x.ok     builds cf_x_ok; passes iff the build succeeds
 #   compile_fail.x.ko     builds cf_x_ko; passes iff the build output contains <message>
 #                         (PASS_REGULAR_EXPRESSION, never WILL_FAIL; the exit code is ignored)
+#                         and no second `error:` (kvcCompileFailRun.cmake counts them: one
+#                         misuse, one error)
 # All tests share RESOURCE_LOCK kvc_compile_fail (they run `cmake --build` on this very
 # build tree) and carry the label `compile_fail`. The source is added to
 # CMAKE_CONFIGURE_DEPENDS, so editing the expectation re-runs cmake.
 include_guard(GLOBAL)
 include(${CMAKE_CURRENT_LIST_DIR}/kvcHelpers.cmake)
+set(kvc_compile_fail_run "${CMAKE_CURRENT_LIST_DIR}/kvcCompileFailRun.cmake")
 
 # kvc_read_expected_error(<out-var> <source>)
 function(kvc_read_expected_error out src)
@@ -52,15 +55,22 @@ function(kvc_add_compile_fail_test name src)
     add_executable(${tgt} EXCLUDE_FROM_ALL "${src}")
     target_link_libraries(${tgt} PRIVATE kvc::kvc)
     kvc_target_warnings(${tgt})
-    add_test(NAME compile_fail.${name}.${k}
-             COMMAND ${CMAKE_COMMAND} --build "${CMAKE_BINARY_DIR}" --target ${tgt}
-                     --config $<CONFIG>)
+    if(k STREQUAL "ok")
+      add_test(NAME compile_fail.${name}.${k}
+               COMMAND ${CMAKE_COMMAND} --build "${CMAKE_BINARY_DIR}" --target ${tgt} --config $<CONFIG>)
+    else()
+      add_test(NAME compile_fail.${name}.${k}
+               COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${CMAKE_BINARY_DIR} -DTARGET=${tgt} -DCONFIG=$<CONFIG>
+                       -P "${kvc_compile_fail_run}")
+    endif()
     set_tests_properties(compile_fail.${name}.${k} PROPERTIES
       RESOURCE_LOCK kvc_compile_fail
       LABELS compile_fail
       TIMEOUT 300)
   endforeach()
   target_compile_definitions(cf_${name}_ko PRIVATE KVC_SHOULD_FAIL)
+  # One misuse, one error: kvcCompileFailRun.cmake flags a second `error:` in the output.
   set_tests_properties(compile_fail.${name}.ko PROPERTIES
-    PASS_REGULAR_EXPRESSION "${regex}")
+    PASS_REGULAR_EXPRESSION "${regex}"
+    FAIL_REGULAR_EXPRESSION "kvc-compile-fail: [0-9]+ errors, one expected")
 endfunction()

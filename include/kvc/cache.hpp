@@ -43,6 +43,38 @@ struct all_cache_layers : std::false_type {};
 template <class... K, class S>
 struct all_cache_layers<boost::mp11::mp_list<K...>, S> : std::bool_constant<(concepts::AnyCacheLayer<K, S> && ...)> {};
 
+// For a misconfigured Cache: one instantiation per layer kind, so that the compiler's context line
+// ("in instantiation of kvc::detail::layer_kind_check<Kind, Storage>") names each kind that is not
+// a layer kind. `value` is always true: the static_assert inside is the one error.
+template <class Kind, class S>
+struct layer_kind_check {
+  static_assert(concepts::AnyCacheLayer<Kind, S>,
+                "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor "
+                "LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer. "
+                "The kind is the first argument of kvc::detail::layer_kind_check<Kind, Storage> in this error's "
+                "instantiation context");
+  static constexpr bool value = true;
+};
+template <class List, class S>
+struct check_each_layer_kind : std::true_type {};
+template <class... K, class S>
+struct check_each_layer_kind<boost::mp11::mp_list<K...>, S> : std::bool_constant<(layer_kind_check<K, S>::value && ...)> {};
+// Only once the layer and storage policies are valid (their own message comes first, and alone).
+template <class L, class S, bool = concepts::LayerPolicy<L> && concepts::StoragePolicy<S>>
+struct check_layer_kinds_of : std::true_type {};
+template <class L, class S>
+struct check_layer_kinds_of<L, S, true> : check_each_layer_kind<layer_kinds<L>, S> {};
+
+// What every method of a misconfigured Cache returns: it converts to anything and binds as a
+// (keys, values) pair, so that code calling the Cache adds no second error to the policy's.
+struct misconfigured_result {
+  template <class T>
+  operator T() const;  // NOLINT: never defined, never called (the program does not compile)
+};
+struct misconfigured_kv {
+  misconfigured_result keys, values;
+};
+
 // An offload policy for device storage (it names `moves_device_to_host`) used with host storage.
 template <class O, class S>
 inline constexpr bool device_offload_on_host = [] {
@@ -91,9 +123,13 @@ class Cache {
   static_assert(!(concepts::has_layers_list<LayerPolicy> && concepts::has_layer_class_to_replicate<LayerPolicy>),
                 "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
                 "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
-                "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.");
+                "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache. "
+                "In kvc: a LayerPolicy with `layers` only is kvc::Layers<Kinds...>, one with "
+                "`layer_class_to_replicate` only is kvc::Replicate<Kind>; use one of them.");
   static_assert(concepts::has_layers_list<LayerPolicy> || concepts::has_layer_class_to_replicate<LayerPolicy>,
-                "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.");
+                "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache. "
+                "In kvc: use kvc::Layers<Kinds...> (a fixed list of layer kinds) or kvc::Replicate<Kind> (a layer "
+                "appended for each new layer index) as the LayerPolicy.");
   static_assert(!concepts::LayerPolicy<LayerPolicy> || detail::has_layer_kinds<LayerPolicy>,
                 "kvc::Cache: the LayerPolicy's `layers` list is empty. Name at least one layer kind in kvc::Layers");
   static_assert(concepts::StoragePolicy<StoragePolicy>,
@@ -115,15 +151,51 @@ class Cache {
                     concepts::serves_storage<OffloadPolicy, StoragePolicy>,
                 "kvc::Cache: the OffloadPolicy cannot serve this StoragePolicy. Pick an offload policy made for the "
                 "storage's memory space");
-  static_assert(!concepts::LayerPolicy<LayerPolicy> || !concepts::StoragePolicy<StoragePolicy> ||
-                    detail::all_cache_layers<detail::layer_kinds<LayerPolicy>, StoragePolicy>::value,
-                "kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor "
-                "LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer");
+  static_assert(detail::check_layer_kinds_of<LayerPolicy, StoragePolicy>::value);  // layer_kind_check's message
 
  public:
-  // Accepts any arguments, so that constructing a misconfigured Cache reports only the assert above.
+  // Accepts any arguments, and has the Cache methods, so that constructing and using a
+  // misconfigured Cache reports only the asserts above.
   template <class... Args>
   explicit Cache(Args&&...) {}
+  template <class... Args>
+  detail::misconfigured_kv update(Args&&...) { return {}; }
+  template <class... Args>
+  detail::misconfigured_kv stored(Args&&...) const { return {}; }
+#define KVC_DETAIL_MISCONFIGURED(type, name) \
+  template <class... Args>                   \
+  type name(Args&&...) const {               \
+    return type();                           \
+  }
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, get_seq_length)
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, get_query_offset)
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, get_max_length)
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, batch_size)
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, size)
+  KVC_DETAIL_MISCONFIGURED(std::int64_t, bytes)
+  using mask_sizes = std::pair<std::int64_t, std::int64_t>;
+  KVC_DETAIL_MISCONFIGURED(mask_sizes, get_mask_sizes)
+  KVC_DETAIL_MISCONFIGURED(bool, is_compileable)
+  KVC_DETAIL_MISCONFIGURED(bool, is_initialized)
+  KVC_DETAIL_MISCONFIGURED(bool, has_previous_state)
+  KVC_DETAIL_MISCONFIGURED(std::string_view, layer_name)
+  KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, is_linear)
+  KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, is_sliding)
+  KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_conv_state)
+  KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_recurrent_state)
+  KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_indexer)
+  KVC_DETAIL_MISCONFIGURED(void, crop)
+  KVC_DETAIL_MISCONFIGURED(void, reorder_cache)
+  KVC_DETAIL_MISCONFIGURED(void, batch_repeat_interleave)
+  KVC_DETAIL_MISCONFIGURED(void, batch_select_indices)
+  KVC_DETAIL_MISCONFIGURED(void, reset)
+  KVC_DETAIL_MISCONFIGURED(void, make_resident)
+  KVC_DETAIL_MISCONFIGURED(void, early_initialization)
+  KVC_DETAIL_MISCONFIGURED(void, set_write_position)
+  KVC_DETAIL_MISCONFIGURED(void, activate_past_recording)
+#undef KVC_DETAIL_MISCONFIGURED
+  void reorder_cache(std::initializer_list<std::int64_t>) const {}
+  void batch_select_indices(std::initializer_list<std::int64_t>) const {}
 };
 
 template <class L, class S, class O>

@@ -5,8 +5,10 @@
 
 #if !defined(__CUDACC__)
 #error "kvc/cuda.hpp holds CUDA kernels: compile this file with nvcc as CUDA, or include kvc/kvc.hpp for host-only code"
-#endif
+#else  // nothing more for a host compiler, so that the #error is its only error
 
 #include <kvc/kvc.hpp>
 #include <kvc/policies/storage/cuda.cuh>
 #include <kvc/policies/offload/host_engine.cuh>  // kvc::OffloadToHost's engine for CudaStorage
+
+#endif  // __CUDACC__

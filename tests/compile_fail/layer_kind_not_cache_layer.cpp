@@ -1,5 +1,6 @@
-// EXPECT-ERROR: kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer
-// kvc::Layers<int>: int is not a layer kind (it has no `state<S>`). docs/errors.md lists the fix.
+// EXPECT-ERROR: kvc::Cache: a layer kind of the LayerPolicy does not model kvc::concepts::CacheLayer (nor LinearCacheLayer) for this storage. Use the kvc layer kinds, e.g. DynamicLayer or StaticLayer. The kind is the first argument of kvc::detail::layer_kind_check<Kind, Storage> in this error's instantiation context
+// kvc::Layers<DynamicLayer, int>: int is not a layer kind (it has no `state<S>`), and the error's
+// context names it (the compile_fail.layer_kind_named case). docs/errors.md lists the fix.
 #include <kvc/cache.hpp>
 
 #ifdef KVC_SHOULD_FAIL

@@ -1,4 +1,4 @@
-// EXPECT-ERROR: You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.
+// EXPECT-ERROR: You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache. In kvc: use kvc::Layers<Kinds...> (a fixed list of layer kinds) or kvc::Replicate<Kind> (a layer appended for each new layer index) as the LayerPolicy.
 // A layer policy names neither `layers` nor `layer_class_to_replicate` (transformers' Cache.__init__
 // raises the same message). docs/errors.md lists the fix.
 #include <kvc/cache.hpp>
