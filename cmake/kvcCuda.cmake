@@ -1,10 +1,10 @@
 # kvcCuda.cmake -- optional CUDA support (docs/cuda.md). Included once from the root CMakeLists.
 #
-# When kvc is the top-level project and a CUDA compiler is found (check_language: nvcc on PATH,
-# $CUDACXX, or -DCMAKE_CUDA_COMPILER), KVC_ENABLE_CUDA defaults to ON and kvc builds its CUDA
-# tests (tests/cuda) and benchmarks (benchmarks/cuda) with nvcc for sm_90 plus PTX
-# (CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual").
-# Without one, or with -DKVC_ENABLE_CUDA=OFF, nothing here changes the host-only build.
+# KVC_ENABLE_CUDA = AUTO | ON | OFF. When kvc is the top-level project it defaults to AUTO: if a
+# CUDA compiler is found (check_language: nvcc on PATH, $CUDACXX, or -DCMAKE_CUDA_COMPILER), kvc
+# builds its CUDA tests (tests/cuda) and benchmarks (benchmarks/cuda) with nvcc for sm_90 plus
+# PTX (CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual"). ON makes a missing compiler a configure
+# error. Without a compiler under AUTO, or with OFF, nothing here changes the host-only build.
 #
 # Sets KVC_CUDA_ENABLED, and when it is ON, the target kvc::cuda (kvcCudaTarget.cmake: kvc::kvc +
 # CUDA::cudart, C++20 and the nvcc flags kvc's device headers need) and
@@ -13,30 +13,37 @@
 include_guard(GLOBAL)
 
 include(CheckLanguage)
-# Only kvc's own CUDA tests and benchmarks need nvcc, so a project that adds kvc with
-# add_subdirectory is never switched to CUDA unless it asks (-DKVC_ENABLE_CUDA=ON).
-if(DEFINED KVC_ENABLE_CUDA)
-  set(kvc_cuda_wanted ${KVC_ENABLE_CUDA})
-elseif(PROJECT_IS_TOP_LEVEL AND (KVC_BUILD_TESTS OR KVC_BUILD_BENCHMARKS))
-  set(kvc_cuda_wanted ON)
-else()
-  set(kvc_cuda_wanted OFF)
-endif()
-if(kvc_cuda_wanted) # an explicit OFF skips the compiler probe
-  check_language(CUDA)
-endif()
-if(kvc_cuda_wanted AND CMAKE_CUDA_COMPILER)
-  set(kvc_cuda_default ON)
+# KVC_ENABLE_CUDA: AUTO builds the CUDA tests and benchmarks when a CUDA compiler is found, ON
+# requires one (a configure error without), OFF never looks. Only kvc's own CUDA tests and
+# benchmarks need nvcc, so a project that adds kvc with add_subdirectory gets OFF unless it asks.
+if(PROJECT_IS_TOP_LEVEL AND (KVC_BUILD_TESTS OR KVC_BUILD_BENCHMARKS))
+  set(kvc_cuda_default AUTO)
 else()
   set(kvc_cuda_default OFF)
 endif()
-option(KVC_ENABLE_CUDA "Build kvc's CUDA tests and benchmarks with nvcc (ON when nvcc is found)" ${kvc_cuda_default})
+set(KVC_ENABLE_CUDA ${kvc_cuda_default} CACHE STRING
+    "Build kvc's CUDA tests and benchmarks with nvcc: AUTO (when nvcc is found), ON (nvcc required), OFF")
+set_property(CACHE KVC_ENABLE_CUDA PROPERTY STRINGS AUTO ON OFF)
+string(TOUPPER "${KVC_ENABLE_CUDA}" kvc_cuda_mode)
+if(kvc_cuda_mode STREQUAL "AUTO")
+elseif(kvc_cuda_mode MATCHES "^(ON|YES|Y|TRUE|1)$")
+  set(kvc_cuda_mode ON)
+elseif(kvc_cuda_mode MATCHES "^(OFF|NO|N|FALSE|0)$")
+  set(kvc_cuda_mode OFF)
+else()
+  message(FATAL_ERROR "kvc: KVC_ENABLE_CUDA must be AUTO, ON or OFF, got '${KVC_ENABLE_CUDA}'")
+endif()
+if(NOT kvc_cuda_mode STREQUAL "OFF") # OFF skips the compiler probe
+  check_language(CUDA)
+endif()
+if(kvc_cuda_mode STREQUAL "ON" AND NOT CMAKE_CUDA_COMPILER)
+  message(FATAL_ERROR "kvc: KVC_ENABLE_CUDA is ON but no CUDA compiler was found. Pass "
+                      "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc, or -DKVC_ENABLE_CUDA=AUTO to build "
+                      "without CUDA where there is none.")
+endif()
 
 set(KVC_CUDA_ENABLED OFF)
-if(KVC_ENABLE_CUDA AND NOT CMAKE_CUDA_COMPILER)
-  message(WARNING "kvc: KVC_ENABLE_CUDA is ON but no CUDA compiler was found; building without CUDA. "
-                  "Pass -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc.")
-elseif(KVC_ENABLE_CUDA)
+if(NOT kvc_cuda_mode STREQUAL "OFF" AND CMAKE_CUDA_COMPILER)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual") # H200 (sm_90) + PTX for newer GPUs
   endif()
