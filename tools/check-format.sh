@@ -20,15 +20,17 @@ fi
 
 mapfile -d '' files < <(git ls-files -z -- '*.hpp' '*.cpp' '*.cuh' '*.cu' '*.h')
 if [[ ${1:-} == --fix ]]; then
-  # Writes a file only if formatting changed nothing but whitespace (the token text with every
-  # blank removed is the same), so that a format commit cannot change what compiles.
+  # Writes a file only if formatting changed nothing but whitespace (the text with every blank and
+  # every line continuation removed is the same), so that a format commit cannot change what
+  # compiles.
+  blankless() { perl -0pe 's/\\\n//g; s/\s+//g' | md5sum; }
   tmp=$(mktemp)
   trap 'rm -f "$tmp"' EXIT
   changed=0
   for f in "${files[@]}"; do
     "$cf" --style=file "$f" >"$tmp"
     cmp -s "$f" "$tmp" && continue
-    if [[ $(tr -d '[:space:]' <"$f" | md5sum) != $(tr -d '[:space:]' <"$tmp" | md5sum) ]]; then
+    if [[ $(blankless <"$f") != $(blankless <"$tmp") ]]; then
       echo "check-format: $f: formatting would change more than whitespace; left as it is" >&2
       exit 1
     fi
