@@ -52,11 +52,12 @@ using kvc_bench::Input;
 constexpr std::int64_t kLayers = 32;
 constexpr std::int64_t kHeads = 8;
 constexpr std::int64_t kHeadDim = 128;
-constexpr std::int64_t kTokenBytes = kHeads * kHeadDim * static_cast<std::int64_t>(sizeof(float));  // one K or V row set
-constexpr std::int64_t kStepBytes = 2 * kLayers * kTokenBytes;  // appended per decode step: 256 KiB
-constexpr std::int64_t kWindow = 256;             // sliding window of the sliding caches
-constexpr std::int64_t kStaticMaxLen = 2048;      // StaticCache max_cache_len in the step benchmarks
-constexpr std::int64_t kRestoreEvery = 64;        // steps between two (untimed) returns to position S
+constexpr std::int64_t kTokenBytes =
+    kHeads * kHeadDim * static_cast<std::int64_t>(sizeof(float));  // one K or V row set
+constexpr std::int64_t kStepBytes = 2 * kLayers * kTokenBytes;     // appended per decode step: 256 KiB
+constexpr std::int64_t kWindow = 256;                              // sliding window of the sliding caches
+constexpr std::int64_t kStaticMaxLen = 2048;                       // StaticCache max_cache_len in the step benchmarks
+constexpr std::int64_t kRestoreEvery = 64;                         // steps between two (untimed) returns to position S
 constexpr std::int64_t kDecodeSteps = 1024;
 
 // ---- inputs ----------------------------------------------------------------------------------
@@ -349,16 +350,21 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
     const kvc_bench::Result* base1024 = find("concat_step/S:1024");
     const kvc_bench::Result* base_dec = find("concat_decode1024");
     auto gbs = [](const kvc_bench::Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
-    std::printf("\n==== kvc append summary: %lld layers x %lld KV heads x head_dim %lld, float; %lld KiB appended/step\n",
-                static_cast<long long>(kLayers), static_cast<long long>(kHeads), static_cast<long long>(kHeadDim),
-                static_cast<long long>(kStepBytes >> 10));
-    std::printf("memcpy: bulk 64 MiB %.2f GB/s | append pattern, 64-slot cycle %.2f GB/s | cold (2048 slots) %.2f GB/s\n",
-                gbs(bulk), gbs(scat), gbs(cold));
-    std::printf("%-22s %9s %9s %7s %8s %7s %7s %8s %9s %7s %8s\n", "cache", "S=64 us", "S=1024us", "1024/64",
-                "GB/s@1k", "/patt", "/bulk", "concat/x", "run1024ms", "growth", "concat/x");
-    auto row = [&](const std::string& label, const kvc_bench::Result* s64, const kvc_bench::Result* s1k, const kvc_bench::Result* dec) {
+    std::printf(
+        "\n==== kvc append summary: %lld layers x %lld KV heads x head_dim %lld, float; %lld KiB appended/step\n",
+        static_cast<long long>(kLayers), static_cast<long long>(kHeads), static_cast<long long>(kHeadDim),
+        static_cast<long long>(kStepBytes >> 10));
+    std::printf(
+        "memcpy: bulk 64 MiB %.2f GB/s | append pattern, 64-slot cycle %.2f GB/s | cold (2048 slots) %.2f GB/s\n",
+        gbs(bulk), gbs(scat), gbs(cold));
+    std::printf("%-22s %9s %9s %7s %8s %7s %7s %8s %9s %7s %8s\n", "cache", "S=64 us", "S=1024us", "1024/64", "GB/s@1k",
+                "/patt", "/bulk", "concat/x", "run1024ms", "growth", "concat/x");
+    auto row = [&](const std::string& label, const kvc_bench::Result* s64, const kvc_bench::Result* s1k,
+                   const kvc_bench::Result* dec) {
       auto us = [](const kvc_bench::Result* r) { return r ? 1e6 * r->seconds : NAN; };
-      auto ratio = [](const kvc_bench::Result* a, const kvc_bench::Result* b) { return a && b ? a->seconds / b->seconds : NAN; };
+      auto ratio = [](const kvc_bench::Result* a, const kvc_bench::Result* b) {
+        return a && b ? a->seconds / b->seconds : NAN;
+      };
       const double bw = gbs(s1k);
       std::printf("%-22s %9.2f %9.2f %7.2f %8.2f %7.2f %7.2f %8.1f %9.1f %7.2f %8.1f\n", label.c_str(), us(s64),
                   us(s1k), ratio(s1k, s64), bw, bw / gbs(scat), bw / gbs(bulk), ratio(base1024, s1k),
@@ -378,7 +384,8 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
     const double growth = d64 && d1k ? d1k->seconds / d64->seconds : NAN;
     std::printf("\n-- target: DynamicCache step time at S=1024 <= 1.2x S=64: %.2fx  %s\n", growth,
                 growth <= 1.2 ? "met" : "MISSED");
-    std::printf("-- target: decode append >= 0.60 of memcpy bandwidth (at S=1024; of the append-pattern memcpy | of bulk memcpy):\n");
+    std::printf(
+        "-- target: decode append >= 0.60 of memcpy bandwidth (at S=1024; of the append-pattern memcpy | of bulk memcpy):\n");
     for (const std::string& c : caches) {
       const double bw = gbs(find("step/" + c + "/S:1024"));
       std::printf("   %-22s %.2f %s | %.2f %s\n", c.c_str(), bw / gbs(scat), bw / gbs(scat) >= 0.6 ? "met" : "MISSED",
@@ -410,7 +417,10 @@ int main(int argc, char** argv) {
     args.insert(args.begin() + 1, min_time.data());
   int n = static_cast<int>(args.size());
 
-  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)
+      ->ArgName("MiB")
+      ->Arg(64)
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("memcpy/scattered", BM_MemcpyScattered)
       ->ArgNames({"cycle", "capacity"})
       ->Args({kRestoreEvery, kStaticMaxLen})

@@ -53,7 +53,8 @@ class ResultsReporter : public benchmark::ConsoleReporter {
       Result res;
       res.seconds = r.cpu_accumulated_time / static_cast<double>(r.iterations);
       for (const auto& [k, c] : r.counters) res.counters[k] = c.value;
-      if (auto it = r.counters.find("bytes_per_second"); it != r.counters.end()) res.bytes_per_second = it->second.value;
+      if (auto it = r.counters.find("bytes_per_second"); it != r.counters.end())
+        res.bytes_per_second = it->second.value;
       results_[name] = res;
     }
   }

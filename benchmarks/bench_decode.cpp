@@ -56,10 +56,10 @@ constexpr std::int64_t kKVHeads = 2;
 constexpr std::int64_t kColdBytes = std::int64_t{160} << 20;  // attention working set: > 3x a 48 MiB L3
 constexpr std::int64_t kStepLayers = 4;
 constexpr std::int64_t kStepHeadDim = 128;
-constexpr std::int64_t kWindow = 512;                    // sliding window of the sliding caches
-constexpr std::int64_t kStaticMaxLen = 8192 + 256;       // StaticCache max_cache_len: S + warm-up + restore period
+constexpr std::int64_t kWindow = 512;               // sliding window of the sliding caches
+constexpr std::int64_t kStaticMaxLen = 8192 + 256;  // StaticCache max_cache_len: S + warm-up + restore period
 constexpr std::int64_t kRestoreEvery = 64;
-constexpr std::int64_t kPrompt = 128;                    // memory/*: prompt before the decode steps
+constexpr std::int64_t kPrompt = 128;  // memory/*: prompt before the decode steps
 
 template <class T>
 const char* type_name() {
@@ -275,7 +275,8 @@ void BM_Memory(benchmark::State& state) {
     for (std::int64_t t = kPrompt; t < n; ++t) append_step(cache, in);
     bytes = cache.bytes();
   }
-  const double ideal = static_cast<double>(kStepLayers * 2 * kKVHeads * kStepHeadDim * static_cast<std::int64_t>(sizeof(T)));
+  const double ideal =
+      static_cast<double>(kStepLayers * 2 * kKVHeads * kStepHeadDim * static_cast<std::int64_t>(sizeof(T)));
   const double per_token = static_cast<double>(bytes) / static_cast<double>(n);
   state.counters["bytes_per_token"] = per_token;
   state.counters["ideal_bytes_per_token"] = ideal;
@@ -294,7 +295,8 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
     auto gbs = [](const kvc_bench::Result* r) { return r ? r->bytes_per_second / 1e9 : NAN; };
     const double mc = gbs(memcpy_bulk), rd = gbs(read);
     std::printf("\n==== kvc decode summary: %lld query heads, %lld KV heads, batch 1, one thread (Eigen SIMD: %s)\n",
-                static_cast<long long>(kQueryHeads), static_cast<long long>(kKVHeads), Eigen::SimdInstructionSetsInUse());
+                static_cast<long long>(kQueryHeads), static_cast<long long>(kKVHeads),
+                Eigen::SimdInstructionSetsInUse());
     std::printf("memcpy 64 MiB: %.2f GB/s copied | read-only 64 MiB: %.2f GB/s\n", mc, rd);
 
     std::printf("\n-- decode attention (1 query token; K/V from memory: working set >= %lld MiB)\n",
@@ -303,7 +305,8 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
     for (const char* t : {"float", "bf16"})
       for (const std::int64_t d : {128, 64})
         for (const std::int64_t s : attn_s) {
-          const kvc_bench::Result* r = find(std::string("attention/") + t + "/D:" + std::to_string(d) + "/S:" + std::to_string(s));
+          const kvc_bench::Result* r =
+              find(std::string("attention/") + t + "/D:" + std::to_string(d) + "/S:" + std::to_string(s));
           if (!r) continue;
           const double g = gbs(r);
           std::printf("%-6s %4lld %6lld %8.1f %8.1f %7.2f %8.2f %6.2f\n", t, static_cast<long long>(d),
@@ -326,10 +329,11 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
       std::printf(" %9.2f\n", r8 && r4 ? r8->seconds / r4->seconds : NAN);
     }
 
-    std::printf("\n-- K/V bytes per token (%lld layers; ideal = K and V only: %d B float, %d B bf16) after a %lld-token "
-                "prompt and 1-token steps\n",
-                static_cast<long long>(kStepLayers), static_cast<int>(kStepLayers * 2 * kKVHeads * kStepHeadDim * 4),
-                static_cast<int>(kStepLayers * 2 * kKVHeads * kStepHeadDim * 2), static_cast<long long>(kPrompt));
+    std::printf(
+        "\n-- K/V bytes per token (%lld layers; ideal = K and V only: %d B float, %d B bf16) after a %lld-token "
+        "prompt and 1-token steps\n",
+        static_cast<long long>(kStepLayers), static_cast<int>(kStepLayers * 2 * kKVHeads * kStepHeadDim * 4),
+        static_cast<int>(kStepLayers * 2 * kKVHeads * kStepHeadDim * 2), static_cast<long long>(kPrompt));
     std::printf("%-34s %-6s", "cache", "type");
     for (const std::int64_t n : mem_n) std::printf(" %7s", ("n=" + std::to_string(n)).c_str());
     std::printf("\n");
@@ -345,8 +349,8 @@ class SummaryReporter : public kvc_bench::ResultsReporter {
 
     const kvc_bench::Result* a8k = find("attention/float/D:128/S:8192");
     const double frac = gbs(a8k) / mc;
-    std::printf("\n-- target: decode attention over an 8k-token float cache (D=128) >= 0.50 of memcpy: %.2f  %s\n", frac,
-                !(frac >= 0.5) ? "MISSED" : "met");
+    std::printf("\n-- target: decode attention over an 8k-token float cache (D=128) >= 0.50 of memcpy: %.2f  %s\n",
+                frac, !(frac >= 0.5) ? "MISSED" : "met");
     std::printf("(CPU times; the append targets are in kvc_bench_append's summary)\n");
   }
 };
@@ -399,7 +403,10 @@ int main(int argc, char** argv) {
   const std::vector<std::int64_t> step_s{64, 256, 1024, 4096, 8192};
   const std::vector<std::int64_t> mem_n{256, 512, 513, 1024, 1025, 2048, 2049, 4096, 4097, 8192};
 
-  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("memcpy/bulk", kvc_bench::memcpy_bulk)
+      ->ArgName("MiB")
+      ->Arg(64)
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("read", BM_Read)->ArgName("MiB")->Arg(64)->Unit(benchmark::kMicrosecond);
   register_attention<float>(attn_s);
   register_attention<bf16>(attn_s);

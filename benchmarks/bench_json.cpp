@@ -56,6 +56,11 @@ void parse(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(parse<false>)->Name("ModelConfig/from_json")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(3);
-BENCHMARK(parse<true>)->Name("GenerationConfig/from_json")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(parse<true>)
+    ->Name("GenerationConfig/from_json")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 BENCHMARK_MAIN();

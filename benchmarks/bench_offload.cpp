@@ -81,7 +81,8 @@ bool write_all(int fd, const std::vector<char>& chunk, bool drop = false) {
     if (kvc::detail::spill::pwrite_all(fd, reinterpret_cast<const std::byte*>(chunk.data()), chunk.size(), off) != 0)
       return false;
     if (drop) {
-      ::sync_file_range(fd, off, kChunk, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+      ::sync_file_range(fd, off, kChunk,
+                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
       ::posix_fadvise(fd, off, kChunk, POSIX_FADV_DONTNEED);
     }
   }
@@ -212,9 +213,10 @@ class Reporter : public benchmark::ConsoleReporter {
   }
   void print_summary() const {
     std::printf("\nspill directory: %s\n", spill_directory().c_str());
-    std::printf("seq_write page_cache %.2f GB/s, dropped %.2f GB/s; seq_read page_cache %.2f GB/s, dropped %.2f GB/s; "
-                "step/memory %.3f ms\n",
-                g_write / 1e9, g_write_dropped / 1e9, g_read_page_cache / 1e9, g_read_dropped / 1e9, g_step_memory * 1e3);
+    std::printf(
+        "seq_write page_cache %.2f GB/s, dropped %.2f GB/s; seq_read page_cache %.2f GB/s, dropped %.2f GB/s; "
+        "step/memory %.3f ms\n",
+        g_write / 1e9, g_write_dropped / 1e9, g_read_page_cache / 1e9, g_read_dropped / 1e9, g_step_memory * 1e3);
     for (const auto& s : summary_) std::printf("%s\n", s.c_str());
   }
 
@@ -227,10 +229,26 @@ class Reporter : public benchmark::ConsoleReporter {
 int main(int argc, char** argv) {
   using Memory = kvc::StaticCache<float>;
   using File = kvc::StaticCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<>>;
-  benchmark::RegisterBenchmark("seq_write/page_cache", BM_SeqWrite)->Arg(0)->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("seq_write/dropped", BM_SeqWrite)->Arg(1)->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("seq_read/page_cache", BM_SeqRead)->Arg(0)->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("seq_read/dropped", BM_SeqRead)->Arg(1)->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq_write/page_cache", BM_SeqWrite)
+      ->Arg(0)
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq_write/dropped", BM_SeqWrite)
+      ->Arg(1)
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq_read/page_cache", BM_SeqRead)
+      ->Arg(0)
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("seq_read/dropped", BM_SeqRead)
+      ->Arg(1)
+      ->Iterations(3)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step/memory", [](benchmark::State& s) { BM_Step<Memory>(s, false); })
       ->Iterations(kMaxLen - kPrefill - 1)
       ->UseRealTime()

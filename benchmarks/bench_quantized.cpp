@@ -109,8 +109,8 @@ void decode_run(benchmark::State& state, Cache make()) {
         out_bytes += static_cast<double>(2 * kv.keys.size()) * sizeof(float);
       }
   }
-  state.counters["steps_per_s"] = benchmark::Counter(static_cast<double>(state.iterations() * kSteps),
-                                                     benchmark::Counter::kIsRate);
+  state.counters["steps_per_s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * kSteps), benchmark::Counter::kIsRate);
   state.counters["out_GB/s"] = benchmark::Counter(out_bytes / 1e9, benchmark::Counter::kIsRate);
 }
 
@@ -188,7 +188,8 @@ int main(int argc, char** argv) {
                                make_quantized<true, 8, 0>)
       ->Unit(benchmark::kMillisecond);
 
-  for (const Codec& c : {Codec{false, 2, 0}, Codec{false, 4, 0}, Codec{true, 2, 1}, Codec{true, 4, 1}, Codec{true, 8, 1}}) {
+  for (const Codec& c :
+       {Codec{false, 2, 0}, Codec{false, 4, 0}, Codec{true, 2, 1}, Codec{true, 4, 1}, Codec{true, 8, 1}}) {
     std::string name = c.hqq ? "memory/hqq/nbits:" : "memory/quanto/nbits:";
     name.append(std::to_string(c.nbits));
     benchmark::RegisterBenchmark(name.c_str(), BM_Memory, c.hqq, c.nbits)->Iterations(1)->Unit(benchmark::kMillisecond);
@@ -219,9 +220,10 @@ int main(int argc, char** argv) {
     std::printf("%-30s %12.1f %12.2f %12.3f\n", n, sps, r->counters.at("out_GB/s"),
                 dyn ? sps / dyn->counters.at("steps_per_s") : NAN);
   }
-  std::printf("\n%-22s %10s %10s %10s   (fraction of fp16 bytes, 4096 tokens)\n", "memory (Eigen::half)",
-              "quantized", "held", "total");
-  std::printf("quantized: per quantized token; held: + residual buffer; total: + dequantized workspace (per token held)\n");
+  std::printf("\n%-22s %10s %10s %10s   (fraction of fp16 bytes, 4096 tokens)\n", "memory (Eigen::half)", "quantized",
+              "held", "total");
+  std::printf(
+      "quantized: per quantized token; held: + residual buffer; total: + dequantized workspace (per token held)\n");
   for (const char* n : {"memory/quanto/nbits:2", "memory/quanto/nbits:4", "memory/hqq/nbits:2", "memory/hqq/nbits:4",
                         "memory/hqq/nbits:8"}) {
     const auto* r = reporter.find(n);

@@ -9,10 +9,9 @@
 
 #include <kvc/kvc.hpp>
 
-#define KVC_PROBE_CACHE(T, ...)                                                                        \
-  template class kvc::Cache<__VA_ARGS__>;                                                              \
-  template kvc::Cache<__VA_ARGS__>::kv_type kvc::Cache<__VA_ARGS__>::update<kvc::HostTensor<T>,        \
-                                                                            kvc::HostTensor<T>>(       \
+#define KVC_PROBE_CACHE(T, ...)                                                                                      \
+  template class kvc::Cache<__VA_ARGS__>;                                                                            \
+  template kvc::Cache<__VA_ARGS__>::kv_type kvc::Cache<__VA_ARGS__>::update<kvc::HostTensor<T>, kvc::HostTensor<T>>( \
       const kvc::HostTensor<T>&, const kvc::HostTensor<T>&, std::int64_t);
 
 #define KVC_PROBE_TYPE(T)                                                                                         \
@@ -24,10 +23,9 @@
   template class kvc::DynamicCache<T>;                                                                            \
   template class kvc::StaticCache<T>;                                                                             \
   template kvc::ConfiguredDynamicCache<T> kvc::make_dynamic_cache<T>(const kvc::ModelConfig&);                    \
-  template kvc::HostTensor<T> kvc::scaled_dot_product_attention<T>(const kvc::TensorView<T>&,                     \
-                                                                   const kvc::TensorView<T>&,                     \
-                                                                   const kvc::TensorView<T>&,                     \
-                                                                   const kvc::AttentionMask&, std::optional<double>);
+  template kvc::HostTensor<T> kvc::scaled_dot_product_attention<T>(                                               \
+      const kvc::TensorView<T>&, const kvc::TensorView<T>&, const kvc::TensorView<T>&, const kvc::AttentionMask&, \
+      std::optional<double>);
 
 KVC_PROBE_TYPE(float)
 KVC_PROBE_TYPE(Eigen::bfloat16)

@@ -31,14 +31,14 @@ using StaticBase = kvc::Cache<kvc::StaticCacheLayers, Storage, kvc::NoOffload>;
 
 // EXTERN is `extern` (declaration) or empty (definition); T the element type; the rest are
 // Cache's template arguments (an explicit instantiation must spell the template-id, not an alias).
-#define KVC_BENCH_INSTANTIATE(EXTERN, T, ...)                                                         \
-  EXTERN template class kvc::Cache<__VA_ARGS__>;                                                      \
-  EXTERN template kvc::Cache<__VA_ARGS__>::kv_type kvc::Cache<__VA_ARGS__>::update<kvc::HostTensor<T>, \
-                                                                                   kvc::HostTensor<T>>( \
-      const kvc::HostTensor<T>&, const kvc::HostTensor<T>&, std::int64_t);
+#define KVC_BENCH_INSTANTIATE(EXTERN, T, ...)                                                        \
+  EXTERN template class kvc::Cache<__VA_ARGS__>;                                                     \
+  EXTERN template kvc::Cache<__VA_ARGS__>::kv_type                                                   \
+  kvc::Cache<__VA_ARGS__>::update<kvc::HostTensor<T>, kvc::HostTensor<T>>(const kvc::HostTensor<T>&, \
+                                                                          const kvc::HostTensor<T>&, std::int64_t);
 
-#define KVC_BENCH_ATTENTION(EXTERN, T)                                                                  \
-  EXTERN template kvc::HostTensor<T> kvc::scaled_dot_product_attention<T>(                              \
+#define KVC_BENCH_ATTENTION(EXTERN, T)                                                                            \
+  EXTERN template kvc::HostTensor<T> kvc::scaled_dot_product_attention<T>(                                        \
       const kvc::TensorView<T>&, const kvc::TensorView<T>&, const kvc::TensorView<T>&, const kvc::AttentionMask&, \
       std::optional<double>);
 

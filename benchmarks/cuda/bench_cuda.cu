@@ -84,8 +84,8 @@ kvc::DeviceTensor<T> filled(std::int64_t b, std::int64_t h, std::int64_t s, std:
 
 struct Row {
   std::string name;
-  double bytes;    // per call
-  double seconds;  // per call
+  double bytes;        // per call
+  double seconds;      // per call
   double memcpy_same;  // seconds of a cudaMemcpy of the same bytes
 };
 std::vector<Row> rows;
@@ -141,10 +141,12 @@ void append_rows(const char* type) {
     const std::int64_t n = quick ? 64 : 4096, batch = 1;
     const auto k = filled<T>(batch, heads, 1, dim);
     kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, kvc::CudaStorage<T>> cache;
-    const double s = seconds_per_call(1, [&] {
-      cache.reset();
-      for (std::int64_t i = 0; i < n; ++i) cache.update(k, k, 0);
-    }) / static_cast<double>(n);
+    const double s = seconds_per_call(1,
+                                      [&] {
+                                        cache.reset();
+                                        for (std::int64_t i = 0; i < n; ++i) cache.update(k, k, 0);
+                                      }) /
+                     static_cast<double>(n);
     const double bytes = 2.0 * sizeof(T) * static_cast<double>(batch * heads * dim);
     report({std::string("dynamic growth ") + type + " b1 q1 to " + std::to_string(n), bytes, s,
             memcpy_seconds(static_cast<std::size_t>(bytes), true, 100)});
@@ -179,8 +181,8 @@ void quantized_rows() {
   const double same = memcpy_seconds(static_cast<std::size_t>(bytes), false, iters);
   std::printf("\nquantize quanto int4 g64, %lld tokens: %8.1f GB/s of fp16 input (%.2f us)\n",
               static_cast<long long>(n), bytes / quanto * 1e-9, quanto * 1e6);
-  std::printf("quantize hqq int4 g64, %lld tokens:    %8.1f GB/s of fp16 input (%.2f us)\n",
-              static_cast<long long>(n), bytes / hqq * 1e-9, hqq * 1e6);
+  std::printf("quantize hqq int4 g64, %lld tokens:    %8.1f GB/s of fp16 input (%.2f us)\n", static_cast<long long>(n),
+              bytes / hqq * 1e-9, hqq * 1e6);
   std::printf("dequantize int4 g64, %lld tokens:      %8.1f GB/s of fp16 output, %.0f%% of a same-size memcpy\n",
               static_cast<long long>(n), bytes / dequant * 1e-9, 100.0 * same / dequant);
   dequant_fraction = same / dequant;
@@ -206,9 +208,10 @@ void quantized_rows() {
       if (std::memcmp(a.data(), b.data(), sizeof(Eigen::half) * static_cast<std::size_t>(a.size())) != 0)
         throw std::runtime_error("the compile-time and run-time head_dim dequantize kernels disagree");
       const bool seq = g == kvc::detail::quant_grouping::along_seq;
-      std::printf("dequantize groups along %s, %lld tokens: head_dim 128 at compile time %.2f us, at run time "
-                  "%.2f us (%.2fx)\n",
-                  seq ? "seq     " : "head_dim", static_cast<long long>(big), fixed * 1e6, any * 1e6, any / fixed);
+      std::printf(
+          "dequantize groups along %s, %lld tokens: head_dim 128 at compile time %.2f us, at run time "
+          "%.2f us (%.2fx)\n",
+          seq ? "seq     " : "head_dim", static_cast<long long>(big), fixed * 1e6, any * 1e6, any / fixed);
       (seq ? template_gain_seq : template_gain_dim) = any / fixed;
     }
   }
@@ -271,14 +274,16 @@ void offload_rows() {
   kvc::reset_offload_host_stats();
   const double offloaded = decode_step_seconds<kvc::OffloadToHost<>>(layers, seq, steps);
   const kvc::OffloadHostStats st = kvc::offload_host_stats();
-  std::printf("\noffload/prefetch overlap: %lld layers of %.1f MiB (half, 8 heads x 128, %lld tokens), %.0f us "
-              "simulated compute per layer\n",
-              static_cast<long long>(layers), layer_mib, static_cast<long long>(seq), compute_us);
+  std::printf(
+      "\noffload/prefetch overlap: %lld layers of %.1f MiB (half, 8 heads x 128, %lld tokens), %.0f us "
+      "simulated compute per layer\n",
+      static_cast<long long>(layers), layer_mib, static_cast<long long>(seq), compute_us);
   std::printf("  decode step, all layers resident   %9.3f ms\n", resident * 1e3);
-  std::printf("  decode step, OffloadToHost          %9.3f ms  (prefetch hits %lld, sync loads %lld, pool reuses "
-              "%lld, cudaMalloc %lld)\n",
-              offloaded * 1e3, static_cast<long long>(st.prefetch_hits), static_cast<long long>(st.sync_loads),
-              static_cast<long long>(st.pool_reuses), static_cast<long long>(st.device_allocations));
+  std::printf(
+      "  decode step, OffloadToHost          %9.3f ms  (prefetch hits %lld, sync loads %lld, pool reuses "
+      "%lld, cudaMalloc %lld)\n",
+      offloaded * 1e3, static_cast<long long>(st.prefetch_hits), static_cast<long long>(st.sync_loads),
+      static_cast<long long>(st.pool_reuses), static_cast<long long>(st.device_allocations));
   offload_ratio = offloaded / resident;
 }
 
@@ -314,9 +319,10 @@ int main(int argc, char** argv) {
     std::printf("SUMMARY: offload decode step %.2fx the resident one with OffloadToHost (goal <= 1.2x)\n",
                 offload_ratio);
     quantized_rows();
-    std::printf("SUMMARY: int4 dequantize at %.0f%% of a same-size memcpy; quantized decode step %.1fx a "
-                "DynamicLayer's; head_dim template speed-up %.2fx (groups along head_dim), %.2fx (along seq)\n",
-                100.0 * dequant_fraction, quantized_decode_ratio, template_gain_dim, template_gain_seq);
+    std::printf(
+        "SUMMARY: int4 dequantize at %.0f%% of a same-size memcpy; quantized decode step %.1fx a "
+        "DynamicLayer's; head_dim template speed-up %.2fx (groups along head_dim), %.2fx (along seq)\n",
+        100.0 * dequant_fraction, quantized_decode_ratio, template_gain_dim, template_gain_seq);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());
     return 1;

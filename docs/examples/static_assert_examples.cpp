@@ -64,8 +64,8 @@ struct DeviceOnly {
     void after_update(Cache&, std::int64_t) {}
   };
 };
-static_assert(kvc::concepts::OffloadPolicy<DeviceOnly, Host>);     // well-formed...
-static_assert(!kvc::concepts::serves_storage<DeviceOnly, Host>);   // ...but not for host storage
+static_assert(kvc::concepts::OffloadPolicy<DeviceOnly, Host>);    // well-formed...
+static_assert(!kvc::concepts::serves_storage<DeviceOnly, Host>);  // ...but not for host storage
 // [/snippet]
 
 // [snippet:valid_cache_config_check]

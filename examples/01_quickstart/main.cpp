@@ -38,7 +38,7 @@ int main() {
   Eigen::RowVectorXf query = Eigen::RowVectorXf::Random(4);
   Eigen::RowVectorXf scores = query * k.head(/*b=*/0, /*h=*/1).transpose();  // 5 scores
   Eigen::RowVectorXf weights = (scores.array() - scores.maxCoeff()).exp();
-  Eigen::RowVectorXf context = (weights / weights.sum()) * v.head(0, 1);    // [1, head_dim]
+  Eigen::RowVectorXf context = (weights / weights.sum()) * v.head(0, 1);  // [1, head_dim]
   // [/snippet]
   expect(scores.size() == 5 && context.size() == 4, "attention over one head");
   expect(k.head(0, 1)(2, 3) == keys(0, 1, 2, 3), "head(b, h) reads the stored keys");
@@ -58,15 +58,14 @@ int main() {
   expect(kv.keys(0, 0, 0, 0) == keys(0, 0, 0, 0), "the prompt is kept");
 
   // [snippet:crop]
-  cache.crop(-2);                          // drop the last 2 tokens (e.g. rejected draft tokens)
+  cache.crop(-2);                           // drop the last 2 tokens (e.g. rejected draft tokens)
   std::int64_t n = cache.get_seq_length();  // 4
   // [/snippet]
   expect(n == 4, "crop(-2) leaves 4 tokens");
   expect(cache.stored(0).keys.extent(2) == 4, "stored() follows the crop");
 
-  std::printf("layer 0: %s, %lld tokens, kv_length for the next token %lld\n",
-              std::string(cache.layer_name(0)).c_str(), static_cast<long long>(n),
-              static_cast<long long>(cache.get_mask_sizes(1, 0).first));
+  std::printf("layer 0: %s, %lld tokens, kv_length for the next token %lld\n", std::string(cache.layer_name(0)).c_str(),
+              static_cast<long long>(n), static_cast<long long>(cache.get_mask_sizes(1, 0).first));
   if (failures == 0) std::printf("quickstart: OK\n");
   return failures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 }

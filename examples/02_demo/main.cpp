@@ -129,7 +129,8 @@ Options parse_options(int argc, char** argv) {
       else if (std::find(all_caches.begin(), all_caches.end(), name) != all_caches.end())
         o.caches = {name};
       else
-        throw UsageError("--cache: unknown cache '" + name + "' (dynamic, dynamic-config, static, offloaded, quantized or all)");
+        throw UsageError("--cache: unknown cache '" + name +
+                         "' (dynamic, dynamic-config, static, offloaded, quantized or all)");
     } else if (arg == "--dtype") {
       o.dtype = value();
       if (o.dtype != "float" && o.dtype != "bfloat16" && o.dtype != "half")
@@ -298,8 +299,7 @@ class Reference {
     examples::parallel_for(static_cast<std::int64_t>(missing.size()), [&](std::int64_t i) {
       const auto& seq = missing[static_cast<std::size_t>(i)];
       computed[static_cast<std::size_t>(i)] = model_.forward_no_cache(seq).row(0).transpose();
-      progress.update(name + ": no-cache check", ++done, static_cast<std::int64_t>(missing.size()), "forwards",
-                      start);
+      progress.update(name + ": no-cache check", ++done, static_cast<std::int64_t>(missing.size()), "forwards", start);
     });
     forwards_ += static_cast<std::int64_t>(missing.size());
     seconds_ += seconds_since(start);
@@ -307,8 +307,8 @@ class Reference {
 
     std::vector<const Eigen::VectorXf*> out;
     for (std::int64_t k = 0; k < steps; ++k)
-      out.push_back(&memo_.at(std::vector<std::int32_t>(trace.sequence.begin(),
-                                                        trace.sequence.begin() + prompt_len + k)));
+      out.push_back(
+          &memo_.at(std::vector<std::int32_t>(trace.sequence.begin(), trace.sequence.begin() + prompt_len + k)));
     return out;
   }
   std::int64_t forwards() const noexcept { return forwards_; }
@@ -344,7 +344,8 @@ std::string describe_layers(const std::vector<std::string>& names) {
   const std::size_t n = names.size();
   if (n == 0) return "no layers";
   std::size_t p = 1;
-  while (p < n && (n % p != 0 || !std::equal(names.begin() + static_cast<std::ptrdiff_t>(p), names.end(), names.begin())))
+  while (p < n &&
+         (n % p != 0 || !std::equal(names.begin() + static_cast<std::ptrdiff_t>(p), names.end(), names.begin())))
     ++p;
   if (p <= 3) {
     std::string out = std::to_string(n / p) + " x ";
@@ -443,9 +444,8 @@ Row run_cache(const std::string& name, const Decoder<T>& model, Reference<T>& re
     if (name == "quantized") {
       // quanto-like int4, groups of 64 along head_dim, a full-precision residual of 128 tokens;
       // one per layer index like DynamicCache (attention masks sliding layers with their window).
-      kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<T>> cache(
-          kvc::QuantoQuantizedLayer{.nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 64,
-                                    .residual_length = 128});
+      kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<T>> cache(kvc::QuantoQuantizedLayer{
+          .nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 64, .residual_length = 128});
       return measure(name, model, cache, reference, run);
     }
     kvc::StaticCache<T> cache(config, max_cache_len);  // buffers of max_cache_len (window) slots
@@ -474,12 +474,13 @@ void print_table(const DecoderConfig& c, const Options& o, double tolerance, con
                  std::int64_t forwards, double check_s, double total_s) {
   std::vector<std::string> types;
   for (const auto& t : c.layer_types) types.push_back(t);
-  std::printf("model:   %lld layers, hidden %lld, %lld heads, %lld KV heads, head_dim %lld, vocab %lld, "
-              "intermediate %lld, rope_theta %g\n",
-              static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
-              static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
-              static_cast<long long>(c.head_dim), static_cast<long long>(c.vocab_size),
-              static_cast<long long>(c.intermediate_size), c.rope_theta);
+  std::printf(
+      "model:   %lld layers, hidden %lld, %lld heads, %lld KV heads, head_dim %lld, vocab %lld, "
+      "intermediate %lld, rope_theta %g\n",
+      static_cast<long long>(c.num_hidden_layers), static_cast<long long>(c.hidden_size),
+      static_cast<long long>(c.num_attention_heads), static_cast<long long>(c.num_key_value_heads),
+      static_cast<long long>(c.head_dim), static_cast<long long>(c.vocab_size),
+      static_cast<long long>(c.intermediate_size), c.rope_theta);
   std::printf("layers:  %s%s\n", describe_layers(types).c_str(),
               c.sliding_window ? (", sliding_window " + std::to_string(*c.sliding_window)).c_str() : "");
   std::printf("weights: random (seed %llu), %.1fM parameters, %s in float; Q/K/V, cache and attention in %s\n",
@@ -487,8 +488,9 @@ void print_table(const DecoderConfig& c, const Options& o, double tolerance, con
               human_bytes(static_cast<double>(c.weight_bytes())).c_str(), o.dtype.c_str());
   std::printf("run:     prompt of %lld tokens, then %lld greedy decode steps through each cache\n",
               static_cast<long long>(o.prompt_len), static_cast<long long>(o.tokens));
-  std::printf("check:   %s\n\n", o.check ? "every step's logits against forward_no_cache (the whole sequence recomputed)"
-                                          : "none (--no-check)");
+  std::printf("check:   %s\n\n", o.check
+                                     ? "every step's logits against forward_no_cache (the whole sequence recomputed)"
+                                     : "none (--no-check)");
 
   std::size_t wc = 5, wl = 6;
   for (const Row& r : rows) {
@@ -508,10 +510,10 @@ void print_table(const DecoderConfig& c, const Options& o, double tolerance, con
       std::printf("  %s: %lld step(s) picked another token on a near-tie (top logits within %.0e)\n", r.cache.c_str(),
                   static_cast<long long>(r.near_ties), tolerance);
     if (r.lossy && r.checked)
-      std::printf("  %s: lossy, reported not checked: max |dlogit| %.3g; the greedy token differs from the no-cache "
-                  "model's at %lld of %zu steps\n",
-                  r.cache.c_str(), r.max_diff.value_or(0.0), static_cast<long long>(r.argmax_flips),
-                  r.generated.size());
+      std::printf(
+          "  %s: lossy, reported not checked: max |dlogit| %.3g; the greedy token differs from the no-cache "
+          "model's at %lld of %zu steps\n",
+          r.cache.c_str(), r.max_diff.value_or(0.0), static_cast<long long>(r.argmax_flips), r.generated.size());
   }
 
   bool same = true;
@@ -604,8 +606,9 @@ int run_demo(const DecoderConfig& config, const Options& o, clock_type::time_poi
   progress.clear();
   const double total_s = seconds_since(start);
   if (o.json)
-    std::printf("%s\n",
-                to_json(config, o, run.tolerance, rows, reference.forwards(), reference.seconds(), total_s).dump(2).c_str());
+    std::printf(
+        "%s\n",
+        to_json(config, o, run.tolerance, rows, reference.forwards(), reference.seconds(), total_s).dump(2).c_str());
   else
     print_table(config, o, run.tolerance, rows, reference.forwards(), reference.seconds(), total_s);
   return std::all_of(rows.begin(), rows.end(), [](const Row& r) { return r.ok(); }) ? EXIT_SUCCESS : EXIT_FAILURE;

@@ -40,7 +40,7 @@ struct CountingOffload {
     template <class Cache>
     void before_update(Cache&, std::int64_t) {}  // e.g. wait for the prefetch of this layer
     template <class Cache>
-    void after_update(Cache&, std::int64_t) {    // e.g. prefetch the next layer, offload this one
+    void after_update(Cache&, std::int64_t) {  // e.g. prefetch the next layer, offload this one
       ++updates;
     }
   };
@@ -105,7 +105,7 @@ void layer_kinds() {
     auto kv = cache.update(tokens({1, 2, 3}), tokens({1, 2, 3}), 0);  // returns 1 2 3,   keeps 1 2 3
     kv = cache.update(tokens({4}), tokens({4}), 0);                   // returns 1 2 3 4, keeps 2 3 4
     kv = cache.update(tokens({5}), tokens({5}), 0);                   // returns 2 3 4 5, keeps 3 4 5
-    auto [kv_length, kv_offset] = cache.get_mask_sizes(2, 0);  // 5, 2: two new tokens see 3 4 5 6 7
+    auto [kv_length, kv_offset] = cache.get_mask_sizes(2, 0);         // 5, 2: two new tokens see 3 4 5 6 7
     // cache.get_seq_length() == 5: tokens seen, not tokens kept
     // [/snippet]
     expect(same(seq(kv.values), {2, 3, 4, 5}), "DynamicSlidingWindowLayer: returned");
@@ -134,9 +134,9 @@ void layer_kinds() {
     // [snippet:using_static_sliding_window_layer]
     kvc::Cache<kvc::Layers<kvc::StaticSlidingWindowLayer>> cache(
         kvc::StaticSlidingWindowLayer{.max_cache_len = 16, .sliding_window = 4});  // W = min(16, 4) = 4
-    auto kv = cache.update(tokens({1, 2}), tokens({1, 2}), 0);        // fits: returns the window 1 2 0 0
-    kv = cache.update(tokens({3, 4, 5}), tokens({3, 4, 5}), 0);       // becomes full: returns 1 2 3 4 5
-    kv = cache.update(tokens({6}), tokens({6}), 0);                   // full: returns 3 4 5 6
+    auto kv = cache.update(tokens({1, 2}), tokens({1, 2}), 0);                     // fits: returns the window 1 2 0 0
+    kv = cache.update(tokens({3, 4, 5}), tokens({3, 4, 5}), 0);                    // becomes full: returns 1 2 3 4 5
+    kv = cache.update(tokens({6}), tokens({6}), 0);                                // full: returns 3 4 5 6
     // [/snippet]
     expect(same(seq(kv.values), {3, 4, 5, 6}), "StaticSlidingWindowLayer: full");
     expect(same(seq(cache.stored(0).values), {3, 4, 5, 6}), "StaticSlidingWindowLayer: window");
@@ -184,9 +184,9 @@ void layout() {
     k.setRandom();
     auto kv = cache.update(k, k, 0);
     // The layer allocated 16 slots: the view is [2, 4, 10, 8] with strides [4*16*8, 16*8, 8, 1].
-    auto block = kv.keys.head(1, 2);                      // batch 1, head 2: an Eigen::Map [10, 8]
+    auto block = kv.keys.head(1, 2);                       // batch 1, head 2: an Eigen::Map [10, 8]
     bool in_place = block.data() == &kv.keys(1, 2, 0, 0);  // true: no copy was made
-    kvc::HostTensor<float> owned = kv.keys.to_tensor();   // an explicit, owning copy
+    kvc::HostTensor<float> owned = kv.keys.to_tensor();    // an explicit, owning copy
     // [/snippet]
     expect(kv.keys.stride(0) == 512 && kv.keys.stride(1) == 128 && kv.keys.stride(2) == 8 && kv.keys.stride(3) == 1,
            "layout: strides");
@@ -198,8 +198,7 @@ void layout() {
     kvc::Cache<kvc::Layers<kvc::DynamicSlidingWindowLayer>> cache(kvc::DynamicSlidingWindowLayer{.sliding_window = 4});
     std::vector<std::int64_t> first_slot;  // where each returned window starts in the buffer
     const float* buffer = cache.update(tokens({0, 1, 2}), tokens({0, 1, 2}), 0).keys.data();
-    for (float t = 3; t < 20; ++t)
-      first_slot.push_back(cache.update(tokens({t}), tokens({t}), 0).keys.data() - buffer);
+    for (float t = 3; t < 20; ++t) first_slot.push_back(cache.update(tokens({t}), tokens({t}), 0).keys.data() - buffer);
     // first_slot: 0 1 2 ... 12, then 0 1 2 3: the window slides along a 16-slot buffer and
     // is moved back to the front (3 tokens copied) only when it reaches the end
     // [/snippet]

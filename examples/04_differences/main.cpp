@@ -31,7 +31,7 @@ void reset() {
   // [snippet:reset]
   kvc::DynamicCache<float> cache;
   cache.update(tokens({1, 2, 3}), tokens({1, 2, 3}), 0);
-  cache.reset();                                         // the layer drops its tokens and its shape
+  cache.reset();                                        // the layer drops its tokens and its shape
   auto kv = cache.update(tokens({7}), tokens({7}), 0);  // returns 7   ([ref]: 0 0 0 7)
   // [/snippet]
   expect(same(seq(kv.values), {7}), "reset drops dynamic states");
@@ -44,7 +44,7 @@ void record_past() {
   for (float t : {0, 1, 2, 3, 4}) cache.update(tokens({t}), tokens({t}), 0);
   auto [kv_length, kv_offset] = cache.get_mask_sizes(1, 0);  // 4, 2
   auto kv = cache.update(tokens({5}), tokens({5}), 0);       // returns 2 3 4 5   ([ref]: 0 1 2 3 4 5)
-  cache.crop(-2);  // forget 4 5: keeps 1 2 3, get_seq_length() == 4
+  cache.crop(-2);                                            // forget 4 5: keeps 1 2 3, get_seq_length() == 4
   // [/snippet]
   expect(kv_length == 4 && kv_offset == 2, "record_past: mask sizes");
   expect(same(seq(kv.values), {2, 3, 4, 5}), "record_past: update returns kv_length tokens");
@@ -80,7 +80,7 @@ void static_index_error() {
 void max_length() {
   // [snippet:get_max_length]
   auto cache = kvc::make_dynamic_cache<float>(small_config());  // a window-4 layer and a full layer
-  std::int64_t longest = cache.get_max_length();  // -1: the full layer is unbounded   ([ref]: 4)
+  std::int64_t longest = cache.get_max_length();                // -1: the full layer is unbounded   ([ref]: 4)
 
   kvc::DynamicCache<float> lazy;  // no layer until the first update
   // lazy.get_max_length() throws kvc::ValueError naming the cause   ([ref]: max() of an empty sequence)

@@ -90,7 +90,8 @@ kvc::TensorView<T> positions(const kvc::HostTensor<T>& t, std::int64_t from, std
 // recomputing the whole sequence without a cache gets.
 double no_cache_difference(const kvc::HostTensor<float>& out, const LayerQKV& x, std::int64_t from, std::int64_t n,
                            std::optional<std::int64_t> window) {
-  const kvc::AttentionMask mask{.kv_length = from + n, .kv_offset = 0, .query_position = from, .sliding_window = window};
+  const kvc::AttentionMask mask{
+      .kv_length = from + n, .kv_offset = 0, .query_position = from, .sliding_window = window};
   const auto want = kvc::scaled_dot_product_attention(positions(x.q, from, n), positions(x.k, 0, from + n),
                                                       positions(x.v, 0, from + n), mask);
   double diff = 0;
@@ -171,7 +172,8 @@ void load_and_make(const std::vector<LayerQKV>& qkv) {
     kvc::GenerationConfig g;
     g.cache_implementation = name;
     kvc::AnyCache c = kvc::make_cache(g, model);
-    expect(c.get<kvc::ConfiguredDynamicCache<float>>() != nullptr, "dynamic and hybrid build the config's dynamic cache");
+    expect(c.get<kvc::ConfiguredDynamicCache<float>>() != nullptr,
+           "dynamic and hybrid build the config's dynamic cache");
     expect(decode(c, model, qkv) < float_bound, "the dynamic cache matches the no-cache model");
   }
 
@@ -248,10 +250,10 @@ void export_static(const kvc::ModelConfig& model, const std::vector<LayerQKV>& q
   })");
   kvc::StaticCacheExport<float> exported(model, generation);  // 4 full StaticLayers, allocated now
   for (const kvc::ExportedBuffer& b : exported.buffers())
-    register_buffer(b);  // key_cache_0, value_cache_0, key_cache_1, ...: [1, 2, 16, 16] float32
+    register_buffer(b);                     // key_cache_0, value_cache_0, key_cache_1, ...: [1, 2, 16, 16] float32
   exported.begin_step({0, 1, 2, 3, 4, 5});  // the prompt: every layer writes from cache_position[0]
   // ... the model's forward: exported.cache().update(keys, values, layer) for each layer ...
-  exported.begin_step({6});                 // one decode step at position 6
+  exported.begin_step({6});  // one decode step at position 6
   // [/snippet]
   // [snippet:head_shapes]
   const kvc::HeadShapes shapes = kvc::get_head_shapes(model);  // what early_initialization was given
@@ -306,8 +308,8 @@ void explicit_mask(const kvc::ModelConfig& model, const std::vector<LayerQKV>& q
     // [snippet:explicit_mask]
     // One attention layer's step, as kvc::attend does it.
     const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer);  // asked before the update
-    const std::int64_t query_position = cache.get_seq_length(layer);      // tokens seen before this step
-    const auto kv = cache.update(keys, values, layer);                     // kv.keys.extent(2) == kv_length
+    const std::int64_t query_position = cache.get_seq_length(layer);     // tokens seen before this step
+    const auto kv = cache.update(keys, values, layer);                   // kv.keys.extent(2) == kv_length
     const kvc::AttentionMask mask{.kv_length = kv_length,
                                   .kv_offset = kv_offset,  // key j sits at position kv_offset + j
                                   .query_position = query_position,
@@ -349,11 +351,8 @@ void model_window(const kvc::ModelConfig& model, const std::vector<LayerQKV>& qk
 
 void chunked() {
   // [snippet:chunked_mask]
-  const kvc::AttentionMask chunks{.kv_length = 8,
-                                  .kv_offset = 0,
-                                  .query_position = 0,
-                                  .sliding_window = std::nullopt,
-                                  .attention_chunk_size = 4};
+  const kvc::AttentionMask chunks{
+      .kv_length = 8, .kv_offset = 0, .query_position = 0, .sliding_window = std::nullopt, .attention_chunk_size = 4};
   // positions 0-3 and 4-7 are two chunks: the query at 5 sees keys 4 and 5 only
   // [/snippet]
   expect(chunks.visible(5, 4) && chunks.visible(5, 5) && !chunks.visible(5, 3) && !chunks.visible(5, 6),

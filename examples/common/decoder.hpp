@@ -50,8 +50,7 @@ struct DecoderConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   std::optional<std::int64_t> sliding_window = 64;
-  std::vector<std::string> layer_types{"sliding_attention", "full_attention", "sliding_attention",
-                                       "full_attention"};
+  std::vector<std::string> layer_types{"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
   bool tie_word_embeddings = false;  // the LM head reuses the embedding matrix
 
   bool is_sliding(std::int64_t layer) const {
@@ -171,7 +170,7 @@ template <class T>
 class Decoder {
  public:
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // activations
-  using Weight = Eigen::MatrixXf;  // [in, out]: y = x * W
+  using Weight = Eigen::MatrixXf;                                                        // [in, out]: y = x * W
 
   // Weights from `seed`: std::mt19937_64 streams (one per 2^20 values of a matrix), approximately
   // normal with std 1/sqrt(fan_in), so every projection keeps activations O(1); RMSNorm weights
@@ -213,7 +212,8 @@ class Decoder {
     norm(final_norm_);
     if (!config_.tie_word_embeddings) {
       lm_head_.resize(config_.vocab_size, h);
-      jobs.push_back({lm_head_.data(), lm_head_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
+      jobs.push_back(
+          {lm_head_.data(), lm_head_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
     }
     // Chunks of 2^20 values, each its own stream: the same weights whatever the thread count.
     constexpr std::int64_t chunk = std::int64_t{1} << 20;
@@ -228,7 +228,8 @@ class Decoder {
     });
     inv_freq_.resize(static_cast<std::size_t>(config_.head_dim / 2));
     for (std::size_t i = 0; i < inv_freq_.size(); ++i)
-      inv_freq_[i] = std::pow(config_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(config_.head_dim));
+      inv_freq_[i] =
+          std::pow(config_.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(config_.head_dim));
   }
 
   const DecoderConfig& config() const noexcept { return config_; }
@@ -246,16 +247,16 @@ class Decoder {
   // an explicit causal mask (and the layer's window for sliding layers). Positions start at 0.
   Logits forward_no_cache(std::span<const std::int32_t> tokens, bool all_logits = false) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
-    return run(tokens, 0, all_logits,
-               [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
-                   const kvc::HostTensor<T>& v) {
-                 const kvc::AttentionMask mask{.kv_length = n,
-                                               .kv_offset = 0,
-                                               .query_position = 0,
-                                               .sliding_window = config_.window(layer),
-                                               .causal = true};
-                 return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
-               });
+    return run(
+        tokens, 0, all_logits,
+        [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
+          const kvc::AttentionMask mask{.kv_length = n,
+                                        .kv_offset = 0,
+                                        .query_position = 0,
+                                        .sliding_window = config_.window(layer),
+                                        .causal = true};
+          return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
+        });
   }
 
  private:
@@ -268,8 +269,8 @@ class Decoder {
   // type, as in transformers (the model builds the mask, the cache only holds K/V): a
   // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
   template <class Cache>
-  kvc::HostTensor<T> attend(Cache& cache, std::int64_t layer, const kvc::HostTensor<T>& q,
-                            const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) const {
+  kvc::HostTensor<T> attend(Cache& cache, std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
+                            const kvc::HostTensor<T>& v) const {
     return kvc::attend(cache, layer, q, k, v, kvc::AttendOptions{.sliding_window = config_.window(layer)});
   }
 

@@ -56,13 +56,15 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     if (!v) return std::nullopt;
     const std::optional<std::int64_t> i = kvc::detail::json_integer(*v);
     if (!i)
-      throw ConfigError(std::string("'") + name + "' must be an integer of 64 bits, got " + kvc::detail::json_excerpt(*v));
+      throw ConfigError(std::string("'") + name + "' must be an integer of 64 bits, got " +
+                        kvc::detail::json_excerpt(*v));
     return *i;
   };
   auto number = [&](const char* name, double fallback) {
     const json* v = find(name);
     if (!v) return fallback;
-    if (!v->is_number()) throw ConfigError(std::string("'") + name + "' must be a number, got " + kvc::detail::json_excerpt(*v));
+    if (!v->is_number())
+      throw ConfigError(std::string("'") + name + "' must be a number, got " + kvc::detail::json_excerpt(*v));
     return v->get<double>();
   };
 
@@ -83,7 +85,8 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     c.head_dim = layout.layer_head_dim(0);
     for (std::int64_t i = 1; i < c.num_hidden_layers; ++i)
       if (layout.layer_num_key_value_heads(i) != c.num_key_value_heads || layout.layer_head_dim(i) != c.head_dim)
-        throw ConfigError("layer " + std::to_string(i) + " has its own head shape, which the demo's model does not support");
+        throw ConfigError("layer " + std::to_string(i) +
+                          " has its own head shape, which the demo's model does not support");
   } catch (const kvc::ValueError& e) {
     throw ConfigError(e.what());
   }
@@ -106,7 +109,8 @@ inline DecoderConfig decoder_config_from_json(const std::string& text) {
     c.layer_types.push_back(specs[i].type);
     if (specs[i].type != "sliding_attention") continue;
     if (c.sliding_window && specs[i].sliding_window != c.sliding_window)
-      throw ConfigError("layer " + std::to_string(i) + " has its own sliding window, which the demo's model does not support");
+      throw ConfigError("layer " + std::to_string(i) +
+                        " has its own sliding window, which the demo's model does not support");
     c.sliding_window = specs[i].sliding_window;
   }
 

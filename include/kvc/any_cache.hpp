@@ -29,21 +29,27 @@ namespace detail {
 
 template <class T>
 constexpr std::string_view element_name() {
-  if constexpr (std::is_same_v<T, float>) return "float";
-  else if constexpr (std::is_same_v<T, double>) return "double";
-  else if constexpr (std::is_same_v<T, Eigen::half>) return "half";
-  else if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
-  else return "unknown";
+  if constexpr (std::is_same_v<T, float>)
+    return "float";
+  else if constexpr (std::is_same_v<T, double>)
+    return "double";
+  else if constexpr (std::is_same_v<T, Eigen::half>)
+    return "half";
+  else if constexpr (std::is_same_v<T, Eigen::bfloat16>)
+    return "bfloat16";
+  else
+    return "unknown";
 }
 
 // A host cache: what AnyCache can hold.
 template <class C>
-concept host_cache = requires {
-  typename C::layer_policy;
-  typename C::storage_policy;
-  typename C::kv_type;
-} && std::is_same_v<typename C::view_type, TensorView<typename C::element_type>> &&
-                     std::is_same_v<typename C::kv_type, KV<TensorView<typename C::element_type>>>;
+concept host_cache =
+    requires {
+      typename C::layer_policy;
+      typename C::storage_policy;
+      typename C::kv_type;
+    } && std::is_same_v<typename C::view_type, TensorView<typename C::element_type>> &&
+    std::is_same_v<typename C::kv_type, KV<TensorView<typename C::element_type>>>;
 
 enum class state_update { conv, recurrent, indexer };
 
@@ -117,9 +123,7 @@ class any_cache_model final : public any_cache_iface {
                                          std::int64_t i) override {
     return update_as(k, v, i);
   }
-  KV<TensorView<float>> stored(std::int64_t i, std::type_identity<float>) const override {
-    return stored_as<float>(i);
-  }
+  KV<TensorView<float>> stored(std::int64_t i, std::type_identity<float>) const override { return stored_as<float>(i); }
   KV<TensorView<double>> stored(std::int64_t i, std::type_identity<double>) const override {
     return stored_as<double>(i);
   }
@@ -218,9 +222,12 @@ class any_cache_model final : public any_cache_iface {
                                std::int64_t kernel) {
     if constexpr (std::is_same_v<T, E> && std::is_same_v<typename C::storage_policy::state_view_type, StateView<T>>) {
       switch (which) {
-        case state_update::conv: return cache_.update_conv_state(x, layer, state, kernel);
-        case state_update::recurrent: return cache_.update_recurrent_state(x, layer, state);
-        default: return cache_.update_indexer(x, layer);
+        case state_update::conv:
+          return cache_.update_conv_state(x, layer, state, kernel);
+        case state_update::recurrent:
+          return cache_.update_recurrent_state(x, layer, state);
+        default:
+          return cache_.update_indexer(x, layer);
       }
     } else {
       throw TypeError("AnyCache: the cache holds " + std::string(element_name<E>()) + " elements, got " +
@@ -297,8 +304,9 @@ class AnyCache {
     requires detail::state_input<std::remove_cvref_t<X>>::valid
   auto update_conv_state(const X& conv_states, std::int64_t layer_idx, std::int64_t state_idx = 0,
                          std::int64_t conv_kernel_size = 0) {
-    return self().update_state(detail::state_update::conv, detail::state_input<std::remove_cvref_t<X>>::view(conv_states),
-                               layer_idx, state_idx, conv_kernel_size);
+    return self().update_state(detail::state_update::conv,
+                               detail::state_input<std::remove_cvref_t<X>>::view(conv_states), layer_idx, state_idx,
+                               conv_kernel_size);
   }
   template <class X>
     requires detail::state_input<std::remove_cvref_t<X>>::valid

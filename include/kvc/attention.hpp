@@ -126,7 +126,8 @@ inline void check_attention(const std::array<std::int64_t, 4>& q, const std::arr
   // Positions and windows are sizes too: bounded, the mask arithmetic cannot overflow.
   check_size("scaled_dot_product_attention: the mask's kv_offset", mask.kv_offset, 0, max_extent);
   check_size("scaled_dot_product_attention: the mask's query_position", mask.query_position, 0, max_extent);
-  if (mask.sliding_window) check_size("scaled_dot_product_attention: sliding_window", *mask.sliding_window, 1, max_extent);
+  if (mask.sliding_window)
+    check_size("scaled_dot_product_attention: sliding_window", *mask.sliding_window, 1, max_extent);
   if (mask.attention_chunk_size)
     check_size("scaled_dot_product_attention: attention_chunk_size", *mask.attention_chunk_size, 1, max_extent);
   (void)checked_elements({q[0], q[1], q[2], v[3]}, 8);  // the output, in the widest element type
@@ -188,7 +189,8 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
           for (std::int64_t j0 = 0; j0 < width; j0 += block) {
             const std::int64_t n = std::min(block, width - j0);
             const auto Kb = detail::as_accum<A>(kp + (lo + j0) * D, n, D, D, kbuf);
-            for (std::int64_t r = 0; r < rows; ++r) scores.row(r).segment(j0, n).noalias() = qbuf.row(r) * Kb.transpose();
+            for (std::int64_t r = 0; r < rows; ++r)
+              scores.row(r).segment(j0, n).noalias() = qbuf.row(r) * Kb.transpose();
           }
           scores *= s;
         } else {
@@ -268,9 +270,14 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   const auto qv = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries);
   const std::int64_t q = qv.extent(2);
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
-  AttentionMask mask{kv_length, kv_offset, cache.get_seq_length(layer_idx), options.sliding_window, true,
+  AttentionMask mask{kv_length,
+                     kv_offset,
+                     cache.get_seq_length(layer_idx),
+                     options.sliding_window,
+                     true,
                      options.attention_chunk_size};
-  if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid && detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
+  if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid &&
+                detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
     const auto kv_in = detail::tensor_input<std::remove_cvref_t<KT>>::view(new_keys);
     if (kv_in.extent(2) != q)  // the mask sizes were asked for q new tokens
       throw ValueError("attend: queries of shape " + shape_string(qv.extents) + " and new keys of shape " +

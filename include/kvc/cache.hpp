@@ -58,9 +58,10 @@ struct layer_kind_check {
 template <class List, class S>
 struct check_each_layer_kind : std::true_type {};
 template <class... K, class S>
-struct check_each_layer_kind<boost::mp11::mp_list<K...>, S> : std::bool_constant<(layer_kind_check<K, S>::value && ...)> {};
+struct check_each_layer_kind<boost::mp11::mp_list<K...>, S>
+    : std::bool_constant<(layer_kind_check<K, S>::value && ...)> {};
 // Only once the layer and storage policies are valid (their own message comes first, and alone).
-template <class L, class S, bool = concepts::LayerPolicy<L> && concepts::StoragePolicy<S>>
+template <class L, class S, bool = concepts::LayerPolicy<L>&& concepts::StoragePolicy<S>>
 struct check_layer_kinds_of : std::true_type {};
 template <class L, class S>
 struct check_layer_kinds_of<L, S, true> : check_each_layer_kind<layer_kinds<L>, S> {};
@@ -94,7 +95,7 @@ class int_or_list {
     requires std::is_integral_v<I>
   int_or_list(I value) : scalar_(static_cast<std::int64_t>(value)) {}  // NOLINT: implicit by design
   int_or_list(std::vector<std::int64_t> values) : list_(std::move(values)), is_list_(true) {}  // NOLINT
-  int_or_list(std::initializer_list<std::int64_t> values) : list_(values), is_list_(true) {}  // NOLINT
+  int_or_list(std::initializer_list<std::int64_t> values) : list_(values), is_list_(true) {}   // NOLINT
 
   bool is_list() const noexcept { return is_list_; }
   std::size_t length() const noexcept { return list_.size(); }
@@ -159,9 +160,13 @@ class Cache {
   template <class... Args>
   explicit Cache(Args&&...) {}
   template <class... Args>
-  detail::misconfigured_kv update(Args&&...) { return {}; }
+  detail::misconfigured_kv update(Args&&...) {
+    return {};
+  }
   template <class... Args>
-  detail::misconfigured_kv stored(Args&&...) const { return {}; }
+  detail::misconfigured_kv stored(Args&&...) const {
+    return {};
+  }
 #define KVC_DETAIL_MISCONFIGURED(type, name) \
   template <class... Args>                   \
   type name(Args&&...) const {               \
@@ -286,8 +291,9 @@ class Cache<L, S, O> {
   explicit Cache(const std::vector<kind_variant>& layer_kinds) {
     layers_.reserve(layer_kinds.size());
     for (const auto& kind : layer_kinds)
-      std::visit([&](const auto& k) { layers_.emplace_back(std::in_place_type<state_of<std::decay_t<decltype(k)>>>, k); },
-                 kind);
+      std::visit(
+          [&](const auto& k) { layers_.emplace_back(std::in_place_type<state_of<std::decay_t<decltype(k)>>>, k); },
+          kind);
   }
 
   // ---- update --------------------------------------------------------------------------------
@@ -389,9 +395,9 @@ class Cache<L, S, O> {
       // Kinds whose crop allocates (a quantized history cut and quantized again, linear-attention
       // states) prepare it aside in every layer first; then every layer commits, which cannot throw.
       using namespace boost::mp11;
-      using plan_variant = mp_rename<
-          mp_unique<mp_push_front<mp_transform<crop_plan_of, mp_transform<state_of, kinds>>, std::monostate>>,
-          std::variant>;
+      using plan_variant =
+          mp_rename<mp_unique<mp_push_front<mp_transform<crop_plan_of, mp_transform<state_of, kinds>>, std::monostate>>,
+                    std::variant>;
       std::vector<plan_variant> plans;
       plans.reserve(layers_.size());
       for_each_layer([&](const auto& l) {
@@ -420,9 +426,12 @@ class Cache<L, S, O> {
   // Picks batch rows by beam index in every layer that holds data (beam search).
   void reorder_cache(std::span<const std::int64_t> beam_idx) {
     before_access(-1);
-    gather_all<false>("reorder_cache", [&](std::int64_t) { return std::vector<std::int64_t>(beam_idx.begin(), beam_idx.end()); });
+    gather_all<false>("reorder_cache",
+                      [&](std::int64_t) { return std::vector<std::int64_t>(beam_idx.begin(), beam_idx.end()); });
   }
-  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) { reorder_cache(std::span(beam_idx.begin(), beam_idx.size())); }
+  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
+    reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
+  }
 
   // Repeats every batch row `repeats` times in place (row b becomes rows b*repeats ... b*repeats+repeats-1).
   template <int = 0>
@@ -451,7 +460,8 @@ class Cache<L, S, O> {
                   "kvc::Cache::batch_select_indices: no layer kind of this cache supports batch operations. Static "
                   "layers keep a fixed batch; use a dynamic cache");
     before_access(-1);
-    gather_all<true>("batch_select_indices", [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
+    gather_all<true>("batch_select_indices",
+                     [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
   }
   template <int = 0>
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
@@ -485,11 +495,11 @@ class Cache<L, S, O> {
       if constexpr (concepts::supports_write_position<std::decay_t<decltype(l)>>) {
         if (position > l.get_max_length())
           throw IndexError("set_write_position: position " + std::to_string(position) +
-                           " is out of range for a StaticLayer with max_cache_len " + std::to_string(l.get_max_length()));
+                           " is out of range for a StaticLayer with max_cache_len " +
+                           std::to_string(l.get_max_length()));
       }
     });
-    if (position < 0)
-      throw IndexError("set_write_position: position " + std::to_string(position) + " is negative");
+    if (position < 0) throw IndexError("set_write_position: position " + std::to_string(position) + " is negative");
     before_access(-1);
     for_each_layer([&](auto& l) {
       if constexpr (concepts::supports_write_position<std::decay_t<decltype(l)>>) l.set_write_position(position);
@@ -733,8 +743,10 @@ class Cache<L, S, O> {
     std::int64_t n = 1;
     for (int r = 0; r < view.rank; ++r)
       if (view.extent(r) < 0 || view.extent(r) > max_extent || !detail::mul_fits(n, view.extent(r), n))
-        throw ValueError("kvc::Cache: a state of shape " + shape_string(view) + " has a negative dimension, one above "
-                         "kvc's limit of " + std::to_string(max_extent) + ", or a product of dimensions that overflows");
+        throw ValueError("kvc::Cache: a state of shape " + shape_string(view) +
+                         " has a negative dimension, one above "
+                         "kvc's limit of " +
+                         std::to_string(max_extent) + ", or a product of dimensions that overflows");
     return view;
   }
 
@@ -743,7 +755,8 @@ class Cache<L, S, O> {
                       layers_[static_cast<std::size_t>(idx)]);
   }
   bool layer_has_kv(std::int64_t idx) const {
-    return std::visit([](const auto& l) { return has_kv<std::decay_t<decltype(l)>>; }, layers_[static_cast<std::size_t>(idx)]);
+    return std::visit([](const auto& l) { return has_kv<std::decay_t<decltype(l)>>; },
+                      layers_[static_cast<std::size_t>(idx)]);
   }
 
   // The layer that answers a length query asked of `idx`: itself, unless it is a pure
@@ -904,8 +917,7 @@ class Cache<L, S, O> {
                 if (i < 0 || i >= batch)
                   throw IndexError(std::string(method) + ": index " + std::to_string(i) +
                                    " is out of bounds for dimension 0 with size " + std::to_string(batch));
-              if (indices.empty())
-                throw ValueError(std::string(method) + ": the batch cannot become empty");
+              if (indices.empty()) throw ValueError(std::string(method) + ": the batch cannot become empty");
               next.emplace_back(l.gathered(indices));
             }
           },

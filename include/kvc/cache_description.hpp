@@ -84,8 +84,8 @@ AnyCache described_cache(const nlohmann::json& doc) {
   if (!has_layers && !has_replicate) throw ValueError(std::string(no_layer_source_message));
   if (has_replicate) {
     const any_kind kind = described_kind(doc["layer_class_to_replicate"], "`layer_class_to_replicate`");
-    return std::visit([](const auto& k) { return AnyCache(Cache<Replicate<std::decay_t<decltype(k)>>, HostStorage<T>>(k)); },
-                      kind);
+    return std::visit(
+        [](const auto& k) { return AnyCache(Cache<Replicate<std::decay_t<decltype(k)>>, HostStorage<T>>(k)); }, kind);
   }
   const auto& list = doc["layers"];
   if (!list.is_array()) throw ValueError("cache description: `layers` must be an array, got " + json_excerpt(list));
@@ -114,7 +114,8 @@ inline AnyCache cache_from_description(std::string_view json_text) {
   if (!doc.is_object()) throw ValueError("cache description: expected a JSON object, got " + detail::json_excerpt(doc));
   std::string dtype = "float";
   if (const auto it = doc.find("dtype"); it != doc.end()) {
-    if (!it->is_string()) throw ValueError("cache description: `dtype` must be a string, got " + detail::json_excerpt(*it));
+    if (!it->is_string())
+      throw ValueError("cache description: `dtype` must be a string, got " + detail::json_excerpt(*it));
     dtype = it->get<std::string>();
   }
   if (dtype == "float") return detail::described_cache<float>(doc);

@@ -24,9 +24,9 @@ class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
 
 // The cache make_dynamic_cache builds: pre-built dynamic layers of every kind a config can name.
 // Every kind DYNAMIC_LAYER_TYPE_MAPPING names.
-using ConfiguredDynamicLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                                       LinearAttentionAndFullAttentionLayer,
-                                       LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
+using ConfiguredDynamicLayers =
+    Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+           LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
 // A class of its own (not an alias of the Cache) because it is transformers' DynamicCache(config=...):
 // it prints as a DynamicCache, where a kvc::Cache<Layers<...>> prints as transformers' Cache.
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
@@ -37,9 +37,9 @@ class ConfiguredDynamicCache : public Cache<ConfiguredDynamicLayers, Storage, Of
 };
 
 // The layer policy of StaticCache: every kind STATIC_LAYER_TYPE_MAPPING names.
-using StaticCacheLayers = Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
-                                 LinearAttentionAndStaticFullAttentionLayer,
-                                 LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
+using StaticCacheLayers =
+    Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndStaticFullAttentionLayer,
+           LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
 
 namespace detail {
 template <class>

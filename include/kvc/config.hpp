@@ -174,16 +174,15 @@ namespace detail {
 }
 inline std::int64_t window_of(const LayerSpec& spec, std::size_t layer) {
   if (!spec.sliding_window)
-    throw ValueError("layer " + std::to_string(layer) + " is '" + spec.type +
-                     "' but the config sets no " +
+    throw ValueError("layer " + std::to_string(layer) + " is '" + spec.type + "' but the config sets no " +
                      (spec.type == "chunked_attention" ? "attention_chunk_size" : "sliding_window"));
   return *spec.sliding_window;
 }
 }  // namespace detail
 
-using DynamicLayerKind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                                      LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
+using DynamicLayerKind =
+    std::variant<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                 LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
 using StaticLayerKind = std::variant<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
                                      LinearAttentionAndStaticFullAttentionLayer,
                                      LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
@@ -240,8 +239,8 @@ inline std::vector<StaticLayerKind> static_layer_kinds(const ModelConfig& config
     else if (spec.type == "deepseek_sparse_attention")
       out.emplace_back(StaticIndexedLayer{max_cache_len});
     else if (spec.type == "hybrid_sliding")
-      out.emplace_back(LinearAttentionAndStaticSlidingWindowAttentionLayer{
-          {max_cache_len, detail::window_of(spec, i)}, spec.number_of_states});
+      out.emplace_back(LinearAttentionAndStaticSlidingWindowAttentionLayer{{max_cache_len, detail::window_of(spec, i)},
+                                                                           spec.number_of_states});
     else if (!detail::linear_kind(spec, out))
       detail::throw_unknown_layer_type(spec.type);
   }
@@ -291,8 +290,8 @@ inline std::int64_t to_int(const json& v, const std::string& name, std::int64_t 
   if (!fits) fail(name + " is " + excerpt(v) + ", above kvc's limit of " + std::to_string(maximum));
   const std::int64_t i = *fits;
   if (i < minimum)
-    fail(name + " must be " + (minimum == 0 ? std::string("0 or more") : std::string("a positive integer")) +
-         ", got " + std::to_string(i));
+    fail(name + " must be " + (minimum == 0 ? std::string("0 or more") : std::string("a positive integer")) + ", got " +
+         std::to_string(i));
   if (i > maximum) fail(name + " is " + std::to_string(i) + ", above kvc's limit of " + std::to_string(maximum));
   return i;
 }
@@ -321,14 +320,14 @@ inline std::optional<std::string> string_field(const scope& s, std::string_view 
 
 // How a configuration class fills `layer_types` when the file has none.
 enum class layer_rule {
-  generic,        // none: get_layer_types_and_kwargs's rule applies later (layer_specs)
-  qwen2,          // sliding from layer max_window_layers on, when sliding_window survives the gate
-  qwen2_moe,      // sliding at even indices below max_window_layers, when use_sliding_window
-  every_other,    // sliding at even indices, full at odd ones
-  gemma3,         // sliding unless (i + 1) % sliding_window_pattern == 0
-  qwen3_next,     // linear_attention unless (i + 1) % full_attention_interval == 0
-  t5,             // decoder shape from num_decoder_layers / num_heads / d_kv / d_model
-  whisper,        // decoder shape from decoder_layers / decoder_attention_heads / d_model
+  generic,      // none: get_layer_types_and_kwargs's rule applies later (layer_specs)
+  qwen2,        // sliding from layer max_window_layers on, when sliding_window survives the gate
+  qwen2_moe,    // sliding at even indices below max_window_layers, when use_sliding_window
+  every_other,  // sliding at even indices, full at odd ones
+  gemma3,       // sliding unless (i + 1) % sliding_window_pattern == 0
+  qwen3_next,   // linear_attention unless (i + 1) % full_attention_interval == 0
+  t5,           // decoder shape from num_decoder_layers / num_heads / d_kv / d_model
+  whisper,      // decoder shape from decoder_layers / decoder_attention_heads / d_model
 };
 // What a configuration class does with sliding_window when use_sliding_window is false.
 enum class window_gate { none, to_none, to_zero };
@@ -497,8 +496,8 @@ inline ModelConfig model_config_from(const json& root) {
   ModelConfig c;
   c.model_type = type;
   // PreTrainedConfig's is_encoder_decoder; T5Config and WhisperConfig default it to true.
-  c.is_encoder_decoder = flag(top, "is_encoder_decoder")
-                             .value_or(rule == layer_rule::t5 || rule == layer_rule::whisper);
+  c.is_encoder_decoder =
+      flag(top, "is_encoder_decoder").value_or(rule == layer_rule::t5 || rule == layer_rule::whisper);
   const auto layers = count(s, layers_key, 0);
   if (!layers && !cls) fail("the config has no " + s.name(layers_key));
   c.num_hidden_layers = layers.value_or(cls ? cls->num_hidden_layers : 0);
@@ -542,8 +541,7 @@ inline ModelConfig model_config_from(const json& root) {
   if (cls && cls->gate != window_gate::none && !use_sliding_window) c.sliding_window.reset();
   if (rule == layer_rule::gemma3 && c.sliding_window && flag(s, "use_bidirectional_attention").value_or(false))
     c.sliding_window = *c.sliding_window / 2 + 1;  // Gemma3TextConfig: "due to fa we set exclusive bounds"
-  if (c.sliding_window && *c.sliding_window == 0)
-    fail(s.name("sliding_window") + " must be a positive integer, got 0");
+  if (c.sliding_window && *c.sliding_window == 0) fail(s.name("sliding_window") + " must be a positive integer, got 0");
   c.attention_chunk_size = extent(s, "attention_chunk_size");
   c.num_kv_shared_layers = count(s, "num_kv_shared_layers", 0).value_or(0);
   c.number_of_conv_states = count(s, "number_of_conv_states", 1).value_or(1);
@@ -581,9 +579,15 @@ inline ModelConfig model_config_from(const json& root) {
     for (std::int64_t i = 0; i < n; ++i) {
       bool sliding = false;
       switch (rule) {
-        case layer_rule::qwen2: sliding = c.sliding_window && i >= window_layers; break;
-        case layer_rule::qwen2_moe: sliding = (i + 1) % 2 != 0 && i < window_layers && use_sliding_window; break;
-        default: sliding = (i + 1) % period != 0; break;
+        case layer_rule::qwen2:
+          sliding = c.sliding_window && i >= window_layers;
+          break;
+        case layer_rule::qwen2_moe:
+          sliding = (i + 1) % 2 != 0 && i < window_layers && use_sliding_window;
+          break;
+        default:
+          sliding = (i + 1) % period != 0;
+          break;
       }
       const char* other = rule == layer_rule::qwen3_next ? "linear_attention" : "sliding_attention";
       types.emplace_back(sliding ? other : "full_attention");
@@ -618,8 +622,7 @@ inline ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
     doc = detail::parse_json<json>(text, "ModelConfig");
   } catch (const json::exception& e) {
     // transformers' from_pretrained message (an OSError there), then the parser's detail.
-    throw ValueError("It looks like the config file at '" + file.string() + "' is not a valid JSON file. " +
-                     e.what());
+    throw ValueError("It looks like the config file at '" + file.string() + "' is not a valid JSON file. " + e.what());
   }
   return detail::model_json::model_config_from(doc);
 }

@@ -124,7 +124,9 @@ inline constexpr bool is_dynamic_cache_v = [] {
 // its layer kinds.
 template <class C>
 constexpr std::string_view cache_class_name() {
-  if constexpr (requires { { C::class_name } -> std::convertible_to<std::string_view>; })
+  if constexpr (requires {
+                  { C::class_name } -> std::convertible_to<std::string_view>;
+                })
     return C::class_name;
   else if constexpr (derives_from_dynamic_cache_t<C>::value)
     return "DynamicCache";
@@ -259,8 +261,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // transformers' `is_updated[layer_idx] = True`, done by the model after filling the layer.
   void set_is_updated(std::int64_t layer_idx, bool updated = true) {
     if (layer_idx < 0)
-      throw IndexError(detail::join_message({"set_is_updated: layer_idx ", std::to_string(layer_idx),
-                                            " is out of range: layer indices start at 0"}));
+      throw IndexError(detail::join_message(
+          {"set_is_updated: layer_idx ", std::to_string(layer_idx), " is out of range: layer indices start at 0"}));
     is_updated_[layer_idx] = updated;
   }
 
@@ -323,8 +325,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   void check_dynamic_cache(std::string_view method) const {
     if (!is_dynamic || !dynamic_now(self_) || !dynamic_now(cross_))
       throw TypeError(detail::join_message({"`", method, "` is only defined for dynamic cache, got ", cache_repr(self_),
-                                           " for the self attention cache and ", cache_repr(cross_),
-                                           " for the cross attention cache."}));
+                                            " for the self attention cache and ", cache_repr(cross_),
+                                            " for the cross attention cache."}));
   }
 
  private:
@@ -338,7 +340,6 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   }
 
  public:
-
  private:
   struct halves {
     SelfCache self;
@@ -359,8 +360,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
     for (std::size_t i = 0; i < entry.size(); ++i) {
       if (i) out.append(", ");
       out.append("tensor of shape ");
-      out.append(shape_string({entry[i].dimension(0), entry[i].dimension(1), entry[i].dimension(2),
-                               entry[i].dimension(3)}));
+      out.append(
+          shape_string({entry[i].dimension(0), entry[i].dimension(1), entry[i].dimension(2), entry[i].dimension(3)}));
     }
     if (entry.size() == 1) out.push_back(',');
     out.push_back(')');
@@ -380,7 +381,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
         cross_layers.push_back({&entry[2], &entry[3], nullptr});
       } else {
         throw ValueError(detail::join_message({"Expected len(combined_cache_data) = ", std::to_string(entry.size()),
-                                              " to be 4 or 6.\ncombined_cache_data = ", entry_repr(entry)}));
+                                               " to be 4 or 6.\ncombined_cache_data = ", entry_repr(entry)}));
       }
     }
     return {build<SelfCache>(self_layers), build<CrossCache>(cross_layers)};
@@ -398,11 +399,11 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
       C cache;
       for (std::size_t i = 0; i < layers.size(); ++i) {
         if (window_of(layers[i]) > 0)
-          throw ValueError(detail::join_message(
-              {"EncoderDecoderCache: layer ", std::to_string(i), " has a sliding window, but ",
-               detail::cache_class_name<C>(),
-               " replicates DynamicLayer; use a cache with DynamicSlidingWindowLayer, such as "
-               "kvc::ConfiguredDynamicCache"}));
+          throw ValueError(
+              detail::join_message({"EncoderDecoderCache: layer ", std::to_string(i), " has a sliding window, but ",
+                                    detail::cache_class_name<C>(),
+                                    " replicates DynamicLayer; use a cache with DynamicSlidingWindowLayer, such as "
+                                    "kvc::ConfiguredDynamicCache"}));
         cache.update(*layers[i].keys, *layers[i].values, static_cast<std::int64_t>(i));
       }
       return cache;

@@ -48,7 +48,6 @@ inline std::string join_message(std::initializer_list<std::string_view> parts) {
   return out;
 }
 
-
 // Python's repr of a list of ints: [1, 2, 3].
 inline std::string py_list(const std::vector<std::int64_t>& values) {
   std::string out = "[";

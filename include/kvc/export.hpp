@@ -52,10 +52,14 @@ struct ExportedBuffer {
 namespace detail {
 template <class T>
 constexpr std::string_view torch_dtype() {
-  if constexpr (std::is_same_v<T, float>) return "float32";
-  else if constexpr (std::is_same_v<T, double>) return "float64";
-  else if constexpr (std::is_same_v<T, Eigen::half>) return "float16";
-  else return "bfloat16";
+  if constexpr (std::is_same_v<T, float>)
+    return "float32";
+  else if constexpr (std::is_same_v<T, double>)
+    return "float64";
+  else if constexpr (std::is_same_v<T, Eigen::half>)
+    return "float16";
+  else
+    return "bfloat16";
 }
 
 // An argument, else cache_config[key], else the ValueError executorch raises.
@@ -107,7 +111,8 @@ class StaticCacheExport {
     for (std::int64_t i = 0; i < cache_.size(); ++i) {
       const auto kv = cache_.stored(i);
       out.push_back({"key_cache_" + std::to_string(i), kv.keys.data(), kv.keys.extents, detail::torch_dtype<T>()});
-      out.push_back({"value_cache_" + std::to_string(i), kv.values.data(), kv.values.extents, detail::torch_dtype<T>()});
+      out.push_back(
+          {"value_cache_" + std::to_string(i), kv.values.data(), kv.values.extents, detail::torch_dtype<T>()});
     }
     return out;
   }

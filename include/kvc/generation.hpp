@@ -331,8 +331,7 @@ inline GenerationConfig GenerationConfig::from_file(const std::filesystem::path&
     doc = detail::parse_json<nlohmann::ordered_json>(text, "GenerationConfig");
   } catch (const nlohmann::ordered_json::exception& e) {  // parse_error, and out_of_range for huge numbers
     // transformers' from_pretrained message (an OSError there), then the parser's detail.
-    throw ValueError("It looks like the config file at '" + path.string() + "' is not a valid JSON file. " +
-                     e.what());
+    throw ValueError("It looks like the config file at '" + path.string() + "' is not a valid JSON file. " + e.what());
   }
   return detail::generation_config_from(doc);
 }
@@ -354,12 +353,11 @@ inline void GenerationConfig::validate(bool strict) const {
   detail::check_generation_size("num_beams", num_beams, 1, max_batch);
   detail::check_generation_size("num_return_sequences", num_return_sequences, 1, max_batch);
 
-  const bool static_implementation =
-      cache_implementation.has_value() &&
-      detail::contains_name(ALL_STATIC_CACHE_IMPLEMENTATIONS, *cache_implementation);
+  const bool static_implementation = cache_implementation.has_value() &&
+                                     detail::contains_name(ALL_STATIC_CACHE_IMPLEMENTATIONS, *cache_implementation);
   if (max_cache_len.has_value() && !static_implementation)
-    warn_once("`max_cache_len` is only used with static caches (" +
-              detail::py_str_tuple(STATIC_CACHE_IMPLEMENTATIONS) + "); it will be ignored with `cache_implementation=" +
+    warn_once("`max_cache_len` is only used with static caches (" + detail::py_str_tuple(STATIC_CACHE_IMPLEMENTATIONS) +
+              "); it will be ignored with `cache_implementation=" +
               (cache_implementation.has_value() ? detail::py_str_repr(*cache_implementation) : std::string("None")) +
               "`.");
 
@@ -371,7 +369,8 @@ inline void GenerationConfig::validate(bool strict) const {
              cache_arg + " will have no effect.";
     };
     if (cache_implementation.has_value())
-      minor_issues.emplace_back("cache_implementation", no_cache_warning("cache_implementation", *cache_implementation));
+      minor_issues.emplace_back("cache_implementation",
+                                no_cache_warning("cache_implementation", *cache_implementation));
     if (!cache_config.is_null())
       minor_issues.emplace_back("cache_config", no_cache_warning("cache_config", detail::py_json_str(cache_config)));
   }

@@ -44,8 +44,8 @@ inline std::int64_t allocation_limit() noexcept { return detail::allocation_limi
 // Sets allocation_limit() and returns the previous limit; bytes must be positive.
 inline std::int64_t set_allocation_limit(std::int64_t bytes) {
   if (bytes < 1)
-    throw ValueError(detail::join_message({"set_allocation_limit: the limit must be a positive number of bytes, got ",
-                                           std::to_string(bytes)}));
+    throw ValueError(detail::join_message(
+        {"set_allocation_limit: the limit must be a positive number of bytes, got ", std::to_string(bytes)}));
   return detail::allocation_limit_storage().exchange(bytes);
 }
 
@@ -85,8 +85,8 @@ inline std::int64_t checked_elements(std::initializer_list<std::int64_t> extents
   std::int64_t n = 1, bytes = 0;
   for (const std::int64_t e : extents)
     if (e < 0)
-      throw ValueError(join_message({"kvc: a buffer of ", py_list(std::vector<std::int64_t>(extents)),
-                                     " elements has a negative dimension"}));
+      throw ValueError(join_message(
+          {"kvc: a buffer of ", py_list(std::vector<std::int64_t>(extents)), " elements has a negative dimension"}));
   for (const std::int64_t e : extents)
     if (!mul_fits(n, e, n)) throw_allocation_limit(extents, element_bytes);
   if (!mul_fits(n, static_cast<std::int64_t>(element_bytes), bytes) || bytes > allocation_limit())
@@ -112,8 +112,8 @@ inline void check_size(std::string_view what, std::int64_t value, std::int64_t m
     throw ValueError(join_message({what, " must be ", bound, ", got ", std::to_string(value)}));
   }
   if (value > maximum)
-    throw ValueError(join_message({what, " is ", std::to_string(value), ", above kvc's limit of ",
-                                   std::to_string(maximum)}));
+    throw ValueError(
+        join_message({what, " is ", std::to_string(value), ", above kvc's limit of ", std::to_string(maximum)}));
 }
 
 }  // namespace detail

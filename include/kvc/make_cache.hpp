@@ -83,7 +83,8 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
 
 inline std::string lower(std::string_view s) {
   std::string out(s);
-  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   return out;
 }
 }  // namespace detail
@@ -119,10 +120,8 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   const std::string impl = generation_config.cache_implementation.value_or("dynamic");
   if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
   // transformers' DynamicCache(config, offloading=True): offload_only_non_sliding defaults to False.
-  if (impl == "offloaded")
-    return AnyCache(make_dynamic_cache<T, HostStorage<T>, OffloadToFile<false>>(model_config));
-  if (impl == "paged")
-    detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
+  if (impl == "offloaded") return AnyCache(make_dynamic_cache<T, HostStorage<T>, OffloadToFile<false>>(model_config));
+  if (impl == "paged") detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
   if (impl == "quantized") {
     if (model_config.is_encoder_decoder) throw ValueError(std::string(detail::quantized_unsupported_message));
     return detail::quantized_from_cache_config<T>(generation_config.cache_config, model_config);
@@ -133,8 +132,7 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
               "' is deprecated and will be removed in v5.13. Please only use one of " +
               detail::py_str_tuple(STATIC_CACHE_IMPLEMENTATIONS) +
               ", and the layer structure will be inferred automatically.");
-  std::int64_t max_len =
-      request.max_cache_length >= 0 ? request.max_cache_length : generation_config.max_length - 1;
+  std::int64_t max_len = request.max_cache_length >= 0 ? request.max_cache_length : generation_config.max_length - 1;
   if (generation_config.max_cache_len) max_len = std::max(max_len, *generation_config.max_cache_len);
   if (max_len < 1)
     throw ValueError("make_cache: a static cache needs a positive max_cache_len, got " + std::to_string(max_len) +
@@ -144,8 +142,8 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
       // Both factors at most max_batch (validate() bounds the beams): the product cannot overflow,
       // and early_initialization checks it against max_batch.
       detail::check_size("make_cache: CacheRequest::batch_size", request.batch_size, 1, max_batch);
-      const std::int64_t batch = request.batch_size * std::max(generation_config.num_beams,
-                                                               generation_config.num_return_sequences);
+      const std::int64_t batch =
+          request.batch_size * std::max(generation_config.num_beams, generation_config.num_return_sequences);
       const HeadShapes shapes = get_head_shapes(model_config);
       cache.early_initialization(batch, shapes.num_heads, shapes.head_dim);
     }
@@ -172,8 +170,10 @@ AnyEncoderDecoderCache make_encoder_decoder_cache(const GenerationConfig& genera
   const bool offloaded = impl.find("offloaded") != std::string::npos;
   if (detail::contains(ALL_STATIC_CACHE_IMPLEMENTATIONS, impl) && impl != "hybrid") {
     if (request.encoder_length < 1)
-      throw ValueError("make_encoder_decoder_cache: a static cross-attention cache needs the encoder output's length "
-                       "(CacheRequest::encoder_length), got " + std::to_string(request.encoder_length));
+      throw ValueError(
+          "make_encoder_decoder_cache: a static cross-attention cache needs the encoder output's length "
+          "(CacheRequest::encoder_length), got " +
+          std::to_string(request.encoder_length));
     if (offloaded)
       return {std::move(self),
               AnyCache(StaticCache<T, HostStorage<T>, OffloadToFile<true>>(model_config, request.encoder_length))};
@@ -228,9 +228,12 @@ std::optional<AnyCache> prepare_cache_for_generation(const GenerationConfig& gen
                                                      const ModelConfig& model_config, std::string_view model_type,
                                                      AnyCache user_cache = {}, const CacheRequest& request = {}) {
   switch (detail::generation_cache_rule(generation_config, model_type, user_cache.has_value())) {
-    case detail::generation_cache::use_callers: return user_cache;
-    case detail::generation_cache::none: return std::nullopt;
-    case detail::generation_cache::build: break;
+    case detail::generation_cache::use_callers:
+      return user_cache;
+    case detail::generation_cache::none:
+      return std::nullopt;
+    case detail::generation_cache::build:
+      break;
   }
   if (model_config.is_encoder_decoder)
     throw ValueError("prepare_cache_for_generation: '" + std::string(model_type) +
@@ -247,11 +250,13 @@ template <class T = float>
 std::optional<AnyEncoderDecoderCache> prepare_encoder_decoder_cache_for_generation(
     const GenerationConfig& generation_config, const ModelConfig& model_config, std::string_view model_type,
     AnyEncoderDecoderCache user_cache = {}, const CacheRequest& request = {}) {
-  switch (detail::generation_cache_rule(generation_config, model_type,
-                                        user_cache.self_attention_cache().has_value())) {
-    case detail::generation_cache::use_callers: return user_cache;
-    case detail::generation_cache::none: return std::nullopt;
-    case detail::generation_cache::build: break;
+  switch (detail::generation_cache_rule(generation_config, model_type, user_cache.self_attention_cache().has_value())) {
+    case detail::generation_cache::use_callers:
+      return user_cache;
+    case detail::generation_cache::none:
+      return std::nullopt;
+    case detail::generation_cache::build:
+      break;
   }
   AnyEncoderDecoderCache cache = make_encoder_decoder_cache<T>(generation_config, model_config, request);
   if (generation_config.is_assistant.value_or(false)) cache.activate_past_recording();

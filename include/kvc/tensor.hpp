@@ -51,8 +51,7 @@ struct TensorView {
                                  Eigen::Unaligned, Eigen::OuterStride<>>;
   // The [seq, head_dim] block of one (batch, head) pair, as a zero-copy Eigen map (host only).
   head_matrix head(std::int64_t b, std::int64_t h) const {
-    return head_matrix(ptr + b * strides[0] + h * strides[1], extents[2], extents[3],
-                       Eigen::OuterStride<>(strides[2]));
+    return head_matrix(ptr + b * strides[0] + h * strides[1], extents[2], extents[3], Eigen::OuterStride<>(strides[2]));
   }
 
   // An owning copy (host storage only).
@@ -189,7 +188,6 @@ struct tensor_input<TensorView<T>> {
   using element_type = std::remove_const_t<T>;
   static TensorView<element_type> view(const TensorView<T>& t) { return {t.ptr, t.extents, t.strides}; }
 };
-
 
 // Turns what a caller may pass as a linear-attention state or as indexer keys into a StateView:
 // an Eigen::Tensor<T, N, RowMajor> (N = 1..4), a TensorMap of one, or a StateView.

@@ -48,16 +48,16 @@ template <class C>
 using valid_cache = mp::mp_apply<valid, config_t<C>>;
 
 template <class T>
-using ready_made_valid = std::bool_constant<valid_cache<kvc::DynamicCache<T>>::value &&
-                                            valid_cache<kvc::ConfiguredDynamicCache<T>>::value &&
-                                            valid_cache<kvc::StaticCache<T>>::value>;
+using ready_made_valid =
+    std::bool_constant<valid_cache<kvc::DynamicCache<T>>::value && valid_cache<kvc::ConfiguredDynamicCache<T>>::value &&
+                       valid_cache<kvc::StaticCache<T>>::value>;
 static_assert(mp::mp_all_of<element_types, ready_made_valid>::value);
 static_assert(ValidCacheConfig<kvc::Replicate<kvc::DynamicLayer>, kvc::HostStorage<float>, kvc::NoOffload>);
 static_assert(std::is_same_v<config_t<kvc::StaticCache<Eigen::bfloat16>>,
                              mp::mp_list<kvc::StaticCacheLayers, kvc::HostStorage<Eigen::bfloat16>, kvc::NoOffload>>);
 // A cache may mix static and dynamic layer kinds.
-static_assert(ValidCacheConfig<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>, kvc::HostStorage<double>,
-                               kvc::NoOffload>);
+static_assert(
+    ValidCacheConfig<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>, kvc::HostStorage<double>, kvc::NoOffload>);
 
 // ---- ValidCacheConfig: misuses, one per Cache static_assert (none instantiates kvc::Cache) ----------
 struct both_members {
@@ -76,15 +76,15 @@ struct device_only {
 };
 using replicated = kvc::Replicate<kvc::DynamicLayer>;
 using host = kvc::HostStorage<float>;
-static_assert(!ValidCacheConfig<both_members, host, kvc::NoOffload>);                  // both members
-static_assert(!ValidCacheConfig<int, host, kvc::NoOffload>);                           // neither member
-static_assert(!ValidCacheConfig<kvc::Layers<>, host, kvc::NoOffload>);                 // empty list
-static_assert(!ValidCacheConfig<replicated, float, kvc::NoOffload>);                   // not a storage
-static_assert(!ValidCacheConfig<replicated, kvc::HostStorage<int>, kvc::NoOffload>);   // element type
-static_assert(!ValidCacheConfig<replicated, host, engine_only>);                       // not an offload
-static_assert(!ValidCacheConfig<replicated, host, device_only>);                       // cannot serve
+static_assert(!ValidCacheConfig<both_members, host, kvc::NoOffload>);                         // both members
+static_assert(!ValidCacheConfig<int, host, kvc::NoOffload>);                                  // neither member
+static_assert(!ValidCacheConfig<kvc::Layers<>, host, kvc::NoOffload>);                        // empty list
+static_assert(!ValidCacheConfig<replicated, float, kvc::NoOffload>);                          // not a storage
+static_assert(!ValidCacheConfig<replicated, kvc::HostStorage<int>, kvc::NoOffload>);          // element type
+static_assert(!ValidCacheConfig<replicated, host, engine_only>);                              // not an offload
+static_assert(!ValidCacheConfig<replicated, host, device_only>);                              // cannot serve
 static_assert(!ValidCacheConfig<kvc::Layers<kvc::DynamicLayer, int>, host, kvc::NoOffload>);  // not a layer
-static_assert(!ValidCacheConfig<kvc::Replicate<int>, host, kvc::NoOffload>);                 // not a layer
+static_assert(!ValidCacheConfig<kvc::Replicate<int>, host, kvc::NoOffload>);                  // not a layer
 // Naming the misconfigured type is fine too; only completing it fires the static_asserts.
 static_assert(!std::is_same_v<kvc::DynamicCache<int>, kvc::DynamicCache<float>>);
 

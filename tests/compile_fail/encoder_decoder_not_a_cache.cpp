@@ -9,7 +9,7 @@ int main() {
   kvc::EncoderDecoderCache<kvc::DynamicCache<float>, kvc::DynamicCache<float>> fine;
 #ifdef KVC_SHOULD_FAIL
   kvc::EncoderDecoderCache<kvc::DynamicCache<float>, std::vector<float>> misuse(kvc::DynamicCache<float>(),
-                                                                               std::vector<float>{});
+                                                                                std::vector<float>{});
   (void)misuse;
 #endif
   return fine.size() == 0 ? 0 : 1;

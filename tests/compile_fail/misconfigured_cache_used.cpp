@@ -10,7 +10,7 @@ int main() {
 #ifdef KVC_SHOULD_FAIL
   kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, float> cache;
 #else
-  kvc::Cache<kvc::Replicate<kvc::DynamicLayer>> cache;
+  kvc::Cache<kvc::Replicate<kvc::DynamicLayer> > cache;
 #endif
   kvc::HostTensor<float> k(1, 2, 3, 4);
   k.setConstant(0.5f);

@@ -67,8 +67,7 @@ struct layer_archetype {
     explicit state(const layer_archetype&)
       requires(D != defect::state_ctor);
     // update: returns a std::pair instead of kvc::KV.
-    std::conditional_t<D == defect::update, std::pair<view, view>, kvc::KV<view>> update(const view& k,
-                                                                                          const view& v);
+    std::conditional_t<D == defect::update, std::pair<view, view>, kvc::KV<view>> update(const view& k, const view& v);
     std::int64_t get_seq_length() const;
     std::int64_t get_max_length() const;
     // length_queries: (kv_length, kv_offset) as ints instead of int64_t.

@@ -80,8 +80,8 @@ static_assert(!LayerPolicy<void>);
 // ---- detail::layer_kinds: the kinds a policy names, empty for a malformed one -------------------
 static_assert(std::is_same_v<kvc::detail::layer_kinds<kvc::Layers<kvc::DynamicLayer, kvc::StaticLayer>>,
                              boost::mp11::mp_list<kvc::DynamicLayer, kvc::StaticLayer>>);
-static_assert(std::is_same_v<kvc::detail::layer_kinds<kvc::Replicate<kvc::StaticLayer>>,
-                             boost::mp11::mp_list<kvc::StaticLayer>>);
+static_assert(
+    std::is_same_v<kvc::detail::layer_kinds<kvc::Replicate<kvc::StaticLayer>>, boost::mp11::mp_list<kvc::StaticLayer>>);
 static_assert(std::is_same_v<kvc::detail::layer_kinds<both_members>, boost::mp11::mp_list<>>);
 static_assert(std::is_same_v<kvc::detail::layer_kinds<int>, boost::mp11::mp_list<>>);
 

@@ -122,9 +122,7 @@ Eigen::Tensor<float, N, Eigen::RowMajor> to_float(const Eigen::Tensor<E, N, Eige
 }
 
 // a == b, or |a - b| <= tolerance when the tolerance is positive.
-inline bool within(float a, float b, float tolerance) {
-  return tolerance > 0 ? std::fabs(a - b) <= tolerance : a == b;
-}
+inline bool within(float a, float b, float tolerance) { return tolerance > 0 ? std::fabs(a - b) <= tolerance : a == b; }
 
 // Whether got == want (shape and every element), or within `tolerance` of it element by element;
 // the first difference goes to the doctest log.
@@ -203,7 +201,7 @@ struct io {
 };
 
 constexpr std::int64_t kBatch = 2, kHeads = 3, kKeyDim = 8, kValueDim = 4;  // value rows of 4 elements
-                                                                              // take the unaligned path
+                                                                            // take the unaligned path
 
 // ---- A. DynamicLayer: appends, geometric growth, lazy layers, deep copies ---------------------------
 
@@ -273,8 +271,8 @@ void static_in_place(Record& rec) {
         }
   };
   const auto step = [&](std::int64_t at, std::int64_t q, int run, const std::string& label) {
-    return IO::update(cache, tokens(run, kBatch, kHeads, at, q, kKeyDim), tokens(run + 1, kBatch, kHeads, at, q, kValueDim),
-                      0, rec, label);
+    return IO::update(cache, tokens(run, kBatch, kHeads, at, q, kKeyDim),
+                      tokens(run + 1, kBatch, kHeads, at, q, kValueDim), 0, rec, label);
   };
 
   auto [k1, v1] = step(0, 4, 0, "static.prefill");
@@ -291,8 +289,10 @@ void static_in_place(Record& rec) {
   CHECK(cache.get_mask_sizes(1, 0) == std::pair<std::int64_t, std::int64_t>{max_len, 0});
 
   // 7 + 4 > 10: IndexError, and the layer is exactly as it was.
-  const kvc::HostTensor<typename B::element> big_k = cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kKeyDim));
-  const kvc::HostTensor<typename B::element> big_v = cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kValueDim));
+  const kvc::HostTensor<typename B::element> big_k =
+      cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kKeyDim));
+  const kvc::HostTensor<typename B::element> big_v =
+      cast_to<typename B::element>(tokens(9, kBatch, kHeads, 7, 4, kValueDim));
   {
     auto&& dk = B::input(big_k);
     auto&& dv = B::input(big_v);
@@ -334,7 +334,8 @@ void static_in_place(Record& rec) {
   kvc::Cache<kvc::Layers<kvc::StaticLayer>, S> early(kvc::StaticLayer{6}, kvc::StaticLayer{6});
   early.early_initialization(kBatch, kHeads, kKeyDim);
   CHECK(early.is_initialized());
-  CHECK(early.bytes() == static_cast<std::int64_t>(sizeof(typename S::element_type)) * 2 * 2 * kBatch * kHeads * 6 * kKeyDim);
+  CHECK(early.bytes() ==
+        static_cast<std::int64_t>(sizeof(typename S::element_type)) * 2 * 2 * kBatch * kHeads * 6 * kKeyDim);
   const auto [k6, v6] = IO::record_kv(early.stored(1), rec, "static.early");
   CHECK(same(k6, zeros(kBatch, kHeads, 6, kKeyDim), "early-initialized keys"));
 }
@@ -365,7 +366,8 @@ void static_sliding(Record& rec) {
     if (fits) {  // the whole window: the tokens seen, then zeros
       CHECK(gk.dimension(2) == window);
       CHECK(same(slice(gk, 0, seen), all_k, "static sliding keys (fits) step " + std::to_string(i)));
-      CHECK(same(slice(gk, seen, window - seen), zeros(kBatch, kHeads, window - seen, kKeyDim), "zeros past the tokens"));
+      CHECK(
+          same(slice(gk, seen, window - seen), zeros(kBatch, kHeads, window - seen, kKeyDim), "zeros past the tokens"));
     } else {  // the last tokens, as many as the mask advertised
       const std::int64_t n = gk.dimension(2);
       CHECK(n == mask_len);
@@ -401,8 +403,8 @@ void dynamic_sliding(Record& rec) {
       const std::int64_t mask_len = cache.get_mask_sizes(q, 0).first;
       all_k = concat(all_k, tokens(0, kBatch, kHeads, seen, q, kKeyDim));
       all_v = concat(all_v, tokens(1, kBatch, kHeads, seen, q, kValueDim));
-      auto [gk, gv] = IO::update(cache, slice(all_k, seen, q), slice(all_v, seen, q), 0, rec,
-                                 tag + ".step" + std::to_string(i));
+      auto [gk, gv] =
+          IO::update(cache, slice(all_k, seen, q), slice(all_v, seen, q), 0, rec, tag + ".step" + std::to_string(i));
       seen += q;
       const std::int64_t n = std::min(mask_len, seen);
       CHECK(same(gk, slice(all_k, seen - n, n), tag + " keys step " + std::to_string(i)));
@@ -555,9 +557,12 @@ void linear_states(Record& rec) {
   CHECK(same(got, columns(all, 2, 0, 3), "second conv update: the stored columns, then the new one"));
   got = conv(0, 0, columns(all, 0, 3, 2), "linear.conv2");
   CHECK(same(got, columns(all, 1, 0, 5), "third conv update"));
-  const HostState<3> held = to_float(B::template fetch_state<3>(
-      cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
-        if constexpr (requires { l.conv_state(0); }) return l.conv_state(0); else return {};
+  const HostState<3> held =
+      to_float(B::template fetch_state<3>(cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
+        if constexpr (requires { l.conv_state(0); })
+          return l.conv_state(0);
+        else
+          return {};
       })));
   rec.tensor("linear.conv_state", held);
   CHECK(same(held, columns(all, 0, 1, kernel), "conv state keeps the last kernel-size columns"));
@@ -606,8 +611,8 @@ void indexed(Record& rec) {
   using E = typename B::element;
   using IO = io<B>;
   constexpr std::int64_t index_dim = 16, slots = 12;
-  kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer, kvc::StaticIndexedLayer>, S> cache(
-      kvc::DynamicIndexedLayer{}, kvc::StaticIndexedLayer{slots});
+  kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer, kvc::StaticIndexedLayer>, S> cache(kvc::DynamicIndexedLayer{},
+                                                                                      kvc::StaticIndexedLayer{slots});
   HostState<3> all(kBatch, 0, index_dim);
   std::int64_t len = 0;
   const auto index = [&](std::int64_t layer, const HostState<3>& x, const std::string& label) {
@@ -641,9 +646,12 @@ void indexed(Record& rec) {
   }
   // Batch operations and crop act on the indexer keys of the dynamic layer too.
   cache.reorder_cache({1, 0});
-  const HostState<3> held = to_float(B::template fetch_state<3>(
-      cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
-        if constexpr (requires { l.indexer_keys(); }) return l.indexer_keys(); else return {};
+  const HostState<3> held =
+      to_float(B::template fetch_state<3>(cache.visit_layer(0, [](const auto& l) -> typename S::state_view_type {
+        if constexpr (requires { l.indexer_keys(); })
+          return l.indexer_keys();
+        else
+          return {};
       })));
   rec.tensor("indexed.after_reorder", held);
   CHECK(held.dimension(1) == len);

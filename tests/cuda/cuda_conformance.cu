@@ -113,9 +113,9 @@ void copy_kernels_match_host() {
   };
   // aligned (16-byte kernel), unaligned offsets and pitches (cudaMemcpy2DAsync), one row,
   // contiguous, many narrow rows (more than one grid row of blocks)
-  const std::vector<Case> cases = {{64, 3, 64, 128, 0, 0},  {8, 40, 24, 16, 8, 0},  {5, 7, 9, 11, 1, 3},
-                                   {1000, 1, 0, 0, 0, 0},   {32, 16, 32, 32, 0, 0}, {8, 70000, 8, 16, 0, 8},
-                                   {0, 5, 4, 4, 0, 0},      {3, 1, 0, 0, 1, 1}};
+  const std::vector<Case> cases = {{64, 3, 64, 128, 0, 0}, {8, 40, 24, 16, 8, 0},  {5, 7, 9, 11, 1, 3},
+                                   {1000, 1, 0, 0, 0, 0},  {32, 16, 32, 32, 0, 0}, {8, 70000, 8, 16, 0, 8},
+                                   {0, 5, 4, 4, 0, 0},     {3, 1, 0, 0, 1, 1}};
   for (const Case& c : cases) {
     INFO("width " << c.width << " height " << c.height << " pitches " << c.spitch << "/" << c.dpitch << " offsets "
                   << c.src_offset << "/" << c.dst_offset);
@@ -334,7 +334,7 @@ TEST_CASE("docs/cuda.md: a dynamic cache in device memory") {
   kvc::HostTensor<Eigen::half> k(1, 8, 16, 64);  // [batch, kv_heads, seq, head_dim]
   std::fill_n(k.data(), k.size(), Eigen::half(0.5f));
   const kvc::DeviceTensor<__half> dk = kvc::to_device(k);  // Eigen::half -> __half, bit for bit
-  auto [keys, values] = cache.update(dk, dk, 0);  // kvc::DeviceTensorView<__half>, device pointers
+  auto [keys, values] = cache.update(dk, dk, 0);           // kvc::DeviceTensorView<__half>, device pointers
   // keys/values go to your kernels by value; queue them on the legacy default stream (or any
   // blocking stream) and they see the copy that update queued.
   kvc::HostTensor<Eigen::half> back = kvc::to_host(keys);  // waits for the copy; [1, 8, 16, 64]

@@ -38,7 +38,8 @@ constexpr std::int64_t max_width = 1024;  // heads * head_dim of an updated laye
 // Small deterministic values.
 template <class Tensor>
 void fill(Tensor& t, std::uint32_t seed) {
-  for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>((seed * 2654435761u + i * 40503u) % 17) / 8.0f - 1.0f;
+  for (std::int64_t i = 0; i < t.size(); ++i)
+    t.data()[i] = static_cast<float>((seed * 2654435761u + i * 40503u) % 17) / 8.0f - 1.0f;
 }
 
 // A prefill of 3 tokens and two decode steps through attend on the first layers of `cache`;
@@ -63,9 +64,11 @@ void exercise(C& cache, const kvc::ModelConfig& config, std::int64_t batch) {
       }
       const std::int64_t kv_heads = u < shapes.num_heads.size() ? shapes.num_heads[u] : 1;
       const std::int64_t dim = u < shapes.head_dim.size() ? shapes.head_dim[u] : 4;
-      const std::int64_t q_heads = config.layer_num_attention_heads(i) > 0 ? config.layer_num_attention_heads(i) : kv_heads;
+      const std::int64_t q_heads =
+          config.layer_num_attention_heads(i) > 0 ? config.layer_num_attention_heads(i) : kv_heads;
       if (kv_heads * dim > max_width || q_heads * dim > max_width) return;
-      kvc::HostTensor<float> queries(batch, q_heads, q, dim), keys(batch, kv_heads, q, dim), values(batch, kv_heads, q, dim);
+      kvc::HostTensor<float> queries(batch, q_heads, q, dim), keys(batch, kv_heads, q, dim),
+          values(batch, kv_heads, q, dim);
       fill(queries, 1);
       fill(keys, 2);
       fill(values, 3);
@@ -110,8 +113,12 @@ void guarded(F&& f) {
 void read_one(std::uint8_t which, std::string_view text) {
   try {
     switch (which) {
-      case 0: (void)kvc::layer_specs(kvc::ModelConfig::from_json(text)); break;
-      case 1: kvc::GenerationConfig::from_json(text).validate(true); break;
+      case 0:
+        (void)kvc::layer_specs(kvc::ModelConfig::from_json(text));
+        break;
+      case 1:
+        kvc::GenerationConfig::from_json(text).validate(true);
+        break;
       default: {
         const kvc::AnyCache cache = kvc::cache_from_description(text);
         (void)cache.size();
@@ -141,14 +148,16 @@ void end_to_end(std::string_view input) {
   if (config->num_hidden_layers <= max_layers_built) {
     const kvc::GenerationConfig g = generation.value_or(kvc::GenerationConfig{});
     guarded([&] {
-      kvc::AnyCache cache = kvc::make_cache<float>(g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
+      kvc::AnyCache cache =
+          kvc::make_cache<float>(g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
       exercise(cache, *config, batch);
       cache.reorder_cache(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 0));
       cache.reset();
     });
     if (config->is_encoder_decoder)
       guarded([&] {
-        auto pair = kvc::make_encoder_decoder_cache<float>(g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
+        auto pair = kvc::make_encoder_decoder_cache<float>(
+            g, *config, {.batch_size = batch, .max_cache_length = -1, .encoder_length = 8});
         exercise(pair.self_attention_cache(), *config, batch);
         pair.reset();
       });

@@ -203,8 +203,10 @@ std::vector<op<C>> layer_ops(const std::vector<std::string>& types, std::int64_t
       const std::string at = std::to_string(i) + " (" + t + "), q=" + std::to_string(q);
       const bool linear = t == "linear_attention" || t == "hybrid" || t == "hybrid_sliding";
       if (linear) {
-        ops.push_back({"update_conv_state " + at, [=](C& c) { c.update_conv_state(conv_input(q, seed), layer, 0, 4); }});
-        ops.push_back({"update_recurrent_state " + at, [=](C& c) { c.update_recurrent_state(recurrent_input(seed), layer); }});
+        ops.push_back(
+            {"update_conv_state " + at, [=](C& c) { c.update_conv_state(conv_input(q, seed), layer, 0, 4); }});
+        ops.push_back(
+            {"update_recurrent_state " + at, [=](C& c) { c.update_recurrent_state(recurrent_input(seed), layer); }});
       }
       if (t != "linear_attention")
         ops.push_back({"update " + at, [=](C& c) {
@@ -293,11 +295,13 @@ TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop into the history, 
     using C = kvc::QuantizedCache<float>;
     const std::string b = backend;
     const auto make = [b] {
-      return C(b, config_of({"full_attention", "full_attention"}),
-               kvc::QuantizedOptions{.nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 4, .residual_length = 3});
+      return C(
+          b, config_of({"full_attention", "full_attention"}),
+          kvc::QuantizedOptions{.nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 4, .residual_length = 3});
     };
     // Decode steps past residual_length quantize everything again.
-    scenario<C> s{std::string("QuantizedCache ") + backend, make, layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
+    scenario<C> s{std::string("QuantizedCache ") + backend, make,
+                  layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
     s.ops.push_back({"crop(-3) into the history", [](C& c) { c.crop(-3); }});
     add_dynamic_ops(s.ops);
     add_common_ops<C>(s.ops, make);

@@ -75,8 +75,8 @@ TEST_CASE("what a typed Cache rejects at compile time, AnyCache rejects at run t
   fixed.update(seq({1}), seq({1}), 0);
   const char* crop = "'StaticLayer' object has no attribute 'crop'";
   CHECK_THROWS_WITH_AS(fixed.crop(-1), crop, kvc::AttributeError);
-  CHECK_THROWS_WITH_AS(fixed.batch_repeat_interleave(2), "'StaticLayer' object has no attribute 'batch_repeat_interleave'",
-                       kvc::AttributeError);
+  CHECK_THROWS_WITH_AS(fixed.batch_repeat_interleave(2),
+                       "'StaticLayer' object has no attribute 'batch_repeat_interleave'", kvc::AttributeError);
   CHECK_THROWS_WITH_AS(fixed.batch_select_indices({0}), "'StaticLayer' object has no attribute 'batch_select_indices'",
                        kvc::AttributeError);
   kvc::AnyCache dynamic = kvc::DynamicCache<float>();

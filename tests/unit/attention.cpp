@@ -84,7 +84,8 @@ kvc::ModelConfig gemma_like(std::int64_t kv_heads) {
 template <class T, class Cache>
 void check_cache(Cache& cache, const kvc::ModelConfig& c, std::mt19937& rng) {
   const std::int64_t B = 2, Hq = c.num_attention_heads, Hkv = c.layer_num_key_value_heads(0), D = 16;
-  std::vector<kvc::HostTensor<T>> all_k(2, kvc::HostTensor<T>(B, Hkv, 0, D)), all_v(2, kvc::HostTensor<T>(B, Hkv, 0, D));
+  std::vector<kvc::HostTensor<T>> all_k(2, kvc::HostTensor<T>(B, Hkv, 0, D)),
+      all_v(2, kvc::HostTensor<T>(B, Hkv, 0, D));
   std::int64_t pos = 0;
   for (const std::int64_t q : {7, 1, 1, 3, 1, 1, 1, 6, 1}) {
     for (std::int64_t layer = 0; layer < 2; ++layer) {
@@ -108,7 +109,8 @@ void check_cache(Cache& cache, const kvc::ModelConfig& c, std::mt19937& rng) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE_DEFINE("every ready-made cache gives the no-cache result (causal + sliding, GQA)", T, through_caches) {
+TEST_CASE_TEMPLATE_DEFINE("every ready-made cache gives the no-cache result (causal + sliding, GQA)", T,
+                          through_caches) {
   std::mt19937 rng(42);
   for (const std::int64_t kv_heads : {8, 2, 1}) {  // MHA, GQA, MQA
     CAPTURE(kv_heads);
@@ -153,8 +155,10 @@ TEST_CASE("explicit masks: static buffer zeros are never attended") {
   auto vv = kvc::detail::tensor_input<kvc::HostTensor<float>>::view(v);
   // Query at position 2 over a 5-slot buffer starting at 0: slots 3, 4 are in the future.
   const auto out = kvc::scaled_dot_product_attention(q, kv, vv, {5, 0, 2, std::nullopt, true});
-  kvc::HostTensor<float> k3 = k.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
-  kvc::HostTensor<float> v3 = v.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
+  kvc::HostTensor<float> k3 =
+      k.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
+  kvc::HostTensor<float> v3 =
+      v.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
   CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
                         reference(q, k3, v3, 2, 0, 0)) < 1e-5);
   // A custom scale.
@@ -179,10 +183,11 @@ TEST_CASE("shape errors are ValueErrors") {
                        "scaled_dot_product_attention: keys hold 4 positions but the mask's kv_length is 5",
                        kvc::ValueError);
   const auto q3 = gaussian<float>(2, 4, 1, 8, rng);
-  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q3, kv, kv, {4, 0, 3, std::nullopt, true}),
-                       "scaled_dot_product_attention: queries of shape [2, 4, 1, 8] and keys of shape [1, 2, 4, 8] "
-                       "(values [1, 2, 4, 8]) must agree on batch and head_dim, and keys and values on heads and length",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::scaled_dot_product_attention(q3, kv, kv, {4, 0, 3, std::nullopt, true}),
+      "scaled_dot_product_attention: queries of shape [2, 4, 1, 8] and keys of shape [1, 2, 4, 8] "
+      "(values [1, 2, 4, 8]) must agree on batch and head_dim, and keys and values on heads and length",
+      kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q2, kv, kv, {4, 0, 3, 0, true}),
                        "scaled_dot_product_attention: sliding_window must be positive, got 0", kvc::ValueError);
   kvc::TensorView<float> strided = kv;

@@ -67,13 +67,14 @@ TEST_CASE("index errors") {
   const auto before = kvc_test::take_snapshot(cache);
   CHECK_THROWS_WITH_AS(cache.update(seq({1}), seq({1}), -1),
                        "update: layer_idx -1 is out of range: layer indices start at 0", kvc::IndexError);
-  CHECK_THROWS_WITH_AS(cache.get_seq_length(-2), "get_seq_length: layer_idx -2 is out of range: layer indices start at 0",
+  CHECK_THROWS_WITH_AS(cache.get_seq_length(-2),
+                       "get_seq_length: layer_idx -2 is out of range: layer indices start at 0", kvc::IndexError);
+  CHECK_THROWS_WITH_AS(cache.stored(0), "stored: layer_idx 0 is out of range for a Cache with 0 layers",
                        kvc::IndexError);
-  CHECK_THROWS_WITH_AS(cache.stored(0), "stored: layer_idx 0 is out of range for a Cache with 0 layers", kvc::IndexError);
   CHECK(kvc_test::take_snapshot(cache) == before);
   Mixed mixed(kvc::DynamicLayer{}, kvc::StaticLayer{4});
-  CHECK_THROWS_WITH_AS(mixed.update(seq({1}), seq({1}), 2), "update: layer_idx 2 is out of range for a Cache with 2 layers",
-                       kvc::IndexError);
+  CHECK_THROWS_WITH_AS(mixed.update(seq({1}), seq({1}), 2),
+                       "update: layer_idx 2 is out of range for a Cache with 2 layers", kvc::IndexError);
   CHECK_THROWS_WITH_AS(mixed.get_mask_sizes(-1, 0), "get_mask_sizes: query_length must be 0 or more, got -1",
                        kvc::ValueError);
 }
@@ -86,35 +87,39 @@ TEST_CASE("shape errors name both shapes and change nothing") {
                        "update: keys of shape [1, 2, 3, 4] and values of shape [1, 2, 5, 4] must have the same batch, "
                        "heads and seq dimensions",
                        kvc::ValueError);
-  CHECK_THROWS_WITH_AS(cache.update(ones(2, 2, 1, 4), ones(2, 2, 1, 4), 0),
-                       "update: keys of shape [2, 2, 1, 4] and values of shape [2, 2, 1, 4] do not match layer 0, which "
-                       "holds batch 1, 2 heads, key head_dim 4 and value head_dim 4",
-                       kvc::ValueError);
-  CHECK_THROWS_WITH_AS(cache.update(ones(1, 2, 1, 8), ones(1, 2, 1, 4), 0),
-                       "update: keys of shape [1, 2, 1, 8] and values of shape [1, 2, 1, 4] do not match layer 0, which "
-                       "holds batch 1, 2 heads, key head_dim 4 and value head_dim 4",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      cache.update(ones(2, 2, 1, 4), ones(2, 2, 1, 4), 0),
+      "update: keys of shape [2, 2, 1, 4] and values of shape [2, 2, 1, 4] do not match layer 0, which "
+      "holds batch 1, 2 heads, key head_dim 4 and value head_dim 4",
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      cache.update(ones(1, 2, 1, 8), ones(1, 2, 1, 4), 0),
+      "update: keys of shape [1, 2, 1, 8] and values of shape [1, 2, 1, 4] do not match layer 0, which "
+      "holds batch 1, 2 heads, key head_dim 4 and value head_dim 4",
+      kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache.update(ones(1, 0, 1, 4), ones(1, 0, 1, 4), 5),
                        "update: keys of shape [1, 0, 1, 4] and values of shape [1, 0, 1, 4]: batch, heads and head_dim "
                        "must be positive",
                        kvc::ValueError);
   kvc::TensorView<float> strided = cache.stored(0).keys;
   strided.strides[3] = 2;
-  const std::string stride_message = "update: keys and values must have contiguous [seq, head_dim] blocks, got strides [" +
-                                     std::to_string(strided.strides[0]) + ", " + std::to_string(strided.strides[1]) +
-                                     ", 4, 2]";
+  const std::string stride_message =
+      "update: keys and values must have contiguous [seq, head_dim] blocks, got strides [" +
+      std::to_string(strided.strides[0]) + ", " + std::to_string(strided.strides[1]) + ", 4, 2]";
   CHECK_THROWS_WITH_AS(cache.update(strided, strided, 1), stride_message.c_str(), kvc::ValueError);
   CHECK(kvc_test::take_snapshot(cache) == before);
 }
 
 TEST_CASE("keys and values may have different head dims (MLA)") {
-  kvc::StaticCache<float> cache([] {
-    kvc::ModelConfig c;
-    c.num_hidden_layers = 1;
-    c.num_attention_heads = 2;
-    c.head_dim = 4;
-    return c;
-  }(), 5);
+  kvc::StaticCache<float> cache(
+      [] {
+        kvc::ModelConfig c;
+        c.num_hidden_layers = 1;
+        c.num_attention_heads = 2;
+        c.head_dim = 4;
+        return c;
+      }(),
+      5);
   const auto kv = cache.update(ones(1, 2, 2, 4), ones(1, 2, 2, 6), 0);
   CHECK(kv.keys.extent(3) == 4);
   CHECK(kv.values.extent(3) == 6);
@@ -218,8 +223,8 @@ TEST_CASE("operations a layer kind lacks: AttributeError at run time, before any
   mixed.update(ones(2, 1, 2, 1), ones(2, 1, 2, 1), 1);
   const auto before = kvc_test::take_snapshot(mixed);
   CHECK_THROWS_WITH_AS(mixed.crop(-1), "'StaticLayer' object has no attribute 'crop'", kvc::AttributeError);
-  CHECK_THROWS_WITH_AS(mixed.batch_repeat_interleave(2), "'StaticLayer' object has no attribute 'batch_repeat_interleave'",
-                       kvc::AttributeError);
+  CHECK_THROWS_WITH_AS(mixed.batch_repeat_interleave(2),
+                       "'StaticLayer' object has no attribute 'batch_repeat_interleave'", kvc::AttributeError);
   CHECK_THROWS_WITH_AS(mixed.batch_select_indices({0}), "'StaticLayer' object has no attribute 'batch_select_indices'",
                        kvc::AttributeError);
   CHECK_THROWS_WITH_AS(mixed.set_write_position(0), "'DynamicLayer' object has no attribute 'set_write_position'",
@@ -252,14 +257,14 @@ TEST_CASE("batch operation argument errors change nothing") {
   kvc::DynamicCache<float> cache;
   cache.update(ones(2, 1, 2, 1), ones(2, 1, 2, 1), 0);
   const auto before = kvc_test::take_snapshot(cache);
-  CHECK_THROWS_WITH_AS(cache.reorder_cache({0, 2}), "reorder_cache: index 2 is out of bounds for dimension 0 with size 2",
-                       kvc::IndexError);
+  CHECK_THROWS_WITH_AS(cache.reorder_cache({0, 2}),
+                       "reorder_cache: index 2 is out of bounds for dimension 0 with size 2", kvc::IndexError);
   CHECK_THROWS_WITH_AS(cache.batch_select_indices({-1}),
                        "batch_select_indices: index -1 is out of bounds for dimension 0 with size 2", kvc::IndexError);
   CHECK_THROWS_WITH_AS(cache.batch_select_indices(std::span<const std::int64_t>{}),
                        "batch_select_indices: the batch cannot become empty", kvc::ValueError);
-  CHECK_THROWS_WITH_AS(cache.batch_repeat_interleave(0), "batch_repeat_interleave: repeats must be a positive integer, got 0",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(cache.batch_repeat_interleave(0),
+                       "batch_repeat_interleave: repeats must be a positive integer, got 0", kvc::ValueError);
   CHECK(kvc_test::take_snapshot(cache) == before);
 }
 

@@ -16,9 +16,10 @@ TEST_CASE("both or neither layer source: the compile-time texts, as ValueError")
       "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
       "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.",
       kvc::ValueError);
-  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"dtype": "float"})"),
-                       "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::cache_from_description(R"({"dtype": "float"})"),
+      "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.",
+      kvc::ValueError);
 }
 
 TEST_CASE("pre-built layers of any kinds") {
@@ -63,7 +64,8 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
   CHECK_THROWS_WITH_AS(cache_from_description("[1]"), "cache description: expected a JSON object, got [1]",
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": {"type": "DynamicLayer"}})"),
-                       "cache description: `layers` must be an array, got {\"type\":\"DynamicLayer\"}", kvc::ValueError);
+                       "cache description: `layers` must be an array, got {\"type\":\"DynamicLayer\"}",
+                       kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"type": "StaticLayer"}]})"),
                        "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"type": "StaticLayer", "max_cache_len": "8"}]})"),

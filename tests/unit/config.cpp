@@ -44,7 +44,7 @@ TEST_CASE("explicit layer types, num_kv_shared_layers and each layer's own windo
   c.layer_types = S{"sliding_attention", "chunked_attention", "full_attention", "full_attention"};
   auto specs = kvc::layer_specs(c);
   CHECK(types_of(specs) == *c.layer_types);
-  CHECK(specs[0].sliding_window == 4);   // transformers: 16 for every layer (docs/differences.md item 8)
+  CHECK(specs[0].sliding_window == 4);  // transformers: 16 for every layer (docs/differences.md item 8)
   CHECK(specs[1].sliding_window == 16);
   CHECK_FALSE(specs[2].sliding_window.has_value());
   c.num_kv_shared_layers = 2;
@@ -89,9 +89,10 @@ TEST_CASE("head shapes: fallbacks and per-layer overrides") {
   c.per_layer_config[0].num_attention_heads = 8;  // head_dim follows hidden_size / heads
   CHECK(c.layer_head_dim(0) == 8);
   kvc::ModelConfig empty;
-  CHECK_THROWS_WITH_AS(empty.layer_head_dim(0),
-                       "ModelConfig: head_dim is not set and cannot be derived from hidden_size 0 and num_attention_heads 0",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      empty.layer_head_dim(0),
+      "ModelConfig: head_dim is not set and cannot be derived from hidden_size 0 and num_attention_heads 0",
+      kvc::ValueError);
 }
 
 TEST_CASE("an unknown layer type is a KeyError naming it and the known ones") {
@@ -108,13 +109,13 @@ TEST_CASE("an unknown layer type is a KeyError naming it and the known ones") {
 TEST_CASE("configuration errors") {
   auto c = base(1);
   c.layer_types = S{"sliding_attention"};
-  CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(c), "layer 0 is 'sliding_attention' but the config sets no sliding_window",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(c),
+                       "layer 0 is 'sliding_attention' but the config sets no sliding_window", kvc::ValueError);
   c.layer_types = S{"chunked_attention"};
   CHECK_THROWS_WITH_AS(kvc::StaticCache<float>(c, 4),
                        "layer 0 is 'chunked_attention' but the config sets no attention_chunk_size", kvc::ValueError);
-  CHECK_THROWS_WITH_AS(kvc::StaticCache<float>(base(1), 0), "StaticCache: max_cache_len must be a positive integer, got 0",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::StaticCache<float>(base(1), 0),
+                       "StaticCache: max_cache_len must be a positive integer, got 0", kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::layer_specs(base(-1)), "ModelConfig: num_hidden_layers must be 0 or more, got -1",
                        kvc::ValueError);
 }

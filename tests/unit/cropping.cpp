@@ -24,8 +24,8 @@ struct Inputs {
 
 Inputs make_inputs() {
   std::mt19937 rng(43);
-  Inputs in{kvc_test::random_tensor<float>(2, 32, seq_len, 32, rng), kvc_test::random_tensor<float>(2, 32, seq_len, 32, rng),
-            Conv(2, 32, seq_len), Conv(2, seq_len, 32)};
+  Inputs in{kvc_test::random_tensor<float>(2, 32, seq_len, 32, rng),
+            kvc_test::random_tensor<float>(2, 32, seq_len, 32, rng), Conv(2, 32, seq_len), Conv(2, seq_len, 32)};
   std::uniform_real_distribution<float> u(-1, 1);
   for (std::int64_t i = 0; i < in.conv.size(); ++i) in.conv.data()[i] = u(rng);
   for (std::int64_t i = 0; i < in.indexer.size(); ++i) in.indexer.data()[i] = u(rng);
@@ -176,9 +176,11 @@ TEST_CASE("test_crop_outside_range: crop(-46) empties every part") {
   }
 }
 
-TEST_CASE("test_bc_crop_with_positive_value: a positive crop on DynamicLayer and DynamicIndexedLayer warns and keeps that many") {
+TEST_CASE(
+    "test_bc_crop_with_positive_value: a positive crop on DynamicLayer and DynamicIndexedLayer warns and keeps that many") {
   const Inputs in = make_inputs();
-  for (const C::kind_variant kind : {C::kind_variant(kvc::DynamicLayer{}), C::kind_variant(kvc::DynamicIndexedLayer{})}) {
+  for (const C::kind_variant kind :
+       {C::kind_variant(kvc::DynamicLayer{}), C::kind_variant(kvc::DynamicIndexedLayer{})}) {
     kvc_test::captured_warnings warnings;
     C cache = std::visit([&](const auto& k) { return filled(k, in, false); }, kind);
     CAPTURE(std::string(cache.layer_name(0)));

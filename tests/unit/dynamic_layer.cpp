@@ -52,7 +52,10 @@ TEST_CASE("batch_select_indices keeps the chosen rows (test_dynamic_cache_batch_
 TEST_CASE("batch_repeat_interleave and reorder_cache act on every row") {
   kvc::DynamicCache<float> cache;
   kvc::HostTensor<float> t(2, 1, 2, 1);
-  t(0, 0, 0, 0) = 1; t(0, 0, 1, 0) = 2; t(1, 0, 0, 0) = 3; t(1, 0, 1, 0) = 4;
+  t(0, 0, 0, 0) = 1;
+  t(0, 0, 1, 0) = 2;
+  t(1, 0, 0, 0) = 3;
+  t(1, 0, 1, 0) = 4;
   cache.update(t, t, 0);
   cache.batch_repeat_interleave(2);
   auto k = cache.stored(0).keys;
@@ -89,8 +92,9 @@ TEST_CASE("reset drops the states: the next update starts afresh (transformers #
   CHECK(kv.keys.extent(2) == 5);
   // After a reset the layer may take a different shape.
   cache.reset();
-  CHECK(cache.update(kvc_test::random_tensor<float>(1, 2, 3, 8, rng), kvc_test::random_tensor<float>(1, 2, 3, 8, rng), 0)
-            .keys.extent(1) == 2);
+  CHECK(
+      cache.update(kvc_test::random_tensor<float>(1, 2, 3, 8, rng), kvc_test::random_tensor<float>(1, 2, 3, 8, rng), 0)
+          .keys.extent(1) == 2);
 }
 
 TEST_CASE("crop rules of DynamicLayer (DynamicLayer.crop, CacheCroppingTests)") {
@@ -150,8 +154,8 @@ TEST_CASE("crop rules of DynamicLayer (DynamicLayer.crop, CacheCroppingTests)") 
     const auto more = kvc_test::random_tensor<float>(2, 32, 2, 32, rng);
     const auto kv = c.update(more, more, 0);
     CHECK(kv.keys.extent(2) == 7);
-    kvc::HostTensor<float> first5 = keys.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0},
-                                               Eigen::array<Eigen::Index, 4>{2, 32, 5, 32});
+    kvc::HostTensor<float> first5 =
+        keys.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{2, 32, 5, 32});
     CHECK(kvc_test::flatten(kv.keys) == kvc_test::slice_seq(kvc_test::cat(first5, more), 0, 7));
   }
 }

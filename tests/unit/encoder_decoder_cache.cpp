@@ -241,7 +241,8 @@ TEST_CASE("cache_repr prints transformers' repr") {
         "StaticCache(layers=[StaticLayer, StaticSlidingWindowLayer])");
   // transformers' Cache(layers=[...]) prints as Cache, whatever its layers (kvc used to name a cache of
   // only static or only dynamic kinds after StaticCache / DynamicCache).
-  CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::StaticLayer>>(kvc::StaticLayer{3})) == "Cache(layers=[StaticLayer])");
+  CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::StaticLayer>>(kvc::StaticLayer{3})) ==
+        "Cache(layers=[StaticLayer])");
   CHECK(kvc::cache_repr(kvc::Cache<kvc::Layers<kvc::DynamicLayer>>(kvc::DynamicLayer{})) ==
         "Cache(layers=[DynamicLayer])");
   CHECK(kvc::cache_repr(kvc::QuantizedCache<float>("quanto", two_full_layers())) ==
@@ -334,14 +335,15 @@ TEST_CASE("an entry of another length is transformers' ValueError (EncoderDecode
                     "Expected len(combined_cache_data) = 5 to be 4 or 6.\ncombined_cache_data = (tensor of shape "
                     "[1, 1, 2, 1], tensor of shape [1, 1, 2, 1], tensor of shape [1, 1, 2, 1], tensor of shape "
                     "[1, 1, 2, 1], tensor of shape [1, 1, 2, 1])");
-  const std::vector<std::vector<kvc::HostTensor<float>>> one{
-      {seq({1, 2}), seq({1, 2}), seq({1, 2}), seq({1, 2})}, {seq({3})}};
+  const std::vector<std::vector<kvc::HostTensor<float>>> one{{seq({1, 2}), seq({1, 2}), seq({1, 2}), seq({1, 2})},
+                                                             {seq({3})}};
   CHECK_THROWS_WITH_AS(EDC{one},
                        "Expected len(combined_cache_data) = 1 to be 4 or 6.\ncombined_cache_data = (tensor of shape "
                        "[1, 1, 1, 1],)",
                        kvc::ValueError);
   const std::vector<std::vector<kvc::HostTensor<float>>> empty_entry{{}};
-  CHECK_THROWS_WITH_AS(EDC{empty_entry}, "Expected len(combined_cache_data) = 0 to be 4 or 6.\ncombined_cache_data = ()",
+  CHECK_THROWS_WITH_AS(EDC{empty_entry},
+                       "Expected len(combined_cache_data) = 0 to be 4 or 6.\ncombined_cache_data = ()",
                        kvc::ValueError);
   // no entries: two empty caches
   CHECK(EDC(std::vector<std::vector<kvc::HostTensor<float>>>{}).size() == 0);

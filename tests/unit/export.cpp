@@ -141,8 +141,9 @@ TEST_CASE("hostile export sizes: cache_config and positions past the limits") {
                        kvc::ValueError);
   g.cache_config = nlohmann::ordered_json{{"batch_size", 1}, {"max_cache_len", 8}};
   kvc::StaticCacheExport<float> exported(gemma_like(), g);
-  CHECK_THROWS_WITH_AS(exported.begin_step({std::int64_t{1} << 40}),
-                       "set_write_position: position 1099511627776 is out of range for a StaticLayer with max_cache_len 8",
-                       kvc::IndexError);
+  CHECK_THROWS_WITH_AS(
+      exported.begin_step({std::int64_t{1} << 40}),
+      "set_write_position: position 1099511627776 is out of range for a StaticLayer with max_cache_len 8",
+      kvc::IndexError);
   CHECK(exported.cache().get_seq_length() == 0);
 }

@@ -24,7 +24,8 @@ static_assert(std::is_same_v<decltype(kvc::ALL_CACHE_IMPLEMENTATIONS), const std
 static_assert(names_are(kvc::STATIC_CACHE_IMPLEMENTATIONS, {"static", "offloaded_static"}));
 static_assert(names_are(kvc::DYNAMIC_CACHE_IMPLEMENTATIONS, {"dynamic", "offloaded", "quantized"}));
 static_assert(names_are(kvc::DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS,
-                        {"sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid", "offloaded_hybrid_chunked"}));
+                        {"sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
+                         "offloaded_hybrid_chunked"}));
 static_assert(kvc::ALL_STATIC_CACHE_IMPLEMENTATIONS.size() == 7);
 static_assert(names_are(kvc::ALL_STATIC_CACHE_IMPLEMENTATIONS,
                         {"static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid",
@@ -92,8 +93,8 @@ TEST_CASE("an unknown cache_implementation is a ValueError listing the valid one
                        ("Invalid `cache_implementation` (dynamic_full). " + choose_one_of).c_str(), kvc::ValueError);
   CHECK_THROWS_WITH_AS(with_implementation("Static").validate(true),
                        ("Invalid `cache_implementation` (Static). " + choose_one_of).c_str(), kvc::ValueError);
-  CHECK_THROWS_WITH_AS(with_implementation("").validate(), ("Invalid `cache_implementation` (). " + choose_one_of).c_str(),
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(with_implementation("").validate(),
+                       ("Invalid `cache_implementation` (). " + choose_one_of).c_str(), kvc::ValueError);
 }
 
 TEST_CASE("max_new_tokens must be positive, and is checked first") {
@@ -147,8 +148,9 @@ TEST_CASE("use_cache=False with cache fields set: minor issues") {
     kvc_test::captured_warnings w;
     c.validate();
     c.validate();
-    CHECK(w.messages == std::vector<std::string>{
-                            "The following generation flags are not valid and may be ignored: ['cache_implementation']."});
+    CHECK(w.messages ==
+          std::vector<std::string>{
+              "The following generation flags are not valid and may be ignored: ['cache_implementation']."});
   }
 
   c.cache_config = {{"backend", "quanto"}, {"nbits", 4}};
@@ -220,7 +222,8 @@ TEST_CASE("from_file: a quantized cache_config keeps its keys in file order") {
   CHECK(c.cache_config.at("nbits") == 4);
   std::vector<std::string> keys;
   for (auto it = c.cache_config.begin(); it != c.cache_config.end(); ++it) keys.push_back(it.key());
-  CHECK(keys == std::vector<std::string>{"backend", "nbits", "residual_length", "q_group_size", "axis_key", "axis_value"});
+  CHECK(keys ==
+        std::vector<std::string>{"backend", "nbits", "residual_length", "q_group_size", "axis_key", "axis_value"});
 }
 
 TEST_CASE("from_file: every modelled field") {
@@ -293,8 +296,8 @@ TEST_CASE("from_json: malformed JSON and wrong types name the problem") {
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(R"({"use_cache": true,})"),
                        doctest::Contains("GenerationConfig: malformed JSON: [json.exception.parse_error.101]"),
                        kvc::ValueError);
-  CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(""),
-                       doctest::Contains("GenerationConfig: malformed JSON: "), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(""), doctest::Contains("GenerationConfig: malformed JSON: "),
+                       kvc::ValueError);
   // nlohmann reports a number too large for a double as out_of_range (found by the fuzz.json test).
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_json(R"({"max_length": 1e999})"),
                        "GenerationConfig: malformed JSON: [json.exception.out_of_range.406] number overflow parsing "
@@ -316,7 +319,8 @@ TEST_CASE("from_json: malformed JSON and wrong types name the problem") {
   fails(R"({"num_beams": true})", "GenerationConfig: `num_beams` must be an integer or null, got true");
   fails(R"({"prefill_chunk_size": 18446744073709551615})",
         "GenerationConfig: `prefill_chunk_size` must be an integer that fits in 64 bits, got 18446744073709551615");
-  fails(R"({"max_new_tokens": {"n": 1}})", R"(GenerationConfig: `max_new_tokens` must be an integer or null, got {"n":1})");
+  fails(R"({"max_new_tokens": {"n": 1}})",
+        R"(GenerationConfig: `max_new_tokens` must be an integer or null, got {"n":1})");
   fails(R"({"num_return_sequences": 0})", "GenerationConfig: `num_return_sequences` must be a positive integer, got 0");
 }
 

@@ -109,11 +109,11 @@ TEST_CASE("from_file refuses what is not a regular file, and files past max_json
   const fs::path big = s.dir / "big.json";
   std::ofstream(big).put('{');
   fs::resize_file(big, static_cast<std::uintmax_t>(kvc::max_json_file_bytes) + 1);
-  CHECK_THROWS_WITH_AS(kvc::ModelConfig::from_file(big),
-                       ("ModelConfig: '" + big.string() +
-                        "' holds 16777217 bytes, above kvc's limit of 16777216 bytes for a JSON file")
-                           .c_str(),
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::ModelConfig::from_file(big),
+      ("ModelConfig: '" + big.string() + "' holds 16777217 bytes, above kvc's limit of 16777216 bytes for a JSON file")
+          .c_str(),
+      kvc::ValueError);
   CHECK_THROWS_AS(kvc::GenerationConfig::from_file(big), kvc::ValueError);
   // A missing file: the existing message.
   CHECK_THROWS_WITH_AS(kvc::GenerationConfig::from_file(s.dir / "missing.json"),

@@ -81,10 +81,10 @@ TEST_CASE("usage: a DSA layer stores keys, values and indexer keys") {
   const Idx index_keys = random_indexer(1, 5, 16, rng);  // [batch, seq, index_head_dim]
   // [snippet:indexed]
   kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicIndexedLayer>> cache(kvc::DynamicLayer{},
-                                                                           kvc::DynamicIndexedLayer{});
-  auto [k, v] = cache.update(keys, values, 1);                 // [1, 2, 5, 8] each
+                                                                             kvc::DynamicIndexedLayer{});
+  auto [k, v] = cache.update(keys, values, 1);                      // [1, 2, 5, 8] each
   kvc::StateView<float> all = cache.update_indexer(index_keys, 1);  // [1, 5, 16]: every indexer key so far
-  cache.crop(-2);                                              // both parts of layer 1 drop 2 tokens
+  cache.crop(-2);                                                   // both parts of layer 1 drop 2 tokens
   // [/snippet]
   CHECK(k.extent(2) == 5);
   CHECK(v.extent(2) == 5);
@@ -241,8 +241,8 @@ TEST_CASE("DynamicIndexedLayer: reset drops both parts (transformers #48809)") {
   CHECK(cache.get_seq_length() == 0);
   CHECK(cache.bytes() == 0);
   CHECK(cache.visit_layer(0, [](const auto& l) { return l.is_indexer_initialized(); }) == false);
-  const auto kv =
-      cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng), kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
+  const auto kv = cache.update(kvc_test::random_tensor<float>(2, 4, 5, 16, rng),
+                               kvc_test::random_tensor<float>(2, 4, 5, 16, rng), 0);
   CHECK(kv.keys.extent(2) == 5);
   // a different index_head_dim is fine after a reset: the layer starts afresh
   const auto idx = cache.update_indexer(random_indexer(2, 5, 4, rng), 0);

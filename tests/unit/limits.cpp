@@ -71,9 +71,10 @@ TEST_CASE("layer kinds refuse sizes above max_extent") {
   CHECK_THROWS_WITH_AS(kvc::LinearAttentionLayer::state<Host>(kvc::LinearAttentionLayer{i64_max}),
                        "LinearAttentionLayer: number_of_states is 9223372036854775807, above kvc's limit of 1048576",
                        kvc::ValueError);
-  CHECK_THROWS_WITH_AS(kvc::QuantoQuantizedLayer::state<Host>(kvc::QuantoQuantizedLayer{.q_group_size = i64_max}),
-                       "QuantoQuantizedLayer: `q_group_size` is 9223372036854775807, above kvc's limit of 1099511627776",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::QuantoQuantizedLayer::state<Host>(kvc::QuantoQuantizedLayer{.q_group_size = i64_max}),
+      "QuantoQuantizedLayer: `q_group_size` is 9223372036854775807, above kvc's limit of 1099511627776",
+      kvc::ValueError);
   CHECK_THROWS_WITH_AS(
       kvc::HQQQuantizedLayer::state<Host>(kvc::HQQQuantizedLayer{.residual_length = i64_max - 2}),
       "HQQQuantizedLayer: `residual_length` is 9223372036854775805, above kvc's limit of 1099511627776",
@@ -111,9 +112,10 @@ TEST_CASE("Cache arguments: layer indices, repeats, batch sizes and query length
   CHECK_THROWS_WITH_AS(dynamic.batch_repeat_interleave(two_62),
                        "batch_repeat_interleave: repeats is 4611686018427387904, above kvc's limit of 1048576",
                        kvc::ValueError);
-  CHECK_THROWS_WITH_AS(dynamic.batch_repeat_interleave(std::int64_t{1} << 19),
-                       "batch_repeat_interleave: batch 3 repeated 524288 times is 1572864, above kvc's limit of 1048576",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      dynamic.batch_repeat_interleave(std::int64_t{1} << 19),
+      "batch_repeat_interleave: batch 3 repeated 524288 times is 1572864, above kvc's limit of 1048576",
+      kvc::ValueError);
   CHECK_THROWS_WITH_AS(dynamic.get_mask_sizes(i64_max, 0),
                        "get_mask_sizes: query_length is 9223372036854775807, above kvc's limit of 1099511627776",
                        kvc::ValueError);
@@ -154,7 +156,8 @@ TEST_CASE("views whose sizes overflow are refused, and a static position cannot 
                        "[1099511627776, 1099511627776, 1048576, 1]: a dimension is above kvc's limit of 1099511627776 "
                        "or their product overflows",
                        kvc::ValueError);
-  const kvc::TensorView<float> big{data, {1, 1, std::int64_t{1} << 39, 1}, {std::int64_t{1} << 39, std::int64_t{1} << 39, 1, 1}};
+  const kvc::TensorView<float> big{
+      data, {1, 1, std::int64_t{1} << 39, 1}, {std::int64_t{1} << 39, std::int64_t{1} << 39, 1, 1}};
   CHECK_THROWS_WITH_AS(cache.update(big, big, 0),
                        "kvc: a buffer of [1, 1, 549755813888, 1] elements of 4 bytes is larger than kvc's allocation "
                        "limit of 1099511627776 bytes (kvc::set_allocation_limit)",
@@ -167,7 +170,7 @@ TEST_CASE("crop(INT64_MIN) on a recording sliding layer past its window removes 
   kvc::Cache<kvc::Layers<kvc::DynamicSlidingWindowLayer>> cache(kvc::DynamicSlidingWindowLayer{3});
   cache.activate_past_recording();
   cache.update(ones(1, 1, 5, 1), ones(1, 1, 5, 1), 0);  // past the window
-  cache.crop(i64_min);  // -INT64_MIN used to overflow: seq length -9223372036854775803
+  cache.crop(i64_min);                                  // -INT64_MIN used to overflow: seq length -9223372036854775803
   CHECK(cache.get_seq_length() == 0);
   CHECK(cache.stored(0).keys.extent(2) == 0);
   cache.update(ones(1, 1, 2, 1), ones(1, 1, 2, 1), 0);
@@ -194,7 +197,8 @@ TEST_CASE("linear states: a conv kernel size above max_extent") {
 
 TEST_CASE("quantized layers: a group far larger than the tensor, and a huge residual_length") {
   // q_group_size 2^40 used to size a scratch vector of 2^40 floats (std::length_error).
-  kvc::Cache<kvc::Layers<kvc::QuantoQuantizedLayer>> grouped(kvc::QuantoQuantizedLayer{.q_group_size = kvc::max_extent});
+  kvc::Cache<kvc::Layers<kvc::QuantoQuantizedLayer>> grouped(
+      kvc::QuantoQuantizedLayer{.q_group_size = kvc::max_extent});
   const auto prompt = ones(1, 2, 5, 4), token = ones(1, 2, 1, 4);
   const auto kv = grouped.update(prompt, prompt, 0);
   CHECK(kv.keys.extent(2) == 5);
@@ -266,8 +270,8 @@ TEST_CASE("a ModelConfig filled in code is range-checked like one read from a fi
                        kvc::ValueError);
   config.head_dim = 4;
   config.sliding_window = 0;
-  CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(config), "ModelConfig: sliding_window must be a positive integer, got 0",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::make_dynamic_cache<float>(config),
+                       "ModelConfig: sliding_window must be a positive integer, got 0", kvc::ValueError);
   config.sliding_window.reset();
   config.num_hidden_layers = i64_max;
   CHECK_THROWS_WITH_AS(kvc::layer_specs(config),

@@ -29,9 +29,9 @@ std::vector<float> columns(const kvc::StateView<float>& v, std::int64_t b = 0, s
 }
 
 using LinearOnly = kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer>>;
-using Mixed = kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer,
-                                     kvc::LinearAttentionAndFullAttentionLayer,
-                                     kvc::LinearAttentionAndSlidingWindowAttentionLayer>>;
+using Mixed = kvc::Cache<
+    kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer,
+                kvc::LinearAttentionAndFullAttentionLayer, kvc::LinearAttentionAndSlidingWindowAttentionLayer>>;
 
 template <class C, class F>
 std::string message_of(C& cache, F&& f) {
@@ -100,7 +100,7 @@ TEST_CASE("several state indices are independent; has_previous_state per state a
   CHECK(cache.has_previous_state(0));
   CHECK_THROWS_AS(cache.update_conv_state(conv_input(1, 1, 3), 0, 2), kvc::KeyError);
   CHECK_THROWS_AS(cache.update_conv_state(conv_input(2, 1, 3), 0, 0), kvc::ValueError);  // batch differs
-  CHECK_FALSE(cache.has_previous_state(5));  // past the last layer
+  CHECK_FALSE(cache.has_previous_state(5));                                              // past the last layer
   cache.reset();
   CHECK_FALSE(cache.has_previous_state(0, 1));
 }
@@ -148,9 +148,10 @@ TEST_CASE("Cache redirection rules for length queries and has_previous_state, wi
   CHECK(message_of(cache, [](auto& c) { c.get_mask_sizes(1, 2); }) ==
         "You called `get_mask_sizes` on layer index 2, but this layer is a LinearAttention layer, which does not track "
         "sequence length.");
-  CHECK(message_of(cache, [](auto& c) { c.has_previous_state(1); }) ==
-        "You called `has_previous_state` on layer index 1, but this layer is an Attention layer, which does not support "
-        "calling it.");
+  CHECK(
+      message_of(cache, [](auto& c) { c.has_previous_state(1); }) ==
+      "You called `has_previous_state` on layer index 1, but this layer is an Attention layer, which does not support "
+      "calling it.");
   CHECK_THROWS_AS(cache.has_previous_state(1), kvc::ValueError);
   cache.update_conv_state(conv_input(1, 2, 4), 2);
   CHECK(cache.has_previous_state());  // the last linear layer: 2
@@ -288,8 +289,8 @@ TEST_CASE("every layer type of the mappings builds its kind; unknown types list 
   config.sliding_window = 4;
   config.number_of_conv_states = 2;
   config.layer_types =
-      std::vector<std::string>{"conv", "linear_attention", "hybrid", "hybrid_sliding", "moe", "mlp", "full_attention",
-                               "deepseek_sparse_attention"};
+      std::vector<std::string>{"conv",           "linear_attention",         "hybrid", "hybrid_sliding", "moe", "mlp",
+                               "full_attention", "deepseek_sparse_attention"};
   auto dynamic = kvc::make_dynamic_cache<float>(config);
   kvc::StaticCache<float> fixed(config, 16);
   const std::vector<std::string> dynamic_names{"LinearAttentionLayer",

@@ -96,16 +96,16 @@ TEST_CASE("names kvc cannot build yet are refused with a clear message") {
 TEST_CASE("prepare_cache_for_generation: the user's cache, use_cache, unsupported models, assistants") {
   const auto m = gemma_like();
   SUBCASE("a user cache together with cache_implementation") {
-    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with("static"), m, "LlamaForCausalLM",
-                                                           kvc::DynamicCache<float>()),
-                         "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` "
-                         "(a Cache object) is unsupported. Please use only one of the two.",
-                         kvc::ValueError);
-    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with("static"), m, "FalconMambaForCausalLM",
-                                                           kvc::DynamicCache<float>()),
-                         "Passing both `cache_implementation` (used to initialize certain caches) and `cache_params` "
-                         "(a Cache object) is unsupported. Please use only one of the two.",
-                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(
+        kvc::prepare_cache_for_generation(with("static"), m, "LlamaForCausalLM", kvc::DynamicCache<float>()),
+        "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` "
+        "(a Cache object) is unsupported. Please use only one of the two.",
+        kvc::ValueError);
+    CHECK_THROWS_WITH_AS(
+        kvc::prepare_cache_for_generation(with("static"), m, "FalconMambaForCausalLM", kvc::DynamicCache<float>()),
+        "Passing both `cache_implementation` (used to initialize certain caches) and `cache_params` "
+        "(a Cache object) is unsupported. Please use only one of the two.",
+        kvc::ValueError);
   }
   SUBCASE("a user cache alone is used as is") {
     auto cache = kvc::prepare_cache_for_generation(with(std::nullopt), m, "llama", kvc::DynamicCache<float>());
@@ -114,9 +114,10 @@ TEST_CASE("prepare_cache_for_generation: the user's cache, use_cache, unsupporte
   }
   SUBCASE("raw per-layer tensors are refused") {
     std::vector<std::pair<kvc::HostTensor<float>, kvc::HostTensor<float>>> legacy(1);
-    CHECK_THROWS_WITH_AS(kvc::prepare_cache_for_generation(with(std::nullopt), m, "llama", legacy),
-                         "Passing a tuple of `past_key_values` is not supported anymore. Please use a `Cache` instance.",
-                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(
+        kvc::prepare_cache_for_generation(with(std::nullopt), m, "llama", legacy),
+        "Passing a tuple of `past_key_values` is not supported anymore. Please use a `Cache` instance.",
+        kvc::ValueError);
   }
   SUBCASE("use_cache false builds nothing") {
     auto g = with("static");
@@ -193,8 +194,8 @@ TEST_CASE("'quantized': the messages of the quantized path") {
   CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
                        "QuantizedCache.__init__() got an unexpected keyword argument 'group_size'", kvc::TypeError);
   g.cache_config = nlohmann::ordered_json{{"nbits", "4"}};
-  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()), "make_cache: `cache_config.nbits` must be an integer, got \"4\"",
-                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
+                       "make_cache: `cache_config.nbits` must be an integer, got \"4\"", kvc::ValueError);
   g.cache_config = nullptr;
   CHECK_THROWS_WITH_AS(kvc::make_cache(g, gemma_like()),
                        "`QuantizedCache` is only supported for models with only full attention layers. We found the "

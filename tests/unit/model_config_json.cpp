@@ -132,7 +132,7 @@ TEST_CASE("the fields behind the layouts") {
   CHECK(gemma3.sliding_window == 1024);
   CHECK(gemma3.layer_types == periodic(34, 6, sw, full));
   const auto llama = kvc::ModelConfig::from_file(test_config("llama-3.1-8b-instruct.config.json"));
-  CHECK(llama.head_dim == 128);  // LlamaConfig.__post_init__: hidden_size // num_attention_heads
+  CHECK(llama.head_dim == 128);                // LlamaConfig.__post_init__: hidden_size // num_attention_heads
   CHECK_FALSE(llama.layer_types.has_value());  // the generic rule applies in layer_specs
   const auto t5 = kvc::ModelConfig::from_file(test_config("flan-t5-base.config.json"));
   CHECK(t5.hidden_size == 768);

@@ -143,7 +143,8 @@ TEST_CASE("StaticCache with OffloadToFile<true>: sliding layers stay, full layer
   config.num_attention_heads = 2;
   config.head_dim = 8;
   config.sliding_window = 3;
-  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention", "full_attention", "sliding_attention"};
+  config.layer_types =
+      std::vector<std::string>{"full_attention", "sliding_attention", "full_attention", "sliding_attention"};
   kvc::StaticCache<float, Host, File<true>> off(config, 16);
   kvc::StaticCache<float> ref(config, 16);
   const std::int64_t layer_bytes = 2 * 2 * 2 * 16 * 8 * 4;  // K and V, batch 2, 2 heads, 16 slots, dim 8
@@ -154,7 +155,7 @@ TEST_CASE("StaticCache with OffloadToFile<true>: sliding layers stay, full layer
       CHECK(kvc::layer_ram_bytes(off, 1) == kvc::layer_ram_bytes(ref, 1));  // sliding: never offloaded
       CHECK(kvc::layer_ram_bytes(off, 3) == kvc::layer_ram_bytes(ref, 3));
       if (s > 0) CHECK(kvc::layer_ram_bytes(off, 3) > 0);
-      const std::int64_t other_full = i == 0 ? 2 : 0;      // full layers: only the current one stays
+      const std::int64_t other_full = i == 0 ? 2 : 0;  // full layers: only the current one stays
       CHECK(kvc::layer_ram_bytes(off, other_full) == 0);
       if (i == 0 || i == 2) CHECK(kvc::layer_ram_bytes(off, i) == layer_bytes);
     });
@@ -202,9 +203,10 @@ TEST_CASE("full and sliding dynamic layers: whole-cache operations after offload
   auto ref = make(std::type_identity<kvc::Cache<Kinds, Host>>{});
   std::mt19937 rng(5);
   const auto decode = [&](int steps, std::int64_t batch) {
-    for (int s = 0; s < steps; ++s) step<float>(off, ref, 4, batch, 2, 1, 8, rng, [&](std::int64_t i) {
-      for (std::int64_t j = 0; j < i; ++j) CHECK(kvc::layer_ram_bytes(off, j) == 0);
-    });
+    for (int s = 0; s < steps; ++s)
+      step<float>(off, ref, 4, batch, 2, 1, 8, rng, [&](std::int64_t i) {
+        for (std::int64_t j = 0; j < i; ++j) CHECK(kvc::layer_ram_bytes(off, j) == 0);
+      });
   };
   off.activate_past_recording();
   ref.activate_past_recording();
@@ -266,8 +268,8 @@ TEST_CASE("copying and moving a cache with spilled layers") {
   kvc::DynamicCache<float, Host, File<>> assigned;
   kvc::DynamicCache<float> scratch;
   step<float>(assigned, scratch, 2, 1, 2, 1, 8, rng, nothing);  // a cache with its own file...
-  step<float>(moved, ref, 3, 1, 2, 1, 8, rng, nothing);  // layers 0 and 1 spilled again
-  assigned = moved;                                       // ...replaced by a copy with its own file
+  step<float>(moved, ref, 3, 1, 2, 1, 8, rng, nothing);         // layers 0 and 1 spilled again
+  assigned = moved;                                             // ...replaced by a copy with its own file
   CHECK(dir.open_spill_files() == 2);
   check_same_contents(assigned, ref);
   check_same_contents(moved, ref);
@@ -339,7 +341,8 @@ TEST_CASE("a full disk (a file-size limit): RuntimeError, layer kept in memory, 
   REQUIRE(::setrlimit(RLIMIT_FSIZE, &saved) == 0);
   std::signal(SIGXFSZ, old_handler);
   CHECK(message.starts_with("kvc::OffloadToFile: offloading layer "));
-  CHECK(message.find("failed while writing the spill file in '" + dir.path + "': File too large. The layer stays in "
+  CHECK(message.find("failed while writing the spill file in '" + dir.path +
+                     "': File too large. The layer stays in "
                      "memory and the cache is unchanged") != std::string::npos);
   CHECK(kvc::layer_ram_bytes(off, 2) > 0);  // the layer that could not be written stays in memory
   CHECK(off.size() == 3);
@@ -478,7 +481,8 @@ TEST_CASE("EncoderDecoderCache::reset when one half cannot be read back changes 
   std::mt19937 rng(13);
   kvc::DynamicCache<float> self_ref, cross_ref;
   spill_dir self_dir;
-  for (int s = 0; s < 2; ++s) step<float>(pair.self_attention_cache(), self_ref, 2, 1, 2, s == 0 ? 3 : 1, 8, rng, nothing);
+  for (int s = 0; s < 2; ++s)
+    step<float>(pair.self_attention_cache(), self_ref, 2, 1, 2, s == 0 ? 3 : 1, 8, rng, nothing);
   spill_dir cross_dir;  // the cross-attention half's spill file lives here
   for (int s = 0; s < 2; ++s) step<float>(pair.cross_attention_cache(), cross_ref, 2, 1, 2, 4, 8, rng, nothing);
   REQUIRE(cross_dir.open_spill_files() == 1);

@@ -88,7 +88,8 @@ TEST_CASE("prefetch_target agrees with transformers' list.index for every small 
       const layer_flags f = flags(kinds);
       for (const bool ons : {false, true}) {
         std::vector<bool> is_offloaded;
-        for (std::size_t i = 0; i < kinds.size(); ++i) is_offloaded.push_back(!f.is_linear[i] && !(ons && f.is_sliding[i]));
+        for (std::size_t i = 0; i < kinds.size(); ++i)
+          is_offloaded.push_back(!f.is_linear[i] && !(ons && f.is_sliding[i]));
         for (std::int64_t idx = 0; idx <= n; ++idx) {
           CAPTURE(kinds);
           CAPTURE(ons);
@@ -134,8 +135,8 @@ TEST_CASE("bad arguments are errors, not undefined behaviour") {
                        "every layer of the cache",
                        kvc::ValueError);
   CHECK_THROWS_AS(should_offload(0, f, false), kvc::ValueError);
-  CHECK_THROWS_WITH_AS(prefetch_target(-1, flags("f"), false), "kvc::offload::prefetch_target: layer_idx -1 is negative",
-                       kvc::IndexError);
+  CHECK_THROWS_WITH_AS(prefetch_target(-1, flags("f"), false),
+                       "kvc::offload::prefetch_target: layer_idx -1 is negative", kvc::IndexError);
   CHECK_THROWS_AS(offloadable(-2, flags("f"), false), kvc::IndexError);
 }
 
@@ -175,8 +176,7 @@ TEST_CASE("the table of prefetched and offloaded layers, transformers and kvc") 
       // kvc offloads exactly what transformers offloads...
       CHECK(kvc_moved == tf_offloaded);
       // ...and, unlike transformers, prefetches every layer it offloads.
-      if (tf_prefetched != tf_offloaded)
-        CHECK(r.name.starts_with("LinearAttentionAnd"));
+      if (tf_prefetched != tf_offloaded) CHECK(r.name.starts_with("LinearAttentionAnd"));
     }
   }
   // The three hybrids transformers offloads but never prefetches (when they are offloaded at all).
@@ -187,8 +187,8 @@ TEST_CASE("the table of prefetched and offloaded layers, transformers and kvc") 
 
 TEST_CASE("the flags a real cache reports feed the selection as the table says") {
   using C = kvc::ConfiguredDynamicCache<float>;
-  C cache(std::vector<C::kind_variant>{kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{4}, kvc::LinearAttentionLayer{},
-                                       kvc::LinearAttentionAndFullAttentionLayer{},
+  C cache(std::vector<C::kind_variant>{kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{4},
+                                       kvc::LinearAttentionLayer{}, kvc::LinearAttentionAndFullAttentionLayer{},
                                        kvc::LinearAttentionAndSlidingWindowAttentionLayer{{4}, 1}});
   const layer_flags f{cache.is_linear(), cache.is_sliding()};
   CHECK(f.is_linear == std::vector<bool>{false, false, true, false, false});

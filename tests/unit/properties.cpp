@@ -89,7 +89,9 @@ TEST_CASE("random operations on a configured dynamic cache: every throwing call 
             cache.update(k, v, l);
             break;
           }
-          case 2: cache.crop(uniform(rng, -6, 4)); break;
+          case 2:
+            cache.crop(uniform(rng, -6, 4));
+            break;
           case 3: {
             std::vector<std::int64_t> idx(static_cast<std::size_t>(batch));
             for (auto& i : idx) i = uniform(rng, -1, batch);
@@ -110,14 +112,24 @@ TEST_CASE("random operations on a configured dynamic cache: every throwing call 
             batch *= r;
             break;
           }
-          case 6: cache.early_initialization(batch, std::vector<std::int64_t>(static_cast<std::size_t>(uniform(rng, 2, 4)), 2), 3); break;
+          case 6:
+            cache.early_initialization(batch,
+                                       std::vector<std::int64_t>(static_cast<std::size_t>(uniform(rng, 2, 4)), 2), 3);
+            break;
           case 7: {
             const auto q = uniform(rng, -1, 3), l = uniform(rng, -1, 4);
             (void)cache.get_mask_sizes(q, l);
             break;
           }
-          case 8: if (uniform(rng, 0, 4) == 0) cache.activate_past_recording(); break;
-          default: if (uniform(rng, 0, 6) == 0) { cache.reset(); batch = 2; } break;
+          case 8:
+            if (uniform(rng, 0, 4) == 0) cache.activate_past_recording();
+            break;
+          default:
+            if (uniform(rng, 0, 6) == 0) {
+              cache.reset();
+              batch = 2;
+            }
+            break;
         }
       });
       threw += t;
@@ -148,19 +160,35 @@ TEST_CASE("random operations on static caches: every throwing call changes nothi
       threw += run_checked(cache, [&] {
         switch (op) {
           case 0:
-          case 1: cache.update(k, k, uniform(rng, 0, 2)); break;
-          case 2: cache.reorder_cache({uniform(rng, 0, 1)}); break;
-          case 3: cache.early_initialization(1, {1, 1, 1}, 2); break;
-          default: if (uniform(rng, 0, 5) == 0) cache.reset(); break;
+          case 1:
+            cache.update(k, k, uniform(rng, 0, 2));
+            break;
+          case 2:
+            cache.reorder_cache({uniform(rng, 0, 1)});
+            break;
+          case 3:
+            cache.early_initialization(1, {1, 1, 1}, 2);
+            break;
+          default:
+            if (uniform(rng, 0, 5) == 0) cache.reset();
+            break;
         }
       });
       threw += run_checked(only_static, [&] {
         switch (op) {
           case 0:
-          case 1: only_static.update(k, k, uniform(rng, 0, 1)); break;
-          case 2: only_static.set_write_position(uniform(rng, -1, 8)); break;
-          case 3: only_static.early_initialization(uniform(rng, 0, 1), 1, 2); break;
-          default: if (uniform(rng, 0, 5) == 0) only_static.reset(); break;
+          case 1:
+            only_static.update(k, k, uniform(rng, 0, 1));
+            break;
+          case 2:
+            only_static.set_write_position(uniform(rng, -1, 8));
+            break;
+          case 3:
+            only_static.early_initialization(uniform(rng, 0, 1), 1, 2);
+            break;
+          default:
+            if (uniform(rng, 0, 5) == 0) only_static.reset();
+            break;
         }
       });
     }
@@ -169,10 +197,10 @@ TEST_CASE("random operations on static caches: every throwing call changes nothi
 }
 
 TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, quantized): throws change nothing") {
-  using C = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer, kvc::LinearAttentionLayer,
-                                   kvc::LinearAttentionAndFullAttentionLayer,
-                                   kvc::LinearAttentionAndSlidingWindowAttentionLayer, kvc::DynamicIndexedLayer,
-                                   kvc::QuantoQuantizedLayer>>;
+  using C = kvc::Cache<
+      kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer, kvc::LinearAttentionLayer,
+                  kvc::LinearAttentionAndFullAttentionLayer, kvc::LinearAttentionAndSlidingWindowAttentionLayer,
+                  kvc::DynamicIndexedLayer, kvc::QuantoQuantizedLayer>>;
   using State = Eigen::Tensor<float, 3, Eigen::RowMajor>;
   std::mt19937 rng(11);
   int threw = 0, ran = 0;
@@ -183,11 +211,10 @@ TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, qua
     return x;
   };
   for (int trial = 0; trial < 6; ++trial) {
-    C cache(std::vector<C::kind_variant>{kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{3}, kvc::LinearAttentionLayer{2},
-                                         kvc::LinearAttentionAndFullAttentionLayer{},
+    C cache(std::vector<C::kind_variant>{kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{3},
+                                         kvc::LinearAttentionLayer{2}, kvc::LinearAttentionAndFullAttentionLayer{},
                                          kvc::LinearAttentionAndSlidingWindowAttentionLayer{{3}, 1},
-                                         kvc::DynamicIndexedLayer{},
-                                         kvc::QuantoQuantizedLayer{4, 0, 0, 4, 2}});
+                                         kvc::DynamicIndexedLayer{}, kvc::QuantoQuantizedLayer{4, 0, 0, 4, 2}});
     std::int64_t batch = 2;
     for (int step = 0; step < 120; ++step) {
       const auto op = uniform(rng, 0, 11);
@@ -204,7 +231,8 @@ TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, qua
           }
           case 2: {  // conv states: wrong channels or kernel sometimes; attention layers throw
             const std::int64_t channels = bad == 2 ? 5 : 3;
-            const auto t = uniform(rng, 1, 4), l = uniform(rng, 0, 6), i = uniform(rng, 0, 2), kernel = uniform(rng, -1, 3);
+            const auto t = uniform(rng, 1, 4), l = uniform(rng, 0, 6), i = uniform(rng, 0, 2),
+                       kernel = uniform(rng, -1, 3);
             cache.update_conv_state(state(b, channels, t), l, i, kernel);
             break;
           }
@@ -219,7 +247,9 @@ TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, qua
             cache.update_indexer(x, uniform(rng, 4, 6));
             break;
           }
-          case 5: cache.crop(uniform(rng, -5, 2)); break;
+          case 5:
+            cache.crop(uniform(rng, -5, 2));
+            break;
           case 6: {
             std::vector<std::int64_t> idx(static_cast<std::size_t>(batch));
             for (auto& i : idx) i = uniform(rng, -1, batch);
@@ -245,8 +275,15 @@ TEST_CASE("random operations on every dynamic kind (linear, hybrid, indexed, qua
             (void)cache.has_previous_state(l, i);
             break;
           }
-          case 10: if (uniform(rng, 0, 3) == 0) cache.activate_past_recording(); break;
-          default: if (uniform(rng, 0, 8) == 0) { cache.reset(); batch = 2; } break;
+          case 10:
+            if (uniform(rng, 0, 3) == 0) cache.activate_past_recording();
+            break;
+          default:
+            if (uniform(rng, 0, 8) == 0) {
+              cache.reset();
+              batch = 2;
+            }
+            break;
         }
       });
       threw += t;

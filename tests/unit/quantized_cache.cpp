@@ -25,20 +25,22 @@ TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (QuantizedCache.__init__
   const auto config = llama_like();
   CHECK(kvc::QuantizedCache<float>("quanto", config).layer_name(0) == "QuantoQuantizedLayer");
   CHECK(kvc::QuantizedCache<float>("hqq", config).layer_name(2) == "HQQQuantizedLayer");
-  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("HQQ", config), "Unknown quantization backend `HQQ`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("HQQ", config), "Unknown quantization backend `HQQ`",
+                       kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("", config), "Unknown quantization backend ``", kvc::ValueError);
 }
 
 TEST_CASE("only full-attention layers (QuantizedCache.__init__): a Python set repr, elements sorted") {
   auto config = llama_like(4);
-  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention", "full_attention",
-                                                "sliding_attention"};
+  config.layer_types =
+      std::vector<std::string>{"full_attention", "sliding_attention", "full_attention", "sliding_attention"};
   config.sliding_window = 16;
   CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("quanto", config),
                        "`QuantizedCache` is only supported for models with only full attention layers. We found the "
                        "following invalid layer types: {'sliding_attention'}",
                        kvc::ValueError);
-  config.layer_types = std::vector<std::string>{"sliding_attention", "linear_attention", "chunked_attention", "full_attention"};
+  config.layer_types =
+      std::vector<std::string>{"sliding_attention", "linear_attention", "chunked_attention", "full_attention"};
   config.attention_chunk_size = 8;
   CHECK_THROWS_WITH_AS(kvc::QuantizedCache<float>("hqq", config),
                        "`QuantizedCache` is only supported for models with only full attention layers. We found the "
@@ -93,7 +95,8 @@ TEST_CASE("one layer per config layer, after the KV-shared layers (docs/differen
   CHECK(kvc::QuantizedCache<float>("hqq", shared).size() == 3);  // transformers builds 4
 }
 
-TEST_CASE_TEMPLATE("a decode loop over every layer, every element type", T, float, double, Eigen::half, Eigen::bfloat16) {
+TEST_CASE_TEMPLATE("a decode loop over every layer, every element type", T, float, double, Eigen::half,
+                   Eigen::bfloat16) {
   std::mt19937 rng(21);
   kvc::QuantizedCache<T> cache("quanto", llama_like(2), {4, 0, -1, 16, 8});
   CHECK_FALSE(cache.is_compileable());

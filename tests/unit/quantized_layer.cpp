@@ -146,8 +146,8 @@ TEST_CASE("layer traits") {
 
 // ---- the update schedule ----------------------------------------------------------------------
 
-TEST_CASE_TEMPLATE("flush schedule with residual_length 4 (QuantizedLayer.update), every element type", T, float, double, Eigen::half,
-                   Eigen::bfloat16) {
+TEST_CASE_TEMPLATE("flush schedule with residual_length 4 (QuantizedLayer.update), every element type", T, float,
+                   double, Eigen::half, Eigen::bfloat16) {
   std::mt19937 rng(7);
   LayerCache<kvc::QuantoQuantizedLayer, T> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 4});
   const auto prefill = gaussian<T>(2, 3, 5, 16, rng);
@@ -261,9 +261,8 @@ void device_steps_match_host(int nbits, kvc::detail::quant_grouping grouping, st
   const std::int64_t stride_h = cap * dim, stride_b = heads * stride_h;
   std::vector<T> src(static_cast<std::size_t>(batch * stride_b));
   for (std::size_t i = 0; i < src.size(); ++i) src[i] = T(dist(rng) * (i % 17 == 0 ? 9.f : 1.f));
-  const auto host = kvc::detail::quantized_tensor<M>::template encode<Codec>(nbits, grouping, group_size, src.data(),
-                                                                             batch, heads, tokens, dim, stride_b,
-                                                                             stride_h);
+  const auto host = kvc::detail::quantized_tensor<M>::template encode<Codec>(
+      nbits, grouping, group_size, src.data(), batch, heads, tokens, dim, stride_b, stride_h);
   const kvc::detail::quant_layout l(nbits, grouping, group_size, batch, heads, tokens, dim);
   REQUIRE((Dim == 0 || Dim == dim));
   std::vector<M> scale(static_cast<std::size_t>(l.blocks() * l.groups)), offset(scale.size());
@@ -305,8 +304,10 @@ TEST_CASE_TEMPLATE("the device codec's per-item steps give the host codec's byte
       for (const std::int64_t tokens : {1, 8, 33}) {
         CAPTURE(group_size);
         CAPTURE(tokens);
-        for (const int nbits : {2, 4}) device_steps_match_host<kvc::QuantoCodec, T>(nbits, grouping, group_size, tokens, 12);
-        for (const int nbits : {1, 3, 8}) device_steps_match_host<kvc::HqqCodec, T>(nbits, grouping, group_size, tokens, 6);
+        for (const int nbits : {2, 4})
+          device_steps_match_host<kvc::QuantoCodec, T>(nbits, grouping, group_size, tokens, 12);
+        for (const int nbits : {1, 3, 8})
+          device_steps_match_host<kvc::HqqCodec, T>(nbits, grouping, group_size, tokens, 6);
       }
   // head_dim 64 (a multiple of every V), at run time and at compile time: the runs that share a
   // group or a token row, and those that do not.
@@ -343,14 +344,15 @@ TEST_CASE_TEMPLATE("values on the code grid come back exactly (both codecs, both
   }
 }
 
-TEST_CASE("constant rows reconstruct within 1e-2, every codec, width and axis (the tolerance of test_quantized_layer_beam_reorder)") {
+TEST_CASE(
+    "constant rows reconstruct within 1e-2, every codec, width and axis (the tolerance of test_quantized_layer_beam_reorder)") {
   struct Case {
     bool hqq;
     std::int64_t nbits, axis;
   };
-  const Case cases[] = {{false, 2, 0}, {false, 2, -1}, {false, 4, 0}, {false, 4, -1}, {true, 1, 0}, {true, 1, 1},
-                        {true, 2, 0},  {true, 2, 1},   {true, 3, 0},  {true, 3, 1},   {true, 4, 0}, {true, 4, 1},
-                        {true, 8, 0},  {true, 8, 1}};
+  const Case cases[] = {{false, 2, 0}, {false, 2, -1}, {false, 4, 0}, {false, 4, -1}, {true, 1, 0},
+                        {true, 1, 1},  {true, 2, 0},   {true, 2, 1},  {true, 3, 0},   {true, 3, 1},
+                        {true, 4, 0},  {true, 4, 1},   {true, 8, 0},  {true, 8, 1}};
   const auto prefill = rows({1, 2, 3, 4}, 2, 5, 8);
   const auto next = rows({1, 2, 3, 4}, 2, 1, 8);
   for (const Case& c : cases) {
@@ -385,9 +387,9 @@ TEST_CASE("gaussian reconstruction: relative RMS bounds per codec, width and axi
   // Uniform rounding of a gaussian group of 64 over its min..max range gives about
   // range / (2^nbits - 1) / sqrt(12) ~ 0.09 (4 bits) and 0.005 (8 bits) of the RMS. One bit with
   // min/max would give ~1.7 (every value becomes the group's min or max); HQQ's zero does better.
-  const Case cases[] = {{false, 4, 0, 0.12},  {false, 4, -1, 0.12}, {false, 2, 0, 0.60}, {false, 2, -1, 0.60},
-                        {true, 4, 1, 0.12},   {true, 4, 0, 0.12},   {true, 8, 1, 0.01},  {true, 8, 0, 0.01},
-                        {true, 3, 1, 0.25},   {true, 2, 1, 0.60},   {true, 1, 1, 1.60}};
+  const Case cases[] = {{false, 4, 0, 0.12}, {false, 4, -1, 0.12}, {false, 2, 0, 0.60}, {false, 2, -1, 0.60},
+                        {true, 4, 1, 0.12},  {true, 4, 0, 0.12},   {true, 8, 1, 0.01},  {true, 8, 0, 0.01},
+                        {true, 3, 1, 0.25},  {true, 2, 1, 0.60},   {true, 1, 1, 1.60}};
   for (const Case& c : cases) {
     CAPTURE(c.hqq);
     CAPTURE(c.nbits);
@@ -446,8 +448,8 @@ TEST_CASE("reset drops the quantized states too (test_quantized_layer_reset)") {
   CHECK(cache.update(gaussian<float>(1, 3, 2, 16, rng), gaussian<float>(1, 3, 2, 16, rng), 0).keys.extent(1) == 3);
 }
 
-TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (test_quantized_layer_beam_reorder)", Kind, kvc::QuantoQuantizedLayer,
-                   kvc::HQQQuantizedLayer) {
+TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (test_quantized_layer_beam_reorder)", Kind,
+                   kvc::QuantoQuantizedLayer, kvc::HQQQuantizedLayer) {
   const std::vector<float> row_values{1, 2, 3, 4};
   auto states = [&](const std::vector<std::int64_t>& order, std::int64_t len) {
     std::vector<float> v;
@@ -468,8 +470,10 @@ TEST_CASE_TEMPLATE("beam reorder moves the quantized rows too (test_quantized_la
     for (std::int64_t r = 0; r < 4; ++r)
       for (std::int64_t s = 0; s < kv.keys.extent(2); ++s)
         for (std::int64_t d = 0; d < 8; ++d) {
-          CHECK(std::fabs(kv.keys(r, 1, s, d) - row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
-          CHECK(std::fabs(kv.values(r, 0, s, d) - row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
+          CHECK(std::fabs(kv.keys(r, 1, s, d) -
+                          row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
+          CHECK(std::fabs(kv.values(r, 0, s, d) -
+                          row_values[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])]) <= 1e-2);
         }
   }
 }
@@ -631,7 +635,8 @@ TEST_CASE("int4, group 64: the quantized history is <= 0.30x of fp16 per token (
   CHECK(flatten(small.update(t, t, 0).keys) == before);
 }
 
-TEST_CASE("no stale quantized data leaks through reset, as in transformers' test_quantized_cache_reset (residual_length 2, group 16)") {
+TEST_CASE(
+    "no stale quantized data leaks through reset, as in transformers' test_quantized_cache_reset (residual_length 2, group 16)") {
   std::mt19937 rng(10);
   LayerCache<kvc::QuantoQuantizedLayer> cache(kvc::QuantoQuantizedLayer{4, 0, 0, 16, 2});
   cache.update(gaussian<float>(1, 4, 4, 64, rng), gaussian<float>(1, 4, 4, 64, rng), 0);

@@ -48,7 +48,8 @@ TEST_CASE("worked example (window 4, no recording)") {
   CHECK(cache.is_sliding() == std::vector<bool>{true});
 }
 
-TEST_CASE("with recording, update returns exactly the advertised kv_length (test_update_with_recording_returns_advertised_kv_width)") {
+TEST_CASE(
+    "with recording, update returns exactly the advertised kv_length (test_update_with_recording_returns_advertised_kv_width)") {
   SlidingCache cache(kvc::DynamicSlidingWindowLayer{4});
   cache.update(seq({}), seq({}), 0);  // creates the layer; a zero-token update adds nothing
   cache.activate_past_recording();

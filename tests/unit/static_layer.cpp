@@ -137,8 +137,7 @@ TEST_CASE_TEMPLATE_DEFINE("a static layer never allocates after initialization",
     for (std::int64_t h = 0; h < 4; ++h)
       for (std::int64_t s = 0; s < 64; ++s)
         for (std::int64_t d = 0; d < 16; ++d)
-          REQUIRE(static_cast<double>(stored(b, h, s, d)) ==
-                  (s < n ? static_cast<double>(history(b, h, s, d)) : 0.0));
+          REQUIRE(static_cast<double>(stored(b, h, s, d)) == (s < n ? static_cast<double>(history(b, h, s, d)) : 0.0));
   // reset zeroes in place and keeps the buffers.
   cache.reset();
   CHECK(cache.stored(0).keys.data() == k0);

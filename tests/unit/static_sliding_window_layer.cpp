@@ -154,7 +154,8 @@ TEST_CASE_TEMPLATE_DEFINE("random updates: one counter, returned width = get_mas
       REQUIRE(cache.get_seq_length() == seen);
     }
     const auto bytes = cache.bytes();
-    for (int step = 0; step < 50; ++step) cache.update(kvc_test::random_tensor<T>(1, 2, 1, 3, rng), kvc_test::random_tensor<T>(1, 2, 1, 3, rng), 0);
+    for (int step = 0; step < 50; ++step)
+      cache.update(kvc_test::random_tensor<T>(1, 2, 1, 3, rng), kvc_test::random_tensor<T>(1, 2, 1, 3, rng), 0);
     CHECK(cache.bytes() == bytes);  // single-token decode never allocates
     cache.reset();
     CHECK(cache.get_seq_length() == 0);

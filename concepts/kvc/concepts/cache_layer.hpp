@@ -30,8 +30,8 @@
 namespace kvc::concepts {
 
 template <class K, class S>
-concept has_layer_state = requires { typename K::template state<S>; } &&
-                          std::constructible_from<typename K::template state<S>, const K&>;
+concept has_layer_state =
+    requires { typename K::template state<S>; } && std::constructible_from<typename K::template state<S>, const K&>;
 
 template <class St>
 concept has_layer_traits = requires {
@@ -67,10 +67,10 @@ concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::s
 // StoragePolicy<S> comes first: the conjunction stops there, before naming K::state<S> for an S
 // that has no view_type (which would be a hard error, not a false).
 template <class K, class S>
-concept CacheLayer = StoragePolicy<S> && has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
-                     has_update<typename K::template state<S>, S> &&
-                     has_length_queries<typename K::template state<S>> &&
-                     has_lifecycle<typename K::template state<S>, S>;
+concept CacheLayer =
+    StoragePolicy<S> && has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
+    has_update<typename K::template state<S>, S> && has_length_queries<typename K::template state<S>> &&
+    has_lifecycle<typename K::template state<S>, S>;
 
 // Optional capabilities.
 template <class St>

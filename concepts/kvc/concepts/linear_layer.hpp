@@ -20,26 +20,26 @@
 namespace kvc::concepts {
 
 template <class St, class S>
-concept has_linear_states = requires(St& st, const St& cst, typename S::state_view_type sv, std::int64_t i,
-                                     std::span<const std::int64_t> idx) {
-  { st.update_conv_state(sv, i, i) } -> std::same_as<typename S::state_view_type>;
-  { st.update_recurrent_state(sv, i) } -> std::same_as<typename S::state_view_type>;
-  { cst.has_previous_state(i) } -> std::convertible_to<bool>;
-  { cst.number_of_states() } -> std::convertible_to<std::int64_t>;
-  { cst.batch() } -> std::convertible_to<std::int64_t>;
-  { cst.is_initialized() } -> std::convertible_to<bool>;
-  { cst.gathered(idx) } -> std::same_as<St>;
-  { cst.bytes() } -> std::convertible_to<std::int64_t>;
-  st.reset();
-};
+concept has_linear_states =
+    requires(St& st, const St& cst, typename S::state_view_type sv, std::int64_t i, std::span<const std::int64_t> idx) {
+      { st.update_conv_state(sv, i, i) } -> std::same_as<typename S::state_view_type>;
+      { st.update_recurrent_state(sv, i) } -> std::same_as<typename S::state_view_type>;
+      { cst.has_previous_state(i) } -> std::convertible_to<bool>;
+      { cst.number_of_states() } -> std::convertible_to<std::int64_t>;
+      { cst.batch() } -> std::convertible_to<std::int64_t>;
+      { cst.is_initialized() } -> std::convertible_to<bool>;
+      { cst.gathered(idx) } -> std::same_as<St>;
+      { cst.bytes() } -> std::convertible_to<std::int64_t>;
+      st.reset();
+    };
 
 template <class S>
 concept has_state_views = requires { typename S::state_view_type; };
 
 template <class K, class S>
-concept LinearCacheLayer = StoragePolicy<S> && has_state_views<S> && has_layer_state<K, S> &&
-                           has_layer_traits<typename K::template state<S>> &&
-                           has_linear_states<typename K::template state<S>, S>;
+concept LinearCacheLayer =
+    StoragePolicy<S> && has_state_views<S> && has_layer_state<K, S> &&
+    has_layer_traits<typename K::template state<S>> && has_linear_states<typename K::template state<S>, S>;
 
 // A layer the Cache can hold: a K/V layer, a linear-attention layer, or a hybrid of both.
 template <class K, class S>

@@ -23,8 +23,8 @@ concept has_serves_flag = !has_plain_serves<O> && requires {
 };
 
 template <class O, class S>
-concept has_offload_engine = requires { typename O::template engine<S>; } &&
-                             std::default_initializable<typename O::template engine<S>>;
+concept has_offload_engine =
+    requires { typename O::template engine<S>; } && std::default_initializable<typename O::template engine<S>>;
 
 template <class O, class S>
 concept OffloadPolicy = has_serves_flag<O, S> && has_offload_engine<O, S>;

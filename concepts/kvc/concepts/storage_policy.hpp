@@ -46,32 +46,33 @@ template <class S>
 concept has_view_type = requires { typename S::view_type; };
 
 template <class S>
-concept has_copy_kernels = has_element_type<S> &&
-    requires(typename S::element_type* dst, const typename S::element_type* src, std::int64_t n) {
-      S::copy_2d(dst, n, src, n, n, n);
-      S::zero_2d(dst, n, n, n);
-    };
+concept has_copy_kernels = has_element_type<S> && requires(typename S::element_type* dst,
+                                                           const typename S::element_type* src, std::int64_t n) {
+  S::copy_2d(dst, n, src, n, n, n);
+  S::zero_2d(dst, n, n, n);
+};
 
 template <class S>
 concept has_make_view = has_element_type<S> && has_view_type<S> &&
-    requires(const typename S::element_type* p, std::array<std::int64_t, 4> a) {
-      { S::make_view(p, a, a) } -> std::same_as<typename S::view_type>;
-    };
+                        requires(const typename S::element_type* p, std::array<std::int64_t, 4> a) {
+                          { S::make_view(p, a, a) } -> std::same_as<typename S::view_type>;
+                        };
 
 // A plain (non-template) `accepts_input` is ruled out first (see has_plain_serves in offload_policy.hpp).
 template <class S>
 concept has_plain_accepts_input = requires { &S::accepts_input; };
 
 template <class S>
-concept has_input_adapter = has_view_type<S> && !has_plain_accepts_input<S> && requires(const typename S::view_type& v) {
-  { S::template accepts_input<typename S::view_type> } -> std::convertible_to<bool>;
-  { S::input_view(v) } -> std::same_as<typename S::view_type>;
-};
+concept has_input_adapter =
+    has_view_type<S> && !has_plain_accepts_input<S> && requires(const typename S::view_type& v) {
+      { S::template accepts_input<typename S::view_type> } -> std::convertible_to<bool>;
+      { S::input_view(v) } -> std::same_as<typename S::view_type>;
+    };
 
 template <class S>
-concept StoragePolicy = has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> &&
-                        has_buffer_type<S> && has_view_type<S> && has_copy_kernels<S> && has_make_view<S> &&
-                        has_input_adapter<S>;
+concept StoragePolicy =
+    has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> && has_buffer_type<S> &&
+    has_view_type<S> && has_copy_kernels<S> && has_make_view<S> && has_input_adapter<S>;
 
 // True when S is a storage policy whose element type it supports.
 template <class S>

@@ -30,9 +30,7 @@ __global__ void copy_rows_kernel(V* __restrict__ dst, std::int64_t dpitch, const
 
 inline constexpr std::size_t vector_bytes = 16;
 
-inline bool vector_aligned(const void* p) noexcept {
-  return reinterpret_cast<std::uintptr_t>(p) % vector_bytes == 0;
-}
+inline bool vector_aligned(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % vector_bytes == 0; }
 
 // Launch shape for `height` rows of `width` vectors: 256 threads a block, as many of them along
 // a row as the row has vectors (rounded up to a power of two; a warp may span several short rows,
@@ -77,8 +75,7 @@ inline void copy_rows_bytes(void* dst, std::size_t dpitch, const void* src, std:
 }
 
 // `height` rows of `width` bytes, row pitch `dpitch`, set to zero.
-inline void zero_rows_bytes(void* dst, std::size_t dpitch, std::size_t width, std::size_t height,
-                            cudaStream_t stream) {
+inline void zero_rows_bytes(void* dst, std::size_t dpitch, std::size_t width, std::size_t height, cudaStream_t stream) {
   if (width == 0 || height == 0) return;
   if (height == 1 || dpitch == width) {
     cuda_check(cudaMemsetAsync(dst, 0, width * height, stream), "cudaMemsetAsync");

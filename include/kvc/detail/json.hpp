@@ -164,8 +164,7 @@ inline std::string read_json_file(const std::filesystem::path& path, std::string
   } guard{fd};
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw fail("cannot read");
-  if (!S_ISREG(st.st_mode))
-    throw RuntimeError(join_message({who, ": '", name, "' is not a regular file"}));
+  if (!S_ISREG(st.st_mode)) throw RuntimeError(join_message({who, ": '", name, "' is not a regular file"}));
   const auto too_large = [&](std::string_view size) {
     return ValueError(join_message({who, ": '", name, "' holds ", size, " bytes, above kvc's limit of ",
                                     std::to_string(max_json_file_bytes), " bytes for a JSON file"}));

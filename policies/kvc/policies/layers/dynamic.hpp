@@ -240,12 +240,16 @@ class DynamicSlidingWindowLayer::state {
 
  private:
   state(const state& o, int)
-      : window_(o.window_), start_(o.start_), len_(o.len_), cumulative_(o.cumulative_),
-        record_past_(o.record_past_), initialized_(o.initialized_) {}
+      : window_(o.window_),
+        start_(o.start_),
+        len_(o.len_),
+        cumulative_(o.cumulative_),
+        record_past_(o.record_past_),
+        initialized_(o.initialized_) {}
 
   std::int64_t window_;
   detail::kv_store<S> store_;
-  std::int64_t start_ = 0;       // the stored tokens are slots [start_, start_ + len_)
+  std::int64_t start_ = 0;  // the stored tokens are slots [start_, start_ + len_)
   std::int64_t len_ = 0;
   std::int64_t cumulative_ = 0;  // tokens seen
   bool record_past_ = false;

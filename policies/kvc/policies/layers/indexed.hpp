@@ -133,7 +133,8 @@ class dynamic_indexer_keys {
     out.data_ = buffer(checked_elements({n, row}, sizeof(T)));
     out.spare_ = buffer(n > 1 ? checked_elements({n, row}, sizeof(T)) : 0);
     for (std::int64_t i = 0; i < n; ++i)
-      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
+      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row,
+                 1);
     out.batch_ = n;
     out.dim_ = dim_;
     out.cap_ = len_;
@@ -219,7 +220,8 @@ class static_indexer_keys {
     const std::int64_t row = slots_ * dim_;
     out.data_ = buffer(checked_elements({n, row}, sizeof(T)));
     for (std::int64_t i = 0; i < n; ++i)
-      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row, 1);
+      S::copy_2d(out.data_.data() + i * row, row, data_.data() + indices[static_cast<std::size_t>(i)] * row, row, row,
+                 1);
     out.batch_ = n;
     out.dim_ = dim_;
     out.initialized_ = true;
@@ -248,16 +250,16 @@ void check_indexer_input(const Attention& attn, const View& held, const View& x)
     throw ValueError(join_message(
         {"update_indexer: indexer keys must have shape [batch, seq, index_head_dim], got ", shape_string(x)}));
   if (x.extent(0) < 1 || x.extent(1) < 0 || x.extent(2) < 1)
-    throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
-                                      " must have a positive batch and index_head_dim"}));
+    throw ValueError(join_message(
+        {"update_indexer: indexer keys of shape ", shape_string(x), " must have a positive batch and index_head_dim"}));
   if (attn.is_initialized() && attn.shape().batch != x.extent(0))
     throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
-                                      " do not match the layer's keys of shape ",
-                                      shape_string(attn.stored().keys.extents), ": the batch sizes differ"}));
+                                   " do not match the layer's keys of shape ", shape_string(attn.stored().keys.extents),
+                                   ": the batch sizes differ"}));
   if (held.rank == 3 && (held.extent(0) != x.extent(0) || held.extent(2) != x.extent(2)))
     throw ValueError(join_message({"update_indexer: indexer keys of shape ", shape_string(x),
-                                      " do not match the indexer keys the layer holds, of shape ", shape_string(held),
-                                      ": batch and index_head_dim must stay the same"}));
+                                   " do not match the indexer keys the layer holds, of shape ", shape_string(held),
+                                   ": batch and index_head_dim must stay the same"}));
 }
 
 // The K/V side of the same rule: keys whose batch differs from the indexer keys' are rejected.
@@ -265,14 +267,14 @@ template <class View, class KeysView>
 void check_kv_batch(const View& held, const KeysView& k, std::string_view method) {
   if (held.rank == 3 && held.extent(0) != k.extent(0))
     throw ValueError(join_message({method, ": keys of shape ", shape_string(k.extents),
-                                      " do not match the layer's indexer keys of shape ", shape_string(held),
-                                      ": the batch sizes differ"}));
+                                   " do not match the layer's indexer keys of shape ", shape_string(held),
+                                   ": the batch sizes differ"}));
 }
 inline void check_shape_batch(std::int64_t held_rank, std::int64_t held_batch, const LayerShape& shape) {
   if (held_rank == 3 && held_batch != shape.batch)
-    throw ValueError(join_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
-                                      " does not match the layer's indexer keys, which have batch size ",
-                                      std::to_string(held_batch)}));
+    throw ValueError(
+        join_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
+                      " does not match the layer's indexer keys, which have batch size ", std::to_string(held_batch)}));
 }
 
 // What both indexed layers share: a K/V part A (checked against the indexer keys' batch) and the

@@ -56,9 +56,7 @@ struct dense_state {
     return n;
   }
   std::int64_t last() const noexcept { return rank > 0 ? extents[rank - 1] : 0; }
-  typename S::state_view_type view() const noexcept {
-    return S::make_state_view(data.data(), rank, extents);
-  }
+  typename S::state_view_type view() const noexcept { return S::make_state_view(data.data(), rank, extents); }
   std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data.size(); }
 
   // A copy whose batch entry i (axis 0) is entry indices[i] of this one.
@@ -69,7 +67,8 @@ struct dense_state {
     out.extents[0] = static_cast<std::int64_t>(indices.size());
     out.data = typename S::buffer_type(checked_elements({per, out.extents[0]}, sizeof(T)));
     for (std::size_t i = 0; i < indices.size(); ++i)
-      S::copy_2d(out.data.data() + static_cast<std::int64_t>(i) * per, per, data.data() + indices[i] * per, per, per, 1);
+      S::copy_2d(out.data.data() + static_cast<std::int64_t>(i) * per, per, data.data() + indices[i] * per, per, per,
+                 1);
     return out;
   }
 };
@@ -99,7 +98,8 @@ class LinearAttentionLayer::state {
 
   // Whether some state was written.
   bool is_initialized() const noexcept {
-    return std::any_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.conv.initialized || s.rec.initialized; });
+    return std::any_of(slots_.begin(), slots_.end(),
+                       [](const slot& s) { return s.conv.initialized || s.rec.initialized; });
   }
   // The batch size of the initialized states, -1 when there is none.
   std::int64_t batch() const noexcept {
@@ -131,15 +131,17 @@ class LinearAttentionLayer::state {
   state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
     const slot& cur = at(state_idx, "update_conv_state");
     if (x.rank != 3 || x.extent(0) < 1 || x.extent(1) < 1 || x.extent(2) < 1)
-      throw ValueError("update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, got " +
-                       shape_string(x));
+      throw ValueError(
+          "update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, got " +
+          shape_string(x));
     if (conv_kernel_size < 0)
       throw ValueError("update_conv_state: conv_kernel_size must be positive, got " + std::to_string(conv_kernel_size));
     detail::check_size("update_conv_state: conv_kernel_size", conv_kernel_size, 0, max_extent);
     check_batch(x.extent(0), "update_conv_state");
     if (cur.conv.initialized && cur.conv.extents[1] != x.extent(1))
       throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
-                       std::to_string(state_idx) + ", which holds " + std::to_string(cur.conv.extents[1]) + " channels");
+                       std::to_string(state_idx) + ", which holds " + std::to_string(cur.conv.extents[1]) +
+                       " channels");
     const std::int64_t k = cur.conv.initialized ? cur.kernel : (conv_kernel_size > 0 ? conv_kernel_size : x.extent(2));
     const std::int64_t rows = x.extent(0) * x.extent(1), t = x.extent(2);
     // full = [previous columns | new columns], or the (padded) input on the first call. The new
@@ -182,10 +184,9 @@ class LinearAttentionLayer::state {
     check_batch(x.extent(0), "update_recurrent_state");
     if (cur.rec.initialized && (cur.rec.rank != x.rank || cur.rec.extents != x.extents))
       throw ValueError("update_recurrent_state: recurrent states of shape " + shape_string(x) + " do not match state " +
-                       std::to_string(state_idx) + ", which holds " +
-                       shape_string(cur.rec.view()));
+                       std::to_string(state_idx) + ", which holds " + shape_string(cur.rec.view()));
     slot& s = slots_[static_cast<std::size_t>(state_idx)];
-    if (!s.rec.initialized) s.rec = make(x.rank, x.extents, false);  // the only allocation
+    if (!s.rec.initialized) s.rec = make(x.rank, x.extents, false);            // the only allocation
     S::copy_2d(s.rec.data.data(), x.size(), x.data(), x.size(), x.size(), 1);  // same shape: in place
     return s.rec.view();
   }
@@ -304,7 +305,8 @@ inline constexpr std::string_view hybrid_name = "LinearAttentionHybridLayer";
 template <>
 inline constexpr std::string_view hybrid_name<DynamicLayer> = "LinearAttentionAndFullAttentionLayer";
 template <>
-inline constexpr std::string_view hybrid_name<DynamicSlidingWindowLayer> = "LinearAttentionAndSlidingWindowAttentionLayer";
+inline constexpr std::string_view hybrid_name<DynamicSlidingWindowLayer> =
+    "LinearAttentionAndSlidingWindowAttentionLayer";
 template <>
 inline constexpr std::string_view hybrid_name<StaticLayer> = "LinearAttentionAndStaticFullAttentionLayer";
 template <>
@@ -357,17 +359,17 @@ class LinearAttentionHybrid<Attention>::state
   KV<view> update(const view& k, const view& v) {
     const std::int64_t held = linear_.batch();
     if (held >= 0 && k.extent(0) != held)
-      throw ValueError(detail::join_message({"update: keys of shape ", shape_string(k.extents),
-                                             " do not match the layer's linear-attention states, which have batch size ",
-                                             std::to_string(held)}));
+      throw ValueError(detail::join_message(
+          {"update: keys of shape ", shape_string(k.extents),
+           " do not match the layer's linear-attention states, which have batch size ", std::to_string(held)}));
     return attn_.update(k, v);
   }
   void lazy_initialization(LayerShape shape) {
     const std::int64_t held = linear_.batch();
     if (held >= 0 && shape.batch != held)
-      throw ValueError(detail::join_message({"lazy_initialization: batch size ", std::to_string(shape.batch),
-                                             " does not match the layer's linear-attention states, which have batch size ",
-                                             std::to_string(held)}));
+      throw ValueError(detail::join_message(
+          {"lazy_initialization: batch size ", std::to_string(shape.batch),
+           " does not match the layer's linear-attention states, which have batch size ", std::to_string(held)}));
     attn_.lazy_initialization(shape);
   }
   void set_write_position(std::int64_t p)

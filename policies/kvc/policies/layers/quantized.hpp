@@ -222,7 +222,8 @@ struct QuantizedLayer {
       std::optional<detail::kv_store<S>> grown_residual;
       if (!flush && rlen_ + q > residual_.capacity())
         grown_residual = residual_.relocated(
-            std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)}), 0, rlen_);
+            std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)}), 0,
+            rlen_);
       const bool rebuild_in_place = !ws_fresh_ && !flush && ws_.capacity() >= total;
       std::optional<detail::dequant_workspace<S>> grown_ws;
       if (ws_.capacity() < total || (!ws_fresh_ && !rebuild_in_place)) {
@@ -278,7 +279,7 @@ struct QuantizedLayer {
     // crop in two steps (Cache::crop prepares every layer before it changes any): what can throw
     // (the history quantized again) happens in prepare_crop, which changes nothing.
     struct crop_plan {
-      std::int64_t count = 0;               // tokens removed
+      std::int64_t count = 0;                                                // tokens removed
       std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the cut history, if cut
     };
     crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
@@ -381,8 +382,8 @@ struct QuantizedLayer {
       const std::int64_t q = k.extent(2);
       const std::int64_t dk = shape.key_head_dim, dv = shape.value_head_dim;
       const int nbits = static_cast<int>(opts_.nbits);
-      qtensor nk = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_key), opts_.q_group_size,
-                                                   k.data(), shape.batch, shape.heads, q, dk, k.stride(0), k.stride(1));
+      qtensor nk = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_key), opts_.q_group_size, k.data(),
+                                                   shape.batch, shape.heads, q, dk, k.stride(0), k.stride(1));
       qtensor nv = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_value), opts_.q_group_size,
                                                    v.data(), shape.batch, shape.heads, q, dv, v.stride(0), v.stride(1));
       detail::dequant_workspace<S> w(shape, std::max(q, detail::min_dynamic_capacity));

@@ -62,23 +62,23 @@ namespace kvc {
 // Where and how OffloadToFile engines create their spill files. Read when an engine opens its file
 // (at its first offload), so a change affects engines that have not written anything yet.
 struct OffloadFileOptions {
-  std::string directory;          // empty: $KVC_OFFLOAD_DIR, else $TMPDIR, else /tmp
-  bool drop_page_cache = false;   // after each spill: write the pages back and drop them from the
-                                  // page cache, so that reads come from the device, not from RAM
+  std::string directory;         // empty: $KVC_OFFLOAD_DIR, else $TMPDIR, else /tmp
+  bool drop_page_cache = false;  // after each spill: write the pages back and drop them from the
+                                 // page cache, so that reads come from the device, not from RAM
 };
 
 // Counters summed over every OffloadToFile engine of the process (tests and benchmarks read them).
 struct OffloadFileStats {
-  std::int64_t spills = 0;           // layers written to a spill file
+  std::int64_t spills = 0;  // layers written to a spill file
   std::int64_t bytes_written = 0;
-  std::int64_t sync_reads = 0;       // layers read back on the caller's thread (no prefetch ready)
-  std::int64_t prefetches = 0;       // reads started on the prefetch thread
-  std::int64_t prefetch_hits = 0;    // layers made resident from a prefetch
-  std::int64_t prefetch_waits = 0;   // ... of which the caller had to wait for the thread
+  std::int64_t sync_reads = 0;      // layers read back on the caller's thread (no prefetch ready)
+  std::int64_t prefetches = 0;      // reads started on the prefetch thread
+  std::int64_t prefetch_hits = 0;   // layers made resident from a prefetch
+  std::int64_t prefetch_waits = 0;  // ... of which the caller had to wait for the thread
   std::int64_t prefetches_dropped = 0;
   std::int64_t bytes_read = 0;
-  std::int64_t spilled_layers = 0;   // layers in spill files now
-  std::int64_t spilled_bytes = 0;    // bytes of those layers now
+  std::int64_t spilled_layers = 0;  // layers in spill files now
+  std::int64_t spilled_bytes = 0;   // bytes of those layers now
 };
 
 namespace detail::spill {
@@ -279,9 +279,9 @@ class core {
  private:
   struct record {
     bool spilled = false;
-    std::int64_t offset = -1;    // of the layer's region in the file
-    std::int64_t capacity = 0;   // of that region
-    std::int64_t bytes = 0;      // of the layer's buffers, laid out one after the other
+    std::int64_t offset = -1;         // of the layer's region in the file
+    std::int64_t capacity = 0;        // of that region
+    std::int64_t bytes = 0;           // of the layer's buffers, laid out one after the other
     std::vector<std::int64_t> sizes;  // bytes of each buffer, in for_each_buffer order
   };
   enum class job_state { idle, queued, running, done };
@@ -488,12 +488,13 @@ class core {
     std::int64_t at = r.offset;
     for (const auto& s : staged) {
       if (!s) continue;
-      if (const int err = pread_all(fd_, s->bytes, s->size, at)) 
+      if (const int err = pread_all(fd_, s->bytes, s->size, at))
         throw io_error("reading back layer ", i, r.bytes, "reading", err,
                        ". The layer stays in the spill file and the cache is unchanged");
       at += static_cast<std::int64_t>(s->size);
     }
-    if (!install(cache, i, staged)) throw RuntimeError("kvc::OffloadToFile: internal error: a layer's buffers changed while it was spilled");
+    if (!install(cache, i, staged))
+      throw RuntimeError("kvc::OffloadToFile: internal error: a layer's buffers changed while it was spilled");
     totals().sync_reads += 1;
     totals().bytes_read += r.bytes;
   }
@@ -623,10 +624,9 @@ inline OffloadFileOptions offload_file_options() {
 // event counters (spilled_layers and spilled_bytes describe the present and are kept).
 inline OffloadFileStats offload_file_stats() noexcept {
   const auto& c = detail::spill::totals();
-  return {c.spills.load(),        c.bytes_written.load(),      c.sync_reads.load(),
-          c.prefetches.load(),    c.prefetch_hits.load(),      c.prefetch_waits.load(),
-          c.prefetches_dropped.load(), c.bytes_read.load(),    c.spilled_layers.load(),
-          c.spilled_bytes.load()};
+  return {c.spills.load(),         c.bytes_written.load(),  c.sync_reads.load(),         c.prefetches.load(),
+          c.prefetch_hits.load(),  c.prefetch_waits.load(), c.prefetches_dropped.load(), c.bytes_read.load(),
+          c.spilled_layers.load(), c.spilled_bytes.load()};
 }
 inline void reset_offload_file_stats() noexcept {
   auto& c = detail::spill::totals();

@@ -68,14 +68,14 @@ namespace kvc {
 
 // Counters summed over every OffloadToHost engine of the process (tests and benchmarks read them).
 struct OffloadHostStats {
-  std::int64_t offloads = 0;            // layers moved to pinned host memory (committed)
+  std::int64_t offloads = 0;  // layers moved to pinned host memory (committed)
   std::int64_t bytes_offloaded = 0;
-  std::int64_t offloads_dropped = 0;    // device->host copies queued but not committed (the layer
-                                        // was updated or accessed again first)
-  std::int64_t prefetches = 0;          // host->device copies started on the offload stream
-  std::int64_t prefetch_hits = 0;       // layers made resident from a prefetch
+  std::int64_t offloads_dropped = 0;  // device->host copies queued but not committed (the layer
+                                      // was updated or accessed again first)
+  std::int64_t prefetches = 0;        // host->device copies started on the offload stream
+  std::int64_t prefetch_hits = 0;     // layers made resident from a prefetch
   std::int64_t prefetches_dropped = 0;
-  std::int64_t sync_loads = 0;          // layers copied back when needed (no prefetch of them)
+  std::int64_t sync_loads = 0;  // layers copied back when needed (no prefetch of them)
   std::int64_t bytes_loaded = 0;
   std::int64_t device_allocations = 0;  // buffers cudaMalloc'ed by the engine (pool misses)
   std::int64_t pool_reuses = 0;         // buffers taken from the pool
@@ -87,8 +87,8 @@ namespace detail::pinned {
 
 struct counters {
   std::atomic<std::int64_t> offloads{0}, bytes_offloaded{0}, offloads_dropped{0}, prefetches{0}, prefetch_hits{0},
-      prefetches_dropped{0}, sync_loads{0}, bytes_loaded{0}, device_allocations{0}, pool_reuses{0},
-      offloaded_layers{0}, offloaded_bytes{0};
+      prefetches_dropped{0}, sync_loads{0}, bytes_loaded{0}, device_allocations{0}, pool_reuses{0}, offloaded_layers{0},
+      offloaded_bytes{0};
 };
 inline counters& totals() {
   static counters c;
@@ -160,12 +160,16 @@ class event_handle {
   }
   // `after` waits for everything queued on `before` so far.
   void order(cudaStream_t before, cudaStream_t after, const char* what) {
-    if (!e_) cuda_check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreateWithFlags in kvc::OffloadToHost");
+    if (!e_)
+      cuda_check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming),
+                 "cudaEventCreateWithFlags in kvc::OffloadToHost");
     cuda_check(cudaEventRecord(e_, before), what);
     cuda_check(cudaStreamWaitEvent(after, e_, 0), what);
   }
   void record(cudaStream_t on, const char* what) {
-    if (!e_) cuda_check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreateWithFlags in kvc::OffloadToHost");
+    if (!e_)
+      cuda_check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming),
+                 "cudaEventCreateWithFlags in kvc::OffloadToHost");
     cuda_check(cudaEventRecord(e_, on), what);
   }
   void wait(cudaStream_t on, const char* what) const { cuda_check(cudaStreamWaitEvent(on, e_, 0), what); }
@@ -539,7 +543,7 @@ class core {
   bool only_non_sliding_;
   offload::layer_flags flags_;
   std::vector<record> records_;
-  std::int64_t pending_ = -1;        // offloaded by the last update, freed at the next call
+  std::int64_t pending_ = -1;  // offloaded by the last update, freed at the next call
   std::int64_t max_layer_bytes_ = 0;
 
   // The destructor synchronises the stream, then frees the blocks and buffers explicitly.
@@ -557,9 +561,10 @@ class core {
 // event counters (offloaded_layers and offloaded_bytes describe the present and are kept).
 inline OffloadHostStats offload_host_stats() noexcept {
   const auto& c = detail::pinned::totals();
-  return {c.offloads.load(),      c.bytes_offloaded.load(),    c.offloads_dropped.load(), c.prefetches.load(),
-          c.prefetch_hits.load(), c.prefetches_dropped.load(), c.sync_loads.load(),       c.bytes_loaded.load(),
-          c.device_allocations.load(), c.pool_reuses.load(),   c.offloaded_layers.load(), c.offloaded_bytes.load()};
+  return {c.offloads.load(),    c.bytes_offloaded.load(),  c.offloads_dropped.load(),
+          c.prefetches.load(),  c.prefetch_hits.load(),    c.prefetches_dropped.load(),
+          c.sync_loads.load(),  c.bytes_loaded.load(),     c.device_allocations.load(),
+          c.pool_reuses.load(), c.offloaded_layers.load(), c.offloaded_bytes.load()};
 }
 inline void reset_offload_host_stats() noexcept {
   auto& c = detail::pinned::totals();
@@ -572,8 +577,8 @@ inline void reset_offload_host_stats() noexcept {
 template <class Cache>
 std::int64_t layer_device_bytes(Cache& cache, std::int64_t layer_idx) {
   std::int64_t n = 0;
-  detail::pinned::for_each_buffer_of(
-      cache, layer_idx, [&](auto& b) { n += static_cast<std::int64_t>(detail::pinned::buffer_bytes(b)); });
+  detail::pinned::for_each_buffer_of(cache, layer_idx,
+                                     [&](auto& b) { n += static_cast<std::int64_t>(detail::pinned::buffer_bytes(b)); });
   return n;
 }
 

@@ -189,7 +189,8 @@ inline void pack_codes(const std::uint8_t* codes, std::int64_t count, int nbits,
     const std::uint64_t byte = bit >> 3;
     const unsigned shift = static_cast<unsigned>(bit & 7);
     out[byte] = static_cast<std::uint8_t>(out[byte] | (c << shift));
-    if (shift + static_cast<unsigned>(nbits) > 8) out[byte + 1] = static_cast<std::uint8_t>(out[byte + 1] | (c >> (8 - shift)));
+    if (shift + static_cast<unsigned>(nbits) > 8)
+      out[byte + 1] = static_cast<std::uint8_t>(out[byte + 1] | (c >> (8 - shift)));
   }
 }
 
@@ -371,9 +372,14 @@ struct quant_layout {
   std::int64_t block_bytes = 0, groups = 0;
 
   quant_layout() = default;
-  quant_layout(int nbits_, quant_grouping grouping_, std::int64_t group_size_, std::int64_t batch_,
-               std::int64_t heads_, std::int64_t tokens_, std::int64_t dim_) noexcept
-      : nbits(nbits_), grouping(grouping_), group_size(group_size_), batch(batch_), heads(heads_), tokens(tokens_),
+  quant_layout(int nbits_, quant_grouping grouping_, std::int64_t group_size_, std::int64_t batch_, std::int64_t heads_,
+               std::int64_t tokens_, std::int64_t dim_) noexcept
+      : nbits(nbits_),
+        grouping(grouping_),
+        group_size(group_size_),
+        batch(batch_),
+        heads(heads_),
+        tokens(tokens_),
         dim(dim_) {
     block_bytes = packed_bytes(tokens * dim, nbits);
     groups = grouping == quant_grouping::along_head_dim ? (tokens * dim + group_size - 1) / group_size
@@ -469,8 +475,7 @@ KVC_HOST_DEVICE void decode_run_at(std::int64_t e, T* out, const quant_layout& l
   if (l.grouping == quant_grouping::along_seq && dim % V == 0) {  // one token row: groups g0 + j
     const std::int64_t t = i0 / dim, g0 = t / l.group_size * dim + (i0 - t * dim);
     for (int j = 0; j < V; ++j)
-      out[j] = from_float<T>(dequant(to_float(ob[g0 + j]), to_float(sb[g0 + j]),
-                                      code_at(bits, i0 + j, l.nbits)));
+      out[j] = from_float<T>(dequant(to_float(ob[g0 + j]), to_float(sb[g0 + j]), code_at(bits, i0 + j, l.nbits)));
     return;
   }
   for (int j = 0; j < V; ++j) {
@@ -551,8 +556,7 @@ class quantized_tensor {
             const std::int64_t len = std::min(piece, l.dim - d0);
             unpack_codes(bits, r * l.dim + d0, len, l.nbits, codes);
             for (std::int64_t j = 0; j < len; ++j)
-              y[r * l.dim + d0 + j] = from_float<T>(
-                  dequant(to_float(orow[d0 + j]), to_float(srow[d0 + j]), codes[j]));
+              y[r * l.dim + d0 + j] = from_float<T>(dequant(to_float(orow[d0 + j]), to_float(srow[d0 + j]), codes[j]));
           }
         }
       }

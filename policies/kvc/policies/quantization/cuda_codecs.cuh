@@ -159,7 +159,7 @@ class device_quantized_tensor {
     if (vectorisable(dst, stride_b, stride_h))  // head_dim 128 (the benchmarked one) at compile time
       return layout_.dim == 128 ? decode_vec<128>(dst, stride_b, stride_h) : decode_vec<0>(dst, stride_b, stride_h);
     quant_decode_kernel<<<quant_blocks(total), 256, 0, Stream::get()>>>(dst, stride_b, stride_h, layout_, codes_.data(),
-                                                                       scale_.data(), offset_.data());
+                                                                        scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");
   }
 
@@ -176,8 +176,9 @@ class device_quantized_tensor {
   void decode_vec(T* dst, std::int64_t stride_b, std::int64_t stride_h) const {
     constexpr std::int64_t V = 16 / sizeof(T);
     if ((Dim > 0 && layout_.dim != Dim) || !vectorisable(dst, stride_b, stride_h))
-      throw AssertionError("kvc: the 16-byte dequantization kernel needs a 16-byte aligned output, strides and rows of "
-                           "whole 16-byte words, and its compile-time head_dim equal to the tensor's");
+      throw AssertionError(
+          "kvc: the 16-byte dequantization kernel needs a 16-byte aligned output, strides and rows of "
+          "whole 16-byte words, and its compile-time head_dim equal to the tensor's");
     quant_decode_vec_kernel<Dim><<<quant_blocks(layout_.blocks() * layout_.elements() / V), 256, 0, Stream::get()>>>(
         dst, stride_b, stride_h, layout_, codes_.data(), scale_.data(), offset_.data());
     cuda_check(cudaGetLastError(), "launching kvc's dequantization kernel");

@@ -251,9 +251,7 @@ struct CudaStorage {
   }
 
  private:
-  static std::size_t bytes(std::int64_t elements) noexcept {
-    return sizeof(T) * static_cast<std::size_t>(elements);
-  }
+  static std::size_t bytes(std::int64_t elements) noexcept { return sizeof(T) * static_cast<std::size_t>(elements); }
 };
 
 namespace detail {
@@ -303,13 +301,13 @@ HostTensor<detail::host_element_t<T>> to_host(const DeviceTensorView<T>& view, c
   if (view.stride(3) == 1 && view.stride(2) == e[3]) {
     // one 2-D copy per batch entry: `heads` rows of seq * head_dim elements
     for (std::int64_t b = 0; b < e[0]; ++b)
-      detail::cuda_check(cudaMemcpy2DAsync(dst + sz * static_cast<std::size_t>(b * e[1] * e[2] * e[3]),
-                                           sz * static_cast<std::size_t>(e[2] * e[3]),
-                                           src + sz * static_cast<std::size_t>(b * view.stride(0)),
-                                           sz * static_cast<std::size_t>(view.stride(1)),
-                                           sz * static_cast<std::size_t>(e[2] * e[3]), static_cast<std::size_t>(e[1]),
-                                           cudaMemcpyDeviceToHost, stream),
-                         what);
+      detail::cuda_check(
+          cudaMemcpy2DAsync(dst + sz * static_cast<std::size_t>(b * e[1] * e[2] * e[3]),
+                            sz * static_cast<std::size_t>(e[2] * e[3]),
+                            src + sz * static_cast<std::size_t>(b * view.stride(0)),
+                            sz * static_cast<std::size_t>(view.stride(1)), sz * static_cast<std::size_t>(e[2] * e[3]),
+                            static_cast<std::size_t>(e[1]), cudaMemcpyDeviceToHost, stream),
+          what);
   } else if (view.stride(3) == 1) {
     // one 2-D copy per (batch, head): `seq` rows of head_dim elements
     for (std::int64_t b = 0; b < e[0]; ++b)
@@ -334,7 +332,7 @@ HostTensor<detail::host_element_t<T>> to_host(const DeviceTensorView<T>& view, c
 template <int N, class T>
   requires(N >= 1 && N <= 4)
 Eigen::Tensor<detail::host_element_t<T>, N, Eigen::RowMajor> to_host(const DeviceStateView<T>& view,
-                                                                      cudaStream_t stream = cudaStream_t{}) {
+                                                                     cudaStream_t stream = cudaStream_t{}) {
   using H = detail::host_element_t<T>;
   Eigen::DSizes<Eigen::Index, N> dims;  // not std::array: under nvcc Eigen::array is its own type
   for (int r = 0; r < N; ++r)
