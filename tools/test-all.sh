@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Full kvc check, as CI runs it (.ci/run):
+#   format       tools/check-format.sh: every C++/CUDA source as .clang-format formats it
 #   build/gcc    g++ Release: everything (tests, examples, benchmarks built), full ctest; with
 #                nvcc (on PATH or /usr/local/cuda/bin) also the CUDA tests and benchmark, whose
 #                tests report themselves skipped where there is no GPU (there, the host half of
@@ -11,9 +12,9 @@
 #                fuzz.e2e: model files to caches and attention), KVC_FUZZ_SECONDS (default 60)
 #                seconds each, side by side
 # Each stage prints its elapsed time.
-# Ends with "N passed, N failed" summed over the two ctest runs and the memcheck stage (skipped
-# tests, such as the gpu tests without a GPU, are counted apart); a failed build counts as one
-# failed test. Exits non-zero on any failure.
+# Ends with "N passed, N failed" summed over the format check, the two ctest runs and the
+# memcheck stage (skipped tests, such as the gpu tests without a GPU, are counted apart); a failed
+# build counts as one failed test. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,6 +95,14 @@ fi
 if [[ ${cuda[0]} == -DKVC_ENABLE_CUDA=ON ]] && ! nvidia-smi -L >/dev/null 2>&1; then
   cuda+=(-DCMAKE_CUDA_FLAGS_RELEASE="-O0 -DNDEBUG")
   echo "-- no GPU: the host half of the CUDA tests and benchmark is compiled at -O0"
+fi
+
+stage "format: tools/check-format.sh (clang-format 16, .clang-format)"
+if bash tools/check-format.sh; then
+  total_pass=$((total_pass + 1))
+else
+  echo "-- format: FAILED"
+  total_fail=$((total_fail + 1))
 fi
 
 stage "g++ Release: everything"
