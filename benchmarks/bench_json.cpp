@@ -11,7 +11,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include <kvc/config.hpp>
+#include <kvc/config_json.hpp>
 #include <kvc/generation.hpp>
 
 namespace {

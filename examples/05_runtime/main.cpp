@@ -5,7 +5,7 @@
 // sequence without a cache. docs/runtime.md and docs/attention.md quote the snippets; the last
 // line printed is the verdict.
 #include <kvc/cache_description.hpp>
-#include <kvc/kvc.hpp>
+#include <kvc/runtime.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -21,7 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <kvc/config.hpp>
+#include <kvc/config_json.hpp>
 #include <kvc/detail/json.hpp>
 
 namespace examples {

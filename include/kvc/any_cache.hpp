@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <kvc/cache.hpp>
+#include <kvc/element_types.hpp>
 #include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/tensor.hpp>
@@ -26,20 +27,6 @@
 namespace kvc {
 
 namespace detail {
-
-template <class T>
-constexpr std::string_view element_name() {
-  if constexpr (std::is_same_v<T, float>)
-    return "float";
-  else if constexpr (std::is_same_v<T, double>)
-    return "double";
-  else if constexpr (std::is_same_v<T, Eigen::half>)
-    return "half";
-  else if constexpr (std::is_same_v<T, Eigen::bfloat16>)
-    return "bfloat16";
-  else
-    return "unknown";
-}
 
 // A host cache: what AnyCache can hold.
 template <class C>
@@ -64,13 +51,17 @@ struct typed_ops {
                                     std::int64_t state_idx, std::int64_t conv_kernel_size) = 0;
 };
 
-struct any_cache_iface : typed_ops<float>, typed_ops<double>, typed_ops<Eigen::half>, typed_ops<Eigen::bfloat16> {
-  using typed_ops<float>::update, typed_ops<double>::update, typed_ops<Eigen::half>::update,
-      typed_ops<Eigen::bfloat16>::update;
-  using typed_ops<float>::stored, typed_ops<double>::stored, typed_ops<Eigen::half>::stored,
-      typed_ops<Eigen::bfloat16>::stored;
-  using typed_ops<float>::update_state, typed_ops<double>::update_state, typed_ops<Eigen::half>::update_state,
-      typed_ops<Eigen::bfloat16>::update_state;
+// One typed_ops per element type of the table (<kvc/element_types.hpp>), their overloads side by side.
+template <class List>
+struct typed_iface;
+template <class... Ts>
+struct typed_iface<boost::mp11::mp_list<Ts...>> : typed_ops<Ts>... {
+  using typed_ops<Ts>::update...;
+  using typed_ops<Ts>::stored...;
+  using typed_ops<Ts>::update_state...;
+};
+
+struct any_cache_iface : typed_iface<host_element_types> {
   virtual bool has_previous_state(std::optional<std::int64_t>, std::optional<std::int64_t>) const = 0;
   virtual std::vector<bool> is_linear() const = 0;
   virtual bool is_dynamic_cache() const noexcept = 0;
@@ -109,47 +100,19 @@ class any_cache_model final : public any_cache_iface {
  public:
   explicit any_cache_model(C cache) : cache_(std::move(cache)) {}
 
-  KV<TensorView<float>> update(const TensorView<float>& k, const TensorView<float>& v, std::int64_t i) override {
-    return update_as(k, v, i);
+  // The typed overrides, one set per element type of the table.
+#define KVC_DETAIL_TYPED_OVERRIDES(T, NAME, TORCH)                                                                 \
+  KV<TensorView<T>> update(const TensorView<T>& k, const TensorView<T>& v, std::int64_t i) override {              \
+    return update_as(k, v, i);                                                                                     \
+  }                                                                                                                \
+  KV<TensorView<T>> stored(std::int64_t i, std::type_identity<T>) const override { return stored_as<T>(i); }       \
+  StateView<T> update_state(state_update w, const StateView<T>& x, std::int64_t l, std::int64_t s, std::int64_t k) \
+      override {                                                                                                   \
+    return update_state_as(w, x, l, s, k);                                                                         \
   }
-  KV<TensorView<double>> update(const TensorView<double>& k, const TensorView<double>& v, std::int64_t i) override {
-    return update_as(k, v, i);
-  }
-  KV<TensorView<Eigen::half>> update(const TensorView<Eigen::half>& k, const TensorView<Eigen::half>& v,
-                                     std::int64_t i) override {
-    return update_as(k, v, i);
-  }
-  KV<TensorView<Eigen::bfloat16>> update(const TensorView<Eigen::bfloat16>& k, const TensorView<Eigen::bfloat16>& v,
-                                         std::int64_t i) override {
-    return update_as(k, v, i);
-  }
-  KV<TensorView<float>> stored(std::int64_t i, std::type_identity<float>) const override { return stored_as<float>(i); }
-  KV<TensorView<double>> stored(std::int64_t i, std::type_identity<double>) const override {
-    return stored_as<double>(i);
-  }
-  KV<TensorView<Eigen::half>> stored(std::int64_t i, std::type_identity<Eigen::half>) const override {
-    return stored_as<Eigen::half>(i);
-  }
-  KV<TensorView<Eigen::bfloat16>> stored(std::int64_t i, std::type_identity<Eigen::bfloat16>) const override {
-    return stored_as<Eigen::bfloat16>(i);
-  }
+  KVC_ELEMENT_TYPES(KVC_DETAIL_TYPED_OVERRIDES)
+#undef KVC_DETAIL_TYPED_OVERRIDES
 
-  StateView<float> update_state(state_update w, const StateView<float>& x, std::int64_t l, std::int64_t s,
-                                std::int64_t k) override {
-    return update_state_as(w, x, l, s, k);
-  }
-  StateView<double> update_state(state_update w, const StateView<double>& x, std::int64_t l, std::int64_t s,
-                                 std::int64_t k) override {
-    return update_state_as(w, x, l, s, k);
-  }
-  StateView<Eigen::half> update_state(state_update w, const StateView<Eigen::half>& x, std::int64_t l, std::int64_t s,
-                                      std::int64_t k) override {
-    return update_state_as(w, x, l, s, k);
-  }
-  StateView<Eigen::bfloat16> update_state(state_update w, const StateView<Eigen::bfloat16>& x, std::int64_t l,
-                                          std::int64_t s, std::int64_t k) override {
-    return update_state_as(w, x, l, s, k);
-  }
   bool has_previous_state(std::optional<std::int64_t> l, std::optional<std::int64_t> s) const override {
     return cache_.has_previous_state(l, s);
   }

@@ -22,6 +22,7 @@
 #include <kvc/any_cache.hpp>
 #include <kvc/cache.hpp>
 #include <kvc/detail/json.hpp>
+#include <kvc/element_types.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 
@@ -103,6 +104,12 @@ AnyCache described_cache(const nlohmann::json& doc) {
 
 }  // namespace detail
 
+}  // namespace kvc
+
+#include <kvc/detail/runtime_instantiations.hpp>  // described_cache<T> is compiled in kvc::runtime
+
+namespace kvc {
+
 // Builds the cache a JSON description names (see the header comment).
 inline AnyCache cache_from_description(std::string_view json_text) {
   nlohmann::json doc;
@@ -118,12 +125,12 @@ inline AnyCache cache_from_description(std::string_view json_text) {
       throw ValueError("cache description: `dtype` must be a string, got " + detail::json_excerpt(*it));
     dtype = it->get<std::string>();
   }
-  if (dtype == "float") return detail::described_cache<float>(doc);
-  if (dtype == "double") return detail::described_cache<double>(doc);
-  if (dtype == "half") return detail::described_cache<Eigen::half>(doc);
-  if (dtype == "bfloat16") return detail::described_cache<Eigen::bfloat16>(doc);
-  throw ValueError("cache description: `dtype` must be one of ('float', 'double', 'half', 'bfloat16'), got '" + dtype +
-                   "'");
+  AnyCache cache;
+  if (!detail::with_element_type(dtype,
+                                 [&]<class T>(std::type_identity<T>) { cache = detail::described_cache<T>(doc); }))
+    throw ValueError("cache description: `dtype` must be one of " + detail::py_str_tuple(element_type_names) +
+                     ", got '" + dtype + "'");
+  return cache;
 }
 
 }  // namespace kvc

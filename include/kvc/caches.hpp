@@ -11,6 +11,7 @@
 
 #include <kvc/cache.hpp>
 #include <kvc/config.hpp>
+#include <kvc/layer_types.hpp>
 
 namespace kvc {
 
@@ -22,11 +23,8 @@ class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
   DynamicCache() = default;
 };
 
-// The cache make_dynamic_cache builds: pre-built dynamic layers of every kind a config can name.
-// Every kind DYNAMIC_LAYER_TYPE_MAPPING names.
-using ConfiguredDynamicLayers =
-    Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
-           LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>;
+// The cache make_dynamic_cache builds: pre-built dynamic layers of every kind a config can name
+// (ConfiguredDynamicLayers, from the table in <kvc/layer_types.hpp>).
 // A class of its own (not an alias of the Cache) because it is transformers' DynamicCache(config=...):
 // it prints as a DynamicCache, where a kvc::Cache<Layers<...>> prints as transformers' Cache.
 template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
@@ -36,10 +34,7 @@ class ConfiguredDynamicCache : public Cache<ConfiguredDynamicLayers, Storage, Of
   static constexpr std::string_view class_name = "DynamicCache";
 };
 
-// The layer policy of StaticCache: every kind STATIC_LAYER_TYPE_MAPPING names.
-using StaticCacheLayers =
-    Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndStaticFullAttentionLayer,
-           LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>;
+// StaticCache's layer policy is StaticCacheLayers: every kind STATIC_LAYER_TYPE_MAPPING names.
 
 namespace detail {
 template <class>

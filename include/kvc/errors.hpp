@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include <kvc/detail/py_repr.hpp>
+
 namespace kvc {
 
 struct ValueError : std::invalid_argument {
@@ -46,31 +48,6 @@ inline std::string join_message(std::initializer_list<std::string_view> parts) {
   out.reserve(n);
   for (std::string_view p : parts) out.append(p);
   return out;
-}
-
-// Python's repr of a list of ints: [1, 2, 3].
-inline std::string py_list(const std::vector<std::int64_t>& values) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(values[i]);
-  }
-  return out + "]";
-}
-
-// Python's repr of a tuple of strings: ('a', 'b'), ('a',) for one element, () for none.
-template <class Range>
-std::string py_str_tuple(const Range& values) {
-  std::string out = "(";
-  std::size_t n = 0;
-  for (const auto& v : values) {
-    if (n++) out += ", ";
-    out += '\'';
-    out += std::string_view(v);
-    out += '\'';
-  }
-  if (n == 1) out += ',';
-  return out + ")";
 }
 
 }  // namespace detail

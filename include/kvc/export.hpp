@@ -16,30 +16,12 @@
 
 #include <kvc/cache.hpp>
 #include <kvc/config.hpp>
+#include <kvc/element_types.hpp>
 #include <kvc/detail/json.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/generation.hpp>
 
 namespace kvc {
-
-// The per-layer KV head count and head dim of a config's cache layers (executorch's
-// get_head_shapes): one entry per layer that holds a cache, i.e. after dropping the
-// num_kv_shared_layers shared ones. transformers slices layer_types[:-0] when there are none,
-// which gives an empty list (docs/differences.md item 20); kvc keeps every layer.
-struct HeadShapes {
-  std::vector<std::int64_t> num_heads;
-  std::vector<std::int64_t> head_dim;
-};
-
-inline HeadShapes get_head_shapes(const ModelConfig& config) {
-  HeadShapes out;
-  const auto specs = layer_specs(config);
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    out.num_heads.push_back(config.layer_num_key_value_heads(static_cast<std::int64_t>(i)));
-    out.head_dim.push_back(config.layer_head_dim(static_cast<std::int64_t>(i)));
-  }
-  return out;
-}
 
 // One buffer an exporter registers: name, address, shape and dtype (torch's names).
 struct ExportedBuffer {
@@ -50,18 +32,6 @@ struct ExportedBuffer {
 };
 
 namespace detail {
-template <class T>
-constexpr std::string_view torch_dtype() {
-  if constexpr (std::is_same_v<T, float>)
-    return "float32";
-  else if constexpr (std::is_same_v<T, double>)
-    return "float64";
-  else if constexpr (std::is_same_v<T, Eigen::half>)
-    return "float16";
-  else
-    return "bfloat16";
-}
-
 // An argument, else cache_config[key], else the ValueError executorch raises.
 inline std::int64_t export_size(std::optional<std::int64_t> argument, const GenerationConfig& g, const char* key) {
   if (argument) return *argument;

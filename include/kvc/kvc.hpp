@@ -1,6 +1,8 @@
 #pragma once
-// The host umbrella header: everything kvc offers without CUDA (cache_description.hpp, which
-// instantiates every layer kind for every element type, is included on demand).
+// The host umbrella header: every cache, layer kind, policy and the attention, without the
+// string/JSON runtime. <kvc/runtime.hpp> adds that (ModelConfig::from_json / from_file,
+// GenerationConfig, make_cache and prepare_cache_for_generation, StaticCacheExport,
+// cache_from_description); <kvc/cuda.hpp> adds the CUDA storage and offload policies.
 
 #include <kvc/cache.hpp>
 #include <kvc/any_cache.hpp>
@@ -9,12 +11,11 @@
 #include <kvc/config.hpp>
 #include <kvc/encoder_decoder_cache.hpp>
 #include <kvc/errors.hpp>
-#include <kvc/export.hpp>
-#include <kvc/generation.hpp>
 #include <kvc/limits.hpp>
-#include <kvc/make_cache.hpp>
+#include <kvc/policies/offload/file.hpp>
 #include <kvc/policies/offload/host.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/speculative_caches.hpp>
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>
+#include <kvc/detail/runtime_caches.hpp>  // extern templates when kvc::runtime is linked

@@ -27,20 +27,6 @@ struct QuantizedOptions {
 
 namespace detail {
 
-// Python's repr of a set of strings, elements sorted: {'a', 'b'} (set() when empty).
-inline std::string py_str_set(const std::set<std::string>& values) {
-  if (values.empty()) return "set()";
-  std::string out = "{";
-  for (const auto& v : values) {
-    if (out.size() > 1) out.append(", ");
-    out.push_back('\'');
-    out.append(v);
-    out.push_back('\'');
-  }
-  out.push_back('}');
-  return out;
-}
-
 template <class Kind>
 Kind quantized_kind(const QuantizedOptions& o) {
   return Kind{o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length};

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include <kvc/cache_description.hpp>
-#include <kvc/kvc.hpp>
+#include <kvc/runtime.hpp>
 
 namespace {
 

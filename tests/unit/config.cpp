@@ -137,3 +137,57 @@ TEST_CASE_TEMPLATE_DEFINE("the ready-made caches exist for every element type", 
   CHECK(static_cast<float>(fixed.stored(1).keys(0, 3, 4, 15)) == 0.0f);
 }
 TEST_CASE_TEMPLATE_APPLY(ready_made, kvc_test::element_types);
+
+TEST_CASE("the layer-type table: names, kinds, windows and the caches' layer policies all come from it") {
+  using namespace kvc;
+  // The derived lists are the ones transformers' mappings name, in their order.
+  static_assert(
+      std::is_same_v<
+          ConfiguredDynamicLayers,
+          Layers<DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                 LinearAttentionAndSlidingWindowAttentionLayer, DynamicIndexedLayer>>);
+  static_assert(std::is_same_v<StaticCacheLayers,
+                               Layers<StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer,
+                                      LinearAttentionAndStaticFullAttentionLayer,
+                                      LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticIndexedLayer>>);
+  static_assert(std::is_same_v<DynamicLayerKind, ConfiguredDynamicCache<float>::kind_variant>);
+  static_assert(std::is_same_v<StaticLayerKind, StaticCache<float>::kind_variant>);
+  CHECK(std::vector<std::string_view>(known_layer_types.begin(), known_layer_types.end()) ==
+        std::vector<std::string_view>{"full_attention", "sliding_attention", "chunked_attention", "conv",
+                                      "linear_attention", "hybrid", "hybrid_sliding", "deepseek_sparse_attention",
+                                      "moe", "mlp"});
+  CHECK(detail::window_field_of("sliding_attention") == window_field::sliding_window);
+  CHECK(detail::window_field_of("hybrid_sliding") == window_field::sliding_window);
+  CHECK(detail::window_field_of("chunked_attention") == window_field::attention_chunk_size);
+  CHECK(detail::window_field_of("full_attention") == window_field::none);
+  CHECK(detail::window_field_of("not a type") == window_field::none);
+
+  // Every row builds, in both mappings, the kind it names, with the window and sizes of its spec.
+  ModelConfig c = base(0);
+  c.layer_types = S(known_layer_types.begin(), known_layer_types.end());
+  c.num_hidden_layers = static_cast<std::int64_t>(known_layer_types.size());
+  c.sliding_window = 3;
+  c.attention_chunk_size = 5;
+  c.number_of_conv_states = 2;
+  const auto dynamic = dynamic_layer_kinds(c);
+  const auto fixed = static_layer_kinds(c, 16);
+  REQUIRE(dynamic.size() == known_layer_types.size());
+  REQUIRE(fixed.size() == known_layer_types.size());
+  std::size_t i = 0;
+  boost::mp11::mp_for_each<layer_type_table>([&](auto row) {
+    using R = decltype(row);
+    CAPTURE(R::name);
+    CHECK(std::holds_alternative<typename R::dynamic_kind>(dynamic[i]));
+    CHECK(std::holds_alternative<typename R::static_kind>(fixed[i]));
+    ++i;
+  });
+  CHECK(std::get<DynamicSlidingWindowLayer>(dynamic[1]).sliding_window == 3);
+  CHECK(std::get<DynamicSlidingWindowLayer>(dynamic[2]).sliding_window == 5);
+  CHECK(std::get<StaticSlidingWindowLayer>(fixed[2]).max_cache_len == 16);
+  CHECK(std::get<StaticSlidingWindowLayer>(fixed[2]).sliding_window == 5);
+  CHECK(std::get<LinearAttentionLayer>(dynamic[3]).number_of_states == 2);
+  CHECK(std::get<LinearAttentionAndSlidingWindowAttentionLayer>(dynamic[6]).attention.sliding_window == 3);
+  CHECK(std::get<LinearAttentionAndStaticSlidingWindowAttentionLayer>(fixed[6]).attention.max_cache_len == 16);
+  CHECK(std::get<LinearAttentionAndStaticFullAttentionLayer>(fixed[5]).number_of_states == 2);
+  CHECK(std::get<StaticIndexedLayer>(fixed[7]).max_cache_len == 16);
+}

@@ -354,8 +354,15 @@ TEST_CASE("Python's repr of JSON values") {
         R"({'z': None, 'a': [True, False, 1, -2, 0.5, 1e-05, 100000, 100000.0], 'm': {'s': "x'y"}, 'e': {}, 'l': []})");
   CHECK(kvc::detail::py_json_str(nlohmann::ordered_json("bare")) == "bare");
   CHECK(kvc::detail::py_json_str(nlohmann::ordered_json(nullptr)) == "None");
-  CHECK(kvc::detail::py_str_list_repr({"cache_implementation", "cache_config"}) ==
+  CHECK(kvc::detail::py_str_list(std::vector<std::string>{"cache_implementation", "cache_config"}) ==
         "['cache_implementation', 'cache_config']");
+  // One helper quotes every sequence as Python does: the repr of each string, a tuple's trailing
+  // comma, set() for an empty set.
+  CHECK(kvc::detail::py_str_list(std::vector<std::string>{"it's"}) == R"(["it's"])");
+  CHECK(kvc::detail::py_str_tuple(std::vector<std::string>{"a"}) == "('a',)");
+  CHECK(kvc::detail::py_str_tuple(std::vector<std::string>{}) == "()");
+  CHECK(kvc::detail::py_str_set({"b", "a"}) == "{'a', 'b'}");
+  CHECK(kvc::detail::py_str_set({}) == "set()");
 }
 
 TEST_CASE("a generation config, from code") {

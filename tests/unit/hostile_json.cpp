@@ -11,6 +11,8 @@
 
 #include <sys/stat.h>
 
+#include <kvc/runtime.hpp>
+
 #include "../support/kvc_test.hpp"
 
 namespace {

@@ -4,7 +4,7 @@
 
 #include <limits>
 
-#include <kvc/make_cache.hpp>
+#include <kvc/runtime.hpp>
 
 #include "../support/kvc_test.hpp"
 

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <kvc/runtime.hpp>
+
 #include "../support/kvc_test.hpp"
 
 namespace {
