@@ -84,7 +84,12 @@ class DynamicLayer::state {
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return {len_ + q, 0}; }
   std::int64_t get_max_length() const noexcept { return -1; }
 
-  void check_crop(std::int64_t) const noexcept {}
+  // The deprecation warning comes here, in the check every layer passes before any layer changes,
+  // so that a warning handler that throws leaves the cache as it was (crop's own warn_once call
+  // then finds the message already delivered).
+  void check_crop(std::int64_t tokens_to_remove) const {
+    if (initialized_ && tokens_to_remove > 0) warn_once(positive_crop_deprecation);
+  }
   void crop(std::int64_t tokens_to_remove) {
     if (!initialized_) return;  // transformers raises TypeError here (docs/differences.md)
     len_ -= detail::dynamic_crop_count(tokens_to_remove, len_);
@@ -189,7 +194,11 @@ class DynamicSlidingWindowLayer::state {
   std::int64_t get_max_length() const noexcept { return window_; }
 
   void check_crop(std::int64_t tokens_to_remove) const {
-    if (!initialized_ || cumulative_ < window_) return;
+    if (!initialized_) return;
+    if (cumulative_ < window_) {
+      if (tokens_to_remove > 0) warn_once(positive_crop_deprecation);  // before any layer changes
+      return;
+    }
     if (!record_past_)
       throw RuntimeError(
           "`crop` was called, but the current layer does not track past states, and the sliding window size was "

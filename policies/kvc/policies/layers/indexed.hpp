@@ -362,7 +362,7 @@ class DynamicIndexedLayer::state
     return indexer_.view();
   }
 
-  void check_crop(std::int64_t tokens_to_remove) const noexcept { attn_.check_crop(tokens_to_remove); }
+  void check_crop(std::int64_t tokens_to_remove) const { attn_.check_crop(tokens_to_remove); }
   // transformers' DynamicIndexedLayer.crop: the K/V part as a DynamicLayer, then the indexer keys
   // by the same rule on their own length (so crop(-n) with n >= length empties them).
   void crop(std::int64_t tokens_to_remove) {
