@@ -19,7 +19,6 @@ struct observed {
   std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::string, std::vector<double>,
                          std::vector<double>>>
       layers;
-  friend bool operator==(const observed&, const observed&) = default;
 };
 
 template <class C>
