@@ -1,7 +1,8 @@
 # package.install: install the current kvc build tree into a scratch prefix, then build and run
 # tests/package/install_consumer against it with find_package(kvc 0.1 REQUIRED).
 # Run with cmake -P; see tests/CMakeLists.txt for the -D variables. Optional: CUDA_COMPILER
-# (and CUDA_HOST_COMPILER) to build the consumer's cuda part too.
+# (and CUDA_HOST_COMPILER) to build the consumer's cuda part too; RUNTIME_BUILD=ON to build and run
+# its kvc::runtime part (else that part is only configured and checked).
 foreach(v KVC_BINARY_DIR KVC_PREFIX CONSUMER_SOURCE CONSUMER_BINARY GENERATOR CXX CONFIG)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "install_test.cmake: -D${v}=... is required")
@@ -40,6 +41,7 @@ execute_process(
                           "-DCMAKE_PREFIX_PATH=${KVC_PREFIX}"
                           "-DKVC_EXPECTED_PREFIX=${KVC_PREFIX}"
                           "-DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON"
+                          "-DKVC_CONSUMER_RUNTIME_BUILD=${RUNTIME_BUILD}"
                           ${cuda_options}
           --test-command "${CMAKE_CTEST_COMMAND}" --output-on-failure -C "${CONFIG}"
   RESULT_VARIABLE rc)
