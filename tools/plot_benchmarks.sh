@@ -137,9 +137,9 @@ if [[ -f $tab/compile_time.dat ]]; then
   n=$(head -n1 "$tab/compile_time.dat" | awk '{ print NF - 1 }')  # compilers: no spaces in their names
   gnuplot <<GNUPLOT
 $common
-set terminal pngcairo size 900,540 font "sans,11" noenhanced
+set terminal pngcairo size 1200,540 font "sans,11" noenhanced
 set output "$out/compile_time.png"
-set title "compile time of one translation unit (-O3 -DNDEBUG -std=gnu++20; CPU time of the compiler)\nfloor: Eigen Core + Tensor only; include: <kvc/kvc.hpp> alone;\nall: <kvc/kvc.hpp> + every ready-made cache and the attention, float and bfloat16"
+set title "compile time of one translation unit (-O2 -DNDEBUG -std=gnu++20; CPU time of the compiler)\nfloor: the headers kvc.hpp includes; include: <kvc/kvc.hpp> alone; all: + every ready-made cache and the attention;\nany_cache / make_cache: AnyCache(make_dynamic_cache) / one make_cache call, header-only and linking kvc::runtime"
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.85 border -1

@@ -20,7 +20,7 @@
 
 #include <kvc/cache.hpp>
 #include <kvc/element_types.hpp>
-#include <kvc/encoder_decoder_cache.hpp>
+#include <kvc/cache_traits.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/tensor.hpp>
 

@@ -13,7 +13,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/policies/offload/file.hpp>
-#include <kvc/policies/offload/host.hpp>
+#include <kvc/policies/offload/pinned_host.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/speculative_caches.hpp>
 #include <kvc/tensor.hpp>

@@ -3,7 +3,7 @@
 // memory. docs/errors.md lists the fix: OffloadToFile for host layers.
 #include <kvc/cache.hpp>
 #include <kvc/policies/offload/file.hpp>
-#include <kvc/policies/offload/host.hpp>
+#include <kvc/policies/offload/pinned_host.hpp>
 
 #include <type_traits>
 

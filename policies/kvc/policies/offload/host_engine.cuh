@@ -4,7 +4,7 @@
 // copied back on a prefetch stream while the current one is updated (transformers'
 // Cache.update with offloading=True on a GPU). Included by <kvc/cuda.hpp>; needs nvcc (CUDA
 // headers).
-// <kvc/policies/offload/host.hpp> declares the policy for host compilers; this file defines the
+// <kvc/policies/offload/pinned_host.hpp> declares the policy for host compilers; this file defines the
 // engine as a partial specialization of detail::offload_to_host_engine. docs/offload.md
 // ("OffloadToHost") describes the protocol and its costs.
 //
@@ -59,7 +59,7 @@
 
 #include <kvc/detail/cuda_runtime.cuh>
 #include <kvc/errors.hpp>
-#include <kvc/policies/offload/host.hpp>
+#include <kvc/policies/offload/pinned_host.hpp>
 #include <kvc/policies/offload/buffers.hpp>
 #include <kvc/policies/offload/selection.hpp>
 #include <kvc/policies/storage/cuda.cuh>
