@@ -1,7 +1,8 @@
 #pragma once
 // kvc::ModelConfig (the fields of a transformers config.json that caches need) and the mapping
 // from a config's layer types to layer kinds (transformers' get_layer_types_and_kwargs and
-// DYNAMIC/STATIC_LAYER_TYPE_MAPPING in cache_utils.py). ModelConfig::from_json / from_file, which
+// DYNAMIC/STATIC_LAYER_TYPE_MAPPING in cache_utils.py; the table itself is <kvc/layer_types.hpp>),
+// and get_head_shapes. ModelConfig::from_json / from_file, which
 // read a real transformers config.json the way its configuration class does
 // (docs/model_configs.md), are defined in <kvc/config_json.hpp> (part of <kvc/runtime.hpp>), so
 // that a translation unit which fills its config in code does not parse a JSON library.
