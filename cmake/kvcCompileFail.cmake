@@ -5,14 +5,15 @@
 # and puts the misuse under `#ifdef KVC_SHOULD_FAIL`. For such a file `x.cpp`,
 # kvc_add_compile_fail_test(x x.cpp) creates
 #   cf_x_ok, cf_x_ko      EXCLUDE_FROM_ALL executables; _ko has KVC_SHOULD_FAIL defined
-#   compile_fail.x.ok     builds cf_x_ok; passes iff the build succeeds
-#   compile_fail.x.ko     builds cf_x_ko; passes iff the build output contains <message>
+#   compile_fail.x.ok     compiles cf_x_ok's source; passes iff the compiler succeeds
+#   compile_fail.x.ko     compiles cf_x_ko's source; passes iff the output contains <message>
 #                         (PASS_REGULAR_EXPRESSION, never WILL_FAIL; the exit code is ignored)
 #                         and no second `error:` (kvcCompileFailRun.cmake counts them: one
 #                         misuse, one error)
-# All tests share RESOURCE_LOCK kvc_compile_fail (they run `cmake --build` on this very
-# build tree) and carry the label `compile_fail`. The source is added to
-# CMAKE_CONFIGURE_DEPENDS, so editing the expectation re-runs cmake.
+# Each test runs the compiler itself, with the target's entry in compile_commands.json (the
+# targets set EXPORT_COMPILE_COMMANDS), so the cases need no build tool and run in parallel.
+# They carry the label `compile_fail`. The source is added to CMAKE_CONFIGURE_DEPENDS, so editing
+# the expectation re-runs cmake.
 include_guard(GLOBAL)
 include(${CMAKE_CURRENT_LIST_DIR}/kvcHelpers.cmake)
 set(kvc_compile_fail_run "${CMAKE_CURRENT_LIST_DIR}/kvcCompileFailRun.cmake")
@@ -55,16 +56,15 @@ function(kvc_add_compile_fail_test name src)
     add_executable(${tgt} EXCLUDE_FROM_ALL "${src}")
     target_link_libraries(${tgt} PRIVATE kvc::kvc)
     kvc_target_warnings(${tgt})
+    set_target_properties(${tgt} PROPERTIES EXPORT_COMPILE_COMMANDS ON)
+    set(expect_success OFF)
     if(k STREQUAL "ok")
-      add_test(NAME compile_fail.${name}.${k}
-               COMMAND ${CMAKE_COMMAND} --build "${CMAKE_BINARY_DIR}" --target ${tgt} --config $<CONFIG>)
-    else()
-      add_test(NAME compile_fail.${name}.${k}
-               COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${CMAKE_BINARY_DIR} -DTARGET=${tgt} -DCONFIG=$<CONFIG>
-                       -P "${kvc_compile_fail_run}")
+      set(expect_success ON)
     endif()
+    add_test(NAME compile_fail.${name}.${k}
+             COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${CMAKE_BINARY_DIR} -DTARGET=${tgt}
+                     -DEXPECT_SUCCESS=${expect_success} -P "${kvc_compile_fail_run}")
     set_tests_properties(compile_fail.${name}.${k} PROPERTIES
-      RESOURCE_LOCK kvc_compile_fail
       LABELS compile_fail
       TIMEOUT 300)
   endforeach()
