@@ -1,7 +1,8 @@
 #pragma once
-// What the offload engines (OffloadToFile, OffloadToHost) share about a layer's buffers: reaching
-// them through the layer state's for_each_buffer, and holding a buffer aside (read back from a
-// tier, or pooled) with a tag that checks it goes back to a buffer of the same type.
+// What the offload engine (offload/engine.hpp) and its tiers share about a layer's buffers:
+// reaching them through the layer state's for_each_buffer (required by kvc::concepts::CacheLayer),
+// and holding a buffer aside (read back from a tier, or pooled) with a tag that checks it goes
+// back to a buffer of the same type.
 
 #include <cstddef>
 #include <cstdint>
@@ -76,6 +77,26 @@ layer_pieces pieces_of(Cache& cache, std::int64_t i) {
   return out;
 }
 
+// Buffers for layer i shaped as `sizes` (bytes of each buffer, for_each_buffer order) says: null
+// for an empty one, else make(std::type_identity<B>{}, elements), which returns a held buffer of
+// type B (newly allocated, or from an engine's pool).
+template <class Cache, class Make>
+held_layer stage_layer(Cache& cache, std::int64_t i, const std::vector<std::int64_t>& sizes, Make&& make) {
+  held_layer out;
+  out.reserve(sizes.size());
+  std::size_t k = 0;
+  for_each_buffer_of(cache, i, [&](auto& b) {
+    using B = std::remove_reference_t<decltype(b)>;
+    const std::int64_t bytes = k < sizes.size() ? sizes[k] : 0;
+    ++k;
+    if (bytes == 0)
+      out.emplace_back();
+    else
+      out.push_back(make(std::type_identity<B>{}, bytes / static_cast<std::int64_t>(sizeof(*b.data()))));
+  });
+  return out;
+}
+
 // Moves `held` (one entry per buffer of layer i, null for an empty one) into layer i's buffers,
 // which must all be empty (an offloaded layer's). False, with nothing moved, when they do not fit:
 // another number of buffers, a buffer of another type, or a layer that is not empty.
@@ -98,6 +119,13 @@ bool install_held(Cache& cache, std::int64_t i, held_layer& held) {
     }
   });
   return true;
+}
+
+// Calls f(bytes, size) for each non-empty held buffer, in order.
+template <class F>
+void for_each_held(const held_layer& held, F&& f) {
+  for (const auto& h : held)
+    if (h) f(h->bytes, h->size);
 }
 
 // An engine's per-cache state, created on first use: copies deep-copy it through Core::clone() (an

@@ -4,15 +4,10 @@
 // Cache.update with offloading=True, with a file as the slow tier instead of CPU memory).
 // docs/offload.md describes the protocol, the error behaviour and the measured cost.
 //
-// The protocol, for `update(k, v, i)`:
-//   before_update(i)  1. write the layer offloaded by the previous update to the file and free its
-//                        buffers (deferred until now, see below);
-//                     2. make layer i resident: take the prefetched copy (waiting for the thread
-//                        if it is still reading), or read it synchronously;
-//                     3. start prefetching offload::prefetch_target(i + 1) on the thread.
-//   after_update(i)   mark layer i to be offloaded, if offload::should_offload(i).
-//   before_access(i)  (crop, reorder_cache, batch ops, reset, stored, ...) make layer i, or every
-//                     layer for -1, resident.
+// When layers move is the offload engine's protocol (<kvc/policies/offload/engine.hpp>, shared with
+// OffloadToHost); this file is its spill-file tier, how the bytes move: the layer offloaded by an
+// update is written to the file at the start of the next call (before_update), its buffers freed,
+// and read back by pread, on the prefetch thread for the layer prefetch_target names.
 //
 // Why the write is deferred: the views `update` returns point into the layer's buffers and must
 // stay valid while attention reads them, and after_update must not throw (the layer has already
@@ -54,6 +49,7 @@
 
 #include <kvc/errors.hpp>
 #include <kvc/policies/offload/buffers.hpp>
+#include <kvc/policies/offload/engine.hpp>
 #include <kvc/policies/offload/selection.hpp>
 #include <kvc/tensor.hpp>
 
@@ -92,12 +88,9 @@ inline OffloadFileOptions& options_storage() {
   return o;
 }
 
-struct counters {
-  std::atomic<std::int64_t> spills{0}, bytes_written{0}, sync_reads{0}, prefetches{0}, prefetch_hits{0},
-      prefetch_waits{0}, prefetches_dropped{0}, bytes_read{0}, spilled_layers{0}, spilled_bytes{0};
-};
-inline counters& totals() {
-  static counters c;
+// The counters of every OffloadToFile engine of the process.
+inline offload_engine::counters& totals() noexcept {
+  static offload_engine::counters c;
   return c;
 }
 
@@ -159,131 +152,135 @@ inline std::string spill_directory(const OffloadFileOptions& o) {
   return "/tmp";
 }
 
-// A buffer of a layer, read back aside (by the prefetch thread or synchronously) before it replaces
-// the layer's empty buffer (offload/buffers.hpp).
-using offload_buffers::buffer_bytes;
-using offload_buffers::for_each_buffer_of;
-using offload_buffers::type_tag;
-using staged_base = offload_buffers::held_base;
-template <class B>
-using staged_buffer = offload_buffers::held_buffer<B>;
-using staged_layer = offload_buffers::held_layer;
+using offload_buffers::held_layer;
 
-// The per-cache state of an OffloadToFile engine.
-class core {
+// The spill-file tier of the offload engine (offload/engine.hpp): one unlinked file per cache,
+// first-fit regions of it per layer, and a thread that reads the prefetched layer.
+class tier {
  public:
-  explicit core(bool only_non_sliding) : only_non_sliding_(only_non_sliding) {}
-  core(const core&) = delete;
-  core& operator=(const core&) = delete;
-  ~core() {
+  struct slot {
+    std::int64_t offset = -1;   // of the layer's region in the file
+    std::int64_t capacity = 0;  // of that region
+  };
+  using record = offload_engine::record<slot>;
+  struct context {};
+  static constexpr const char* name = "kvc::OffloadToFile";
+
+  tier() = default;
+  tier(const tier&) = delete;
+  tier& operator=(const tier&) = delete;
+  ~tier() {
     stop_worker();
-    auto& t = totals();
-    for (const record& r : records_)
-      if (r.spilled) {
-        t.spilled_layers -= 1;
-        t.spilled_bytes -= r.bytes;
-      }
     if (fd_ >= 0) ::close(fd_);
   }
 
-  // A deep copy: the spilled layers' bytes are copied into a new spill file of the copy.
-  std::unique_ptr<core> clone() const {
-    auto out = std::make_unique<core>(only_non_sliding_);
-    out->flags_ = flags_;
-    out->pending_ = pending_;
-    out->records_ = records_;
-    for (record& r : out->records_) {
-      r.offset = -1;
-      r.capacity = 0;
-      r.spilled = false;  // set once its bytes are copied (and counted), so a failed copy uncounts only those
-    }
-    for (std::size_t i = 0; i < records_.size(); ++i) {
-      const record& src = records_[i];
-      if (!src.spilled) continue;
-      record& dst = out->records_[i];
-      out->open_file();
-      const auto [offset, capacity] = out->allocate(src.bytes);
-      dst.offset = offset;
-      dst.capacity = capacity;
-      std::vector<std::byte> chunk(static_cast<std::size_t>(std::min<std::int64_t>(src.bytes, 4 << 20)));
-      for (std::int64_t done = 0; done < src.bytes;) {
-        const auto n = static_cast<std::size_t>(std::min<std::int64_t>(src.bytes - done, std::ssize(chunk)));
-        if (const int err = pread_all(fd_, chunk.data(), n, src.offset + done))
-          throw io_error("copying layer ", static_cast<std::int64_t>(i), src.bytes, "reading", err,
-                         ". The cache was not copied");
-        if (const int err = pwrite_all(out->fd_, chunk.data(), n, offset + done))
-          throw io_error("copying layer ", static_cast<std::int64_t>(i), src.bytes, "writing", err,
-                         ". The cache was not copied");
-        done += static_cast<std::int64_t>(n);
-      }
-      dst.spilled = true;
-      totals().spilled_layers += 1;
-      totals().spilled_bytes += src.bytes;
-    }
-    return out;
-  }
-
-  // ---- the hooks ----------------------------------------------------------------------------
-
-  template <class Cache>
-  void before_update(Cache& cache, std::int64_t idx) {
-    refresh_flags(cache);
-    const std::int64_t target = offload::prefetch_target(idx + 1, flags_, only_non_sliding_);
-    if (pending_ == idx)
-      pending_ = -1;  // updated again before anything else: it just stays resident
-    else
-      flush_pending(cache);
-    make_resident(cache, idx);
-    if (target != idx) start_prefetch(cache, target);
-  }
-
-  template <class Cache>
-  void after_update(Cache& cache, std::int64_t idx) noexcept {
-    try {
-      refresh_flags(cache);
-      if (offload::should_offload(idx, flags_, only_non_sliding_)) pending_ = idx;
-    } catch (...) {
-      // Not offloading is always correct: the layer stays resident.
-    }
-  }
-
-  template <class Cache>
-  void before_access(Cache& cache, std::int64_t idx) {
-    if (idx < 0) {
-      pending_ = -1;  // every layer ends up resident, the pending one included
-      finish_prefetch();
-      const std::int64_t n = std::min<std::int64_t>(std::ssize(records_), cache.size());
-      for (std::int64_t i = 0; i < n; ++i) make_resident(cache, i);
-      return;
-    }
-    if (pending_ == idx) pending_ = -1;
-    make_resident(cache, idx);
-  }
-
-  // ---- observability --------------------------------------------------------------------------
-
-  std::int64_t spilled_layers() const noexcept {
-    return std::count_if(records_.begin(), records_.end(), [](const record& r) { return r.spilled; });
-  }
-  std::int64_t spilled_bytes() const noexcept {
-    std::int64_t n = 0;
-    for (const record& r : records_) n += r.spilled ? r.bytes : 0;
-    return n;
-  }
-  bool is_spilled(std::int64_t i) const noexcept {
-    return i >= 0 && i < std::ssize(records_) && records_[static_cast<std::size_t>(i)].spilled;
-  }
-  std::int64_t pending() const noexcept { return pending_; }
+  static offload_engine::counters& totals() noexcept { return spill::totals(); }
   const std::string& directory() const noexcept { return dir_; }
 
+  // ---- storing ------------------------------------------------------------------------------------
+
+  void begin_store(record&, const offload_buffers::layer_pieces&, context) noexcept {}
+
+  // Writes layer p to the file, then frees its buffers. On an error the layer stays resident.
+  template <class Cache>
+  void store(Cache& cache, std::int64_t p, record& r, const offload_buffers::layer_pieces& pieces, context) {
+    open_file();
+    const bool reuse = r.slot.offset >= 0 && r.slot.capacity >= pieces.total;
+    const auto [offset, capacity] = reuse ? std::pair{r.slot.offset, r.slot.capacity} : allocate(pieces.total);
+    std::int64_t at = offset;
+    for (const auto& [ptr, n] : pieces.pieces) {
+      if (const int err = pwrite_all(fd_, ptr, n, at)) {
+        if (!reuse) release(offset, capacity);
+        throw io_error("offloading layer ", p, pieces.total, "writing", err);
+      }
+      at += static_cast<std::int64_t>(n);
+    }
+    if (drop_page_cache_) drop_pages(offset, pieces.total);
+    if (!reuse) release(std::exchange(r.slot.offset, offset), std::exchange(r.slot.capacity, capacity));
+    offload_buffers::for_each_buffer_of(cache, p, [](auto& b) { b = std::remove_reference_t<decltype(b)>{}; });
+  }
+
+  // ---- reading back -------------------------------------------------------------------------------
+
+  // Empty buffers of the right types and sizes for a spilled layer, to read it into.
+  template <class Cache>
+  held_layer stage(Cache& cache, std::int64_t i, const record& r) const {
+    return offload_buffers::stage_layer(cache, i, r.sizes, []<class B>(std::type_identity<B>, std::int64_t n) {
+      totals().allocations += 1;
+      return std::unique_ptr<offload_buffers::held_base>(std::make_unique<offload_buffers::held_buffer<B>>(n));
+    });
+  }
+
+  void read(std::int64_t i, const record& r, held_layer& staged, context) const {
+    std::int64_t at = r.slot.offset;
+    for (const auto& s : staged) {
+      if (!s) continue;
+      if (const int err = pread_all(fd_, s->bytes, s->size, at))
+        throw io_error("reading back layer ", i, r.bytes, "reading", err,
+                       ". The layer stays in the spill file and the cache is unchanged");
+      at += static_cast<std::int64_t>(s->size);
+    }
+  }
+
+  // Queues the read of a spilled layer on the prefetch thread (started at the first prefetch).
+  bool start_read(const record& r, held_layer&& staged, context) noexcept {
+    if (!worker_.joinable()) {
+      try {
+        worker_ = std::thread([this] { run(); });
+      } catch (...) {
+        return false;  // no thread: the layer will be read synchronously
+      }
+    }
+    {
+      std::lock_guard lock(m_);
+      job_staged_ = std::move(staged);
+      job_offset_ = r.slot.offset;
+      job_bytes_ = r.bytes;
+      job_error_ = 0;
+      job_state_ = job_state::queued;
+    }
+    work_cv_.notify_one();
+    return true;
+  }
+  offload_engine::read_result finish_read(context) {
+    const bool waited = wait_job();
+    if (job_error_ != 0) return offload_engine::read_result::failed;
+    return waited ? offload_engine::read_result::waited : offload_engine::read_result::ready;
+  }
+  held_layer take_read() noexcept {
+    std::lock_guard lock(m_);
+    job_state_ = job_state::idle;
+    return std::move(job_staged_);
+  }
+  void cancel_read() noexcept {
+    wait_job();
+    held_layer dropped = take_read();
+  }
+  void give_back(held_layer& held) noexcept { held.clear(); }
+  void end_of_update() noexcept {}
+  void shutdown() noexcept { stop_worker(); }
+
+  // ---- deep copies ----------------------------------------------------------------------------------
+
+  void prepare_copy_of(const tier&) noexcept {}  // the options are read when the copy's file opens
+
+  // Copies a spilled layer's bytes from `from`'s file into a new region of this one.
+  void copy_slot(const tier& from, const record& src, record& dst, std::int64_t i) {
+    open_file();
+    const auto [offset, capacity] = allocate(src.bytes);
+    dst.slot = {offset, capacity};
+    std::vector<std::byte> chunk(static_cast<std::size_t>(std::min<std::int64_t>(src.bytes, 4 << 20)));
+    for (std::int64_t done = 0; done < src.bytes;) {
+      const auto n = static_cast<std::size_t>(std::min<std::int64_t>(src.bytes - done, std::ssize(chunk)));
+      if (const int err = pread_all(from.fd_, chunk.data(), n, src.slot.offset + done))
+        throw io_error("copying layer ", i, src.bytes, "reading", err, ". The cache was not copied");
+      if (const int err = pwrite_all(fd_, chunk.data(), n, offset + done))
+        throw io_error("copying layer ", i, src.bytes, "writing", err, ". The cache was not copied");
+      done += static_cast<std::int64_t>(n);
+    }
+  }
+
  private:
-  struct record {
-    bool spilled = false;
-    std::int64_t offset = -1;         // of the layer's region in the file
-    std::int64_t capacity = 0;        // of that region
-    std::int64_t bytes = 0;           // of the layer's buffers, laid out one after the other
-    std::vector<std::int64_t> sizes;  // bytes of each buffer, in for_each_buffer order
-  };
   enum class job_state { idle, queued, running, done };
 
   // ---- errors ---------------------------------------------------------------------------------
@@ -380,52 +377,6 @@ class core {
     }
   }
 
-  // ---- flags ----------------------------------------------------------------------------------
-
-  template <class Cache>
-  void refresh_flags(Cache& cache) {
-    if (flags_.size() == cache.size() && std::ssize(records_) >= cache.size()) return;
-    offload::layer_flags f{cache.is_linear(), cache.is_sliding()};
-    if (std::ssize(records_) < cache.size()) records_.resize(static_cast<std::size_t>(cache.size()));
-    flags_ = std::move(f);
-  }
-
-  // ---- spilling -------------------------------------------------------------------------------
-
-  // Writes the pending layer to the file and frees its buffers. On error the layer stays resident.
-  template <class Cache>
-  void flush_pending(Cache& cache) {
-    const std::int64_t p = std::exchange(pending_, -1);
-    if (p < 0 || p >= cache.size() || p >= std::ssize(records_)) return;
-    record& r = records_[static_cast<std::size_t>(p)];
-    if (r.spilled) return;
-    auto [pieces, sizes, total] = offload_buffers::pieces_of(cache, p);
-    if (total == 0) return;  // nothing to move (an uninitialized layer, or no buffers at all)
-    open_file();
-    const bool reuse = r.offset >= 0 && r.capacity >= total;
-    const auto [offset, capacity] = reuse ? std::pair{r.offset, r.capacity} : allocate(total);
-    std::int64_t at = offset;
-    for (const auto& [ptr, n] : pieces) {
-      if (const int err = pwrite_all(fd_, ptr, n, at)) {
-        if (!reuse) release(offset, capacity);
-        throw io_error("offloading layer ", p, total, "writing", err);
-      }
-      at += static_cast<std::int64_t>(n);
-    }
-    if (drop_page_cache_) drop_pages(offset, total);
-    if (!reuse) release(std::exchange(r.offset, offset), std::exchange(r.capacity, capacity));
-    // Committed: nothing below throws.
-    r.sizes = std::move(sizes);
-    r.bytes = total;
-    r.spilled = true;
-    for_each_buffer_of(cache, p, [](auto& b) { b = std::remove_reference_t<decltype(b)>{}; });
-    auto& t = totals();
-    t.spills += 1;
-    t.bytes_written += total;
-    t.spilled_layers += 1;
-    t.spilled_bytes += total;
-  }
-
   void drop_pages(std::int64_t offset, std::int64_t n) noexcept {
 #if defined(__linux__)
     (void)::sync_file_range(fd_, offset, n,
@@ -438,115 +389,15 @@ class core {
 #endif
   }
 
-  // Empty buffers of the right sizes for a spilled layer, to read it into.
-  template <class Cache>
-  staged_layer stage(Cache& cache, std::int64_t i) const {
-    const record& r = records_[static_cast<std::size_t>(i)];
-    staged_layer out;
-    out.reserve(r.sizes.size());
-    std::size_t k = 0;
-    for_each_buffer_of(cache, i, [&](auto& b) {
-      using B = std::remove_reference_t<decltype(b)>;
-      const std::int64_t n = k < r.sizes.size() ? r.sizes[k] : 0;
-      ++k;
-      if (n == 0)
-        out.emplace_back();
-      else
-        out.emplace_back(std::make_unique<staged_buffer<B>>(n / static_cast<std::int64_t>(sizeof(*b.data()))));
-    });
-    return out;
-  }
-
-  // Moves staged buffers into the layer's (empty) buffers. False if they do not fit the layer.
-  template <class Cache>
-  bool install(Cache& cache, std::int64_t i, staged_layer& staged) {
-    if (!offload_buffers::install_held(cache, i, staged)) return false;
-    record& r = records_[static_cast<std::size_t>(i)];
-    r.spilled = false;
-    auto& t = totals();
-    t.spilled_layers -= 1;
-    t.spilled_bytes -= r.bytes;
-    return true;
-  }
-
-  template <class Cache>
-  void make_resident(Cache& cache, std::int64_t i) {
-    if (!is_spilled(i)) return;
-    const record& r = records_[static_cast<std::size_t>(i)];
-    if (job_layer_ == i) {
-      const bool waited = wait_job();
-      const int err = job_error_;
-      staged_layer staged = take_job();
-      if (err == 0 && install(cache, i, staged)) {
-        totals().prefetch_hits += 1;
-        if (waited) totals().prefetch_waits += 1;
-        return;
-      }
-      totals().prefetches_dropped += 1;  // fall back to a synchronous read, which reports the error
-    }
-    staged_layer staged = stage(cache, i);
-    std::int64_t at = r.offset;
-    for (const auto& s : staged) {
-      if (!s) continue;
-      if (const int err = pread_all(fd_, s->bytes, s->size, at))
-        throw io_error("reading back layer ", i, r.bytes, "reading", err,
-                       ". The layer stays in the spill file and the cache is unchanged");
-      at += static_cast<std::int64_t>(s->size);
-    }
-    if (!install(cache, i, staged))
-      throw RuntimeError("kvc::OffloadToFile: internal error: a layer's buffers changed while it was spilled");
-    totals().sync_reads += 1;
-    totals().bytes_read += r.bytes;
-  }
-
-  // ---- the prefetch thread ------------------------------------------------------------------
-
-  template <class Cache>
-  void start_prefetch(Cache& cache, std::int64_t target) {
-    if (!is_spilled(target) || job_layer_ == target) return;
-    finish_prefetch();  // at most one layer staged at a time
-    staged_layer staged = stage(cache, target);
-    if (!worker_.joinable()) {
-      try {
-        worker_ = std::thread([this] { run(); });
-      } catch (const std::system_error&) {
-        return;  // no thread: the layer will be read synchronously
-      }
-    }
-    {
-      std::lock_guard lock(m_);
-      job_staged_ = std::move(staged);
-      job_offset_ = records_[static_cast<std::size_t>(target)].offset;
-      job_bytes_ = records_[static_cast<std::size_t>(target)].bytes;
-      job_error_ = 0;
-      job_state_ = job_state::queued;
-      job_layer_ = target;
-    }
-    work_cv_.notify_one();
-    totals().prefetches += 1;
-  }
+  // ---- the prefetch thread ----------------------------------------------------------------
 
   // Waits for the job in flight, if any; true if it had not finished yet.
-  bool wait_job() {
+  bool wait_job() noexcept {
     std::unique_lock lock(m_);
     const bool waited = job_state_ != job_state::done;
     done_cv_.wait(lock, [&] { return job_state_ == job_state::done || job_state_ == job_state::idle; });
     return waited;
   }
-  staged_layer take_job() {
-    std::lock_guard lock(m_);
-    job_state_ = job_state::idle;
-    job_layer_ = -1;
-    return std::move(job_staged_);
-  }
-  // Drops the staged layer (waiting for its read first).
-  void finish_prefetch() {
-    if (job_layer_ < 0) return;
-    wait_job();
-    staged_layer dropped = take_job();
-    totals().prefetches_dropped += 1;
-  }
-
   // The prefetch thread allocates nothing (an exception escaping it would end the process): it
   // reads into the staged buffers the caller's thread allocated. While the job runs, the caller's
   // thread does not touch job_staged_ (it waits for job_state::done first).
@@ -584,29 +435,26 @@ class core {
     worker_.join();
   }
 
-  bool only_non_sliding_;
-  offload::layer_flags flags_;
-  std::vector<record> records_;
-  std::int64_t pending_ = -1;
-
   int fd_ = -1;
   std::string dir_;
   bool drop_page_cache_ = false;
   std::map<std::int64_t, std::int64_t> free_;  // offset -> size of freed regions
   std::int64_t end_ = 0;
 
-  // The prefetch job. job_layer_ is only touched by the caller's thread; the rest under m_.
+  // The prefetch job, under m_ (the caller's thread does not touch job_staged_ while the job runs).
   std::thread worker_;
   std::mutex m_;
   std::condition_variable work_cv_, done_cv_;
   bool stop_ = false;
   job_state job_state_ = job_state::idle;
-  std::int64_t job_layer_ = -1;
-  staged_layer job_staged_;
+  held_layer job_staged_;
   std::int64_t job_offset_ = 0;
   std::int64_t job_bytes_ = 0;
   int job_error_ = 0;
 };
+
+// The per-cache state of an OffloadToFile engine.
+using core = offload_engine::core<tier>;
 
 }  // namespace detail::spill
 
@@ -624,23 +472,18 @@ inline OffloadFileOptions offload_file_options() {
 // event counters (spilled_layers and spilled_bytes describe the present and are kept).
 inline OffloadFileStats offload_file_stats() noexcept {
   const auto& c = detail::spill::totals();
-  return {c.spills.load(),         c.bytes_written.load(),  c.sync_reads.load(),         c.prefetches.load(),
-          c.prefetch_hits.load(),  c.prefetch_waits.load(), c.prefetches_dropped.load(), c.bytes_read.load(),
-          c.spilled_layers.load(), c.spilled_bytes.load()};
+  return {c.stores.load(),        c.bytes_stored.load(),   c.sync_reads.load(),         c.prefetches.load(),
+          c.prefetch_hits.load(), c.prefetch_waits.load(), c.prefetches_dropped.load(), c.bytes_read.load(),
+          c.away_layers.load(),   c.away_bytes.load()};
 }
-inline void reset_offload_file_stats() noexcept {
-  auto& c = detail::spill::totals();
-  for (auto* a : {&c.spills, &c.bytes_written, &c.sync_reads, &c.prefetches, &c.prefetch_hits, &c.prefetch_waits,
-                  &c.prefetches_dropped, &c.bytes_read})
-    a->store(0);
-}
+inline void reset_offload_file_stats() noexcept { detail::spill::totals().reset_events(); }
 
 // Bytes of buffers layer `layer_idx` holds in memory now (0 while it is spilled).
 template <class Cache>
 std::int64_t layer_ram_bytes(Cache& cache, std::int64_t layer_idx) {
   std::int64_t n = 0;
-  detail::spill::for_each_buffer_of(cache, layer_idx,
-                                    [&](auto& b) { n += static_cast<std::int64_t>(detail::spill::buffer_bytes(b)); });
+  detail::offload_buffers::for_each_buffer_of(
+      cache, layer_idx, [&](auto& b) { n += static_cast<std::int64_t>(detail::offload_buffers::buffer_bytes(b)); });
   return n;
 }
 // Bytes of buffers every layer holds in memory now.
@@ -668,23 +511,24 @@ struct OffloadToFile {
    public:
     template <class Cache>
     void before_update(Cache& cache, std::int64_t layer_idx) {
-      core_.get(OnlyNonSliding).before_update(cache, layer_idx);
+      core_.get(OnlyNonSliding).before_update(cache, layer_idx, context{});
     }
     template <class Cache>
     void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
-      if (core_) core_->after_update(cache, layer_idx);
+      if (core_) core_->after_update(cache, layer_idx, context{});
     }
     template <class Cache>
     void before_access(Cache& cache, std::int64_t layer_idx) {
-      if (core_) core_->before_access(cache, layer_idx);
+      if (core_) core_->before_access(cache, layer_idx, context{});
     }
 
     // Observability (tests, benchmarks).
-    std::int64_t spilled_layers() const noexcept { return core_ ? core_->spilled_layers() : 0; }
-    std::int64_t spilled_bytes() const noexcept { return core_ ? core_->spilled_bytes() : 0; }
-    bool is_spilled(std::int64_t layer_idx) const noexcept { return core_ && core_->is_spilled(layer_idx); }
+    std::int64_t spilled_layers() const noexcept { return core_ ? core_->away_layers() : 0; }
+    std::int64_t spilled_bytes() const noexcept { return core_ ? core_->away_bytes() : 0; }
+    bool is_spilled(std::int64_t layer_idx) const noexcept { return core_ && core_->is_away(layer_idx); }
 
    private:
+    using context = detail::spill::tier::context;
     detail::offload_buffers::cloned_core<detail::spill::core> core_;
   };
 };

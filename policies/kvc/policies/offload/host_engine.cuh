@@ -14,7 +14,8 @@
 // the engine). Every hand-over between them is a recorded event and cudaStreamWaitEvent, never a
 // host synchronisation on the hot path.
 //
-// The protocol, for `update(k, v, i)`:
+// The offload engine's protocol (<kvc/policies/offload/engine.hpp>, shared with OffloadToFile), as
+// this tier carries it out, for `update(k, v, i)`:
 //   before_update(i)  1. commit the layer p offloaded by the previous update: its device->host copy
 //                        was queued at after_update(p); now the offload stream waits for the
 //                        compute stream (which still reads p through the views update(p)
@@ -61,6 +62,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/policies/offload/pinned_host.hpp>
 #include <kvc/policies/offload/buffers.hpp>
+#include <kvc/policies/offload/engine.hpp>
 #include <kvc/policies/offload/selection.hpp>
 #include <kvc/policies/storage/cuda.cuh>
 
@@ -85,13 +87,9 @@ struct OffloadHostStats {
 
 namespace detail::pinned {
 
-struct counters {
-  std::atomic<std::int64_t> offloads{0}, bytes_offloaded{0}, offloads_dropped{0}, prefetches{0}, prefetch_hits{0},
-      prefetches_dropped{0}, sync_loads{0}, bytes_loaded{0}, device_allocations{0}, pool_reuses{0}, offloaded_layers{0},
-      offloaded_bytes{0};
-};
-inline counters& totals() {
-  static counters c;
+// The counters of every OffloadToHost engine of the process.
+inline offload_engine::counters& totals() noexcept {
+  static offload_engine::counters c;
   return c;
 }
 
@@ -178,209 +176,71 @@ class event_handle {
   cudaEvent_t e_ = nullptr;
 };
 
-// ---- type-erased device buffers ------------------------------------------------------------------
+// ---- the tier ------------------------------------------------------------------------------------
 
-// A device buffer of a layer's buffer type B, held by the engine (pool, prefetch): the tag checks
-// that it goes back to a buffer of the same type, `count` that it has the same length
-// (offload/buffers.hpp, shared with OffloadToFile).
 using offload_buffers::buffer_bytes;
 using offload_buffers::for_each_buffer_of;
-using offload_buffers::has_buffers;
 using offload_buffers::held_base;
 using offload_buffers::held_buffer;
 using offload_buffers::held_layer;
 using offload_buffers::type_tag;
 
-// ---- the per-cache state ---------------------------------------------------------------------------
-
-class core {
+// The pinned-host tier of the offload engine (offload/engine.hpp): one pinned block per offloaded
+// layer, copies on the engine's own stream, ordered against the compute stream by events, and a
+// pool of device buffers (of the types and sizes of offloaded layers) reused by prefetches.
+class tier {
  public:
-  explicit core(bool only_non_sliding) : only_non_sliding_(only_non_sliding) {}
-  core(const core&) = delete;
-  core& operator=(const core&) = delete;
-  ~core() {
-    // Copies in flight read or write the pinned blocks and the held buffers: let them finish.
-    if (cudaStream_t s = stream_.peek()) (void)cudaStreamSynchronize(s);
-    auto& t = totals();
-    for (const record& r : records_)
-      if (r.offloaded) {
-        t.offloaded_layers -= 1;
-        t.offloaded_bytes -= r.bytes;
-      }
-    job_.clear();
-    pool_.clear();
-    records_.clear();
-  }
-
-  // A deep copy: offloaded layers' bytes are copied into new pinned blocks. The copy has no
-  // pending offload (that layer is resident, and so copied by the Cache) and no prefetch.
-  std::unique_ptr<core> clone() const {
-    if (cudaStream_t s = stream_.peek())
-      cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (copying a cache with kvc::OffloadToHost)");
-    auto out = std::make_unique<core>(only_non_sliding_);
-    out->flags_ = flags_;
-    out->max_layer_bytes_ = max_layer_bytes_;
-    out->records_.resize(records_.size());
-    for (std::size_t i = 0; i < records_.size(); ++i) {
-      const record& src = records_[i];
-      record& dst = out->records_[i];
-      if (!src.offloaded) continue;
-      dst.host = host_block(static_cast<std::size_t>(src.bytes));
-      std::memcpy(dst.host.data(), src.host.data(), static_cast<std::size_t>(src.bytes));
-      dst.sizes = src.sizes;
-      dst.bytes = src.bytes;
-    }
-    // Committed only now, so that a failure above leaves the counters right.
-    for (record& r : out->records_)
-      if (r.bytes > 0 && r.host.size() > 0) {
-        r.offloaded = true;
-        totals().offloaded_layers += 1;
-        totals().offloaded_bytes += r.bytes;
-      }
-    return out;
-  }
-
-  // ---- the hooks ----------------------------------------------------------------------------
-
-  template <class Cache>
-  void before_update(Cache& cache, std::int64_t idx, cudaStream_t compute) {
-    refresh_flags(cache);
-    const std::int64_t target = offload::prefetch_target(idx + 1, flags_, only_non_sliding_);
-    if (pending_ == idx) {
-      pending_ = -1;  // updated again before anything else: it just stays resident
-      totals().offloads_dropped += 1;
-    } else {
-      commit_pending(cache, compute);
-    }
-    make_resident(cache, idx, compute);
-    if (target != idx) start_prefetch(cache, target);
-    trim_pool();
-  }
-
-  template <class Cache>
-  void after_update(Cache& cache, std::int64_t idx, cudaStream_t compute) noexcept {
-    try {
-      refresh_flags(cache);
-      if (offload::should_offload(idx, flags_, only_non_sliding_)) start_offload(cache, idx, compute);
-    } catch (...) {
-      pending_ = -1;  // not offloading is always correct: the layer stays resident
-    }
-  }
-
-  template <class Cache>
-  void before_access(Cache& cache, std::int64_t idx, cudaStream_t compute) {
-    if (idx < 0) {
-      drop_pending();  // every layer ends up resident, the pending one included
-      const std::int64_t n = std::min<std::int64_t>(std::ssize(records_), cache.size());
-      for (std::int64_t i = 0; i < n; ++i) make_resident(cache, i, compute);
-      drop_prefetch();
-      return;
-    }
-    if (pending_ == idx) drop_pending();
-    make_resident(cache, idx, compute);
-  }
-
-  // ---- observability --------------------------------------------------------------------------
-
-  bool is_offloaded(std::int64_t i) const noexcept {
-    return i >= 0 && i < std::ssize(records_) && records_[static_cast<std::size_t>(i)].offloaded;
-  }
-  std::int64_t offloaded_layers() const noexcept {
-    return std::count_if(records_.begin(), records_.end(), [](const record& r) { return r.offloaded; });
-  }
-  std::int64_t pending() const noexcept { return pending_; }
-  std::int64_t prefetching() const noexcept { return job_layer_; }
-  std::int64_t pinned_bytes() const noexcept {
-    std::int64_t n = 0;
-    for (const record& r : records_) n += static_cast<std::int64_t>(r.host.size());
-    return n;
-  }
-  std::int64_t pool_bytes() const noexcept {
-    std::int64_t n = 0;
-    for (const auto& h : pool_) n += static_cast<std::int64_t>(h->size);
-    return n;
-  }
-  cudaStream_t offload_stream() const noexcept { return stream_.peek(); }
-
- private:
-  struct record {
-    bool offloaded = false;
-    host_block host;                  // pinned; the layer's buffers one after the other
-    std::int64_t bytes = 0;           // of the layer's buffers
-    std::vector<std::int64_t> sizes;  // bytes of each buffer, in for_each_buffer order
+  struct slot {
+    host_block host;  // pinned; the layer's buffers one after the other (kept while resident again)
   };
+  using record = offload_engine::record<slot>;
+  struct context {
+    cudaStream_t compute;  // the storage's stream (CudaStorage<T, Stream>::stream())
+  };
+  static constexpr const char* name = "kvc::OffloadToHost";
 
-  template <class Cache>
-  void refresh_flags(Cache& cache) {
-    if (flags_.size() == cache.size() && std::ssize(records_) >= cache.size()) return;
-    offload::layer_flags f{cache.is_linear(), cache.is_sliding()};
-    if (std::ssize(records_) < cache.size()) records_.resize(static_cast<std::size_t>(cache.size()));
-    flags_ = std::move(f);
-  }
+  tier() = default;
+  tier(const tier&) = delete;
+  tier& operator=(const tier&) = delete;
 
-  void drop_pending() noexcept {
-    if (std::exchange(pending_, -1) >= 0) totals().offloads_dropped += 1;
-  }
+  static offload_engine::counters& totals() noexcept { return pinned::totals(); }
 
-  // ---- offloading -------------------------------------------------------------------------------
+  // ---- storing ------------------------------------------------------------------------------------
 
   // Queues the copy of layer p to its pinned block on the offload stream, after the update queued
-  // on the compute stream. The layer stays resident; commit_pending frees it at the next call.
-  template <class Cache>
-  void start_offload(Cache& cache, std::int64_t p, cudaStream_t compute) {
-    pending_ = -1;
-    if (p < 0 || p >= std::ssize(records_)) return;
-    record& r = records_[static_cast<std::size_t>(p)];
-    if (r.offloaded) return;
-    auto [pieces, sizes, total] = offload_buffers::pieces_of(cache, p);
-    if (total == 0) return;  // nothing to move (an uninitialized layer, or no buffers at all)
+  // on the compute stream. The layer stays resident; store() frees it at the next call.
+  void begin_store(record& r, const offload_buffers::layer_pieces& pieces, context ctx) {
     const cudaStream_t s = stream_.get();
-    if (r.host.size() < static_cast<std::size_t>(total)) {
-      host_block grown(static_cast<std::size_t>(total));
+    if (r.slot.host.size() < static_cast<std::size_t>(pieces.total)) {
+      host_block grown(static_cast<std::size_t>(pieces.total));
       // The old block may still be read by a copy in flight (a prefetch of this layer).
       cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (growing a pinned block of kvc::OffloadToHost)");
-      r.host = std::move(grown);
+      r.slot.host = std::move(grown);
     }
-    ev_offload_.order(compute, s, "cudaEventRecord/cudaStreamWaitEvent (offloading a layer after its update)");
+    ev_offload_.order(ctx.compute, s, "cudaEventRecord/cudaStreamWaitEvent (offloading a layer after its update)");
     std::size_t at = 0;
-    for (const auto& [ptr, n] : pieces) {
+    for (const auto& [ptr, n] : pieces.pieces) {
       if (n > 0)
-        cuda_check(cudaMemcpyAsync(r.host.data() + at, ptr, n, cudaMemcpyDeviceToHost, s),
+        cuda_check(cudaMemcpyAsync(r.slot.host.data() + at, ptr, n, cudaMemcpyDeviceToHost, s),
                    "cudaMemcpyAsync (device to pinned host, offloading a layer)");
       at += n;
     }
-    r.sizes = std::move(sizes);
-    r.bytes = total;
-    max_layer_bytes_ = std::max(max_layer_bytes_, total);
-    pending_ = p;
+    max_layer_bytes_ = std::max(max_layer_bytes_, pieces.total);
   }
 
-  // The previous update's layer leaves device memory: its buffers go to the pool once the offload
-  // stream has waited for the compute stream (the caller's reads of its views come before this call).
+  // The layer leaves device memory: its buffers go to the pool once the offload stream has waited
+  // for the compute stream (the caller's reads of its views come before this call).
   template <class Cache>
-  void commit_pending(Cache& cache, cudaStream_t compute) {
-    const std::int64_t p = std::exchange(pending_, -1);
-    if (p < 0 || p >= cache.size() || p >= std::ssize(records_)) return;
-    record& r = records_[static_cast<std::size_t>(p)];
-    if (r.offloaded) return;
-    // The buffers must still be those that were copied.
+  void store(Cache& cache, std::int64_t p, record&, const offload_buffers::layer_pieces&, context ctx) {
     held_layer out;
-    std::size_t k = 0;
-    bool same = true;
     for_each_buffer_of(cache, p, [&](auto& b) {
       using B = std::remove_reference_t<decltype(b)>;
-      if (k >= r.sizes.size() || static_cast<std::int64_t>(buffer_bytes(b)) != r.sizes[k]) same = false;
-      ++k;
       out.push_back(b.size() > 0 ? std::make_unique<held_buffer<B>>() : nullptr);
     });
-    if (!same || k != r.sizes.size()) {
-      totals().offloads_dropped += 1;
-      return;
-    }
     pool_.reserve(pool_.size() + out.size());
-    ev_release_.order(compute, stream_.get(), "cudaEventRecord/cudaStreamWaitEvent (releasing an offloaded layer)");
+    ev_release_.order(ctx.compute, stream_.get(), "cudaEventRecord/cudaStreamWaitEvent (releasing an offloaded layer)");
     // Committed: nothing below throws.
-    k = 0;
+    std::size_t k = 0;
     for_each_buffer_of(cache, p, [&](auto& b) {
       using B = std::remove_reference_t<decltype(b)>;
       if (auto& h = out[k++]) {
@@ -390,132 +250,56 @@ class core {
         pool_.push_back(std::move(h));
       }
     });
-    r.offloaded = true;
-    auto& t = totals();
-    t.offloads += 1;
-    t.bytes_offloaded += r.bytes;
-    t.offloaded_layers += 1;
-    t.offloaded_bytes += r.bytes;
   }
 
-  // ---- loading ------------------------------------------------------------------------------------
+  // ---- reading back -------------------------------------------------------------------------------
 
   // Device buffers of the right types and sizes for offloaded layer i: from the pool, else new.
   template <class Cache>
-  held_layer stage(Cache& cache, std::int64_t i) {
-    const record& r = records_[static_cast<std::size_t>(i)];
-    held_layer out;
-    out.reserve(r.sizes.size());
-    std::size_t k = 0;
-    for_each_buffer_of(cache, i, [&](auto& b) {
-      using B = std::remove_reference_t<decltype(b)>;
-      const std::int64_t bytes = k < r.sizes.size() ? r.sizes[k] : 0;
-      ++k;
-      if (bytes == 0) {
-        out.emplace_back();
-        return;
-      }
-      const std::int64_t n = bytes / static_cast<std::int64_t>(sizeof(*b.data()));
-      const auto it = std::find_if(pool_.begin(), pool_.end(),
-                                   [&](const auto& h) { return h->tag == &type_tag<B> && h->count == n; });
-      if (it != pool_.end()) {
-        out.push_back(std::move(*it));
-        pool_.erase(it);
-        totals().pool_reuses += 1;
-      } else {
-        out.push_back(std::make_unique<held_buffer<B>>(n));
-        totals().device_allocations += 1;
-      }
-    });
-    return out;
+  held_layer stage(Cache& cache, std::int64_t i, const record& r) {
+    return offload_buffers::stage_layer(
+        cache, i, r.sizes, [&]<class B>(std::type_identity<B>, std::int64_t n) -> std::unique_ptr<held_base> {
+          const auto it = std::find_if(pool_.begin(), pool_.end(),
+                                       [&](const auto& h) { return h->tag == &type_tag<B> && h->count == n; });
+          if (it != pool_.end()) {
+            std::unique_ptr<held_base> h = std::move(*it);
+            pool_.erase(it);
+            totals().pool_reuses += 1;
+            return h;
+          }
+          totals().allocations += 1;
+          return std::make_unique<held_buffer<B>>(n);
+        });
   }
 
-  // Queues the host->device copies of layer i into `staged` on the offload stream.
-  void load(std::int64_t i, const held_layer& staged, cudaStream_t s) {
-    const record& r = records_[static_cast<std::size_t>(i)];
-    std::size_t at = 0;
-    for (const auto& h : staged) {
-      if (!h) continue;
-      cuda_check(cudaMemcpyAsync(h->bytes, r.host.data() + at, h->size, cudaMemcpyHostToDevice, s),
-                 "cudaMemcpyAsync (pinned host to device, bringing back an offloaded layer)");
-      at += h->size;
-    }
-  }
-
-  // Moves staged buffers into layer i's (empty) buffers. False if they do not fit the layer.
-  template <class Cache>
-  bool install(Cache& cache, std::int64_t i, held_layer& staged) {
-    if (!offload_buffers::install_held(cache, i, staged)) return false;
-    record& r = records_[static_cast<std::size_t>(i)];
-    r.offloaded = false;
-    auto& t = totals();
-    t.offloaded_layers -= 1;
-    t.offloaded_bytes -= r.bytes;
-    return true;
-  }
-
-  template <class Cache>
-  void make_resident(Cache& cache, std::int64_t i, cudaStream_t compute) {
-    if (!is_offloaded(i)) return;
-    if (job_layer_ == i) {
-      ev_prefetch_.wait(compute, "cudaStreamWaitEvent (the compute stream waiting for a prefetch)");
-      if (install(cache, i, job_)) {
-        job_layer_ = -1;
-        job_.clear();
-        totals().prefetch_hits += 1;
-        return;
-      }
-      drop_prefetch();  // cannot happen; fall back to a synchronous load
-    }
+  // Copies layer i back now: the copies on the offload stream, the compute stream waits for them.
+  void read(std::int64_t, const record& r, held_layer& staged, context ctx) {
     const cudaStream_t s = stream_.get();
-    held_layer staged = stage(cache, i);
-    try {
-      load(i, staged, s);
-      ev_load_.order(s, compute, "cudaEventRecord/cudaStreamWaitEvent (the compute stream waiting for a load)");
-    } catch (...) {
-      give_back(staged);
-      throw;
-    }
-    const std::int64_t bytes = records_[static_cast<std::size_t>(i)].bytes;
-    if (!install(cache, i, staged))
-      throw RuntimeError("kvc::OffloadToHost: internal error: a layer's buffers changed while it was offloaded");
-    totals().sync_loads += 1;
-    totals().bytes_loaded += bytes;
+    load(r, staged, s);
+    ev_load_.order(s, ctx.compute, "cudaEventRecord/cudaStreamWaitEvent (the compute stream waiting for a load)");
   }
 
-  // ---- prefetching --------------------------------------------------------------------------------
-
-  // Starts copying layer `target` back on the offload stream. Never throws: a prefetch is only an
-  // optimisation, and the layer is loaded (reporting the error) when it is needed.
-  template <class Cache>
-  void start_prefetch(Cache& cache, std::int64_t target) noexcept {
-    if (!is_offloaded(target) || job_layer_ == target) return;
-    drop_prefetch();  // at most one layer staged at a time
+  // Starts copying a layer back on the offload stream, with an event at its end.
+  bool start_read(const record& r, held_layer&& staged, context) noexcept {
     try {
       const cudaStream_t s = stream_.get();
-      held_layer staged = stage(cache, target);
-      try {
-        load(target, staged, s);
-        ev_prefetch_.record(s, "cudaEventRecord (the end of a prefetch)");
-      } catch (...) {
-        give_back(staged);
-        throw;
-      }
-      job_ = std::move(staged);
-      job_layer_ = target;
-      totals().prefetches += 1;
-      totals().bytes_loaded += records_[static_cast<std::size_t>(target)].bytes;
+      load(r, staged, s);
+      ev_prefetch_.record(s, "cudaEventRecord (the end of a prefetch)");
     } catch (...) {
-      totals().prefetches_dropped += 1;
+      give_back(staged);
+      return false;
     }
+    job_ = std::move(staged);
+    totals().bytes_read += r.bytes;
+    return true;
   }
-
-  void drop_prefetch() noexcept {
-    if (job_layer_ < 0) return;
-    give_back(job_);
-    job_layer_ = -1;
-    totals().prefetches_dropped += 1;
+  // The compute stream waits for the prefetch (no host synchronisation).
+  offload_engine::read_result finish_read(context ctx) {
+    ev_prefetch_.wait(ctx.compute, "cudaStreamWaitEvent (the compute stream waiting for a prefetch)");
+    return offload_engine::read_result::ready;
   }
+  held_layer take_read() noexcept { return std::move(job_); }
+  void cancel_read() noexcept { give_back(job_); }
 
   // Returns held buffers to the pool (only the offload stream writes them, in stream order).
   void give_back(held_layer& held) noexcept {
@@ -532,7 +316,7 @@ class core {
 
   // Keeps the pool within two layers' worth of bytes, freeing the oldest buffers first. cudaFree
   // synchronises the device, so this only happens when layer sizes change.
-  void trim_pool() noexcept {
+  void end_of_update() noexcept {
     std::int64_t total = pool_bytes();
     const std::int64_t limit = 2 * max_layer_bytes_;
     std::size_t drop = 0;
@@ -540,20 +324,55 @@ class core {
     if (drop > 0) pool_.erase(pool_.begin(), pool_.begin() + static_cast<std::ptrdiff_t>(drop));
   }
 
-  bool only_non_sliding_;
-  offload::layer_flags flags_;
-  std::vector<record> records_;
-  std::int64_t pending_ = -1;  // offloaded by the last update, freed at the next call
-  std::int64_t max_layer_bytes_ = 0;
+  // Copies in flight read or write the pinned blocks and the held buffers: let them finish.
+  void shutdown() noexcept {
+    if (cudaStream_t s = stream_.peek()) (void)cudaStreamSynchronize(s);
+  }
 
-  // The destructor synchronises the stream, then frees the blocks and buffers explicitly.
+  // ---- deep copies ----------------------------------------------------------------------------------
+
+  void prepare_copy_of(const tier& from) {
+    if (cudaStream_t s = from.stream_.peek())
+      cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize (copying a cache with kvc::OffloadToHost)");
+    max_layer_bytes_ = from.max_layer_bytes_;
+  }
+  void copy_slot(const tier&, const record& src, record& dst, std::int64_t) {
+    dst.slot.host = host_block(static_cast<std::size_t>(src.bytes));
+    std::memcpy(dst.slot.host.data(), src.slot.host.data(), static_cast<std::size_t>(src.bytes));
+  }
+
+  // ---- observability ------------------------------------------------------------------------------
+
+  std::int64_t pool_bytes() const noexcept {
+    std::int64_t n = 0;
+    for (const auto& h : pool_) n += static_cast<std::int64_t>(h->size);
+    return n;
+  }
+  cudaStream_t offload_stream() const noexcept { return stream_.peek(); }
+
+ private:
+  // Queues the host->device copies of a layer into `staged` on stream s.
+  static void load(const record& r, const held_layer& staged, cudaStream_t s) {
+    std::size_t at = 0;
+    for (const auto& h : staged) {
+      if (!h) continue;
+      cuda_check(cudaMemcpyAsync(h->bytes, r.slot.host.data() + at, h->size, cudaMemcpyHostToDevice, s),
+                 "cudaMemcpyAsync (pinned host to device, bringing back an offloaded layer)");
+      at += h->size;
+    }
+  }
+
+  std::int64_t max_layer_bytes_ = 0;
+  // Destroyed in reverse order: the pool and the job's buffers first, then the events and the
+  // stream (the engine's shutdown() has waited for the stream before).
   stream_handle stream_;
   event_handle ev_offload_, ev_release_, ev_prefetch_, ev_load_;
-
-  std::int64_t job_layer_ = -1;  // the layer being prefetched into job_
-  held_layer job_;
+  held_layer job_;  // the prefetched layer's buffers
   std::vector<std::unique_ptr<held_base>> pool_;
 };
+
+// The per-cache state of an OffloadToHost engine.
+using core = offload_engine::core<tier>;
 
 }  // namespace detail::pinned
 
@@ -561,17 +380,11 @@ class core {
 // event counters (offloaded_layers and offloaded_bytes describe the present and are kept).
 inline OffloadHostStats offload_host_stats() noexcept {
   const auto& c = detail::pinned::totals();
-  return {c.offloads.load(),    c.bytes_offloaded.load(),  c.offloads_dropped.load(),
-          c.prefetches.load(),  c.prefetch_hits.load(),    c.prefetches_dropped.load(),
-          c.sync_loads.load(),  c.bytes_loaded.load(),     c.device_allocations.load(),
-          c.pool_reuses.load(), c.offloaded_layers.load(), c.offloaded_bytes.load()};
+  return {c.stores.load(),        c.bytes_stored.load(),       c.stores_dropped.load(), c.prefetches.load(),
+          c.prefetch_hits.load(), c.prefetches_dropped.load(), c.sync_reads.load(),     c.bytes_read.load(),
+          c.allocations.load(),   c.pool_reuses.load(),        c.away_layers.load(),    c.away_bytes.load()};
 }
-inline void reset_offload_host_stats() noexcept {
-  auto& c = detail::pinned::totals();
-  for (auto* a : {&c.offloads, &c.bytes_offloaded, &c.offloads_dropped, &c.prefetches, &c.prefetch_hits,
-                  &c.prefetches_dropped, &c.sync_loads, &c.bytes_loaded, &c.device_allocations, &c.pool_reuses})
-    a->store(0);
-}
+inline void reset_offload_host_stats() noexcept { detail::pinned::totals().reset_events(); }
 
 // Bytes of device buffers layer `layer_idx` holds now (0 while it is offloaded).
 template <class Cache>
@@ -592,24 +405,30 @@ template <bool OnlyNonSliding, class T, class Stream>
 struct offload_to_host_engine<OnlyNonSliding, CudaStorage<T, Stream>> {
   template <class Cache>
   void before_update(Cache& cache, std::int64_t layer_idx) {
-    core_.get(OnlyNonSliding).before_update(cache, layer_idx, CudaStorage<T, Stream>::stream());
+    core_.get(OnlyNonSliding).before_update(cache, layer_idx, streams());
   }
   template <class Cache>
   void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
-    if (core_) core_->after_update(cache, layer_idx, CudaStorage<T, Stream>::stream());
+    if (core_) core_->after_update(cache, layer_idx, streams());
   }
   template <class Cache>
   void before_access(Cache& cache, std::int64_t layer_idx) {
-    if (core_) core_->before_access(cache, layer_idx, CudaStorage<T, Stream>::stream());
+    if (core_) core_->before_access(cache, layer_idx, streams());
   }
 
   // Observability (tests, benchmarks).
-  bool is_offloaded(std::int64_t layer_idx) const noexcept { return core_ && core_->is_offloaded(layer_idx); }
-  std::int64_t offloaded_layers() const noexcept { return core_ ? core_->offloaded_layers() : 0; }
-  std::int64_t pinned_bytes() const noexcept { return core_ ? core_->pinned_bytes() : 0; }
-  std::int64_t pool_bytes() const noexcept { return core_ ? core_->pool_bytes() : 0; }
+  bool is_offloaded(std::int64_t layer_idx) const noexcept { return core_ && core_->is_away(layer_idx); }
+  std::int64_t offloaded_layers() const noexcept { return core_ ? core_->away_layers() : 0; }
+  std::int64_t pinned_bytes() const noexcept {
+    std::int64_t n = 0;
+    if (core_)
+      for (const auto& r : core_->records()) n += static_cast<std::int64_t>(r.slot.host.size());
+    return n;
+  }
+  std::int64_t pool_bytes() const noexcept { return core_ ? core_->tier().pool_bytes() : 0; }
 
  private:
+  static pinned::tier::context streams() { return pinned::tier::context{CudaStorage<T, Stream>::stream()}; }
   offload_buffers::cloned_core<pinned::core> core_;
 };
 
