@@ -3,7 +3,6 @@
 // (src/transformers/cache_utils.py at a597f974): one QuantizedLayer per layer of a full-attention
 // model, with the quanto or HQQ codec (docs/quantized.md).
 
-#include <cstdint>
 #include <set>
 #include <string>
 #include <string_view>
@@ -16,21 +15,10 @@
 
 namespace kvc {
 
-// transformers' QuantizedCache keyword arguments, with its defaults.
-struct QuantizedOptions {
-  std::int64_t nbits = 4;
-  std::int64_t axis_key = 0;
-  std::int64_t axis_value = 0;
-  std::int64_t q_group_size = 64;
-  std::int64_t residual_length = 128;
-};
+// kvc::QuantizedOptions, transformers' QuantizedCache keyword arguments with its defaults, is
+// QuantizedLayer<void> (<kvc/policies/layers/quantized.hpp>): the layer kinds' options, no codec.
 
 namespace detail {
-
-template <class Kind>
-Kind quantized_kind(const QuantizedOptions& o) {
-  return Kind{o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length};
-}
 
 // The checks of transformers' QuantizedCache.__init__, in its order (backend, layer types, then the
 // layer's own checks), and one layer kind per layer of the config.
@@ -54,12 +42,12 @@ std::vector<KindVariant> quantized_layer_kinds(std::string_view backend, const M
     msg.append(py_str_set(invalid));
     throw ValueError(msg);
   }
-  // The layer's own checks, run here too so that a config without layers still reports them.
+  // The layer's own checks (the function its constructor runs), run here too so that a config
+  // without layers still reports them.
   auto layers = [&]<class Codec>(Codec) {
-    Codec::validate(opts.nbits, opts.axis_key, opts.axis_value);
-    check_quantized_option(opts.q_group_size, "q_group_size", Codec::layer_name);
-    check_quantized_option(opts.residual_length, "residual_length", Codec::layer_name);
-    return std::vector<KindVariant>(specs.size(), quantized_kind<QuantizedLayer<Codec>>(opts));
+    const QuantizedLayer<Codec> kind = with_codec<Codec>(opts);
+    validate_quantized_options(kind);
+    return std::vector<KindVariant>(specs.size(), kind);
   };
   return backend == QuantoCodec::backend ? layers(QuantoCodec{}) : layers(HqqCodec{});
 }

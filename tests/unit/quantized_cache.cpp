@@ -2,7 +2,11 @@
 // argument checks of QuantoQuantizedLayer, HQQQuantizedLayer and QuantizedCache.__init__
 // (src/transformers/cache_utils.py at a597f974); the layer count of docs/differences.md item 29.
 
+#include <limits>
 #include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include "../support/kvc_test.hpp"
 
@@ -19,7 +23,77 @@ kvc::ModelConfig llama_like(std::int64_t layers = 3) {
   return c;
 }
 
+// The ValueError message f throws, or "" when it throws none.
+template <class F>
+std::string value_error_of(F&& f) {
+  try {
+    f();
+  } catch (const kvc::ValueError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
+
+TEST_CASE("QuantizedOptions is the layer kinds' option set, without a codec") {
+  static_assert(std::is_same_v<kvc::QuantizedOptions, kvc::QuantizedLayer<void>>);
+  static_assert(std::is_aggregate_v<kvc::QuantizedOptions>);
+  constexpr kvc::QuantizedOptions defaults{};
+  static_assert(defaults.nbits == 4 && defaults.axis_key == 0 && defaults.axis_value == 0 &&
+                defaults.q_group_size == 64 && defaults.residual_length == 128);
+  constexpr kvc::QuantizedOptions opts{
+      .nbits = 2, .axis_key = -1, .axis_value = 1, .q_group_size = 8, .residual_length = 3};
+  constexpr kvc::HQQQuantizedLayer kind = kvc::detail::with_codec<kvc::HqqCodec>(opts);
+  static_assert(kind.nbits == 2 && kind.axis_key == -1 && kind.axis_value == 1 && kind.q_group_size == 8 &&
+                kind.residual_length == 3);
+  const kvc::QuantizedCache<float> cache("quanto", llama_like(1), {.nbits = 2, .residual_length = 3});
+  const kvc::QuantizedOptions layer =
+      cache.visit_layer(0, [](const auto& l) { return kvc::detail::with_codec<void>(l.options()); });
+  CHECK(layer.nbits == 2);
+  CHECK(layer.q_group_size == 64);
+  CHECK(layer.residual_length == 3);
+}
+
+// One function, detail::validate_quantized_options, checks the options for the layer kinds and for
+// QuantizedCache: every bad option gets the same message from all three, for both backends.
+TEST_CASE("the layer and the cache reject the same options with the same message") {
+  const std::vector<kvc::QuantizedOptions> cases{
+      {.nbits = 3},
+      {.nbits = 5},
+      {.nbits = 0},
+      {.axis_key = 1},
+      {.axis_key = -1},
+      {.axis_value = 2},
+      {.axis_value = -1},
+      {.q_group_size = 0},
+      {.q_group_size = kvc::max_extent + 1},
+      {.residual_length = -1},
+      {.residual_length = std::numeric_limits<std::int64_t>::max()},
+      {.nbits = 2, .q_group_size = 1, .residual_length = 1},
+      {},
+  };
+  auto check = [&]<class Codec>(Codec, const char* backend) {
+    using Kind = kvc::QuantizedLayer<Codec>;
+    using State = typename Kind::template state<kvc::HostStorage<float>>;
+    std::int64_t rejected = 0;
+    for (const auto& o : cases) {
+      const Kind kind = kvc::detail::with_codec<Codec>(o);
+      const std::string direct = value_error_of([&] { kvc::detail::validate_quantized_options(kind); });
+      CAPTURE(backend);
+      CAPTURE(direct);
+      CHECK(value_error_of([&] { State s(kind); }) == direct);
+      CHECK(value_error_of([&] { kvc::Cache<kvc::Layers<Kind>> c(kind); }) == direct);
+      CHECK(value_error_of([&] { kvc::QuantizedCache<float>(backend, llama_like(2), o); }) == direct);
+      CHECK(value_error_of([&] { kvc::QuantizedCache<float>(backend, llama_like(0), o); }) == direct);
+      if (!direct.empty()) ++rejected;
+    }
+    return rejected;
+  };
+  // quanto accepts nbits 2 and axis -1, HQQ nbits 3 and axis 1.
+  CHECK(check(kvc::QuantoCodec{}, "quanto") == 9);
+  CHECK(check(kvc::HqqCodec{}, "hqq") == 9);
+}
 
 TEST_CASE("backend names: exactly \"quanto\" or \"hqq\" (QuantizedCache.__init__)") {
   const auto config = llama_like();

@@ -79,6 +79,15 @@ kvc::HostTensor<T> grid(std::int64_t b, std::int64_t h, std::int64_t s0, std::in
   return t;
 }
 
+// Batch entry i of t, as a tensor of batch 1.
+template <class T>
+kvc::HostTensor<T> batch_entry(const kvc::HostTensor<T>& t, std::int64_t i) {
+  kvc::HostTensor<T> out(1, t.dimension(1), t.dimension(2), t.dimension(3));
+  const std::int64_t n = out.size();
+  std::copy_n(t.data() + i * n, n, out.data());
+  return out;
+}
+
 }  // namespace
 
 // ---- argument checks ----------------------------------------------------------------------------
@@ -602,6 +611,100 @@ TEST_CASE("a throwing update leaves the layer exactly as it was (strong guarante
     CHECK(kvc_test::take_snapshot(a) == before);
     const auto tok = gaussian<float>(2, 2, 1, 8, rng);
     CHECK(flatten(a.update(tok, tok, 0).keys) == flatten(ref.update(tok, tok, 0).keys));
+  }
+}
+
+// The workspace is a detail::kv_store: its capacity follows the sequence (docs/quantized.md), it
+// keeps its prefix when it grows while fresh and through a batch selection, and is rebuilt from the
+// quantized history (decoded into its blocks) when stale or released. Grid data at 2 bits, groups
+// along head_dim: every output is exact.
+TEST_CASE("the workspace: its capacity, and its contents through a growth, a batch selection and a release") {
+  using Kind = kvc::QuantoQuantizedLayer;
+  LayerCache<Kind> cache(Kind{2, 0, 0, 4, 4});
+  auto keys = [](std::int64_t s0, std::int64_t s) { return grid<float>(2, 2, s0, s, 8, 2); };
+  auto values = [](std::int64_t s0, std::int64_t s) { return grid<float>(2, 2, s0, s, 4, 2); };
+  auto workspace = [&] { return cache.visit_layer(0, [](const auto& l) { return l.workspace_bytes(); }); };
+  // K and V of `batch` entries, 2 heads, head_dims 8 and 4, `capacity` slots.
+  auto bytes_of = [](std::int64_t batch, std::int64_t capacity) {
+    return static_cast<std::int64_t>(sizeof(float)) * batch * 2 * capacity * (8 + 4);
+  };
+  cache.update(keys(0, 20), values(0, 20), 0);
+  CHECK(workspace() == bytes_of(2, 20));  // the first update: the inputs' length (at least 16)
+  // Totals 21..26: grown to 21 + min(4, 21) = 25 (stale, rebuilt), appended, flushed at 24 (in
+  // place), rebuilt in place at 25, then grown while fresh to 26 + 4 = 30 (its prefix copied).
+  const std::int64_t capacities[] = {25, 25, 25, 25, 25, 30};
+  for (std::int64_t s = 20; s < 26; ++s) {
+    CAPTURE(s);
+    const auto kv = cache.update(keys(s, 1), values(s, 1), 0);
+    CHECK(workspace() == bytes_of(2, capacities[s - 20]));
+    CHECK(flatten(kv.keys) == kvc_test::slice_seq(keys(0, s + 1), 0, s + 1));
+    CHECK(flatten(kv.values) == kvc_test::slice_seq(values(0, s + 1), 0, s + 1));
+  }
+  REQUIRE(residual_tokens(cache) == 2);
+  // Fresh: batch entry 1's first 26 slots go along, in a workspace of the same capacity.
+  cache.batch_select_indices({1});
+  CHECK(workspace() == bytes_of(1, 30));
+  auto kv = cache.update(batch_entry(keys(26, 1), 1), batch_entry(values(26, 1), 1), 0);
+  CHECK(workspace() == bytes_of(1, 30));
+  CHECK(flatten(kv.keys) == kvc_test::slice_seq(batch_entry(keys(0, 27), 1), 0, 27));
+  CHECK(flatten(kv.values) == kvc_test::slice_seq(batch_entry(values(0, 27), 1), 0, 27));
+  // Released: the next update (a flush) rebuilds it from the history and the residual.
+  cache.visit_layer(0, [](auto& l) { l.release_workspace(); });
+  CHECK(workspace() == 0);
+  kv = cache.update(batch_entry(keys(27, 1), 1), batch_entry(values(27, 1), 1), 0);
+  CHECK(residual_tokens(cache) == 0);
+  CHECK(workspace() == bytes_of(1, 32));
+  CHECK(flatten(kv.keys) == kvc_test::slice_seq(batch_entry(keys(0, 28), 1), 0, 28));
+  CHECK(flatten(kv.values) == kvc_test::slice_seq(batch_entry(values(0, 28), 1), 0, 28));
+  CHECK(cache.bytes() == cache.visit_layer(0, [](const auto& l) {
+    return l.quantized_bytes() + l.residual_bytes() + l.workspace_bytes();
+  }));
+}
+
+TEST_CASE("kv_store, as the workspace uses it: key_blocks/value_blocks, gathered with a prefix") {
+  using Store = kvc::detail::kv_store<kvc::HostStorage<float>>;
+  const kvc::LayerShape shape{3, 2, 4, 2};  // batch, heads, key_head_dim, value_head_dim
+  Store store(shape, 5, true);
+  auto k = store.key_blocks();
+  auto v = store.value_blocks();
+  const auto kview = store.keys(0, 5), vview = store.values(0, 5);
+  CHECK(k.data == kview.data());
+  CHECK(k.stride_b == kview.stride(0));
+  CHECK(k.stride_h == kview.stride(1));
+  CHECK(v.data == vview.data());
+  CHECK(v.stride_b == vview.stride(0));
+  CHECK(v.stride_h == vview.stride(1));
+  // Element (b, h, t, d) written through the blocks is 1000b + 100h + 10t + d.
+  for (std::int64_t b = 0; b < 3; ++b)
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::int64_t t = 0; t < 5; ++t) {
+        for (std::int64_t d = 0; d < 4; ++d)
+          k.data[b * k.stride_b + h * k.stride_h + t * 4 + d] = static_cast<float>(1000 * b + 100 * h + 10 * t + d);
+        for (std::int64_t d = 0; d < 2; ++d)
+          v.data[b * v.stride_b + h * v.stride_h + t * 2 + d] = static_cast<float>(-1000 * b - 100 * h - 10 * t - d);
+      }
+  CHECK(store.keys(2, 1)(1, 1, 0, 3) == 1123.0f);
+  CHECK(store.values(4, 1)(2, 0, 0, 1) == -2041.0f);
+  const std::vector<std::int64_t> idx{2, 0, 2};
+  const Store all = store.gathered(idx);
+  const Store prefix = store.gathered(idx, 3);
+  CHECK(all.capacity() == 5);
+  CHECK(prefix.capacity() == 5);
+  CHECK(all.bytes() == prefix.bytes());
+  CHECK(all.shape().batch == 3);
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    const auto b = static_cast<std::int64_t>(i);
+    for (std::int64_t h = 0; h < 2; ++h) {
+      for (std::int64_t t = 0; t < 5; ++t)
+        for (std::int64_t d = 0; d < 4; ++d) {
+          const float want = static_cast<float>(1000 * idx[i] + 100 * h + 10 * t + d);
+          CHECK(all.keys(0, 5)(b, h, t, d) == want);
+          if (t < 3) CHECK(prefix.keys(0, 3)(b, h, t, d) == want);
+        }
+      for (std::int64_t t = 0; t < 3; ++t)
+        for (std::int64_t d = 0; d < 2; ++d)
+          CHECK(prefix.values(0, 3)(b, h, t, d) == static_cast<float>(-1000 * idx[i] - 100 * h - 10 * t - d));
+    }
   }
 }
 

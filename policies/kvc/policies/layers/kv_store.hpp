@@ -2,7 +2,9 @@
 // detail::kv_store<S>: the K and V buffers of one layer, laid out [batch, heads, capacity, head_dim]
 // so that every (batch, head) block is one contiguous [capacity, head_dim] matrix
 // (docs/kv_layout.md). Layer kinds keep a region [from, from + len) of the capacity axis; the
-// store copies blocks only through the storage policy's kernels.
+// store copies blocks only through the storage policy's kernels. QuantizedLayer's dequantized
+// workspace is a kv_store too, whose blocks the codecs also write directly (key_blocks(),
+// value_blocks()).
 
 #include <algorithm>
 #include <cstdint>
@@ -55,6 +57,17 @@ class kv_store {
   }
   KV<view> kv(std::int64_t from, std::int64_t len) const noexcept { return {keys(from, len), values(from, len)}; }
 
+  // K's or V's elements, writable, for code that fills the blocks itself (a codec's decode): the
+  // block of (batch b, head h) starts at data + b * stride_b + h * stride_h, and slot t of it
+  // head_dim * t further.
+  struct blocks {
+    T* data;
+    std::int64_t stride_b;
+    std::int64_t stride_h;
+  };
+  blocks key_blocks() noexcept { return blocks_of(k_, shape_.key_head_dim); }
+  blocks value_blocks() noexcept { return blocks_of(v_, shape_.value_head_dim); }
+
   // Calls f(buffer&) for the K and then the V buffer (offload engines move them between tiers).
   template <class F>
   void for_each_buffer(F&& f) {
@@ -91,16 +104,18 @@ class kv_store {
     return out;
   }
 
-  // A new store whose batch entry i is this store's batch entry indices[i] (indices checked by the caller).
-  kv_store gathered(std::span<const std::int64_t> indices) const {
+  // A new store whose batch entry i is this store's batch entry indices[i] (indices checked by the
+  // caller): all of it, or only its slots [0, len) (the other slots of the new store are then
+  // uninitialized).
+  kv_store gathered(std::span<const std::int64_t> indices) const { return gathered(indices, cap_); }
+  kv_store gathered(std::span<const std::int64_t> indices, std::int64_t len) const {
     LayerShape s = shape_;
     s.batch = static_cast<std::int64_t>(indices.size());
     kv_store out(s, cap_, false);
-    const std::int64_t kb = shape_.heads * cap_ * shape_.key_head_dim;
-    const std::int64_t vb = shape_.heads * cap_ * shape_.value_head_dim;
     for (std::size_t i = 0; i < indices.size(); ++i) {
-      S::copy_2d(out.k_.data() + static_cast<std::int64_t>(i) * kb, kb, k_.data() + indices[i] * kb, kb, kb, 1);
-      S::copy_2d(out.v_.data() + static_cast<std::int64_t>(i) * vb, vb, v_.data() + indices[i] * vb, vb, vb, 1);
+      const auto to = static_cast<std::int64_t>(i);
+      gather_one(out.k_.data(), k_.data(), shape_.key_head_dim, to, indices[i], len);
+      gather_one(out.v_.data(), v_.data(), shape_.value_head_dim, to, indices[i], len);
     }
     return out;
   }
@@ -139,6 +154,17 @@ class kv_store {
     for (std::int64_t b = 0; b < shape_.batch; ++b)
       S::copy_2d(dst + (b * shape_.heads * cap_ + pos) * d, cap_ * d, src.data() + b * src.stride(0), src.stride(1),
                  q * d, shape_.heads);
+  }
+
+  blocks blocks_of(buffer& b, std::int64_t d) noexcept { return {b.data(), shape_.heads * cap_ * d, cap_ * d}; }
+
+  // Slots [0, len) of every head of batch entry `from` of src to batch entry `to` of dst (both
+  // stores of this capacity and head count). When len == capacity, the rows are contiguous and the
+  // storage copies the entry as one block.
+  void gather_one(T* dst, const T* src, std::int64_t d, std::int64_t to, std::int64_t from, std::int64_t len) const {
+    if (shape_.heads == 0) return;
+    const std::int64_t entry = shape_.heads * cap_ * d;
+    S::copy_2d(dst + to * entry, cap_ * d, src + from * entry, cap_ * d, len * d, shape_.heads);
   }
 
   void move_one(T* p, std::int64_t d, std::int64_t from, std::int64_t len, std::int64_t to) {

@@ -10,15 +10,23 @@
 // What the layer holds:
 //   - the quantized history of K and V (packed codes, and a scale and offset per group);
 //   - the residual: the tokens added since the last quantization, in full precision;
-//   - a dequantized workspace, [batch, heads, capacity, head_dim] per K and V in the element type,
-//     which the views returned by `update` point into. It must outlive the call (the views stay
-//     valid until the next call that changes the layer), so the layer keeps it, and reuses it:
-//     between two quantizations its front holds dequant(history) + residual, and an update only
-//     appends the new tokens (amortized O(q)); after a quantization (every residual_length decode
-//     steps) the next update dequantizes the history again (O(sequence)). Its capacity is the
-//     sequence plus max(min(residual_length, sequence), sequence / 16) tokens. `release_workspace()` frees it
+//   - a dequantized workspace, [batch, heads, capacity, head_dim] per K and V in the element type
+//     (a detail::kv_store, like the residual), which the views returned by `update` point into. It
+//     must outlive the call (the views stay valid until the next call that changes the layer), so
+//     the layer keeps it, and reuses it: between two quantizations its front holds
+//     dequant(history) + residual, and an update only appends the new tokens (amortized O(q));
+//     after a quantization (every residual_length decode steps) the next update dequantizes the
+//     history again (O(sequence)). Its capacity is the sequence plus
+//     max(min(residual_length, sequence), sequence / 16) tokens. `release_workspace()` frees it
 //     when the caller no longer needs the views (the next update rebuilds it).
 // bytes() counts all three; quantized_bytes(), residual_bytes() and workspace_bytes() split it.
+// for_each_buffer walks nothing: offload engines leave a quantized layer where it is (its codes,
+// residual and workspace alike).
+//
+// The options (nbits, axis_key, axis_value, q_group_size, residual_length) are the members of the
+// layer kind, declared once: kvc::QuantizedOptions, QuantizedCache's argument, is
+// QuantizedLayer<void> (the same members and defaults, no codec). One function,
+// detail::validate_quantized_options, checks them for the layer's constructor and QuantizedCache's.
 //
 // `update`: the first call quantizes all of k and v and returns the inputs themselves (copied);
 // later calls return dequant(history) + residual + new, and when the residual already holds
@@ -31,6 +39,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -42,109 +51,40 @@
 #include <kvc/tensor.hpp>
 
 namespace kvc {
+
+template <class Codec>
+struct QuantizedLayer;
+
+// transformers' QuantizedCache keyword arguments: QuantizedLayer's options before a codec is chosen
+// (QuantizedCache picks it from its backend). The same class template as the layer kinds, so that
+// the five options and their defaults are written once, below.
+using QuantizedOptions = QuantizedLayer<void>;
+
 namespace detail {
 
-// Dense K and V buffers [batch, heads, capacity, head_dim] that a layer writes into directly.
-template <class S>
-class dequant_workspace {
- public:
-  using T = typename S::element_type;
-  using buffer = typename S::buffer_type;
-  using view = typename S::view_type;
+// The same options, as the layer kind of `Codec` (QuantizedCache: QuantizedOptions to the kind of
+// its backend).
+template <class Codec, class From>
+constexpr QuantizedLayer<Codec> with_codec(const QuantizedLayer<From>& o) noexcept {
+  return {o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length};
+}
 
-  dequant_workspace() = default;
-  dequant_workspace(LayerShape shape, std::int64_t capacity)
-      : shape_(shape),
-        cap_(capacity),
-        k_(checked_elements({shape.batch, shape.heads, capacity, shape.key_head_dim}, sizeof(T))),
-        v_(checked_elements({shape.batch, shape.heads, capacity, shape.value_head_dim}, sizeof(T))) {}
-  // Copy and swap, as kv_store.
-  dequant_workspace(const dequant_workspace&) = default;
-  dequant_workspace(dequant_workspace&&) noexcept = default;
-  dequant_workspace& operator=(const dequant_workspace& other) {
-    if (this != &other) {
-      dequant_workspace copy(other);
-      *this = std::move(copy);
-    }
-    return *this;
-  }
-  dequant_workspace& operator=(dequant_workspace&&) noexcept = default;
-
-  std::int64_t capacity() const noexcept { return cap_; }
-  std::int64_t bytes() const noexcept {
-    return static_cast<std::int64_t>(sizeof(T)) * (std::int64_t{k_.size()} + std::int64_t{v_.size()});
-  }
-  T* keys() noexcept { return k_.data(); }
-  T* values() noexcept { return v_.data(); }
-  const T* keys() const noexcept { return k_.data(); }
-  const T* values() const noexcept { return v_.data(); }
-  // Elements between two batch entries / two heads of K (d = key_head_dim) or V.
-  std::int64_t stride_b(std::int64_t d) const noexcept { return shape_.heads * cap_ * d; }
-  std::int64_t stride_h(std::int64_t d) const noexcept { return cap_ * d; }
-
-  KV<view> kv(std::int64_t len) const noexcept {
-    return {region(k_, shape_.key_head_dim, len), region(v_, shape_.value_head_dim, len)};
-  }
-
-  // Copies the tokens of k and v to slots [pos, pos + k.extent(2)). Precondition: they fit. Cannot
-  // throw on the host; on a device it throws what the storage's copies throw.
-  void write(std::int64_t pos, const view& k, const view& v) {
-    write_one(k_.data(), shape_.key_head_dim, pos, k);
-    write_one(v_.data(), shape_.value_head_dim, pos, v);
-  }
-
-  // Copies slots [0, len) of `from` (same shape, any capacity) to slots [0, len).
-  void copy_prefix(const dequant_workspace& from, std::int64_t len) {
-    const std::int64_t rows = shape_.batch * shape_.heads;
-    S::copy_2d(k_.data(), cap_ * shape_.key_head_dim, from.k_.data(), from.cap_ * shape_.key_head_dim,
-               len * shape_.key_head_dim, rows);
-    S::copy_2d(v_.data(), cap_ * shape_.value_head_dim, from.v_.data(), from.cap_ * shape_.value_head_dim,
-               len * shape_.value_head_dim, rows);
-  }
-
-  // A workspace whose batch entry i holds slots [0, len) of this one's entry indices[i].
-  dequant_workspace gathered(std::span<const std::int64_t> indices, std::int64_t len) const {
-    LayerShape s = shape_;
-    s.batch = static_cast<std::int64_t>(indices.size());
-    dequant_workspace out(s, cap_);
-    for (std::size_t i = 0; i < indices.size(); ++i) {
-      const auto to = static_cast<std::int64_t>(i);
-      const std::int64_t dk = shape_.key_head_dim, dv = shape_.value_head_dim;
-      S::copy_2d(out.k_.data() + to * stride_b(dk), cap_ * dk, k_.data() + indices[i] * stride_b(dk), cap_ * dk,
-                 len * dk, shape_.heads);
-      S::copy_2d(out.v_.data() + to * stride_b(dv), cap_ * dv, v_.data() + indices[i] * stride_b(dv), cap_ * dv,
-                 len * dv, shape_.heads);
-    }
-    return out;
-  }
-
- private:
-  view region(const buffer& b, std::int64_t d, std::int64_t len) const noexcept {
-    return S::make_view(b.data(), {shape_.batch, shape_.heads, len, d}, {shape_.heads * cap_ * d, cap_ * d, d, 1});
-  }
-  void write_one(T* dst, std::int64_t d, std::int64_t pos, const view& src) {
-    const std::int64_t q = src.extent(2);
-    if (q == 0) return;
-    for (std::int64_t b = 0; b < shape_.batch; ++b)
-      S::copy_2d(dst + (b * shape_.heads * cap_ + pos) * d, cap_ * d, src.data() + b * src.stride(0), src.stride(1),
-                 q * d, shape_.heads);
-  }
-
-  LayerShape shape_{};
-  std::int64_t cap_ = 0;
-  buffer k_;
-  buffer v_;
-};
-
-// q_group_size and residual_length: positive, and at most kvc::max_extent.
-inline void check_quantized_option(std::int64_t value, std::string_view option, std::string_view layer) {
-  check_size(join_message({layer, ": `", option, "`"}), value, 1, max_extent);
+// The checks of transformers' QuantoQuantizedLayer.__init__ and HQQQuantizedLayer.__init__: the
+// codec's, in its order (nbits, axis_key, axis_value), then q_group_size and residual_length
+// (positive, and at most kvc::max_extent). The layer's constructor and QuantizedCache's both run
+// this one.
+template <class Codec>
+void validate_quantized_options(const QuantizedLayer<Codec>& o) {
+  Codec::validate(o.nbits, o.axis_key, o.axis_value);
+  check_size(join_message({Codec::layer_name, ": `q_group_size`"}), o.q_group_size, 1, max_extent);
+  check_size(join_message({Codec::layer_name, ": `residual_length`"}), o.residual_length, 1, max_extent);
 }
 
 }  // namespace detail
 
 // Keeps the tokens quantized with Codec (QuantoCodec or HqqCodec) and the last few in full
 // precision. The options are transformers' constructor arguments, with its defaults.
+// QuantizedLayer<void> (QuantizedOptions) has the same options and is no layer kind.
 template <class Codec>
 struct QuantizedLayer {
   std::int64_t nbits = 4;
@@ -157,6 +97,9 @@ struct QuantizedLayer {
   // the codecs run on the CPU, and CudaStorage, where they run as kernels.
   template <class S>
   class state {
+    static_assert(!std::is_void_v<Codec>,
+                  "kvc::QuantizedOptions is not a layer kind: use QuantoQuantizedLayer or HQQQuantizedLayer");
+
    public:
     using kind_type = QuantizedLayer;
     using view = typename S::view_type;
@@ -168,13 +111,8 @@ struct QuantizedLayer {
     static constexpr bool supports_batch_ops = true;
     static constexpr std::string_view name = Codec::layer_name;
 
-    // Checks the options: the codec's checks in transformers' order (nbits, axis_key,
-    // axis_value), then q_group_size and residual_length.
-    explicit state(const QuantizedLayer& kind) : opts_(kind) {
-      Codec::validate(kind.nbits, kind.axis_key, kind.axis_value);
-      detail::check_quantized_option(kind.q_group_size, "q_group_size", name);
-      detail::check_quantized_option(kind.residual_length, "residual_length", name);
-    }
+    // Checks the options (detail::validate_quantized_options).
+    explicit state(const QuantizedLayer& kind) : opts_(kind) { detail::validate_quantized_options(kind); }
 
     const QuantizedLayer& options() const noexcept { return opts_; }
     bool is_initialized() const noexcept { return initialized_; }
@@ -188,13 +126,17 @@ struct QuantizedLayer {
     std::int64_t residual_bytes() const noexcept { return residual_.bytes(); }
     // The dequantized workspace the returned views point into (its allocated capacity).
     std::int64_t workspace_bytes() const noexcept { return ws_.bytes(); }
+    // No buffer for offload engines to move (docs/offload.md): the walk is empty, on purpose.
+    template <class F>
+    void for_each_buffer(F&&) noexcept {}
+
     std::int64_t quantized_tokens() const noexcept { return qk_.tokens(); }
     std::int64_t residual_tokens() const noexcept { return rlen_; }
 
     // Frees the workspace: the views returned so far become invalid, and the next update
     // dequantizes the history again.
     void release_workspace() noexcept {
-      ws_ = detail::dequant_workspace<S>();
+      ws_ = detail::kv_store<S>();
       ws_fresh_ = false;
     }
 
@@ -225,31 +167,30 @@ struct QuantizedLayer {
             std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)}), 0,
             rlen_);
       const bool rebuild_in_place = !ws_fresh_ && !flush && ws_.capacity() >= total;
-      std::optional<detail::dequant_workspace<S>> grown_ws;
+      std::optional<detail::kv_store<S>> grown_ws;
       if (ws_.capacity() < total || (!ws_fresh_ && !rebuild_in_place)) {
-        grown_ws.emplace(shape_, workspace_capacity(total));
-        if (ws_fresh_)
-          grown_ws->copy_prefix(ws_, held);
-        else
+        if (ws_fresh_) {
+          grown_ws = ws_.relocated(workspace_capacity(total), 0, held);
+        } else {
+          grown_ws.emplace(shape_, workspace_capacity(total), false);
           fill_from_store(*grown_ws);
+        }
       }
-      detail::dequant_workspace<S>& w = grown_ws ? *grown_ws : ws_;
+      detail::kv_store<S>& w = grown_ws ? *grown_ws : ws_;
 
       if (flush) {
         // The new tokens go after the held prefix (in place, this leaves the prefix the previous
         // views show untouched), then all `total` tokens are quantized.
         w.write(held, k, v);
-        qtensor nk = encode(w.keys(), w.stride_b(shape_.key_head_dim), w.stride_h(shape_.key_head_dim), total,
-                            shape_.key_head_dim, opts_.axis_key);
-        qtensor nv = encode(w.values(), w.stride_b(shape_.value_head_dim), w.stride_h(shape_.value_head_dim), total,
-                            shape_.value_head_dim, opts_.axis_value);
+        qtensor nk = encode(w.keys(0, total), opts_.axis_key);
+        qtensor nv = encode(w.values(0, total), opts_.axis_value);
         if (grown_ws) ws_ = std::move(*grown_ws);
         qk_ = std::move(nk);
         qv_ = std::move(nv);
         rlen_ = 0;
         cumulative_ += q;
         ws_fresh_ = false;  // it holds what was returned, not dequant of the new history
-        return ws_.kv(total);
+        return ws_.kv(0, total);
       }
 
       // Every write before any move: on a device a write can throw (a CUDA error), and then the
@@ -263,7 +204,7 @@ struct QuantizedLayer {
       rlen_ += q;
       cumulative_ += q;
       ws_fresh_ = true;
-      return ws_.kv(total);
+      return ws_.kv(0, total);
     }
 
     std::int64_t get_seq_length() const noexcept { return cumulative_; }
@@ -339,7 +280,7 @@ struct QuantizedLayer {
     void clear() noexcept {
       qk_ = qtensor();
       qv_ = qtensor();
-      ws_ = detail::dequant_workspace<S>();
+      ws_ = detail::kv_store<S>();
       rlen_ = cumulative_ = 0;
       ws_fresh_ = false;
     }
@@ -354,10 +295,12 @@ struct QuantizedLayer {
       return std::max(total + extra, detail::min_dynamic_capacity);
     }
 
-    qtensor encode(const element_type* src, std::int64_t stride_b, std::int64_t stride_h, std::int64_t tokens,
-                   std::int64_t dim, std::int64_t axis) const {
+    // x ([batch, heads, tokens, head_dim], each token's head_dim elements contiguous) quantized with
+    // the options, grouped as `axis` says (axis_key for K, axis_value for V).
+    qtensor encode(const view& x, std::int64_t axis) const {
       return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
-                                             src, shape_.batch, shape_.heads, tokens, dim, stride_b, stride_h);
+                                             x.data(), x.extent(0), x.extent(1), x.extent(2), x.extent(3), x.stride(0),
+                                             x.stride(1));
     }
 
     // The first `keep` tokens of `t`, dequantized and quantized again.
@@ -365,14 +308,17 @@ struct QuantizedLayer {
       const std::int64_t n = t.tokens();
       typename S::buffer_type tmp(detail::checked_elements({shape_.batch, shape_.heads, n, dim}, sizeof(element_type)));
       t.decode(tmp.data(), shape_.heads * n * dim, n * dim);
-      return encode(tmp.data(), shape_.heads * n * dim, n * dim, keep, dim, axis);
+      return encode(
+          S::make_view(tmp.data(), {shape_.batch, shape_.heads, keep, dim}, {shape_.heads * n * dim, n * dim, dim, 1}),
+          axis);
     }
 
     // Writes dequant(history) + residual to the front of `w`. Cannot throw on the host (a device
     // throws only when CUDA fails).
-    void fill_from_store(detail::dequant_workspace<S>& w) const {
-      qk_.decode(w.keys(), w.stride_b(shape_.key_head_dim), w.stride_h(shape_.key_head_dim));
-      qv_.decode(w.values(), w.stride_b(shape_.value_head_dim), w.stride_h(shape_.value_head_dim));
+    void fill_from_store(detail::kv_store<S>& w) const {
+      const auto wk = w.key_blocks(), wv = w.value_blocks();
+      qk_.decode(wk.data, wk.stride_b, wk.stride_h);
+      qv_.decode(wv.data, wv.stride_b, wv.stride_h);
       const KV<view> r = residual_.kv(0, rlen_);
       w.write(qk_.tokens(), r.keys, r.values);
     }
@@ -380,13 +326,9 @@ struct QuantizedLayer {
     KV<view> first_update(const view& k, const view& v) {
       const LayerShape shape = detail::shape_of(k, v);
       const std::int64_t q = k.extent(2);
-      const std::int64_t dk = shape.key_head_dim, dv = shape.value_head_dim;
-      const int nbits = static_cast<int>(opts_.nbits);
-      qtensor nk = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_key), opts_.q_group_size, k.data(),
-                                                   shape.batch, shape.heads, q, dk, k.stride(0), k.stride(1));
-      qtensor nv = qtensor::template encode<Codec>(nbits, Codec::grouping(opts_.axis_value), opts_.q_group_size,
-                                                   v.data(), shape.batch, shape.heads, q, dv, v.stride(0), v.stride(1));
-      detail::dequant_workspace<S> w(shape, std::max(q, detail::min_dynamic_capacity));
+      qtensor nk = encode(k, opts_.axis_key);
+      qtensor nv = encode(v, opts_.axis_value);
+      detail::kv_store<S> w(shape, std::max(q, detail::min_dynamic_capacity), false);
       w.write(0, k, v);
       detail::kv_store<S> residual(shape, 0, false);
       shape_ = shape;
@@ -398,14 +340,14 @@ struct QuantizedLayer {
       cumulative_ = q;
       ws_fresh_ = false;  // it holds the inputs, not dequant of what was quantized
       initialized_ = true;
-      return ws_.kv(q);
+      return ws_.kv(0, q);
     }
 
     QuantizedLayer opts_;
     LayerShape shape_{};
-    qtensor qk_, qv_;                  // quantized history (same number of tokens)
-    detail::kv_store<S> residual_;     // full-precision tokens [0, rlen_)
-    detail::dequant_workspace<S> ws_;  // what the last update returned
+    qtensor qk_, qv_;               // quantized history (same number of tokens)
+    detail::kv_store<S> residual_;  // full-precision tokens [0, rlen_)
+    detail::kv_store<S> ws_;        // the workspace: what the last update returned
     std::int64_t rlen_ = 0;
     std::int64_t cumulative_ = 0;  // tokens held: quantized + residual
     bool ws_fresh_ = false;        // ws_[0, quantized + residual) == dequant(history) + residual
