@@ -1,7 +1,9 @@
 #pragma once
-// Tensors at kvc's boundary: `HostTensor<T>` (what callers own), `TensorView<T>` (what the cache
-// returns: a non-owning, trivially copyable window into a layer's storage) and `KV<View>` (the
-// pair that `Cache::update` returns). Shapes are always [batch, heads, seq, head_dim].
+// Tensors at kvc's boundary: `HostTensor<T>` (what callers own), the views a cache returns and
+// takes (non-owning, trivially copyable windows into a layer's storage: `TensorView<T>` and
+// `StateView<T>` on the host, `DeviceTensorView<T>` and `DeviceStateView<T>` on a CUDA device, all
+// aliases of `basic_tensor_view` / `basic_state_view`) and `KV<View>` (the pair that
+// `Cache::update` returns). Tensor shapes are always [batch, heads, seq, head_dim].
 
 #include <array>
 #include <cstdint>
@@ -24,12 +26,44 @@ enum class memory_space { host, device };
 template <class T>
 using HostTensor = Eigen::Tensor<T, 4, Eigen::RowMajor>;
 
-// A strided, read-only window of rank 4. The last dimension is always contiguous (stride 1) and
-// each (batch, head) block's rows follow each other (stride(2) == extent(3)), so `head(b, h)`
-// is one dense [seq, head_dim] matrix.
+// A tensor view of rank 4 and a dense state view, each one class template over the memory space
+// its pointer lives in. The host and device names are aliases of them:
+//   TensorView<T>       = basic_tensor_view<T, memory_space::host>
+//   DeviceTensorView<T> = basic_tensor_view<T, memory_space::device>
+//   StateView<T>        = basic_state_view<T, memory_space::host>
+//   DeviceStateView<T>  = basic_state_view<T, memory_space::device>
+// A host view and a device view of the same T are distinct types (Space differs), so overloads and
+// partial specializations written for one never catch the other. Both are plain aggregates
+// ({ptr, extents, strides} and {ptr, rank, extents}), trivially copyable, and can be passed by value
+// to a CUDA kernel. Their shape accessors run on host and device; reading elements is where the
+// spaces differ: a host view reads them from host code (and offers Eigen maps and owning copies), a
+// device view only from device code, where it is compiled with nvcc (<kvc/cuda.hpp> adds its
+// owning tensor and the copies between the spaces).
+
+namespace detail {
+// What basic_tensor_view::head(b, h) returns: a zero-copy Eigen map on the host, the first element
+// of the block on the device.
+template <class T, memory_space Space>
+struct view_head_block {
+  using type = const T*;
+};
 template <class T>
-struct TensorView {
+struct view_head_block<T, memory_space::host> {
+  using type = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>, Eigen::Unaligned,
+                          Eigen::OuterStride<>>;
+};
+}  // namespace detail
+
+// A strided, read-only window of rank 4, [batch, heads, seq, head_dim]. The last dimension is
+// always contiguous (stride 1) and each (batch, head) block's rows follow each other
+// (stride(2) == extent(3)), so `head(b, h)` is one dense [seq, head_dim] matrix.
+template <class T, memory_space Space>
+struct basic_tensor_view {
   using element_type = T;
+  static constexpr memory_space space = Space;
+  // What head(b, h) returns: an Eigen::Map of the [seq, head_dim] block (host), or a pointer to its
+  // first element (device).
+  using head_matrix = typename detail::view_head_block<T, Space>::type;
 
   const T* ptr = nullptr;
   std::array<std::int64_t, 4> extents{};
@@ -42,20 +76,26 @@ struct TensorView {
     return extents[0] * extents[1] * extents[2] * extents[3];
   }
   KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
+
+  // ---- host views: elements are read in place, Eigen maps and owning copies ----------------------
   KVC_HOST_DEVICE constexpr const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s,
-                                                std::int64_t d) const noexcept {
+                                                std::int64_t d) const noexcept
+    requires(Space == memory_space::host)
+  {
     return ptr[b * strides[0] + h * strides[1] + s * strides[2] + d];
   }
 
-  using head_matrix = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>,
-                                 Eigen::Unaligned, Eigen::OuterStride<>>;
-  // The [seq, head_dim] block of one (batch, head) pair, as a zero-copy Eigen map (host only).
-  head_matrix head(std::int64_t b, std::int64_t h) const {
+  // The [seq, head_dim] block of one (batch, head) pair, as a zero-copy Eigen map.
+  head_matrix head(std::int64_t b, std::int64_t h) const
+    requires(Space == memory_space::host)
+  {
     return head_matrix(ptr + b * strides[0] + h * strides[1], extents[2], extents[3], Eigen::OuterStride<>(strides[2]));
   }
 
-  // An owning copy (host storage only).
-  HostTensor<std::remove_const_t<T>> to_tensor() const {
+  // An owning copy.
+  HostTensor<std::remove_const_t<T>> to_tensor() const
+    requires(Space == memory_space::host)
+  {
     HostTensor<std::remove_const_t<T>> out(extents[0], extents[1], extents[2], extents[3]);
     for (std::int64_t b = 0; b < extents[0]; ++b)
       for (std::int64_t h = 0; h < extents[1]; ++h)
@@ -63,14 +103,30 @@ struct TensorView {
           for (std::int64_t d = 0; d < extents[3]; ++d) out(b, h, s, d) = (*this)(b, h, s, d);
     return out;
   }
+
+  // ---- device views: elements are read by device code only (nvcc) --------------------------------
+#if defined(__CUDACC__)
+  __device__ const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) const noexcept
+    requires(Space == memory_space::device)
+  {
+    return ptr[b * strides[0] + h * strides[1] + s * strides[2] + d];
+  }
+  // The first element of the dense [seq, head_dim] block of one (batch, head) pair.
+  __device__ const T* head(std::int64_t b, std::int64_t h) const noexcept
+    requires(Space == memory_space::device)
+  {
+    return ptr + b * strides[0] + h * strides[1];
+  }
+#endif
 };
 
 // A dense, row-major, read-only window of rank 1 to 4 with no strides: the states of
 // linear-attention layers (conv states [batch, channels, time], recurrent states of any shape)
 // and the indexer keys of indexed layers ([batch, seq, index_head_dim]).
-template <class T>
-struct StateView {
+template <class T, memory_space Space>
+struct basic_state_view {
   using element_type = T;
+  static constexpr memory_space space = Space;
 
   const T* ptr = nullptr;
   int rank = 0;
@@ -84,12 +140,20 @@ struct StateView {
     return n;
   }
   KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
-  // Element i of the flattened (row-major) tensor.
-  KVC_HOST_DEVICE constexpr const T& operator[](std::int64_t i) const noexcept { return ptr[i]; }
 
-  // An owning copy as an Eigen tensor of rank N == rank (host storage only).
+  // ---- host views ---------------------------------------------------------------------------------
+  // Element i of the flattened (row-major) tensor.
+  KVC_HOST_DEVICE constexpr const T& operator[](std::int64_t i) const noexcept
+    requires(Space == memory_space::host)
+  {
+    return ptr[i];
+  }
+
+  // An owning copy as an Eigen tensor of rank N == rank.
   template <int N>
-  Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> to_tensor() const {
+  Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor> to_tensor() const
+    requires(Space == memory_space::host)
+  {
     static_assert(N >= 1 && N <= 4, "kvc::StateView::to_tensor: rank must be 1 to 4");
     Eigen::DSizes<Eigen::Index, N> dims;
     for (int r = 0; r < N; ++r) dims[r] = r < rank ? extents[r] : 1;
@@ -98,11 +162,31 @@ struct StateView {
     for (std::int64_t i = 0; i < out.size(); ++i) out.data()[i] = ptr[i];
     return out;
   }
+
+  // ---- device views: element i of the flattened tensor, from device code only (nvcc) -------------
+#if defined(__CUDACC__)
+  __device__ const T& operator[](std::int64_t i) const noexcept
+    requires(Space == memory_space::device)
+  {
+    return ptr[i];
+  }
+#endif
 };
 
-// The shape of a StateView, printed the way torch prints a shape.
+// The host views: what HostStorage's caches return and take.
 template <class T>
-std::string shape_string(const StateView<T>& v) {
+using TensorView = basic_tensor_view<T, memory_space::host>;
+template <class T>
+using StateView = basic_state_view<T, memory_space::host>;
+// The device views: what CudaStorage's caches return and take (<kvc/policies/storage/cuda.cuh>).
+template <class T>
+using DeviceTensorView = basic_tensor_view<T, memory_space::device>;
+template <class T>
+using DeviceStateView = basic_state_view<T, memory_space::device>;
+
+// The shape of a state view of either space, printed the way torch prints a shape.
+template <class T, memory_space Space>
+std::string shape_string(const basic_state_view<T, Space>& v) {
   std::string out;
   out.reserve(32);
   out.push_back('[');

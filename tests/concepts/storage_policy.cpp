@@ -1,11 +1,14 @@
 // kvc::concepts::StoragePolicy and supports_its_element_type
 // (concepts/kvc/concepts/storage_policy.hpp): the shipped policies and a minimal archetype model
-// them; one near-miss per named requirement does not. Compile-only.
+// them; one near-miss per named requirement does not. Also the views the policies return
+// (kvc::basic_tensor_view / basic_state_view over both memory spaces). Compile-only.
 #include <kvc/concepts/storage_policy.hpp>
 #include <kvc/policies/storage/host.hpp>
+#include <kvc/tensor.hpp>
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 // A named namespace (not an anonymous one): clang warns about unused static members of
@@ -164,5 +167,61 @@ static_assert(!supports_its_element_type<declines_its_element>);
 // The element type where the policy belongs: kvc::Cache<L, float> instead of HostStorage<float>.
 static_assert(!StoragePolicy<float>);
 static_assert(!StoragePolicy<void>);
+
+// ---- the views a storage policy returns: one template per kind, over the memory space -------------
+// TensorView / DeviceTensorView and StateView / DeviceStateView are aliases of basic_tensor_view and
+// basic_state_view; host and device views of one T are different types.
+static_assert(std::is_same_v<kvc::TensorView<float>, kvc::basic_tensor_view<float, kvc::memory_space::host>>);
+static_assert(std::is_same_v<kvc::DeviceTensorView<float>, kvc::basic_tensor_view<float, kvc::memory_space::device>>);
+static_assert(std::is_same_v<kvc::StateView<float>, kvc::basic_state_view<float, kvc::memory_space::host>>);
+static_assert(std::is_same_v<kvc::DeviceStateView<float>, kvc::basic_state_view<float, kvc::memory_space::device>>);
+static_assert(!std::is_same_v<kvc::TensorView<float>, kvc::DeviceTensorView<float>>);
+static_assert(!std::is_same_v<kvc::StateView<float>, kvc::DeviceStateView<float>>);
+static_assert(kvc::TensorView<float>::space == kvc::memory_space::host);
+static_assert(kvc::DeviceStateView<float>::space == kvc::memory_space::device);
+static_assert(std::is_same_v<kvc::HostStorage<float>::view_type, kvc::TensorView<float>>);
+static_assert(std::is_same_v<kvc::HostStorage<float>::state_view_type, kvc::StateView<float>>);
+
+// Trivially copyable aggregates (passed by value to kernels, built as {ptr, extents, strides} and
+// {ptr, rank, extents}).
+static_assert(std::is_trivially_copyable_v<kvc::TensorView<float>> && std::is_aggregate_v<kvc::TensorView<float>>);
+static_assert(std::is_trivially_copyable_v<kvc::DeviceTensorView<float>> &&
+              std::is_aggregate_v<kvc::DeviceTensorView<float>>);
+static_assert(std::is_trivially_copyable_v<kvc::StateView<double>> && std::is_aggregate_v<kvc::StateView<double>>);
+static_assert(std::is_trivially_copyable_v<kvc::DeviceStateView<double>> &&
+              std::is_aggregate_v<kvc::DeviceStateView<double>>);
+inline constexpr float view_data[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+constexpr kvc::TensorView<float> host_view{view_data, {1, 2, 2, 2}, {8, 4, 2, 1}};
+constexpr kvc::DeviceTensorView<float> device_view{view_data, {1, 2, 2, 2}, {8, 4, 2, 1}};
+constexpr kvc::StateView<float> host_state{view_data, 2, {2, 4}};
+constexpr kvc::DeviceStateView<float> device_state{view_data, 2, {2, 4}};
+static_assert(host_view.size() == 8 && host_view.stride(1) == 4 && host_view(0, 1, 1, 0) == 6.f);
+static_assert(device_view.size() == 8 && device_view.extent(3) == 2 && device_view.data() == view_data);
+static_assert(host_state.size() == 8 && host_state[5] == 5.f);
+static_assert(device_state.size() == 8 && device_state.extent(1) == 4 && !device_state.empty());
+
+// Host views read elements, map heads and copy themselves out; device views do none of that in
+// host code (their operator(), operator[] and head are __device__, compiled by nvcc only).
+template <class V>
+concept reads_elements = requires(const V& v) { v(0, 0, 0, 0); };
+template <class V>
+concept maps_heads = requires(const V& v) { v.head(0, 0); };
+template <class V>
+concept copies_out = requires(const V& v) { v.to_tensor(); };
+template <class V>
+concept reads_states = requires(const V& v) { v[0]; };
+template <class V>
+concept copies_states_out = requires(const V& v) { v.template to_tensor<2>(); };
+static_assert(reads_elements<kvc::TensorView<float>> && maps_heads<kvc::TensorView<float>> &&
+              copies_out<kvc::TensorView<float>>);
+static_assert(!reads_elements<kvc::DeviceTensorView<float>> && !maps_heads<kvc::DeviceTensorView<float>> &&
+              !copies_out<kvc::DeviceTensorView<float>>);
+static_assert(reads_states<kvc::StateView<float>> && copies_states_out<kvc::StateView<float>>);
+static_assert(!reads_states<kvc::DeviceStateView<float>> && !copies_states_out<kvc::DeviceStateView<float>>);
+static_assert(std::is_same_v<decltype(host_view.head(0, 0)), kvc::TensorView<float>::head_matrix>);
+
+// One shape_string for state views of both spaces.
+static_assert(std::is_same_v<decltype(kvc::shape_string(host_state)), std::string>);
+static_assert(std::is_same_v<decltype(shape_string(device_state)), std::string>);  // found by ADL
 
 }  // namespace kvc_test_storage_policy

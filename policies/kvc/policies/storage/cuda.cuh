@@ -29,65 +29,11 @@ namespace kvc {
 
 // ---- views ---------------------------------------------------------------------------------------
 
-// A strided, read-only rank-4 window into device memory, [batch, heads, seq, head_dim], with the
-// same fields and invariants as kvc::TensorView (stride(3) == 1, stride(2) == extent(3)). The
-// accessors run on host and device; dereferencing (operator(), row) is device code only.
-template <class T>
-struct DeviceTensorView {
-  using element_type = T;
-
-  const T* ptr = nullptr;
-  std::array<std::int64_t, 4> extents{};
-  std::array<std::int64_t, 4> strides{};
-
-  KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
-  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
-  KVC_HOST_DEVICE constexpr std::int64_t stride(int r) const noexcept { return strides[r]; }
-  KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
-    return extents[0] * extents[1] * extents[2] * extents[3];
-  }
-  KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
-
-#if defined(__CUDACC__)
-  __device__ const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) const noexcept {
-    return ptr[b * strides[0] + h * strides[1] + s * strides[2] + d];
-  }
-  // The first element of the dense [seq, head_dim] block of one (batch, head) pair.
-  __device__ const T* head(std::int64_t b, std::int64_t h) const noexcept {
-    return ptr + b * strides[0] + h * strides[1];
-  }
-#endif
-};
-
-// A dense, row-major, read-only window of rank 1 to 4 into device memory: linear-attention states
-// and indexer keys (the device counterpart of kvc::StateView).
-template <class T>
-struct DeviceStateView {
-  using element_type = T;
-
-  const T* ptr = nullptr;
-  int rank = 0;
-  std::array<std::int64_t, 4> extents{};
-
-  KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
-  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
-  KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
-    std::int64_t n = rank > 0 ? 1 : 0;
-    for (int r = 0; r < rank; ++r) n *= extents[r];
-    return n;
-  }
-  KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
-#if defined(__CUDACC__)
-  __device__ const T& operator[](std::int64_t i) const noexcept { return ptr[i]; }
-#endif
-};
-
-// The shape of a DeviceStateView, printed the way torch prints a shape (found by the layer kinds'
-// error messages through argument-dependent lookup).
-template <class T>
-std::string shape_string(const DeviceStateView<T>& v) {
-  return shape_string(StateView<T>{nullptr, v.rank, v.extents});
-}
+// kvc::DeviceTensorView<T> and kvc::DeviceStateView<T> are defined in <kvc/tensor.hpp>, as the
+// device-space aliases of the view templates that TensorView<T> and StateView<T> also name: the
+// same fields and invariants, shape accessors on host and device, and elements (operator(),
+// operator[], head) read by device code only. shape_string there prints a state view of either
+// space.
 
 // ---- an owning device tensor -----------------------------------------------------------------------
 
@@ -108,7 +54,8 @@ class DeviceTensor {
     std::int64_t n = 1;
     for (int r = 0; r < rank; ++r) {
       if (extents[static_cast<std::size_t>(r)] < 0)
-        throw ValueError("kvc::DeviceTensor: negative extent in " + shape_string(StateView<T>{nullptr, rank, extents}));
+        throw ValueError("kvc::DeviceTensor: negative extent in " +
+                         shape_string(DeviceStateView<T>{nullptr, rank, extents}));
       n = detail::checked_elements({n, extents[static_cast<std::size_t>(r)]}, sizeof(T));
     }
     for (int r = rank; r < 4; ++r) extents_[static_cast<std::size_t>(r)] = 0;
