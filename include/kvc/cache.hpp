@@ -730,7 +730,7 @@ class Cache<L, S, O> {
   // stored() brings the layer back too (the engine is mutable for that).
   void before_access(std::int64_t idx) const {
     auto& self = const_cast<Cache&>(*this);
-    if constexpr (requires { offload_.before_access(self, idx); }) offload_.before_access(self, idx);
+    if constexpr (concepts::has_access_hook<decltype(offload_), Cache>) offload_.before_access(self, idx);
   }
 
   template <class X>

@@ -50,7 +50,7 @@ static_assert(!supports_write_position<dyn> && !supports_write_position<dyn_slid
 static_assert(supports_past_recording<dyn_sliding> && !supports_past_recording<dyn>);
 
 // ---- minimal archetype, and near-misses made from it by one defect each -------------------------
-enum class defect { none, state_ctor, traits, update, length_queries, lifecycle };
+enum class defect { none, state_ctor, traits, update, length_queries, lifecycle, buffer_walk };
 
 template <defect D = defect::none>
 struct layer_archetype {
@@ -81,6 +81,10 @@ struct layer_archetype {
     // lifecycle: gathers in place instead of returning a copy.
     std::conditional_t<D == defect::lifecycle, void, state> gathered(std::span<const std::int64_t> batch) const;
     std::int64_t bytes() const;
+    // buffer_walk: no for_each_buffer (an offloading cache would never move this layer).
+    template <class F>
+    void for_each_buffer(F&& f)
+      requires(D != defect::buffer_walk);
   };
 };
 
@@ -88,7 +92,7 @@ using host = kvc::HostStorage<float>;
 using archetype = layer_archetype<>;
 static_assert(has_layer_state<archetype, host> && has_layer_traits<state_t<archetype, host>> &&
               has_update<state_t<archetype, host>, host> && has_length_queries<state_t<archetype, host>> &&
-              has_lifecycle<state_t<archetype, host>, host>);
+              has_lifecycle<state_t<archetype, host>, host> && has_buffer_walk<state_t<archetype, host>>);
 static_assert(CacheLayer<archetype, host>);
 static_assert(CacheLayer<archetype, kvc::HostStorage<Eigen::half>>);
 // The archetype has none of the optional capabilities, and needs none.
@@ -127,6 +131,11 @@ static_assert(!CacheLayer<bad_lengths, host>);
 using bad_lifecycle = layer_archetype<defect::lifecycle>;
 static_assert(!has_lifecycle<state_t<bad_lifecycle, host>, host>);
 static_assert(!CacheLayer<bad_lifecycle, host>);
+
+// has_buffer_walk
+using no_buffer_walk = layer_archetype<defect::buffer_walk>;
+static_assert(has_lifecycle<state_t<no_buffer_walk, host>, host> && !has_buffer_walk<state_t<no_buffer_walk, host>>);
+static_assert(!CacheLayer<no_buffer_walk, host>);
 
 // supports_batch_ops needs the flag to be true, not only present (StaticLayer's is false).
 static_assert(requires { fixed::supports_batch_ops; } && !supports_batch_ops<fixed>);

@@ -15,6 +15,9 @@
 //   st.stored() -> KV<v>                 what the layer holds (transformers' layer.keys/values)
 //   st.gathered(std::span<const int64_t>) -> St   a copy with the batch rows picked by index
 //   st.bytes() -> int64_t                bytes of K/V memory held
+//   st.for_each_buffer(f)                f(buffer&) on each buffer the state owns, in a fixed
+//                                        order: how offload engines move the layer between tiers
+//                                        (a state with nothing to move walks nothing, on purpose)
 // Optional capabilities, detected by the Cache: crop/check_crop, activate_past_recording,
 // set_write_position, and `supports_batch_ops` (batch_repeat_interleave/batch_select_indices).
 
@@ -64,13 +67,25 @@ concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::s
   { cst.bytes() } -> std::convertible_to<std::int64_t>;
 };
 
+// What for_each_buffer is called with when the concept is checked: any buffer type is accepted
+// (the walk's body is not instantiated by the check).
+struct buffer_visitor {
+  template <class Buffer>
+  void operator()(Buffer&) const noexcept {}
+};
+
+// The buffer walk offload engines move a layer's bytes through. Required, so that a kind without
+// it is a compile error rather than a layer that an offloading cache silently never offloads.
+template <class St>
+concept has_buffer_walk = requires(St& st, buffer_visitor f) { st.for_each_buffer(f); };
+
 // StoragePolicy<S> comes first: the conjunction stops there, before naming K::state<S> for an S
 // that has no view_type (which would be a hard error, not a false).
 template <class K, class S>
 concept CacheLayer =
     StoragePolicy<S> && has_layer_state<K, S> && has_layer_traits<typename K::template state<S>> &&
     has_update<typename K::template state<S>, S> && has_length_queries<typename K::template state<S>> &&
-    has_lifecycle<typename K::template state<S>, S>;
+    has_lifecycle<typename K::template state<S>, S> && has_buffer_walk<typename K::template state<S>>;
 
 // Optional capabilities.
 template <class St>

@@ -8,6 +8,7 @@
 //   st.update_recurrent_state(sv, i) -> sv
 //   st.has_previous_state(i) -> bool          (i == -1: all states)
 //   st.reset()   st.bytes()   st.is_initialized()   st.batch()   st.gathered(span) -> St
+//   st.for_each_buffer(f)                     (as CacheLayer: the walk offload engines use)
 // Hybrid layers (a linear part and an attention part) model both this and CacheLayer.
 
 #include <concepts>
@@ -39,7 +40,8 @@ concept has_state_views = requires { typename S::state_view_type; };
 template <class K, class S>
 concept LinearCacheLayer =
     StoragePolicy<S> && has_state_views<S> && has_layer_state<K, S> &&
-    has_layer_traits<typename K::template state<S>> && has_linear_states<typename K::template state<S>, S>;
+    has_layer_traits<typename K::template state<S>> && has_linear_states<typename K::template state<S>, S> &&
+    has_buffer_walk<typename K::template state<S>>;
 
 // A layer the Cache can hold: a K/V layer, a linear-attention layer, or a hybrid of both.
 template <class K, class S>

@@ -7,8 +7,13 @@
 //                                    engine.before_update(cache, layer_idx) and
 //                                    engine.after_update(cache, layer_idx) around each update
 //                                    (transformers' wait/prefetch and offload steps)
+// Optional (has_access_hook<E, Cache>):
+//   engine.before_access(cache, layer_idx)   before a Cache method other than update reads or
+//                                    changes layer layer_idx (-1: every layer); an engine that
+//                                    moves buffers out brings them back here
 
 #include <concepts>
+#include <cstdint>
 
 namespace kvc::concepts {
 
@@ -31,5 +36,10 @@ concept OffloadPolicy = has_serves_flag<O, S> && has_offload_engine<O, S>;
 
 template <class O, class S>
 concept serves_storage = OffloadPolicy<O, S> && static_cast<bool>(O::template serves<S>);
+
+// The optional access hook, detected by kvc::Cache for its own type.
+template <class E, class Cache>
+concept has_access_hook =
+    requires(E& engine, Cache& cache, std::int64_t layer_idx) { engine.before_access(cache, layer_idx); };
 
 }  // namespace kvc::concepts
