@@ -1,0 +1,263 @@
+#pragma once
+// The per-group block tables of a paged cache and the cache rows each request reads and writes:
+// transformers' FullAttentionCacheAllocator and SlidingAttentionCacheAllocator
+// (generation/continuous_batching/cache_manager.py at a597f974). One allocator per layer group;
+// all of them take blocks from the cache's one BlockManager.
+//
+// A row is a page: the K (or V) of one token of one layer, `block_size` rows per block, row
+// `block * block_size + offset`. Full groups map position p to row
+// table[p / block_size] * block_size + p % block_size. Sliding groups keep a ring of
+// `sliding_window` slots over at most ceil(sliding_window / block_size) blocks: position p lives in
+// slot p % sliding_window. That is the invariant transformers' ring arithmetic breaks at
+// a597f974 (its read drops the newest cached token once past >= sliding_window, and a write of more
+// than sliding_window tokens rotates the ring); kvc keeps it (docs/differences.md).
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <kvc/errors.hpp>
+#include <kvc/paged/block_manager.hpp>
+#include <kvc/warnings.hpp>
+
+namespace kvc::paged {
+
+// What both allocators share: the block table of each request of one group.
+class CacheAllocator {
+ public:
+  std::int64_t index() const noexcept { return index_; }
+  std::int64_t block_size() const noexcept { return block_size_; }
+  bool uses_block_sharing() const noexcept { return sharing_; }
+
+  bool has_request(const std::string& request_id) const { return tables_.count(request_id) != 0; }
+  // The request's blocks, in position order (ValueError for a request without a table).
+  const std::vector<std::int64_t>& table(const std::string& request_id) const { return table_of(request_id); }
+  std::vector<std::int64_t>& mutable_table(const std::string& request_id) { return table_of(request_id); }
+  // Every request that has a table, in request-id order.
+  std::vector<std::string> requests() const {
+    std::vector<std::string> out;
+    out.reserve(tables_.size());
+    for (const auto& [id, t] : tables_) out.push_back(id);
+    return out;
+  }
+  // Sets a request's table outright (prefix matches, restored requests).
+  void set_table(const std::string& request_id, std::vector<std::int64_t> blocks) {
+    tables_.insert_or_assign(request_id, std::move(blocks));
+  }
+
+  // Gives the request's blocks back to the manager and forgets its table; a request without one
+  // only warns (transformers' text), as cancelling a request that never got blocks does.
+  void free_blocks(const std::string& request_id, BlockManager& bm) {
+    const auto it = tables_.find(request_id);
+    if (it == tables_.end()) {
+      warn_once("CacheAllocator " + std::to_string(index_) +
+                " attempted to free blocks for non-existent request_id: " + request_id);
+      return;
+    }
+    bm.free_blocks(it->second, sharing_);
+    tables_.erase(it);
+  }
+
+  // Gives each child a table for a copy of the parent (see BlockManager::fork_blocks) and returns
+  // the block copies to make. Nothing changes when it throws.
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_blocks(
+      const std::string& parent_request_id, std::span<const std::string> children_request_ids, BlockManager& bm) {
+    const auto parent = tables_.find(parent_request_id);
+    if (parent == tables_.end()) throw ValueError("No block table found for request " + parent_request_id);
+    for (const std::string& child : children_request_ids)
+      if (tables_.count(child) != 0) throw ValueError("Block table already exists for request " + child);
+    auto forked =
+        bm.fork_blocks(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_, index_);
+    if (!forked) throw ValueError("Failed to fork blocks for request " + parent_request_id);
+    for (std::size_t i = 0; i < children_request_ids.size(); ++i)
+      tables_.emplace(children_request_ids[i], std::move(forked->tables[i]));
+    return {std::move(forked->copy_src), std::move(forked->copy_dst)};
+  }
+
+ protected:
+  CacheAllocator(std::int64_t index, std::int64_t block_size, bool sharing)
+      : index_(index), block_size_(block_size), sharing_(sharing) {}
+
+  std::vector<std::int64_t>& table_of(const std::string& request_id) {
+    const auto it = tables_.find(request_id);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+    return it->second;
+  }
+  const std::vector<std::int64_t>& table_of(const std::string& request_id) const {
+    const auto it = tables_.find(request_id);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+    return it->second;
+  }
+
+  // The cache row of slot s of a table (position for full groups, ring slot for sliding ones).
+  std::int64_t row(const std::vector<std::int64_t>& t, std::int64_t s, const std::string& request_id) const {
+    const std::int64_t b = s / block_size_;
+    if (b >= static_cast<std::int64_t>(t.size()))
+      throw ValueError("kvc::paged: request " + request_id + " has " + std::to_string(t.size()) + " blocks in group " +
+                       std::to_string(index_) + ", too few for slot " + std::to_string(s));
+    return t[static_cast<std::size_t>(b)] * block_size_ + s % block_size_;
+  }
+
+  static void check_counts(std::int64_t past, std::int64_t q) {
+    if (past < 0 || q < 0)
+      throw ValueError("kvc::paged: past and query lengths must be >= 0, got past " + std::to_string(past) + " and q " +
+                       std::to_string(q));
+  }
+
+  std::int64_t index_;
+  std::int64_t block_size_;
+  bool sharing_;
+  std::map<std::string, std::vector<std::int64_t>> tables_;
+};
+
+// A full-attention group: the table grows by whole blocks, blocks are shareable (ref counts,
+// hashes, prefix reuse) when block sharing is allowed.
+class FullAttentionCacheAllocator : public CacheAllocator {
+ public:
+  FullAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, bool allow_block_sharing)
+      : CacheAllocator(index, block_size, allow_block_sharing) {}
+
+  static constexpr bool is_sliding = false;
+
+  // n more blocks for the request (chained from its last one); nullopt, with nothing changed, if
+  // the manager has not enough. Returns n.
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
+    const auto it = tables_.find(request_id);
+    std::optional<std::int64_t> last;
+    if (it != tables_.end() && !it->second.empty()) last = it->second.back();
+    auto ids = bm.get_free_blocks(n, last, sharing_, index_);
+    if (!ids) return std::nullopt;
+    tables_[request_id].insert(tables_[request_id].end(), ids->begin(), ids->end());
+    return n;
+  }
+
+  // Prefix sharing (transformers' PagedAttentionCache.search_prefix_match): the leading whole blocks
+  // of `prompt_ids` whose chained hashes are registered become the request's table, one more
+  // reference each, stopping at the first miss. Returns the number of prompt tokens they hold
+  // (hits * block_size). A request that already has blocks is refused (ValueError): the match is
+  // where a request's table starts. Only meaningful with block sharing on.
+  std::int64_t search_prefix_match(const std::string& request_id, std::span<const std::int64_t> prompt_ids,
+                                   BlockManager& bm) {
+    if (const auto it = tables_.find(request_id); it != tables_.end() && !it->second.empty())
+      throw ValueError("kvc::paged: request " + request_id + " already has blocks; a prefix match starts a table");
+    std::vector<std::int64_t> hits;
+    std::optional<std::uint64_t> parent;
+    const auto whole = static_cast<std::int64_t>(prompt_ids.size()) / block_size_;
+    for (std::int64_t b = 0; b < whole; ++b) {
+      const std::uint64_t h = compute_block_hash(
+          parent, prompt_ids.subspan(static_cast<std::size_t>(b * block_size_), static_cast<std::size_t>(block_size_)),
+          index_);
+      const auto id = bm.find_hash(h);
+      if (!id) break;
+      hits.push_back(*id);
+      parent = h;
+    }
+    if (hits.empty()) return 0;
+    tables_.insert_or_assign(request_id, hits);  // first, so that a failure below leaves no reference taken
+    for (const std::int64_t id : hits) bm.increase_ref_count(id);
+    return static_cast<std::int64_t>(hits.size()) * block_size_;
+  }
+
+  // Rows of positions 0 .. past + q - 1 (the write comes first, so the new tokens are included).
+  void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+                        std::vector<std::int64_t>& out) const {
+    check_counts(past, q);
+    const auto& t = table_of(request_id);
+    for (std::int64_t p = 0; p < past + q; ++p) out.push_back(row(t, p, request_id));
+  }
+  // Rows of positions past .. past + q - 1.
+  void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+                         std::vector<std::int64_t>& out) const {
+    check_counts(past, q);
+    const auto& t = table_of(request_id);
+    for (std::int64_t p = past; p < past + q; ++p) out.push_back(row(t, p, request_id));
+  }
+  // The first ceil((past + q) / block_size) blocks of the table, into `row` (a block-table row of
+  // a paged attention kernel; the rest of it is left as it is).
+  void fill_block_table(const std::string& request_id, std::int64_t past, std::int64_t q,
+                        std::span<std::int64_t> out) const {
+    check_counts(past, q);
+    const auto& t = table_of(request_id);
+    const std::int64_t n = (past + q + block_size_ - 1) / block_size_;
+    if (n > static_cast<std::int64_t>(t.size()) || n > static_cast<std::int64_t>(out.size()))
+      throw ValueError("kvc::paged: a block table row of " + std::to_string(out.size()) + " entries cannot hold the " +
+                       std::to_string(n) + " blocks of request " + request_id + " (it has " + std::to_string(t.size()) +
+                       ")");
+    std::copy_n(t.begin(), n, out.begin());
+  }
+};
+
+// A sliding-window group: a ring of `sliding_window` slots in at most
+// ceil(sliding_window / block_size) blocks, never shared (forks copy it).
+class SlidingAttentionCacheAllocator : public CacheAllocator {
+ public:
+  SlidingAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, std::int64_t sliding_window,
+                                 std::int64_t sentinel_index, std::int64_t write_trash_index)
+      : CacheAllocator(index, block_size, false),
+        window_(sliding_window),
+        sentinel_(sentinel_index),
+        write_trash_(write_trash_index) {
+    if (sliding_window < 1)
+      throw ValueError("kvc::paged: sliding_window must be >= 1, got " + std::to_string(sliding_window));
+    max_blocks_ = (sliding_window + block_size - 1) / block_size;
+  }
+
+  static constexpr bool is_sliding = true;
+  std::int64_t sliding_window() const noexcept { return window_; }
+  std::int64_t max_blocks_per_request() const noexcept { return max_blocks_; }
+  std::int64_t sentinel_index() const noexcept { return sentinel_; }
+  std::int64_t write_trash_index() const noexcept { return write_trash_; }
+
+  // Up to n more blocks, never past the ring's ceil(sliding_window / block_size); returns how many
+  // it took (0 once the ring is whole), nullopt with nothing changed if the manager has too few.
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
+    const auto it = tables_.find(request_id);
+    const std::int64_t have = it == tables_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
+    const std::int64_t take = std::max<std::int64_t>(std::min(have + n, max_blocks_) - have, 0);
+    if (take == 0) {
+      tables_.try_emplace(request_id);
+      return 0;
+    }
+    auto ids = bm.get_free_blocks(take, std::nullopt, false, index_);
+    if (!ids) return std::nullopt;
+    auto& t = tables_[request_id];
+    t.insert(t.end(), ids->begin(), ids->end());
+    return take;
+  }
+
+  // The cached part of the window, oldest first: the last min(past, sliding_window - 1) positions
+  // (slots (past - len) % window ...), then one sentinel row per new token, which update replaces
+  // by the new token (read before write: a new token may overwrite a slot read in this step).
+  void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+                        std::vector<std::int64_t>& out) const {
+    check_counts(past, q);
+    const auto& t = table_of(request_id);
+    const std::int64_t len = std::min(past, window_ - 1);
+    for (std::int64_t p = past - len; p < past; ++p) out.push_back(row(t, p % window_, request_id));
+    out.insert(out.end(), static_cast<std::size_t>(q), sentinel_);
+  }
+  // Where the new tokens go: the oldest q - min(q, window) of them (which no query of this step
+  // keeps after the step) to the write trash, the others to their slots position % window.
+  void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+                         std::vector<std::int64_t>& out) const {
+    check_counts(past, q);
+    const auto& t = table_of(request_id);
+    const std::int64_t kept = std::min(q, window_);
+    const std::int64_t pad = q - kept;
+    out.insert(out.end(), static_cast<std::size_t>(pad), write_trash_);
+    for (std::int64_t p = past + pad; p < past + q; ++p) out.push_back(row(t, p % window_, request_id));
+  }
+
+ private:
+  std::int64_t window_;
+  std::int64_t sentinel_;
+  std::int64_t write_trash_;
+  std::int64_t max_blocks_;
+};
+
+}  // namespace kvc::paged

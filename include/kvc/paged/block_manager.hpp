@@ -1,0 +1,310 @@
+#pragma once
+// kvc::paged::BlockManager: who owns which block of a paged cache. transformers' BlockManager
+// (generation/continuous_batching/cache_manager.py at a597f974), with its policy kept exactly:
+//   - free blocks that hold nothing reusable ("uninitialized") form a FIFO: allocation takes from
+//     the front, every block given back goes to the back;
+//   - a block of a shareable allocation (full-attention groups with block sharing on) has a ref
+//     count and, once complete (its block_size tokens are known), a hash chained over the blocks
+//     before it (block_hash.hpp). A complete block whose count drops to 0 stays "initialized":
+//     free, but still findable by its hash for prefix sharing, until it is evicted;
+//   - eviction takes the most recently freed initialized block first (LIFO), so the tail of the
+//     last finished sequence goes first and the shared heads of chains survive longest;
+//   - a complete block whose hash is already known is replaced, in the request's table, by the
+//     known block (its own KV is discarded).
+// Where kvc differs (docs/paged.md, docs/differences.md): the hash is BLAKE2b-64 in every case;
+// a failed fork changes nothing (upstream keeps the ref counts and blocks it took before the
+// failure); uninitialize_unshared_block checks before it changes anything.
+// Block ids are global: 0 .. num_blocks - 1, shared by every layer group of the cache.
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <kvc/errors.hpp>
+#include <kvc/paged/block_hash.hpp>
+
+namespace kvc::paged {
+
+// A block of a shareable allocation. `parent_id` is the block before it in its request's table
+// (bookkeeping; the hash chain follows the table).
+struct Block {
+  std::int64_t id = -1;
+  std::optional<std::int64_t> parent_id;
+  std::int64_t group_id = 0;
+  std::optional<std::uint64_t> hash;  // set once the block is complete
+  std::int64_t ref_count = 1;
+  bool is_complete() const noexcept { return hash.has_value(); }
+};
+
+// transformers' Block.__repr__.
+inline std::string block_repr(const Block& b) {
+  std::string out = "Block(id=" + std::to_string(b.id) + ", parent_id=";
+  out += b.parent_id ? std::to_string(*b.parent_id) : "None";
+  out += ", group_id=" + std::to_string(b.group_id) + ", hash=";
+  out += b.hash ? std::to_string(*b.hash) : "None";
+  out += ", ref_count=" + std::to_string(b.ref_count) + ")";
+  return out;
+}
+
+// What fork_blocks returns: one block list per fork, and the copies to make (source block i to
+// destination block i) for the blocks that could not be shared.
+struct ForkedBlocks {
+  std::vector<std::vector<std::int64_t>> tables;
+  std::vector<std::int64_t> copy_src;
+  std::vector<std::int64_t> copy_dst;
+};
+
+class BlockManager {
+ public:
+  BlockManager(std::int64_t num_blocks, std::int64_t block_size) : num_blocks_(num_blocks), block_size_(block_size) {
+    if (num_blocks < 0)
+      throw ValueError("kvc::paged::BlockManager: num_blocks must be >= 0, got " + std::to_string(num_blocks));
+    if (block_size < 1)
+      throw ValueError("kvc::paged::BlockManager: block_size must be >= 1, got " + std::to_string(block_size));
+    for (std::int64_t i = 0; i < num_blocks; ++i) uninit_.push_back(i);
+  }
+
+  std::int64_t num_blocks() const noexcept { return num_blocks_; }
+  std::int64_t block_size() const noexcept { return block_size_; }
+  // Free blocks: never used or given back (uninitialized), plus complete ones nobody holds (initialized).
+  std::int64_t num_free_blocks() const noexcept {
+    return static_cast<std::int64_t>(uninit_.size()) + static_cast<std::int64_t>(init_.size());
+  }
+  std::int64_t num_uninitialized_blocks() const noexcept { return static_cast<std::int64_t>(uninit_.size()); }
+  std::int64_t num_initialized_blocks() const noexcept { return static_cast<std::int64_t>(init_.size()); }
+
+  // The uninitialized free blocks in allocation order, and the initialized ones from the next to be
+  // evicted to the last (tests, debugging).
+  std::vector<std::int64_t> uninitialized_blocks() const { return {uninit_.begin(), uninit_.end()}; }
+  std::vector<std::int64_t> initialized_blocks() const { return {init_.rbegin(), init_.rend()}; }
+
+  // The Block of a shareable allocation, if `id` has one.
+  const Block* block(std::int64_t id) const noexcept {
+    const auto it = blocks_.find(id);
+    return it == blocks_.end() ? nullptr : &it->second;
+  }
+  // The block registered under `hash` (complete, in use or initialized), if any.
+  std::optional<std::int64_t> find_hash(std::uint64_t hash) const noexcept {
+    const auto it = hash_to_id_.find(hash);
+    if (it == hash_to_id_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  // True if n blocks can be taken now. When the uninitialized blocks are not enough but the
+  // initialized ones make up for it, the missing number of initialized blocks is evicted (most
+  // recently freed first): they lose their hash and join the back of the FIFO.
+  bool has_enough_free_blocks(std::int64_t n) {
+    const auto un = static_cast<std::int64_t>(uninit_.size());
+    if (un >= n) return true;
+    if (static_cast<std::int64_t>(init_.size()) < n - un) return false;
+    for (std::int64_t k = 0; k < n - un; ++k) evict_one();
+    return true;
+  }
+
+  // Takes n blocks from the front of the FIFO (after evicting what is needed), or nothing if there
+  // are not enough. For a shareable allocation each gets a Block chained from `last_block_id`.
+  std::optional<std::vector<std::int64_t>> get_free_blocks(std::int64_t n, std::optional<std::int64_t> last_block_id,
+                                                           bool shareable, std::int64_t group_id) {
+    if (n < 0) throw ValueError("kvc::paged::BlockManager: cannot take " + std::to_string(n) + " blocks");
+    if (!has_enough_free_blocks(n)) return std::nullopt;
+    std::vector<std::int64_t> ids(uninit_.begin(), uninit_.begin() + n);
+    if (shareable) {
+      std::vector<std::pair<std::int64_t, Block>> made;
+      made.reserve(ids.size());
+      std::optional<std::int64_t> parent = last_block_id;
+      for (const std::int64_t id : ids) {
+        made.emplace_back(id, Block{id, parent, group_id, std::nullopt, 1});
+        parent = id;
+      }
+      blocks_.reserve(blocks_.size() + made.size());
+      for (auto& [id, b] : made) blocks_.insert_or_assign(id, std::move(b));  // a stale evicted Block is replaced
+    }
+    uninit_.erase(uninit_.begin(), uninit_.begin() + n);
+    return ids;
+  }
+
+  // One more holder of block `id`; a block that was initialized (free) is in use again.
+  void increase_ref_count(std::int64_t id) {
+    Block& b = block_or_throw(id, "increase_ref_count");
+    if (b.ref_count == 0) {
+      const auto it = init_pos_.find(id);
+      if (it != init_pos_.end()) {
+        init_.erase(it->second);
+        init_pos_.erase(it);
+      }
+    }
+    b.ref_count += 1;
+  }
+
+  // One holder fewer; at 0 a complete block becomes initialized (keeps its hash), an incomplete one
+  // goes back to the FIFO.
+  void decrease_ref_count(std::int64_t id) {
+    Block& b = block_or_throw(id, "decrease_ref_count");
+    if (b.ref_count <= 0)
+      throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) + " is not referenced");
+    if (b.ref_count > 1) {
+      b.ref_count -= 1;
+      return;
+    }
+    if (b.is_complete()) {
+      init_.push_back(id);
+      init_pos_.emplace(id, std::prev(init_.end()));
+      b.ref_count = 0;
+    } else {
+      uninit_.push_back(id);
+      blocks_.erase(id);
+    }
+  }
+
+  // Gives back a request's blocks: shareable ones drop a reference each (table order), the others
+  // go straight to the back of the FIFO.
+  void free_blocks(std::span<const std::int64_t> blocks, bool shareable) {
+    if (shareable)
+      for (const std::int64_t id : blocks) decrease_ref_count(id);
+    else
+      uninit_.insert(uninit_.end(), blocks.begin(), blocks.end());
+  }
+
+  // Drops a block nobody else holds back into the FIFO, forgetting its Block. transformers raises
+  // after it has already forgotten the Block; kvc checks first and changes nothing on the error.
+  void uninitialize_unshared_block(std::int64_t id) {
+    const auto it = blocks_.find(id);
+    if (it != blocks_.end()) {
+      if (it->second.ref_count > 1)
+        throw RuntimeError("Block " + std::to_string(id) +
+                           " has more than one reference: block.ref_count = " + std::to_string(it->second.ref_count));
+      if (it->second.hash) {
+        const auto h = hash_to_id_.find(*it->second.hash);
+        if (h != hash_to_id_.end() && h->second == id) hash_to_id_.erase(h);
+      }
+      blocks_.erase(it);
+    }
+    uninit_.push_back(id);
+  }
+
+  // Hashes up to `num_complete` blocks at the end of a request's table that are not complete yet,
+  // from the earliest: block i holds tokens prompt_ids[i * block_size, (i + 1) * block_size). A
+  // block whose hash is already registered to another block is replaced in `allocated_blocks` by
+  // that block (one more reference to it; the request's own block goes back to the FIFO).
+  // Returns the number of blocks replaced that way (kvc's prefix-sharing statistic counts them).
+  std::int64_t mark_shareable_blocks_as_complete(std::int64_t num_complete, std::vector<std::int64_t>& allocated_blocks,
+                                                 std::span<const std::int64_t> prompt_ids) {
+    if (num_complete <= 0) return 0;
+    // The incomplete tail of the table, and the hash of the last complete block before it.
+    std::vector<std::size_t> todo;
+    std::optional<std::uint64_t> parent_hash;
+    for (std::size_t i = allocated_blocks.size(); i-- > 0;) {
+      const Block& b = block_or_throw(allocated_blocks[i], "mark_shareable_blocks_as_complete");
+      if (b.is_complete()) {
+        parent_hash = b.hash;
+        break;
+      }
+      todo.push_back(i);
+    }
+    std::reverse(todo.begin(), todo.end());
+    std::int64_t done = 0, replaced = 0;
+    std::optional<std::int64_t> replacement;  // the id the previous block was replaced by
+    for (const std::size_t i : todo) {
+      if (done >= num_complete) break;
+      const auto from = static_cast<std::int64_t>(i) * block_size_;
+      if (from + block_size_ > static_cast<std::int64_t>(prompt_ids.size()))
+        throw ValueError("kvc::paged::BlockManager: block " + std::to_string(i) +
+                         " of the request needs tokens up to " + std::to_string(from + block_size_) + ", but only " +
+                         std::to_string(prompt_ids.size()) + " are known");
+      Block& b = blocks_.at(allocated_blocks[i]);
+      if (replacement) b.parent_id = replacement;
+      replacement.reset();
+      const std::uint64_t h = compute_block_hash(
+          parent_hash, prompt_ids.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(block_size_)),
+          b.group_id);
+      ++done;
+      const auto known = hash_to_id_.find(h);
+      if (known != hash_to_id_.end() && known->second != b.id) {
+        const std::int64_t existing = known->second;
+        const std::int64_t own = b.id;
+        increase_ref_count(existing);
+        allocated_blocks[i] = existing;
+        uninitialize_unshared_block(own);
+        replacement = existing;
+        ++replaced;
+      } else {
+        b.hash = h;
+        hash_to_id_.emplace(h, b.id);
+      }
+      parent_hash = h;
+    }
+    return replaced;
+  }
+
+  // Blocks for num_forks copies of a request whose table is `parent_blocks`. Shareable: the leading
+  // run of complete blocks is shared (num_forks more references each), the rest is copied into new
+  // blocks of each fork; not shareable: every block is copied. nullopt, with nothing changed, when
+  // there are not enough free blocks (upstream keeps what it took before failing).
+  std::optional<ForkedBlocks> fork_blocks(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks,
+                                          bool shareable, std::int64_t group_id) {
+    std::size_t shared = 0;
+    if (shareable)
+      while (shared < parent_blocks.size() && block_or_throw(parent_blocks[shared], "fork_blocks").is_complete())
+        ++shared;
+    const auto to_copy = static_cast<std::int64_t>(parent_blocks.size() - shared);
+    if (num_forks < 0)
+      throw ValueError("kvc::paged::BlockManager: cannot fork " + std::to_string(num_forks) + " times");
+    // All or nothing: the check evicts, which frees nothing anyone holds.
+    if (!has_enough_free_blocks(to_copy * num_forks)) return std::nullopt;
+    ForkedBlocks out;
+    out.tables.reserve(static_cast<std::size_t>(num_forks));
+    const std::optional<std::int64_t> last_shared =
+        shared > 0 ? std::optional<std::int64_t>(parent_blocks[shared - 1]) : std::nullopt;
+    for (std::int64_t f = 0; f < num_forks; ++f) {
+      std::vector<std::int64_t> table(parent_blocks.begin(),
+                                      parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared));
+      if (to_copy > 0) {
+        auto fresh = get_free_blocks(to_copy, last_shared, shareable, group_id);  // cannot fail after the check
+        table.insert(table.end(), fresh->begin(), fresh->end());
+        out.copy_src.insert(out.copy_src.end(), parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared),
+                            parent_blocks.end());
+        out.copy_dst.insert(out.copy_dst.end(), fresh->begin(), fresh->end());
+      }
+      out.tables.push_back(std::move(table));
+    }
+    for (std::size_t i = 0; i < shared; ++i) blocks_.at(parent_blocks[i]).ref_count += num_forks;
+    return out;
+  }
+
+ private:
+  Block& block_or_throw(std::int64_t id, const char* what) {
+    const auto it = blocks_.find(id);
+    if (it == blocks_.end())
+      throw RuntimeError(std::string("kvc::paged::BlockManager::") + what + ": block " + std::to_string(id) +
+                         " is not a shareable block in use");
+    return it->second;
+  }
+
+  void evict_one() {
+    const std::int64_t id = init_.back();
+    init_.pop_back();
+    init_pos_.erase(id);
+    if (const auto it = blocks_.find(id); it != blocks_.end()) {
+      if (it->second.hash) hash_to_id_.erase(*it->second.hash);
+      blocks_.erase(it);
+    }
+    uninit_.push_back(id);
+  }
+
+  std::int64_t num_blocks_;
+  std::int64_t block_size_;
+  std::deque<std::int64_t> uninit_;
+  std::list<std::int64_t> init_;  // insertion order; eviction takes the back
+  std::unordered_map<std::int64_t, std::list<std::int64_t>::iterator> init_pos_;
+  std::unordered_map<std::uint64_t, std::int64_t> hash_to_id_;
+  std::unordered_map<std::int64_t, Block> blocks_;
+};
+
+}  // namespace kvc::paged
