@@ -28,6 +28,10 @@ struct AttributeError : std::logic_error {
 struct RuntimeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// Python's NotImplementedError, a RuntimeError there too.
+struct NotImplementedError : RuntimeError {
+  using RuntimeError::RuntimeError;
+};
 struct IndexError : std::out_of_range {
   using std::out_of_range::out_of_range;
 };

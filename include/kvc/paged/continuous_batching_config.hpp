@@ -1,0 +1,36 @@
+#pragma once
+// kvc::ContinuousBatchingConfig: the fields of transformers' ContinuousBatchingConfig
+// (generation/configuration_utils.py at a597f974) that shape the paged cache, with transformers'
+// defaults. Like transformers' dataclass it checks nothing itself: each value is checked where it
+// is used (PagedCache's constructor for block_size, with transformers' message). Unset optionals
+// are the fields transformers resolves later (`None`).
+
+#include <cstdint>
+#include <optional>
+
+namespace kvc {
+
+struct ContinuousBatchingConfig {
+  // Tokens per block ("Default used to be 32, now it's 256 to be compatible with
+  // flash_with_kvcache"); the cache needs at least 4.
+  std::int64_t block_size = 256;
+  // Allocatable blocks (the cache adds 2 of padding); unset: planned from a memory budget.
+  std::optional<std::int64_t> num_blocks;
+  // Query tokens per forward (the scheduler's budget); unset: planned.
+  std::optional<std::int64_t> max_batch_tokens;
+  // Fraction of free device memory the cache may take; unset: 0.9, or 0.8 with logits processing.
+  std::optional<double> max_memory_percent;
+  // Width of a request's row in the decode block table; 0 turns that path off; unset: 32
+  // (fallback_max_blocks_per_request).
+  std::optional<std::int64_t> max_blocks_per_request;
+  // Ref-counted block sharing (forks) and, for models with only full attention, prefix sharing.
+  bool allow_block_sharing = true;
+
+  // transformers' fallback_max_blocks_per_request property.
+  static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }
+  std::int64_t resolved_max_blocks_per_request() const noexcept {
+    return max_blocks_per_request.value_or(fallback_max_blocks_per_request());
+  }
+};
+
+}  // namespace kvc

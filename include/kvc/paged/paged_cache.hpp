@@ -1,0 +1,491 @@
+#pragma once
+// kvc::PagedCache<StoragePolicy>: the paged KV cache of continuous batching, transformers'
+// PagedAttentionCache (generation/continuous_batching/cache.py at a597f974), on a kvc storage
+// policy (HostStorage here). docs/paged.md describes the model; in short:
+//   - the model's layers form groups (layer_groups.hpp); layer j of every group shares pool tensor
+//     j: group_size K and group_size V pools of (num_blocks + 2) * block_size rows of
+//     [kv_heads, head_dim] elements;
+//   - block ids are global across groups; blocks num_blocks and num_blocks + 1 are the padding
+//     zone that no request gets: the read trash (row num_blocks * block_size, zeroed, what padded
+//     reads see), the sentinel (the next row, marking "a new token goes here" in sliding reads) and
+//     the write trash (row (num_blocks + 1) * block_size, where padded and dropped writes go);
+//   - one allocator per group keeps each request's block table (allocators.hpp); allocation is all
+//     or nothing across groups;
+//   - update(k, v, layer, read_index, write_index) scatters the new tokens to their rows and gathers
+//     what attention reads (full groups: write, then read; sliding groups: read, then write).
+// What this version does not do yet (docs/paged.md): plan num_blocks from a memory budget, offload
+// requests, device storage, the runtime path (make_cache("paged")).
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <kvc/config.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
+#include <kvc/paged/allocators.hpp>
+#include <kvc/paged/block_manager.hpp>
+#include <kvc/paged/continuous_batching_config.hpp>
+#include <kvc/paged/layer_groups.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+// One int64 row list per layer group: transformers' read_index / write_index.
+using PagedIndices = std::vector<std::vector<std::int64_t>>;
+
+// The key lengths of a request's next step per attention type (transformers' get_seqlens_k).
+struct PagedSeqlensK {
+  std::optional<std::int64_t> full_attention;
+  std::optional<std::int64_t> sliding_attention;
+};
+
+template <class S>
+class PagedCache {
+ public:
+  using T = typename S::element_type;
+  using view_type = typename S::view_type;
+  using allocator = std::variant<paged::FullAttentionCacheAllocator, paged::SlidingAttentionCacheAllocator>;
+
+  static constexpr std::int64_t min_block_size = 4;
+
+  // Needs cb.num_blocks for now (planning it from memory is not implemented: ValueError).
+  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
+      : block_size_(cb.block_size), manager_(checked_num_blocks(cb), checked_block_size(cb.block_size)) {
+    kv_heads_ = config.num_key_value_heads.value_or(config.num_attention_heads);
+    if (kv_heads_ <= 0)
+      throw ValueError("kvc::PagedCache: num_key_value_heads or num_attention_heads could not be found in the config");
+    if (config.head_dim)
+      head_dim_ = *config.head_dim;
+    else if (config.num_attention_heads > 0)
+      head_dim_ = config.hidden_size / config.num_attention_heads;
+    if (head_dim_ <= 0)
+      throw ValueError(
+          "kvc::PagedCache: head_dim or (hidden_size and num_attention_heads) could not be found in the config");
+    detail::check_size("kvc::PagedCache: the number of key/value heads", kv_heads_, 1, max_extent);
+    detail::check_size("kvc::PagedCache: head_dim", head_dim_, 1, max_extent);
+
+    groups_ = paged::group_layers_by_attn_type(config);
+    for (const std::string& type : groups_.types)
+      if (type != "full_attention" && type != "sliding_attention") throw ValueError("Invalid group type: " + type);
+    const std::int64_t layers = static_cast<std::int64_t>(paged::paged_layer_types(config).size());
+    layer_map_.assign(static_cast<std::size_t>(layers), {-1, -1});
+    for (std::size_t g = 0; g < groups_.groups.size(); ++g)
+      for (std::size_t j = 0; j < groups_.groups[g].size(); ++j)
+        layer_map_[static_cast<std::size_t>(groups_.groups[g][j])] = {static_cast<std::int64_t>(g),
+                                                                      static_cast<std::int64_t>(j)};
+
+    num_blocks_ = manager_.num_blocks();
+    max_batch_tokens_ = cb.max_batch_tokens;
+    max_blocks_per_request_ = cb.resolved_max_blocks_per_request();
+    read_trash_ = num_blocks_ * block_size_;
+    sentinel_ = read_trash_ + 1;
+    write_trash_ = (num_blocks_ + 1) * block_size_;
+
+    for (std::size_t g = 0; g < groups_.types.size(); ++g) {
+      const auto index = static_cast<std::int64_t>(g);
+      if (groups_.types[g] == "full_attention") {
+        allocators_.emplace_back(paged::FullAttentionCacheAllocator(index, block_size_, cb.allow_block_sharing));
+        ++num_full_groups_;
+      } else {
+        if (!config.sliding_window || *config.sliding_window < 1)
+          throw ValueError("kvc::PagedCache: the model has sliding_attention layers but no sliding_window");
+        sliding_window_ = *config.sliding_window;
+        allocators_.emplace_back(
+            paged::SlidingAttentionCacheAllocator(index, block_size_, sliding_window_, sentinel_, write_trash_));
+        ++num_sliding_groups_;
+      }
+    }
+    max_sliding_blocks_ = sliding_window_ > 0 ? (sliding_window_ + block_size_ - 1) / block_size_ : 0;
+    use_prefix_sharing_ = cb.allow_block_sharing && groups_.types == std::vector<std::string>{"full_attention"};
+
+    // The pools, zeroed whole: the read-trash block must be (padded reads see zeros), and the rest
+    // is zeroed too (a one-time cost) so that no path ever reads uninitialized memory.
+    row_elems_ = kv_heads_ * head_dim_;
+    const std::int64_t elems =
+        detail::checked_elements({num_blocks_ + 2, block_size_, kv_heads_, head_dim_}, sizeof(T));
+    keys_.reserve(static_cast<std::size_t>(groups_.group_size));
+    values_.reserve(static_cast<std::size_t>(groups_.group_size));
+    for (std::int64_t j = 0; j < groups_.group_size; ++j) {
+      keys_.emplace_back(elems);
+      values_.emplace_back(elems);
+      S::zero_2d(keys_.back().data(), elems, elems, 1);
+      S::zero_2d(values_.back().data(), elems, elems, 1);
+    }
+  }
+
+  // ---- geometry -----------------------------------------------------------------------------------
+
+  std::int64_t block_size() const noexcept { return block_size_; }
+  std::int64_t num_blocks() const noexcept { return num_blocks_; }
+  std::int64_t num_pages() const noexcept { return num_blocks_ * block_size_; }
+  std::int64_t num_key_value_heads() const noexcept { return kv_heads_; }
+  std::int64_t head_dim() const noexcept { return head_dim_; }
+  std::int64_t group_size() const noexcept { return groups_.group_size; }
+  std::int64_t num_groups() const noexcept { return static_cast<std::int64_t>(groups_.groups.size()); }
+  const paged::LayerGroups& layer_groups() const noexcept { return groups_; }
+  std::int64_t num_full_attention_groups() const noexcept { return num_full_groups_; }
+  std::int64_t num_sliding_attention_groups() const noexcept { return num_sliding_groups_; }
+  std::int64_t sliding_window() const noexcept { return sliding_window_; }
+  std::int64_t max_sliding_window_blocks_per_request() const noexcept { return max_sliding_blocks_; }
+  std::int64_t max_blocks_per_request() const noexcept { return max_blocks_per_request_; }
+  std::optional<std::int64_t> max_batch_tokens() const noexcept { return max_batch_tokens_; }
+  bool use_prefix_sharing() const noexcept { return use_prefix_sharing_; }
+  std::int64_t read_trash_index() const noexcept { return read_trash_; }
+  std::int64_t sentinel_index() const noexcept { return sentinel_; }
+  std::int64_t write_trash_index() const noexcept { return write_trash_; }
+  // (group, index in group) of a layer.
+  std::pair<std::int64_t, std::int64_t> layer_group(std::int64_t layer_idx) const {
+    if (layer_idx < 0 || layer_idx >= static_cast<std::int64_t>(layer_map_.size()))
+      throw IndexError("kvc::PagedCache: layer " + std::to_string(layer_idx) + " is out of range for " +
+                       std::to_string(layer_map_.size()) + " layers");
+    return layer_map_[static_cast<std::size_t>(layer_idx)];
+  }
+  // Bytes of the K and V pools.
+  std::int64_t bytes() const noexcept {
+    return 2 * groups_.group_size * (num_blocks_ + 2) * block_size_ * row_elems_ * static_cast<std::int64_t>(sizeof(T));
+  }
+  const paged::BlockManager& manager() const noexcept { return manager_; }
+  const allocator& group_allocator(std::int64_t g) const { return allocators_.at(static_cast<std::size_t>(g)); }
+  // Pool tensor j's rows, [rows, kv_heads, head_dim] flat (a paged attention kernel reads them
+  // through a block table or read indices).
+  const T* key_pool(std::int64_t j) const { return keys_.at(static_cast<std::size_t>(j)).data(); }
+  const T* value_pool(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
+
+  // ---- allocation -------------------------------------------------------------------------------
+
+  // Blocks an allocation of n (logical) blocks takes over all groups, for a request holding
+  // `allocated` logical blocks (its full-group count): n per full group, and per sliding group what
+  // its ring still lacks, at most n.
+  std::int64_t blocks_needed(std::int64_t n, std::int64_t allocated) const noexcept {
+    std::int64_t need = n * num_full_groups_;
+    if (num_sliding_groups_ > 0)
+      need += std::min(std::max<std::int64_t>(max_sliding_blocks_ - allocated, 0), n) * num_sliding_groups_;
+    return need;
+  }
+  bool will_allocation_be_successful(std::int64_t n, std::int64_t allocated) const noexcept {
+    return blocks_needed(n, allocated) <= get_num_free_blocks();
+  }
+  std::int64_t get_num_free_blocks() const noexcept { return manager_.num_free_blocks(); }
+  // Blocks the request holds over all groups.
+  std::int64_t blocks_in_use(const std::string& request_id) const {
+    std::int64_t n = 0;
+    for (const allocator& a : allocators_)
+      std::visit(
+          [&](const auto& al) {
+            if (al.has_request(request_id)) n += static_cast<std::int64_t>(al.table(request_id).size());
+          },
+          a);
+    return n;
+  }
+
+  // n more blocks for the request in every group, all or nothing: nullopt, with nothing changed,
+  // when they do not fit. Returns the most blocks any group took (n for full groups).
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, std::int64_t allocated) {
+    if (n < 0) throw ValueError("kvc::PagedCache: cannot allocate " + std::to_string(n) + " blocks");
+    if (!will_allocation_be_successful(n, allocated)) return std::nullopt;
+    std::int64_t most = 0;
+    for (allocator& a : allocators_) {
+      const auto got = std::visit([&](auto& al) { return al.allocate_blocks(n, request_id, manager_); }, a);
+      if (!got)  // cannot happen after the check above
+        throw ValueError("Failed to allocate " + std::to_string(n) + " blocks for request " + request_id);
+      most = std::max(most, *got);
+    }
+    return most;
+  }
+
+  void free_blocks(const std::string& request_id) {
+    for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request_id, manager_); }, a);
+  }
+  void free_all_requests() {
+    std::vector<std::string> all;
+    for (const allocator& a : allocators_)
+      std::visit(
+          [&](const auto& al) {
+            for (auto& r : al.requests()) all.push_back(std::move(r));
+          },
+          a);
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    for (const std::string& r : all)
+      for (allocator& a : allocators_)
+        std::visit(
+            [&](auto& al) {
+              if (al.has_request(r)) al.free_blocks(r, manager_);
+            },
+            a);
+  }
+
+  // ---- indices ----------------------------------------------------------------------------------
+
+  // Appends the request's rows for a step of q tokens after `past` to each group's lists; no read
+  // rows when read_index is null (a batch where no request has cache takes the write-only path).
+  void extend_read_and_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+                                     PagedIndices* read_index, PagedIndices& write_index) const {
+    const auto g = static_cast<std::size_t>(num_groups());
+    if (write_index.size() != g || (read_index && read_index->size() != g))
+      throw ValueError("kvc::PagedCache: index lists need one entry per layer group (" + std::to_string(g) + ")");
+    for (std::size_t i = 0; i < g; ++i)
+      std::visit(
+          [&](const auto& al) {
+            al.get_write_indices(request_id, past, q, write_index[i]);
+            if (read_index) al.get_read_indices(request_id, past, q, (*read_index)[i]);
+          },
+          allocators_[i]);
+  }
+
+  // The request's block table for a decode kernel: `table` is [num_groups, max_blocks_per_request],
+  // row g gets the group's first ceil((past + q) / block_size) blocks. Sliding groups have none.
+  void fill_block_table(const std::string& request_id, std::int64_t past, std::int64_t q,
+                        std::span<std::int64_t> table) const {
+    if (static_cast<std::int64_t>(table.size()) != num_groups() * max_blocks_per_request_)
+      throw ValueError("kvc::PagedCache: a block table needs num_groups * max_blocks_per_request = " +
+                       std::to_string(num_groups() * max_blocks_per_request_) + " entries, got " +
+                       std::to_string(table.size()));
+    for (std::size_t g = 0; g < allocators_.size(); ++g) {
+      const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
+      if (!full) throw NotImplementedError("Sliding window attention layers do not support block table");
+      full->fill_block_table(request_id, past, q,
+                             table.subspan(g * static_cast<std::size_t>(max_blocks_per_request_),
+                                           static_cast<std::size_t>(max_blocks_per_request_)));
+    }
+  }
+
+  PagedSeqlensK get_seqlens_k(std::int64_t past, std::int64_t q) const noexcept {
+    PagedSeqlensK out;
+    if (num_full_groups_ > 0) out.full_attention = past + q;
+    if (num_sliding_groups_ > 0) out.sliding_attention = q + std::min(past, sliding_window_ - 1);
+    return out;
+  }
+
+  // ---- prefix sharing and forks ----------------------------------------------------------------
+
+  // The prompt's leading whole blocks already in the cache (by hash) become the request's first
+  // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on.
+  std::int64_t search_prefix_match(const std::string& request_id, std::span<const std::int64_t> prompt_ids) {
+    if (!use_prefix_sharing_) return 0;
+    auto& full = std::get<paged::FullAttentionCacheAllocator>(allocators_[0]);
+    const std::int64_t n = full.search_prefix_match(request_id, prompt_ids, manager_);
+    total_prefix_length_ += n;
+    return n;
+  }
+  // Prompt tokens served from shared blocks so far (the prefix-sharing statistic).
+  std::int64_t total_prefix_length() const noexcept { return total_prefix_length_; }
+
+  // Hashes the request's newly completed blocks in every group that shares blocks.
+  void mark_shareable_blocks_as_complete(const std::string& request_id, std::int64_t num_complete_blocks,
+                                         std::span<const std::int64_t> token_ids) {
+    if (num_complete_blocks <= 0) return;
+    for (allocator& a : allocators_)
+      if (auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&a); full && full->uses_block_sharing())
+        manager_.mark_shareable_blocks_as_complete(num_complete_blocks, full->mutable_table(request_id), token_ids);
+  }
+
+  // How many forks of `source` the free blocks allow (2^31 when a fork needs no new block).
+  std::int64_t compute_max_num_forks(const std::string& source) const {
+    const std::int64_t per_fork = blocks_copied_per_fork(source);
+    return per_fork == 0 ? (std::int64_t{1} << 31) : get_num_free_blocks() / per_fork;
+  }
+
+  // Tables for copies of `source` under `destinations` in every group, then the block copies the
+  // non-shared blocks need (copy_cache). All or nothing across groups.
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
+      const std::string& source, std::span<const std::string> destinations) {
+    const std::int64_t copies = blocks_copied_per_fork(source) * static_cast<std::int64_t>(destinations.size());
+    for (const std::string& d : destinations)
+      for (const allocator& a : allocators_)
+        if (std::visit([&](const auto& al) { return al.has_request(d); }, a))
+          throw ValueError("Block table already exists for request " + d);
+    if (copies > get_num_free_blocks()) throw ValueError("Failed to fork blocks for request " + source);
+    std::vector<std::int64_t> src, dst;
+    for (allocator& a : allocators_) {
+      auto [s, d] = std::visit([&](auto& al) { return al.fork_blocks(source, destinations, manager_); }, a);
+      src.insert(src.end(), s.begin(), s.end());
+      dst.insert(dst.end(), d.begin(), d.end());
+    }
+    copy_cache(src, dst);
+    return {std::move(src), std::move(dst)};
+  }
+
+  // Copies block src[i] to block dst[i] in every pool tensor.
+  void copy_cache(std::span<const std::int64_t> src, std::span<const std::int64_t> dst) {
+    if (src.size() != dst.size()) throw ValueError("kvc::PagedCache::copy_cache: as many sources as destinations");
+    for (const std::int64_t b : src) check_block(b);
+    for (const std::int64_t b : dst) check_block(b);
+    const std::int64_t block_elems = block_size_ * row_elems_;
+    for (std::size_t j = 0; j < keys_.size(); ++j)
+      for (std::size_t i = 0; i < src.size(); ++i) {
+        S::copy_2d(keys_[j].data() + dst[i] * block_elems, block_elems, keys_[j].data() + src[i] * block_elems,
+                   block_elems, block_elems, 1);
+        S::copy_2d(values_[j].data() + dst[i] * block_elems, block_elems, values_[j].data() + src[i] * block_elems,
+                   block_elems, block_elems, 1);
+      }
+  }
+
+  // ---- update -----------------------------------------------------------------------------------
+
+  // Stores the step's keys and values of layer `layer_idx` ([1, kv_heads, T, head_dim], the T query
+  // tokens of every request of the batch one after the other) at the group's write rows, and
+  // returns what attention reads: the group's read rows in order, [1, kv_heads, R, head_dim],
+  // each request's cached tokens then its new ones. With no read rows (no request of the batch
+  // has cache) it only writes and returns its inputs. The returned views point into a buffer of
+  // the cache that the next update overwrites. Every check comes before the first write.
+  KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
+                       const PagedIndices& write_index) {
+    const auto [g, j] = layer_group(layer_idx);
+    const auto gi = static_cast<std::size_t>(g);
+    if (read_index.size() != allocators_.size() || write_index.size() != allocators_.size())
+      throw ValueError("kvc::PagedCache::update: index lists need one entry per layer group (" +
+                       std::to_string(allocators_.size()) + ")");
+    const std::vector<std::int64_t>& reads = read_index[gi];
+    const std::vector<std::int64_t>& writes = write_index[gi];
+    check_input(k, "keys");
+    check_input(v, "values");
+    if (k.extent(2) != v.extent(2))
+      throw ValueError("kvc::PagedCache::update: keys and values have " + std::to_string(k.extent(2)) + " and " +
+                       std::to_string(v.extent(2)) + " tokens");
+    const std::int64_t tokens = k.extent(2);
+    if (static_cast<std::int64_t>(writes.size()) != tokens)
+      throw ValueError("kvc::PagedCache::update: " + std::to_string(tokens) + " new tokens but " +
+                       std::to_string(writes.size()) + " write rows for group " + std::to_string(g));
+    const std::int64_t rows = (num_blocks_ + 2) * block_size_;
+    for (const std::int64_t r : writes) check_row(r, rows, "write");
+    const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(allocators_[gi]);
+    std::int64_t sentinels = 0;
+    for (const std::int64_t r : reads) {
+      check_row(r, rows, "read");
+      sentinels += (sliding && r == sentinel_) ? 1 : 0;
+    }
+    if (sentinels > tokens)
+      throw ValueError("kvc::PagedCache::update: " + std::to_string(sentinels) + " sentinel rows but only " +
+                       std::to_string(tokens) + " new tokens");
+    T* kp = keys_[static_cast<std::size_t>(j)].data();
+    T* vp = values_[static_cast<std::size_t>(j)].data();
+    if (reads.empty()) {  // the write-only path
+      scatter(kp, k, writes);
+      scatter(vp, v, writes);
+      return {k, v};
+    }
+    const auto r = static_cast<std::int64_t>(reads.size());
+    const std::int64_t out_elems = detail::checked_elements({kv_heads_, r, head_dim_}, sizeof(T));
+    if (out_k_.size() < out_elems) {
+      typename S::buffer_type nk(out_elems), nv(out_elems);
+      out_k_ = std::move(nk);
+      out_v_ = std::move(nv);
+    }
+    if (!sliding) {  // write, then read: the read rows include the new tokens
+      scatter(kp, k, writes);
+      scatter(vp, v, writes);
+      gather(out_k_.data(), kp, reads, nullptr);
+      gather(out_v_.data(), vp, reads, nullptr);
+    } else {  // read (new tokens at the sentinels), then write: a write may reuse a slot read here
+      gather(out_k_.data(), kp, reads, &k);
+      gather(out_v_.data(), vp, reads, &v);
+      scatter(kp, k, writes);
+      scatter(vp, v, writes);
+    }
+    const std::array<std::int64_t, 4> e{1, kv_heads_, r, head_dim_};
+    const std::array<std::int64_t, 4> st{kv_heads_ * r * head_dim_, r * head_dim_, head_dim_, 1};
+    return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
+  }
+
+ private:
+  static std::int64_t checked_block_size(std::int64_t bs) {
+    if (bs < min_block_size)
+      throw ValueError("Block size must be at least " + std::to_string(min_block_size) + ", but got " +
+                       std::to_string(bs));
+    detail::check_size("kvc::PagedCache: block_size", bs, 1, max_extent);
+    return bs;
+  }
+  static std::int64_t checked_num_blocks(const ContinuousBatchingConfig& cb) {
+    if (!cb.num_blocks)
+      throw ValueError(
+          "kvc::PagedCache: num_blocks must be set; planning it from a memory budget "
+          "(transformers' PagedAttentionMemoryHandler) is not implemented yet");
+    detail::check_size("kvc::PagedCache: num_blocks", *cb.num_blocks, 1, max_extent);
+    return *cb.num_blocks;
+  }
+
+  void check_input(const view_type& x, const char* what) const {
+    if (x.extent(0) != 1 || x.extent(1) != kv_heads_ || x.extent(3) != head_dim_)
+      throw ValueError(std::string("kvc::PagedCache::update: ") + what + " must be [1, " + std::to_string(kv_heads_) +
+                       ", tokens, " + std::to_string(head_dim_) + "], got " + shape_string(x.extents));
+  }
+  static void check_row(std::int64_t r, std::int64_t rows, const char* what) {
+    if (r < 0 || r >= rows)
+      throw ValueError(std::string("kvc::PagedCache::update: ") + what + " row " + std::to_string(r) +
+                       " is outside the cache's " + std::to_string(rows) + " rows");
+  }
+  // The blocks of `source` a fork must copy, over all groups: all but the leading run of complete
+  // blocks in groups that share blocks, all of them elsewhere.
+  std::int64_t blocks_copied_per_fork(const std::string& source) const {
+    std::int64_t n = 0;
+    for (const allocator& a : allocators_)
+      std::visit(
+          [&](const auto& al) {
+            const auto& t = al.table(source);
+            std::size_t shared = 0;
+            if (al.uses_block_sharing())
+              while (shared < t.size() && manager_.block(t[shared]) && manager_.block(t[shared])->is_complete())
+                ++shared;
+            n += static_cast<std::int64_t>(t.size() - shared);
+          },
+          a);
+    return n;
+  }
+
+  void check_block(std::int64_t b) const {
+    if (b < 0 || b >= num_blocks_)
+      throw ValueError("kvc::PagedCache::copy_cache: block " + std::to_string(b) + " is not one of the " +
+                       std::to_string(num_blocks_) + " blocks");
+  }
+
+  // Token t of x (every head) to pool row rows[t].
+  void scatter(T* pool, const view_type& x, const std::vector<std::int64_t>& rows) const {
+    for (std::size_t t = 0; t < rows.size(); ++t)
+      S::copy_2d(pool + rows[t] * row_elems_, head_dim_, x.data() + static_cast<std::int64_t>(t) * x.stride(2),
+                 x.stride(1), head_dim_, kv_heads_);
+  }
+  // out[h, i, :] = pool row rows[i], head h; the i-th sentinel row takes token i of `fresh`.
+  void gather(T* out, const T* pool, const std::vector<std::int64_t>& rows, const view_type* fresh) const {
+    const auto r = static_cast<std::int64_t>(rows.size());
+    std::int64_t next_fresh = 0;
+    for (std::int64_t i = 0; i < r; ++i) {
+      const std::int64_t row = rows[static_cast<std::size_t>(i)];
+      if (fresh && row == sentinel_) {
+        S::copy_2d(out + i * head_dim_, r * head_dim_, fresh->data() + next_fresh * fresh->stride(2), fresh->stride(1),
+                   head_dim_, kv_heads_);
+        ++next_fresh;
+      } else {
+        S::copy_2d(out + i * head_dim_, r * head_dim_, pool + row * row_elems_, head_dim_, head_dim_, kv_heads_);
+      }
+    }
+  }
+
+  std::int64_t block_size_;
+  paged::BlockManager manager_;
+  std::int64_t num_blocks_ = 0;
+  std::int64_t kv_heads_ = 0;
+  std::int64_t head_dim_ = 0;
+  std::int64_t row_elems_ = 0;
+  std::optional<std::int64_t> max_batch_tokens_;
+  std::int64_t max_blocks_per_request_ = 0;
+  std::int64_t read_trash_ = 0, sentinel_ = 0, write_trash_ = 0;
+  paged::LayerGroups groups_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> layer_map_;
+  std::vector<allocator> allocators_;
+  std::int64_t num_full_groups_ = 0, num_sliding_groups_ = 0;
+  std::int64_t sliding_window_ = 0, max_sliding_blocks_ = 0;
+  bool use_prefix_sharing_ = false;
+  std::int64_t total_prefix_length_ = 0;
+  std::vector<typename S::buffer_type> keys_, values_;
+  typename S::buffer_type out_k_, out_v_;  // what the last update with reads returned
+};
+
+}  // namespace kvc

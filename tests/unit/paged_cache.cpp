@@ -1,0 +1,342 @@
+// kvc::PagedCache<HostStorage>: construction and its messages, the padding zone, allocation over
+// groups (transformers' will_allocation_be_successful vectors), update's write-only, full and
+// sliding paths on the hybrid worked example, forks with copy-on-write, and random batches of
+// requests (prefill chunks, decode, prefix sharing, forks, finishing) checked against a model that
+// keeps each request's tokens (generation/continuous_batching/cache.py at a597f974; docs/paged.md).
+
+#include "../support/kvc_test.hpp"
+
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/policies/storage/host.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+using Cache = kvc::PagedCache<kvc::HostStorage<float>>;
+using ids = std::vector<std::int64_t>;
+
+namespace {
+
+kvc::ModelConfig model(std::string_view letters, std::int64_t kv_heads = 2, std::int64_t head_dim = 3,
+                       std::optional<std::int64_t> window = std::nullopt) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = static_cast<std::int64_t>(letters.size());
+  c.num_attention_heads = kv_heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.hidden_size = kv_heads * head_dim;
+  c.sliding_window = window;
+  std::vector<std::string> types;
+  for (const char ch : letters) types.push_back(ch == 's' ? "sliding_attention" : "full_attention");
+  c.layer_types = types;
+  return c;
+}
+kvc::ContinuousBatchingConfig cb(std::int64_t block_size, std::int64_t num_blocks, bool sharing = true) {
+  kvc::ContinuousBatchingConfig c;
+  c.block_size = block_size;
+  c.num_blocks = num_blocks;
+  c.allow_block_sharing = sharing;
+  return c;
+}
+
+// The K (or V: +0.5) of token `token` at position `pos`, layer `layer`, head h, element d: exact in
+// float, and the same for every request that has that token at that position (shared prefixes).
+float value(std::int64_t token, std::int64_t pos, std::int64_t layer, std::int64_t h, std::int64_t d, bool v) {
+  return static_cast<float>(token * 4096 + pos * 16 + layer * 4 + h) + 0.125f * static_cast<float>(d) +
+         (v ? 0.5f : 0.f);
+}
+
+// The new tokens of a batch as [1, heads, T, dim].
+kvc::HostTensor<float> step_tensor(const std::vector<std::pair<std::int64_t, std::int64_t>>& token_pos,
+                                   std::int64_t layer, std::int64_t heads, std::int64_t dim, bool v) {
+  kvc::HostTensor<float> t(1, heads, static_cast<Eigen::Index>(token_pos.size()), dim);
+  for (std::size_t i = 0; i < token_pos.size(); ++i)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t d = 0; d < dim; ++d)
+        t(0, h, static_cast<Eigen::Index>(i), d) = value(token_pos[i].first, token_pos[i].second, layer, h, d, v);
+  return t;
+}
+kvc::TensorView<float> view(const kvc::HostTensor<float>& t) {
+  return {t.data(),
+          {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)},
+          {t.dimension(1) * t.dimension(2) * t.dimension(3), t.dimension(2) * t.dimension(3), t.dimension(3), 1}};
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache: construction, the padding zone and transformers' messages") {
+  const Cache c(model("fs", 2, 3, 6), cb(4, 8));
+  CHECK(c.read_trash_index() == 32);
+  CHECK(c.sentinel_index() == 33);
+  CHECK(c.write_trash_index() == 36);
+  CHECK(c.num_groups() == 2);
+  CHECK(c.group_size() == 1);
+  CHECK(c.num_full_attention_groups() == 1);
+  CHECK(c.num_sliding_attention_groups() == 1);
+  CHECK(c.max_sliding_window_blocks_per_request() == 2);
+  CHECK(!c.use_prefix_sharing());
+  CHECK(c.bytes() == 2 * 1 * 10 * 4 * 2 * 3 * 4);
+  CHECK(c.get_num_free_blocks() == 8);
+  // The read-trash block is zeroed.
+  for (std::int64_t e = 32 * 6; e < 36 * 6; ++e) CHECK(c.key_pool(0)[e] == 0.f);
+  CHECK(Cache(model("ff"), cb(4, 8)).use_prefix_sharing());
+  CHECK(!Cache(model("ff"), cb(4, 8, false)).use_prefix_sharing());
+
+  CHECK_THROWS_WITH_AS(Cache(model("f"), cb(3, 8)), "Block size must be at least 4, but got 3", kvc::ValueError);
+  auto chunked = model("f");
+  chunked.layer_types = std::vector<std::string>{"chunked_attention"};
+  CHECK_THROWS_WITH_AS(Cache(chunked, cb(4, 8)), "Invalid group type: chunked_attention", kvc::ValueError);
+  kvc::ContinuousBatchingConfig unplanned;
+  unplanned.block_size = 4;
+  CHECK_THROWS_AS(Cache(model("f"), unplanned), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(Cache(model("fs"), cb(4, 8)),
+                       "kvc::PagedCache: the model has sliding_attention layers but no sliding_window",
+                       kvc::ValueError);
+  // Without layer_types: all sliding with a window, all full without.
+  kvc::ModelConfig plain = model("ff");
+  plain.layer_types.reset();
+  CHECK(Cache(plain, cb(4, 8)).num_full_attention_groups() == 1);
+  plain.sliding_window = 5;
+  CHECK(Cache(plain, cb(4, 8)).num_sliding_attention_groups() == 1);
+}
+
+TEST_CASE("PagedCache: will_allocation_be_successful, transformers' test vectors") {
+  // (requested, allocated, layer types, window -> max sliding blocks at block size 4, free blocks, result).
+  // transformers' vectors with two full groups and no sliding group cannot come from a model (the
+  // gcd rule makes one group of two layers); the others can.
+  struct row {
+    std::int64_t n, allocated;
+    std::string_view types;
+    std::int64_t window, free;
+    bool ok;
+  };
+  for (const row& r : {row{2, 0, "f", 0, 10, true}, row{2, 0, "fs", 16, 10, true}, row{3, 2, "fs", 16, 5, true},
+                       row{3, 5, "fs", 16, 5, true}, row{6, 4, "fs", 16, 5, false}, row{2, 1, "fss", 16, 6, true},
+                       row{0, 0, "fs", 16, 1, true}, row{2, 0, "fs", 12, 4, true}, row{5, 0, "f", 0, 4, false}}) {
+    CAPTURE(r.types);
+    CAPTURE(r.n);
+    const Cache c(model(r.types, 1, 2, r.window > 0 ? std::optional<std::int64_t>(r.window) : std::nullopt),
+                  cb(4, r.free));
+    CHECK(c.will_allocation_be_successful(r.n, r.allocated) == r.ok);
+  }
+  // blocks_needed: n per full group, plus what each sliding ring still lacks, at most n.
+  const Cache c(model("fss", 1, 2, 16), cb(4, 20));
+  CHECK(c.blocks_needed(2, 1) == 2 + 2 * 2);
+  CHECK(c.blocks_needed(3, 2) == 3 + 2 * 2);
+  CHECK(c.blocks_needed(3, 5) == 3);
+}
+
+TEST_CASE("PagedCache: allocation over groups is all or nothing") {
+  Cache c(model("fs", 1, 2, 8), cb(4, 5));
+  CHECK(c.allocate_blocks(2, "a", 0) == 2);  // full 2, sliding 2 (its whole ring)
+  CHECK(c.blocks_in_use("a") == 4);
+  CHECK(c.get_num_free_blocks() == 1);
+  CHECK(!c.allocate_blocks(1, "b", 0));  // needs 2
+  CHECK(c.get_num_free_blocks() == 1);
+  CHECK(c.blocks_in_use("b") == 0);
+  CHECK(c.allocate_blocks(1, "a", 2) == 1);  // the ring is whole: only the full group grows
+  CHECK(c.blocks_in_use("a") == 5);
+  c.free_blocks("a");
+  CHECK(c.get_num_free_blocks() == 5);
+  CHECK(c.allocate_blocks(1, "x", 0) == 1);
+  CHECK(c.allocate_blocks(1, "y", 0) == 1);
+  c.free_all_requests();
+  CHECK(c.get_num_free_blocks() == 5);
+}
+
+TEST_CASE("PagedCache::update: the hybrid worked example (bs 4, sw 6, NB 8), prefill 9 then decode to 14") {
+  // Layer 0 full (group 0), layer 1 sliding (group 1). Token id = 1 + position.
+  const std::int64_t heads = 2, dim = 3;
+  Cache c(model("fs", heads, dim, 6), cb(4, 8));
+  std::int64_t allocated = 0;
+  for (std::int64_t past = 0; past < 14;) {
+    const std::int64_t q = past == 0 ? 9 : 1;
+    const std::int64_t need = (past + q + 3) / 4 - allocated;
+    if (need > 0) allocated += *c.allocate_blocks(need, "r", allocated);
+    kvc::PagedIndices reads(2), writes(2);
+    c.extend_read_and_write_indices("r", past, q, past == 0 ? nullptr : &reads, writes);
+    std::vector<std::pair<std::int64_t, std::int64_t>> tp;
+    for (std::int64_t p = past; p < past + q; ++p) tp.emplace_back(1 + p, p);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = step_tensor(tp, layer, heads, dim, false), v = step_tensor(tp, layer, heads, dim, true);
+      const auto kv = c.update(view(k), view(v), layer, reads, writes);
+      // What attention sees: the full layer every position, the sliding layer the last
+      // min(past, 5) cached positions and the new ones (the write-only prefill returns its input).
+      const std::int64_t first = layer == 0 || past == 0 ? 0 : past - std::min<std::int64_t>(past, 5);
+      REQUIRE(kv.keys.extent(2) == past + q - first);
+      for (std::int64_t i = 0; i < kv.keys.extent(2); ++i)
+        for (std::int64_t h = 0; h < heads; ++h)
+          for (std::int64_t d = 0; d < dim; ++d) {
+            const std::int64_t p = first + i;
+            CHECK_MESSAGE(kv.keys(0, h, i, d) == value(1 + p, p, layer, h, d, false),
+                          "past " << past << " layer " << layer << " position " << p);
+            CHECK(kv.values(0, h, i, d) == value(1 + p, p, layer, h, d, true));
+          }
+    }
+    past += q;
+  }
+  CHECK(allocated == 4);
+  CHECK(c.blocks_in_use("r") == 4 + 2);
+  const auto s = c.get_seqlens_k(9, 1);
+  CHECK(s.full_attention == 10);
+  CHECK(s.sliding_attention == 6);
+  std::vector<std::int64_t> table(2 * 32, -1);
+  CHECK_THROWS_WITH_AS(c.fill_block_table("r", 13, 1, table),
+                       "Sliding window attention layers do not support block table", kvc::NotImplementedError);
+}
+
+TEST_CASE("PagedCache::update refuses bad input before it writes anything") {
+  const std::int64_t heads = 2, dim = 3;
+  Cache c(model("f", heads, dim), cb(4, 4));
+  REQUIRE(c.allocate_blocks(1, "r", 0));
+  kvc::PagedIndices reads(1), writes(1);
+  c.extend_read_and_write_indices("r", 0, 2, &reads, writes);
+  const auto k = step_tensor({{1, 0}, {2, 1}}, 0, heads, dim, false),
+             v = step_tensor({{1, 0}, {2, 1}}, 0, heads, dim, true);
+  c.update(view(k), view(v), 0, reads, writes);
+  const std::vector<float> before(c.key_pool(0), c.key_pool(0) + 6 * 4 * heads * dim);
+  auto unchanged = [&] { return std::equal(before.begin(), before.end(), c.key_pool(0)); };
+  const auto k3 = step_tensor({{1, 0}, {2, 1}, {3, 2}}, 0, heads, dim, false);
+  kvc::PagedIndices bad = writes;
+  bad[0][1] = 24;  // one past the last row
+  CHECK_THROWS_WITH_AS(c.update(view(k), view(v), 0, reads, bad),
+                       "kvc::PagedCache::update: write row 24 is outside the cache's 24 rows", kvc::ValueError);
+  CHECK_THROWS_AS(c.update(view(k3), view(k3), 0, reads, writes), kvc::ValueError);  // 3 tokens, 2 rows
+  CHECK_THROWS_AS(c.update(view(k), view(k3), 0, reads, writes), kvc::ValueError);   // K and V disagree
+  CHECK_THROWS_AS(c.update(view(k), view(v), 1, reads, writes), kvc::IndexError);    // no layer 1
+  kvc::HostTensor<float> wrong_heads(1, 1, 2, dim);
+  wrong_heads.setZero();
+  CHECK_THROWS_WITH_AS(c.update(view(wrong_heads), view(wrong_heads), 0, reads, writes),
+                       "kvc::PagedCache::update: keys must be [1, 2, tokens, 3], got [1, 1, 2, 3]", kvc::ValueError);
+  CHECK(unchanged());
+  std::vector<std::int64_t> table(1 * 32, -1);
+  c.fill_block_table("r", 0, 2, table);
+  CHECK(table[0] == std::get<0>(c.group_allocator(0)).table("r")[0]);
+  CHECK(table[1] == -1);
+}
+
+TEST_CASE("PagedCache: random batches of requests read exactly their own tokens") {
+  // A model keeps each request's tokens; each step picks some requests and a query length for each
+  // (a prefill chunk or one decode token), allocates the blocks the step needs as transformers'
+  // scheduler does, builds the batch's indices and updates every layer, then splits what update
+  // returned per request and checks it token by token. Requests finish, fork and (with full
+  // attention only) start from a shared prefix.
+  for (const std::string_view letters : {"ff", "fsf", "sfs"}) {
+    CAPTURE(letters);
+    const std::int64_t heads = 2, dim = 2, bs = 4, window = 5;
+    Cache c(model(letters, heads, dim, window), cb(bs, 48));
+    const bool has_sliding = c.num_sliding_attention_groups() > 0;
+    const std::int64_t layers = static_cast<std::int64_t>(letters.size());
+    std::mt19937 rng(static_cast<unsigned>(letters.size()));
+    struct request {
+      ids tokens;                  // every token known (prompt, then generated)
+      std::int64_t past = 0;       // tokens in the cache
+      std::int64_t allocated = 0;  // logical (full-group) blocks
+    };
+    std::map<std::string, request> live;
+    const ids system = {7, 7, 8, 9, 10, 11, 12, 13};  // two whole blocks many prompts start with
+    int next = 0;
+    for (int step = 0; step < 120; ++step) {
+      // New requests (some with the shared system prompt).
+      if (live.size() < 4 || rng() % 3 == 0) {
+        const std::string id = "req_" + std::to_string(next++);
+        request r;
+        if (rng() % 2) r.tokens = system;
+        for (std::int64_t i = 0, n = 2 + static_cast<std::int64_t>(rng() % 9); i < n; ++i)
+          r.tokens.push_back(20 + static_cast<std::int64_t>(rng() % 30));
+        r.past = c.search_prefix_match(id, r.tokens);
+        r.allocated = r.past / bs;
+        if (r.past == static_cast<std::int64_t>(r.tokens.size())) r.past -= 1;  // keep one token to compute
+        live.emplace(id, r);
+      }
+      // The batch: each request gets a chunk of its prompt, or one decode token.
+      std::vector<std::pair<std::string, std::int64_t>> batch;
+      for (auto& [id, r] : live) {
+        if (rng() % 4 == 0) continue;
+        if (r.past == static_cast<std::int64_t>(r.tokens.size()))
+          r.tokens.push_back(20 + static_cast<std::int64_t>(rng() % 30));  // "generate" the next token
+        const std::int64_t left = static_cast<std::int64_t>(r.tokens.size()) - r.past;
+        const std::int64_t q = std::min<std::int64_t>(left, 1 + static_cast<std::int64_t>(rng() % 7));
+        const std::int64_t need = (r.past + q + bs - 1) / bs - r.allocated;
+        if (need > 0) {
+          const auto got = c.allocate_blocks(need, id, r.allocated);
+          if (!got) continue;  // out of blocks: this request waits
+          r.allocated += need;
+        }
+        batch.emplace_back(id, q);
+      }
+      if (batch.empty()) continue;
+      bool any_cache = false;
+      for (const auto& [id, q] : batch) any_cache = any_cache || live[id].past > 0;
+      kvc::PagedIndices reads(static_cast<std::size_t>(c.num_groups())), writes(reads.size());
+      std::vector<std::pair<std::int64_t, std::int64_t>> tp;
+      for (const auto& [id, q] : batch) {
+        const request& r = live[id];
+        c.extend_read_and_write_indices(id, r.past, q, any_cache ? &reads : nullptr, writes);
+        for (std::int64_t p = r.past; p < r.past + q; ++p) tp.emplace_back(r.tokens[static_cast<std::size_t>(p)], p);
+      }
+      for (std::int64_t layer = 0; layer < layers; ++layer) {
+        const bool sliding = letters[static_cast<std::size_t>(layer)] == 's';
+        const auto k = step_tensor(tp, layer, heads, dim, false), v = step_tensor(tp, layer, heads, dim, true);
+        const auto kv = c.update(view(k), view(v), layer, reads, writes);
+        std::int64_t at = 0;
+        for (const auto& entry : batch) {  // not a structured binding: clang 14 cannot capture one
+          const std::string& id = entry.first;
+          const std::int64_t q = entry.second;
+          const request& r = live[id];
+          const std::int64_t first = !any_cache ? r.past : sliding ? r.past - std::min(r.past, window - 1) : 0;
+          for (std::int64_t p = first; p < r.past + q; ++p, ++at) {
+            REQUIRE(at < kv.keys.extent(2));
+            const std::int64_t token = r.tokens[static_cast<std::size_t>(p)];
+            for (std::int64_t h = 0; h < heads; ++h)
+              for (std::int64_t d = 0; d < dim; ++d) {
+                REQUIRE_MESSAGE(kv.keys(0, h, at, d) == value(token, p, layer, h, d, false),
+                                id << " layer " << layer << " position " << p << " step " << step);
+                REQUIRE(kv.values(0, h, at, d) == value(token, p, layer, h, d, true));
+              }
+          }
+        }
+        CHECK(at == kv.keys.extent(2));
+      }
+      for (const auto& [id, q] : batch) {
+        request& r = live[id];
+        r.past += q;
+        if (has_sliding) continue;
+        std::int64_t marked = 0;  // the leading run of complete blocks
+        for (const std::int64_t b : std::get<0>(c.group_allocator(0)).table(id)) {
+          if (!c.manager().block(b)->is_complete()) break;
+          ++marked;
+        }
+        c.mark_shareable_blocks_as_complete(id, r.past / bs - marked, r.tokens);
+      }
+      // Finish or fork one request now and then.
+      if (!live.empty() && rng() % 5 == 0) {
+        auto it = std::next(live.begin(), static_cast<std::ptrdiff_t>(rng() % live.size()));
+        if (rng() % 2) {
+          c.free_blocks(it->first);
+          live.erase(it);
+        } else if (it->second.past > 0 && c.compute_max_num_forks(it->first) >= 1) {
+          const std::vector<std::string> kids = {"req_" + std::to_string(next++)};
+          c.fork_request(it->first, kids);
+          live.emplace(kids[0], it->second);
+        }
+      }
+      // Every held block is counted once: free + held = num_blocks.
+      std::map<std::int64_t, int> held;
+      for (const auto& entry : live)
+        for (std::int64_t g = 0; g < c.num_groups(); ++g)
+          std::visit(
+              [&](const auto& al) {
+                if (al.has_request(entry.first))
+                  for (const std::int64_t b : al.table(entry.first)) held[b] += 1;
+              },
+              c.group_allocator(g));
+      CHECK(c.get_num_free_blocks() + static_cast<std::int64_t>(held.size()) == c.num_blocks());
+    }
+    if (!has_sliding) CHECK(c.total_prefix_length() > 0);
+  }
+}
