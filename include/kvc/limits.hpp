@@ -57,10 +57,17 @@ class MemoryError : public std::bad_alloc {
     std::snprintf(what_, sizeof what_, "kvc: the system cannot allocate %lld bytes (out of memory)",
                   static_cast<long long>(bytes));
   }
+  // Another out-of-memory condition, in its own words (the paged cache's memory planner: a
+  // footprint above the budget). Kept without allocating, cut at 159 characters.
+  explicit MemoryError(std::string_view message) noexcept {
+    const std::size_t n = std::min(message.size(), sizeof what_ - 1);
+    std::memcpy(what_, message.data(), n);
+    what_[n] = '\0';
+  }
   const char* what() const noexcept override { return what_; }
 
  private:
-  char what_[96] = {};
+  char what_[160] = {};
 };
 
 namespace detail {

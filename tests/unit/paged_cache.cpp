@@ -6,6 +6,7 @@
 
 #include "../support/kvc_test.hpp"
 
+#include <kvc/paged/memory_planner.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/policies/storage/host.hpp>
 
@@ -339,4 +340,89 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
     }
     if (!has_sliding) CHECK(c.total_prefix_length() > 0);
   }
+}
+
+TEST_CASE("PagedAttentionMemoryHandler: transformers' worked examples (a Llama-3-8B-like model, bf16)") {
+  kvc::PagedMemoryModel llama;
+  llama.hidden_size = 4096;
+  llama.vocab_size = 128256;
+  llama.num_attention_heads = 32;
+  llama.num_key_value_heads = 8;
+  llama.head_dim = 128;
+  llama.dtype_bytes = 2;
+  llama.num_groups = 1;
+  llama.group_size = 32;
+  llama.max_blocks_per_request = 0;  // sdpa: no decode fast path
+  llama.block_size = 256;
+  const std::int64_t gib20 = 20LL << 30;
+  {
+    const kvc::PagedAttentionMemoryHandler h(llama);
+    CHECK(h.lm_head().cm == 521264);
+    CHECK(h.lm_head().cn == 131080);
+    CHECK(h.attention().cm == 20528);
+    CHECK(h.attention().cn == 135176);
+    CHECK(h.attention().cmn == 2);
+    CHECK(h.attention().cmm == 2);
+    CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, gib20) ==
+          std::pair<std::int64_t, std::int64_t>{8192, 452});
+    CHECK(h.compute_memory_footprint(8192, 452) == 21467766784);
+    // num_blocks given: M is only bounded by memory (no 8192 cap).
+    CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, 100, gib20).first == 28761);
+    // 1 GiB: the 10%-fill bound gives M 582.
+    CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, 1LL << 30) ==
+          std::pair<std::int64_t, std::int64_t>{582, 22});
+    // Both given: only checked.
+    const std::string too_much = "Memory footprint " + std::to_string(h.compute_memory_footprint(8192, 453)) +
+                                 " is more than available memory 21474836480";
+    CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(8192, 453, gib20), too_much.c_str(), kvc::MemoryError);
+    CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(0, 10, gib20),
+                         "Invalid values: max_batch_tokens = 0, num_blocks = 10", kvc::ValueError);
+  }
+  {
+    // paged|flash_attention_2, async batching, a decode block table of 32.
+    kvc::PagedMemoryModel flash = llama;
+    flash.flash_attention = true;
+    flash.async_batching = true;
+    flash.max_blocks_per_request = 32;
+    const kvc::PagedAttentionMemoryHandler h(flash);
+    CHECK(h.lm_head().cm == 521568);
+    CHECK(h.attention().cm == 20832);
+    CHECK(h.lm_head().cn == 131088);
+    CHECK(h.attention().cn == 135184);
+    CHECK(h.attention().cmm == 0);
+    CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, gib20) ==
+          std::pair<std::int64_t, std::int64_t>{8192, 512});
+  }
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, 0, 1),
+                       "No real solution (discriminant = -4.0)", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, 3, 2), "No positive solution (root = -1.0)",
+                       kvc::ValueError);
+}
+
+TEST_CASE("PagedCache with a memory budget: num_blocks and max_batch_tokens come from the planner") {
+  const kvc::ModelConfig cfg = model("fsfs", 2, 8, 16);
+  kvc::ContinuousBatchingConfig c;
+  c.block_size = 16;
+  const kvc::PagedMemoryBudget budget{.available_bytes = 4 << 20, .vocab_size = 1000};
+  const Cache cache(cfg, c, budget);
+  const kvc::PagedAttentionMemoryHandler h(Cache::memory_model(cfg, c, budget));
+  const auto [m, nb] = h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, 4 << 20);
+  CHECK(cache.num_blocks() == nb);
+  CHECK(cache.max_batch_tokens() == m);
+  CHECK(m == 256);  // the floor of the 10%-fill rule for so small a budget
+  CHECK(h.compute_memory_footprint(m, nb) <= (4 << 20));
+  CHECK(h.compute_memory_footprint(m, nb + 1) > (4 << 20));
+  // The model the planner saw: 2 groups of 2 layers, a sliding group (two masks), float.
+  const kvc::PagedMemoryModel mm = Cache::memory_model(cfg, c, budget);
+  CHECK(mm.num_groups == 2);
+  CHECK(mm.group_size == 2);
+  CHECK(mm.has_sliding_groups);
+  CHECK(mm.dtype_bytes == 4);
+  CHECK(mm.max_blocks_per_request == 32);
+  // A value the config sets is kept.
+  c.num_blocks = 7;
+  CHECK(Cache(cfg, c, budget).num_blocks() == 7);
+  // A budget too small for anything.
+  c.num_blocks.reset();
+  CHECK_THROWS_AS(Cache(cfg, c, kvc::PagedMemoryBudget{.available_bytes = 1000, .vocab_size = 1000}), kvc::ValueError);
 }

@@ -33,9 +33,21 @@
 #include <kvc/paged/block_manager.hpp>
 #include <kvc/paged/continuous_batching_config.hpp>
 #include <kvc/paged/layer_groups.hpp>
+#include <kvc/paged/memory_planner.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
+
+// What the memory planner needs beyond the model config: the bytes the cache may use (the free
+// device or host memory times max_memory_percent, which kvc does not probe), the vocabulary (the
+// logits peak) and how the model runs.
+struct PagedMemoryBudget {
+  std::int64_t available_bytes = 0;
+  std::int64_t vocab_size = 0;
+  bool flash_attention = false;
+  bool async_batching = false;
+  bool return_logprobs = false;
+};
 
 // One int64 row list per layer group: transformers' read_index / write_index.
 using PagedIndices = std::vector<std::vector<std::int64_t>>;
@@ -55,22 +67,12 @@ class PagedCache {
 
   static constexpr std::int64_t min_block_size = 4;
 
-  // Needs cb.num_blocks for now (planning it from memory is not implemented: ValueError).
+  // With cb.num_blocks set (cb.max_batch_tokens is then only recorded).
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
-      : block_size_(cb.block_size), manager_(checked_num_blocks(cb), checked_block_size(cb.block_size)) {
-    kv_heads_ = config.num_key_value_heads.value_or(config.num_attention_heads);
-    if (kv_heads_ <= 0)
-      throw ValueError("kvc::PagedCache: num_key_value_heads or num_attention_heads could not be found in the config");
-    if (config.head_dim)
-      head_dim_ = *config.head_dim;
-    else if (config.num_attention_heads > 0)
-      head_dim_ = config.hidden_size / config.num_attention_heads;
-    if (head_dim_ <= 0)
-      throw ValueError(
-          "kvc::PagedCache: head_dim or (hidden_size and num_attention_heads) could not be found in the config");
-    detail::check_size("kvc::PagedCache: the number of key/value heads", kv_heads_, 1, max_extent);
-    detail::check_size("kvc::PagedCache: head_dim", head_dim_, 1, max_extent);
-
+      : block_size_(cb.block_size),
+        manager_(checked_num_blocks(cb), checked_block_size(cb.block_size)),
+        kv_heads_(kv_heads_of(config)),
+        head_dim_(head_dim_of(config)) {
     groups_ = paged::group_layers_by_attn_type(config);
     for (const std::string& type : groups_.types)
       if (type != "full_attention" && type != "sliding_attention") throw ValueError("Invalid group type: " + type);
@@ -118,6 +120,34 @@ class PagedCache {
       S::zero_2d(keys_.back().data(), elems, elems, 1);
       S::zero_2d(values_.back().data(), elems, elems, 1);
     }
+  }
+
+  // num_blocks and max_batch_tokens planned for a memory budget where cb leaves them unset
+  // (transformers' PagedAttentionMemoryHandler, memory_planner.hpp); a value cb sets is kept.
+  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const PagedMemoryBudget& budget)
+      : PagedCache(config, planned(config, cb, budget)) {}
+
+  // The planner's view of `config` run with `cb` and `budget`, for an element type T.
+  static PagedMemoryModel memory_model(const ModelConfig& config, const ContinuousBatchingConfig& cb,
+                                       const PagedMemoryBudget& budget) {
+    const paged::LayerGroups groups = paged::group_layers_by_attn_type(config);
+    PagedMemoryModel m;
+    m.hidden_size = config.hidden_size;
+    m.vocab_size = budget.vocab_size;
+    m.num_attention_heads = config.num_attention_heads;
+    m.num_key_value_heads = kv_heads_of(config);
+    m.head_dim = head_dim_of(config);
+    m.dtype_bytes = static_cast<std::int64_t>(sizeof(T));
+    m.num_groups = static_cast<std::int64_t>(groups.groups.size());
+    m.group_size = groups.group_size;
+    m.has_sliding_groups =
+        std::find(groups.types.begin(), groups.types.end(), "sliding_attention") != groups.types.end();
+    m.flash_attention = budget.flash_attention;
+    m.async_batching = budget.async_batching;
+    m.return_logprobs = budget.return_logprobs;
+    m.max_blocks_per_request = cb.resolved_max_blocks_per_request();
+    m.block_size = checked_block_size(cb.block_size);
+    return m;
   }
 
   // ---- geometry -----------------------------------------------------------------------------------
@@ -396,6 +426,35 @@ class PagedCache {
   }
 
  private:
+  static ContinuousBatchingConfig planned(const ModelConfig& config, ContinuousBatchingConfig cb,
+                                          const PagedMemoryBudget& budget) {
+    const PagedAttentionMemoryHandler handler(memory_model(config, cb, budget));
+    const auto [m, nb] =
+        handler.infer_max_batch_tokens_and_num_blocks(cb.max_batch_tokens, cb.num_blocks, budget.available_bytes);
+    cb.max_batch_tokens = m;
+    cb.num_blocks = nb;
+    return cb;
+  }
+  static std::int64_t kv_heads_of(const ModelConfig& config) {
+    const std::int64_t n = config.num_key_value_heads.value_or(config.num_attention_heads);
+    if (n <= 0)
+      throw ValueError("kvc::PagedCache: num_key_value_heads or num_attention_heads could not be found in the config");
+    detail::check_size("kvc::PagedCache: the number of key/value heads", n, 1, max_extent);
+    return n;
+  }
+  static std::int64_t head_dim_of(const ModelConfig& config) {
+    std::int64_t d = 0;
+    if (config.head_dim)
+      d = *config.head_dim;
+    else if (config.num_attention_heads > 0)
+      d = config.hidden_size / config.num_attention_heads;
+    if (d <= 0)
+      throw ValueError(
+          "kvc::PagedCache: head_dim or (hidden_size and num_attention_heads) could not be found in the config");
+    detail::check_size("kvc::PagedCache: head_dim", d, 1, max_extent);
+    return d;
+  }
+
   static std::int64_t checked_block_size(std::int64_t bs) {
     if (bs < min_block_size)
       throw ValueError("Block size must be at least " + std::to_string(min_block_size) + ", but got " +
@@ -406,8 +465,8 @@ class PagedCache {
   static std::int64_t checked_num_blocks(const ContinuousBatchingConfig& cb) {
     if (!cb.num_blocks)
       throw ValueError(
-          "kvc::PagedCache: num_blocks must be set; planning it from a memory budget "
-          "(transformers' PagedAttentionMemoryHandler) is not implemented yet");
+          "kvc::PagedCache: num_blocks is not set: set it, or give the cache a memory budget "
+          "(kvc::PagedMemoryBudget) to plan it from");
     detail::check_size("kvc::PagedCache: num_blocks", *cb.num_blocks, 1, max_extent);
     return *cb.num_blocks;
   }
@@ -471,8 +530,8 @@ class PagedCache {
   std::int64_t block_size_;
   paged::BlockManager manager_;
   std::int64_t num_blocks_ = 0;
-  std::int64_t kv_heads_ = 0;
-  std::int64_t head_dim_ = 0;
+  std::int64_t kv_heads_;
+  std::int64_t head_dim_;
   std::int64_t row_elems_ = 0;
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
