@@ -229,7 +229,10 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
   for (const std::string_view letters : {"ff", "fsf", "sfs"}) {
     CAPTURE(letters);
     const std::int64_t heads = 2, dim = 2, bs = 4, window = 5;
+    kvc_test::captured_warnings quiet;  // requests finished before they got blocks warn, as upstream
     Cache c(model(letters, heads, dim, window), cb(bs, 48));
+    c.reserve_swap_space(32);
+    int offloads = 0, restores = 0;
     const bool has_sliding = c.num_sliding_attention_groups() > 0;
     const std::int64_t layers = static_cast<std::int64_t>(letters.size());
     std::mt19937 rng(static_cast<unsigned>(letters.size()));
@@ -237,6 +240,7 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
       ids tokens;                  // every token known (prompt, then generated)
       std::int64_t past = 0;       // tokens in the cache
       std::int64_t allocated = 0;  // logical (full-group) blocks
+      bool offloaded = false;      // in the swap pool
     };
     std::map<std::string, request> live;
     const ids system = {7, 7, 8, 9, 10, 11, 12, 13};  // two whole blocks many prompts start with
@@ -267,6 +271,11 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
           const auto got = c.allocate_blocks(need, id, r.allocated);
           if (!got) continue;  // out of blocks: this request waits
           r.allocated += need;
+        }
+        if (r.offloaded) {  // back from the swap pool into the blocks just allocated
+          c.restore_request(id);
+          r.offloaded = false;
+          ++restores;
         }
         batch.emplace_back(id, q);
       }
@@ -314,13 +323,33 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
         }
         c.mark_shareable_blocks_as_complete(id, r.past / bs - marked, r.tokens);
       }
+      // Offload one request now and then: it comes back, bit-identical, when it is next scheduled.
+      if (!live.empty() && rng() % 3 == 0) {
+        auto it = std::next(live.begin(), static_cast<std::ptrdiff_t>(rng() % live.size()));
+        if (!it->second.offloaded && it->second.past > 0) {
+          const std::int64_t free_before = c.get_num_free_blocks();
+          const std::int64_t held = c.blocks_in_use(it->first);
+          if (c.offload_request(it->first)) {
+            it->second.offloaded = true;
+            it->second.allocated = 0;
+            ++offloads;
+            CHECK(c.blocks_in_use(it->first) == 0);
+          } else {
+            CHECK(c.get_num_free_blocks() == free_before);  // refused: nothing changed
+            CHECK(c.blocks_in_use(it->first) == held);
+          }
+        }
+      }
       // Finish or fork one request now and then.
       if (!live.empty() && rng() % 5 == 0) {
         auto it = std::next(live.begin(), static_cast<std::ptrdiff_t>(rng() % live.size()));
         if (rng() % 2) {
-          c.free_blocks(it->first);
+          if (it->second.offloaded)
+            c.drop_offloaded_request(it->first);
+          else
+            c.free_blocks(it->first);
           live.erase(it);
-        } else if (it->second.past > 0 && c.compute_max_num_forks(it->first) >= 1) {
+        } else if (!it->second.offloaded && it->second.past > 0 && c.compute_max_num_forks(it->first) >= 1) {
           const std::vector<std::string> kids = {"req_" + std::to_string(next++)};
           c.fork_request(it->first, kids);
           live.emplace(kids[0], it->second);
@@ -339,6 +368,8 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
       CHECK(c.get_num_free_blocks() + static_cast<std::int64_t>(held.size()) == c.num_blocks());
     }
     if (!has_sliding) CHECK(c.total_prefix_length() > 0);
+    CHECK(offloads >= 5);
+    CHECK(restores >= 3);
   }
 }
 
@@ -425,4 +456,39 @@ TEST_CASE("PagedCache with a memory budget: num_blocks and max_batch_tokens come
   // A budget too small for anything.
   c.num_blocks.reset();
   CHECK_THROWS_AS(Cache(cfg, c, kvc::PagedMemoryBudget{.available_bytes = 1000, .vocab_size = 1000}), kvc::ValueError);
+}
+
+TEST_CASE("request offload: victims as transformers' offloading manager picks them; the swap pool") {
+  using kvc::paged::StarvedRequest;
+  const std::map<std::string, std::int64_t> held = {{"a", 3}, {"b", 2}, {"c", 4}, {"d", 1}};
+  auto in_use = [&](const std::string& id) { return held.at(id); };
+  const std::vector<StarvedRequest> starved = {{"a", 2}, {"b", 2}, {"c", 3}};
+  // Demand 7 > 1 free: c goes first (the newest), freeing 4; demand 4 > 5? no: stop.
+  CHECK(kvc::paged::select_offload_victims(starved, 1, 4, in_use) == std::vector<std::string>{"c"});
+  // Not enough after c: b too, then a; victims come back oldest first.
+  CHECK(kvc::paged::select_offload_victims(starved, -10, 5, in_use) == std::vector<std::string>{"a", "b", "c"});
+  // The last active request is never evicted.
+  CHECK(kvc::paged::select_offload_victims(starved, -10, 2, in_use) == std::vector<std::string>{"c"});
+  // Enough free blocks already: nobody.
+  CHECK(kvc::paged::select_offload_victims(starved, 7, 4, in_use).empty());
+
+  // The pool: a request that does not fit is refused and keeps its blocks.
+  Cache c(model("fs", 1, 2, 8), cb(4, 8));
+  c.reserve_swap_space(3);
+  CHECK(c.bytes_per_block() == 2 * 1 * 4 * 2 * 4);
+  REQUIRE(c.allocate_blocks(2, "big", 0));  // 2 full + 2 sliding blocks
+  REQUIRE(c.allocate_blocks(1, "small", 0));
+  CHECK(!c.offload_request("big"));
+  CHECK(c.blocks_in_use("big") == 4);
+  CHECK(!c.offload_request("nobody"));  // holds no block
+  CHECK(c.offload_request("small"));
+  CHECK(c.is_offloaded("small"));
+  CHECK(c.free_swap_blocks() == 1);
+  CHECK_THROWS_AS(c.reserve_swap_space(10), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(c.restore_request("small"),
+                       "kvc::PagedCache: request small needs 1 blocks in group 0 to be restored, and has 0",
+                       kvc::ValueError);
+  CHECK(c.is_offloaded("small"));
+  c.drop_offloaded_request("small");
+  CHECK(c.free_swap_blocks() == 3);
 }

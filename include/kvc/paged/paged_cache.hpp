@@ -13,12 +13,13 @@
 //     or nothing across groups;
 //   - update(k, v, layer, read_index, write_index) scatters the new tokens to their rows and gathers
 //     what attention reads (full groups: write, then read; sliding groups: read, then write).
-// What this version does not do yet (docs/paged.md): plan num_blocks from a memory budget, offload
-// requests, device storage, the runtime path (make_cache("paged")).
+// What this version does not do yet (docs/paged.md): tensor parallelism, device storage, the
+// runtime path (make_cache("paged")).
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -57,6 +58,39 @@ struct PagedSeqlensK {
   std::optional<std::int64_t> full_attention;
   std::optional<std::int64_t> sliding_attention;
 };
+
+namespace paged {
+
+// A request whose blocks could not be allocated this step, with the blocks it asked for
+// (PagedCache::blocks_needed), in scheduling order.
+struct StarvedRequest {
+  std::string request_id;
+  std::int64_t demand = 0;
+};
+
+// Which requests transformers' offloading manager evicts (offloading_manager.py,
+// offload_requests): while the starved requests' demand exceeds the free blocks, the newest
+// starved request becomes a victim (its demand leaves, its blocks_in_use(id) blocks count as
+// freed), never leaving fewer than one active request. Returns the victims oldest first; empty
+// when nothing can help.
+template <class BlocksInUse>
+std::vector<std::string> select_offload_victims(std::span<const StarvedRequest> starved, std::int64_t free_blocks,
+                                                std::int64_t num_active, BlocksInUse&& blocks_in_use) {
+  std::int64_t demand = 0;
+  for (const StarvedRequest& s : starved) demand += s.demand;
+  std::vector<std::string> victims;
+  std::size_t left = starved.size();
+  while (demand > free_blocks && left > 0 && num_active - static_cast<std::int64_t>(victims.size()) > 1) {
+    const StarvedRequest& v = starved[--left];
+    victims.push_back(v.request_id);
+    demand -= v.demand;
+    free_blocks += blocks_in_use(v.request_id);
+  }
+  std::reverse(victims.begin(), victims.end());
+  return victims;
+}
+
+}  // namespace paged
 
 template <class S>
 class PagedCache {
@@ -348,14 +382,110 @@ class PagedCache {
     if (src.size() != dst.size()) throw ValueError("kvc::PagedCache::copy_cache: as many sources as destinations");
     for (const std::int64_t b : src) check_block(b);
     for (const std::int64_t b : dst) check_block(b);
-    const std::int64_t block_elems = block_size_ * row_elems_;
-    for (std::size_t j = 0; j < keys_.size(); ++j)
-      for (std::size_t i = 0; i < src.size(); ++i) {
-        S::copy_2d(keys_[j].data() + dst[i] * block_elems, block_elems, keys_[j].data() + src[i] * block_elems,
-                   block_elems, block_elems, 1);
-        S::copy_2d(values_[j].data() + dst[i] * block_elems, block_elems, values_[j].data() + src[i] * block_elems,
-                   block_elems, block_elems, 1);
-      }
+    copy_blocks(keys_, values_, src, keys_, values_, dst);
+  }
+
+  // ---- request offload ---------------------------------------------------------------------------
+  // When blocks run out, transformers' offloading manager moves whole requests out of the cache
+  // into a swap pool (and soft-resets those that do not fit: they free their blocks and prefill
+  // again). Here the pool is memory of the storage's kind (host memory for HostStorage), sized in
+  // blocks; offload_request copies a request's blocks there and frees them, restore_request copies
+  // them back into the blocks the request was given again, in the same table positions (a sliding
+  // ring keeps its slot order), so the request continues bit-identically.
+
+  // Bytes of one block in every pool tensor (what one swap block holds).
+  std::int64_t bytes_per_block() const noexcept {
+    return 2 * groups_.group_size * block_size_ * row_elems_ * static_cast<std::int64_t>(sizeof(T));
+  }
+  // (Re)creates an empty swap pool of `num_blocks` blocks; refused while requests are offloaded.
+  void reserve_swap_space(std::int64_t num_blocks) {
+    if (!swapped_.empty())
+      throw ValueError("kvc::PagedCache: the swap pool cannot be resized while " + std::to_string(swapped_.size()) +
+                       " requests are offloaded to it");
+    detail::check_size("kvc::PagedCache: swap blocks", num_blocks, 0, max_extent);
+    const std::int64_t elems = detail::checked_elements({num_blocks, block_size_, kv_heads_, head_dim_}, sizeof(T));
+    std::vector<typename S::buffer_type> k, v;
+    k.reserve(keys_.size());
+    v.reserve(keys_.size());
+    for (std::size_t j = 0; j < keys_.size(); ++j) {
+      k.emplace_back(elems);
+      v.emplace_back(elems);
+    }
+    std::vector<std::int64_t> free(static_cast<std::size_t>(num_blocks));
+    for (std::int64_t i = 0; i < num_blocks; ++i) free[static_cast<std::size_t>(i)] = i;
+    swap_k_ = std::move(k);
+    swap_v_ = std::move(v);
+    swap_free_ = std::move(free);
+    swap_blocks_ = num_blocks;
+  }
+  std::int64_t swap_blocks() const noexcept { return swap_blocks_; }
+  std::int64_t free_swap_blocks() const noexcept { return static_cast<std::int64_t>(swap_free_.size()); }
+  bool is_offloaded(const std::string& request_id) const { return swapped_.count(request_id) != 0; }
+
+  // Copies the request's blocks (every group) to the smallest free swap blocks and frees them in
+  // the cache. False, with nothing changed, when the request holds no block or the pool has too
+  // few free blocks (transformers then soft-resets it: free_blocks, and prefill it again).
+  bool offload_request(const std::string& request_id) {
+    if (is_offloaded(request_id)) throw ValueError("kvc::PagedCache: request " + request_id + " is already offloaded");
+    swapped_request out;
+    std::vector<std::int64_t> blocks;
+    for (const allocator& a : allocators_)
+      std::visit(
+          [&](const auto& al) {
+            const std::int64_t n =
+                al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : 0;
+            out.group_counts.push_back(n);
+            if (n > 0) blocks.insert(blocks.end(), al.table(request_id).begin(), al.table(request_id).end());
+          },
+          a);
+    if (blocks.empty() || static_cast<std::int64_t>(blocks.size()) > free_swap_blocks()) return false;
+    out.swap_ids.assign(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
+    auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
+    (void)inserted;
+    // Committed: copies and bookkeeping that cannot fail on the host.
+    copy_blocks(keys_, values_, blocks, swap_k_, swap_v_, slot->second.swap_ids);
+    swap_free_.erase(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
+    free_blocks(request_id);
+    return true;
+  }
+
+  // Copies an offloaded request back into the first blocks of its new tables (allocate them first:
+  // each group needs as many blocks as it had) and returns its swap blocks to the pool.
+  void restore_request(const std::string& request_id) {
+    const auto it = swapped_.find(request_id);
+    if (it == swapped_.end()) throw ValueError("kvc::PagedCache: request " + request_id + " is not offloaded");
+    std::vector<std::int64_t> dst;
+    for (std::size_t g = 0; g < allocators_.size(); ++g) {
+      const std::int64_t n = it->second.group_counts[g];
+      if (n == 0) continue;
+      static const std::vector<std::int64_t> none;
+      const auto& t = std::visit(
+          [&](const auto& al) -> const std::vector<std::int64_t>& {
+            return al.has_request(request_id) ? al.table(request_id) : none;
+          },
+          allocators_[g]);
+      if (static_cast<std::int64_t>(t.size()) < n)
+        throw ValueError("kvc::PagedCache: request " + request_id + " needs " + std::to_string(n) +
+                         " blocks in group " + std::to_string(g) + " to be restored, and has " +
+                         std::to_string(t.size()));
+      dst.insert(dst.end(), t.begin(), t.begin() + n);
+    }
+    std::vector<std::int64_t> freed = swap_free_;
+    freed.insert(freed.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
+    std::sort(freed.begin(), freed.end());
+    copy_blocks(swap_k_, swap_v_, it->second.swap_ids, keys_, values_, dst);
+    swap_free_ = std::move(freed);
+    swapped_.erase(it);
+  }
+  // Forgets an offloaded request (cancelled or failed): its swap blocks return to the pool.
+  void drop_offloaded_request(const std::string& request_id) {
+    const auto it = swapped_.find(request_id);
+    if (it == swapped_.end()) return;
+    std::vector<std::int64_t> freed = swap_free_;
+    freed.insert(freed.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
+    std::sort(freed.begin(), freed.end());
+    swap_free_ = std::move(freed);
+    swapped_.erase(it);
   }
 
   // ---- update -----------------------------------------------------------------------------------
@@ -499,6 +629,25 @@ class PagedCache {
     return n;
   }
 
+  struct swapped_request {
+    std::vector<std::int64_t> swap_ids;      // in table order, group after group
+    std::vector<std::int64_t> group_counts;  // blocks per group
+  };
+
+  // Block src_ids[i] of (sk, sv) to block dst_ids[i] of (dk, dv), in every pool tensor.
+  void copy_blocks(const std::vector<typename S::buffer_type>& sk, const std::vector<typename S::buffer_type>& sv,
+                   std::span<const std::int64_t> src_ids, std::vector<typename S::buffer_type>& dk,
+                   std::vector<typename S::buffer_type>& dv, std::span<const std::int64_t> dst_ids) {
+    const std::int64_t block_elems = block_size_ * row_elems_;
+    for (std::size_t j = 0; j < dk.size(); ++j)
+      for (std::size_t i = 0; i < src_ids.size(); ++i) {
+        S::copy_2d(dk[j].data() + dst_ids[i] * block_elems, block_elems, sk[j].data() + src_ids[i] * block_elems,
+                   block_elems, block_elems, 1);
+        S::copy_2d(dv[j].data() + dst_ids[i] * block_elems, block_elems, sv[j].data() + src_ids[i] * block_elems,
+                   block_elems, block_elems, 1);
+      }
+  }
+
   void check_block(std::int64_t b) const {
     if (b < 0 || b >= num_blocks_)
       throw ValueError("kvc::PagedCache::copy_cache: block " + std::to_string(b) + " is not one of the " +
@@ -544,7 +693,11 @@ class PagedCache {
   bool use_prefix_sharing_ = false;
   std::int64_t total_prefix_length_ = 0;
   std::vector<typename S::buffer_type> keys_, values_;
-  typename S::buffer_type out_k_, out_v_;  // what the last update with reads returned
+  typename S::buffer_type out_k_, out_v_;                 // what the last update with reads returned
+  std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [swap blocks, block_size, heads, dim]
+  std::vector<std::int64_t> swap_free_;                   // free swap blocks, ascending
+  std::int64_t swap_blocks_ = 0;
+  std::map<std::string, swapped_request> swapped_;
 };
 
 }  // namespace kvc
