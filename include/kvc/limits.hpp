@@ -6,10 +6,12 @@
 // that overflows or a buffer above allocation_limit() before anything is allocated. A host
 // allocation that the system refuses is a kvc::MemoryError (a std::bad_alloc).
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <initializer_list>
 #include <new>
 #include <string>
