@@ -1,0 +1,139 @@
+// kvc_bench_paged: the paged cache's bookkeeping and its update, side by side with memcpy.
+//
+//   step_bookkeeping/256     one decode step of 256 requests (block size 16, ~512 cached tokens
+//                            each): a block for the requests that need one, the read and write
+//                            indices of the whole batch; every 64 steps one request finishes and
+//                            a new one is admitted (untimed: the refill).
+//   update/bs:<n>            one update of one layer for a decode batch of 32 requests with 512
+//                            cached tokens each (8 KV heads x head_dim 128, float): the new rows
+//                            scattered, 32 x 513 rows gathered. Bytes counted: what it gathers and
+//                            writes (K and V).
+//   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
+//
+// After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
+// per block size (the goal for block_size >= 16 is 0.8). CPU time throughout (the machines this
+// runs on are shared). Command: <build>/benchmarks/kvc_bench_paged.
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/policies/storage/host.hpp>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using Cache = kvc::PagedCache<kvc::HostStorage<float>>;
+
+constexpr std::int64_t kHeads = 8, kDim = 128;
+
+kvc::ModelConfig one_layer() {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = kHeads;
+  c.num_key_value_heads = kHeads;
+  c.head_dim = kDim;
+  c.hidden_size = kHeads * kDim;
+  return c;
+}
+
+kvc::ContinuousBatchingConfig blocks(std::int64_t block_size, std::int64_t num_blocks) {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = block_size;
+  cb.num_blocks = num_blocks;
+  return cb;
+}
+
+void step_bookkeeping(benchmark::State& state) {
+  const std::int64_t requests = state.range(0), bs = 16, past0 = 512;
+  Cache cache(one_layer(), blocks(bs, requests * (past0 / bs + 80)));
+  std::vector<std::int64_t> past(static_cast<std::size_t>(requests), past0), allocated(past.size(), 0);
+  std::vector<std::string> ids;
+  for (std::int64_t r = 0; r < requests; ++r) {
+    ids.push_back("req_" + std::to_string(r));
+    allocated[static_cast<std::size_t>(r)] = *cache.allocate_blocks(past0 / bs, ids.back(), 0);
+  }
+  std::int64_t step = 0, next = requests;
+  kvc::PagedIndices reads(1), writes(1);
+  for (auto _ : state) {
+    reads[0].clear();
+    writes[0].clear();
+    for (std::size_t r = 0; r < ids.size(); ++r) {
+      const std::int64_t need = (past[r] + 1 + bs - 1) / bs - allocated[r];
+      if (need > 0) allocated[r] += *cache.allocate_blocks(need, ids[r], allocated[r]);
+      cache.extend_read_and_write_indices(ids[r], past[r], 1, &reads, writes);
+      past[r] += 1;
+    }
+    benchmark::DoNotOptimize(reads[0].data());
+    if (++step % 64 == 0) {  // one request finishes, a new one takes its place
+      state.PauseTiming();
+      const std::size_t r = static_cast<std::size_t>(step / 64) % ids.size();
+      cache.free_blocks(ids[r]);
+      ids[r] = "req_" + std::to_string(next++);
+      past[r] = past0;
+      allocated[r] = *cache.allocate_blocks(past0 / bs, ids[r], 0);
+      state.ResumeTiming();
+    }
+  }
+  state.counters["requests"] = static_cast<double>(requests);
+}
+
+void update(benchmark::State& state) {
+  const std::int64_t bs = state.range(0), requests = 32, past = 512;
+  Cache cache(one_layer(), blocks(bs, requests * (past / bs + 2)));
+  kvc::PagedIndices reads(1), writes(1);
+  for (std::int64_t r = 0; r < requests; ++r) {
+    const std::string id = "req_" + std::to_string(r);
+    cache.allocate_blocks((past + 1 + bs - 1) / bs, id, 0);
+    cache.extend_read_and_write_indices(id, past, 1, &reads, writes);
+  }
+  kvc::HostTensor<float> k(1, kHeads, requests, kDim), v(1, kHeads, requests, kDim);
+  k.setConstant(1.f);
+  v.setConstant(2.f);
+  const kvc::TensorView<float> kv{
+      k.data(), {1, kHeads, requests, kDim}, {kHeads * requests * kDim, requests * kDim, kDim, 1}};
+  const kvc::TensorView<float> vv{
+      v.data(), {1, kHeads, requests, kDim}, {kHeads * requests * kDim, requests * kDim, kDim, 1}};
+  for (auto _ : state) {
+    const auto out = cache.update(kv, vv, 0, reads, writes);
+    benchmark::DoNotOptimize(out.keys.data());
+    benchmark::ClobberMemory();
+  }
+  const std::int64_t row_bytes = kHeads * kDim * static_cast<std::int64_t>(sizeof(float));
+  const auto moved = 2 * (static_cast<std::int64_t>(reads[0].size()) + requests) * row_bytes;
+  state.SetBytesProcessed(state.iterations() * moved);
+  state.counters["MiB_per_step"] = static_cast<double>(moved) / (1 << 20);
+}
+
+}  // namespace
+
+BENCHMARK(step_bookkeeping)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
+BENCHMARK(update)->Name("update/bs")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
+BENCHMARK(kvc_bench::memcpy_bulk)->Name("memcpy")->Arg(64)->Unit(benchmark::kMillisecond);
+
+int main(int argc, char** argv) {
+  std::vector<char*> args(argv, argv + argc);
+  std::string min_time = "--benchmark_min_time=0.2";
+  bool has_min_time = false;
+  for (int i = 1; i < argc; ++i)
+    has_min_time = has_min_time || std::string(argv[i]).starts_with("--benchmark_min_time");
+  if (!has_min_time) args.push_back(min_time.data());
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  kvc_bench::ResultsReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  const kvc_bench::Result* copy = reporter.find("memcpy/64");
+  if (!copy) return 0;
+  std::printf("\nupdate bandwidth / memcpy bandwidth (same binary, same run):\n");
+  for (const char* name : {"update/bs/16", "update/bs/64", "update/bs/256"})
+    if (const kvc_bench::Result* r = reporter.find(name))
+      std::printf("  %-16s %.2f\n", name, r->bytes_per_second / copy->bytes_per_second);
+  if (const kvc_bench::Result* r = reporter.find("step_bookkeeping/256"))
+    std::printf("step bookkeeping: %.0f ns per request per decode step\n", r->seconds * 1e9 / 256);
+  return 0;
+}
