@@ -6,6 +6,7 @@
 
 #include "../support/kvc_test.hpp"
 
+#include <kvc/paged/continuous_batching_config_json.hpp>
 #include <kvc/paged/memory_planner.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/policies/storage/host.hpp>
@@ -491,4 +492,51 @@ TEST_CASE("request offload: victims as transformers' offloading manager picks th
   CHECK(c.is_offloaded("small"));
   c.drop_offloaded_request("small");
   CHECK(c.free_swap_blocks() == 3);
+}
+
+TEST_CASE("ContinuousBatchingConfig: transformers' defaults, and its fields from JSON") {
+  const kvc::ContinuousBatchingConfig d;
+  CHECK(d.block_size == 256);
+  CHECK(!d.num_blocks);
+  CHECK(!d.max_batch_tokens);
+  CHECK(d.allow_block_sharing);
+  CHECK(d.resolved_max_blocks_per_request() == 32);
+  CHECK(d.scheduler_type == "fifo");
+  CHECK(d.cpu_offload_space == 0.0);
+  CHECK(d.cpu_offload_space_safety_threshold == 0.8);
+
+  const auto c = kvc::continuous_batching_config_from_json(R"({
+    "block_size": 32, "num_blocks": 100, "max_batch_tokens": null, "max_memory_percent": 0.5,
+    "max_blocks_per_request": 0, "allow_block_sharing": false, "use_async_batching": true,
+    "scheduler_type": "prefill_first", "safety_margin": 0.1, "return_logprobs": true,
+    "cpu_offload_space": null, "max_queue_size": 8, "use_cuda_graph": [true, false], "seed": 3})");
+  CHECK(c.block_size == 32);
+  CHECK(c.num_blocks == 100);
+  CHECK(!c.max_batch_tokens);
+  CHECK(c.max_memory_percent == 0.5);
+  CHECK(c.max_blocks_per_request == 0);
+  CHECK(c.resolved_max_blocks_per_request() == 0);
+  CHECK(!c.allow_block_sharing);
+  CHECK(c.use_async_batching == true);
+  CHECK(c.scheduler_type == "prefill_first");
+  CHECK(c.safety_margin == 0.1);
+  CHECK(c.return_logprobs);
+  CHECK(!c.cpu_offload_space);
+  CHECK(c.max_queue_size == 8);
+  // Nested in a generation config.
+  CHECK(kvc::continuous_batching_config_from_json(
+            R"({"max_new_tokens": 5, "continuous_batching_config": {"block_size": 64}})")
+            .block_size == 64);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"block_size": "32"})"),
+                       "ContinuousBatchingConfig: `block_size` must be an integer, got \"32\"", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"safety_margin": 2})"),
+                       "ContinuousBatchingConfig: `safety_margin` must be a number between 0.0 and 1.0, got 2",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"num_blocks": 0})"),
+                       "ContinuousBatchingConfig: `num_blocks` must be a positive integer, got 0", kvc::ValueError);
+  CHECK_THROWS_AS(kvc::continuous_batching_config_from_json("{"), kvc::ValueError);
+  CHECK_THROWS_AS(kvc::continuous_batching_config_from_json("[1]"), kvc::ValueError);
+  // A config read from JSON builds the cache it describes.
+  const Cache cache(model("ff"), kvc::continuous_batching_config_from_json(R"({"block_size": 4, "num_blocks": 9})"));
+  CHECK(cache.num_blocks() == 9);
 }

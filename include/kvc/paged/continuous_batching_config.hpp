@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace kvc {
 
@@ -25,6 +26,22 @@ struct ContinuousBatchingConfig {
   std::optional<std::int64_t> max_blocks_per_request;
   // Ref-counted block sharing (forks) and, for models with only full attention, prefix sharing.
   bool allow_block_sharing = true;
+  // Requests per batch; unset: from workload hints, else 1024, then capped by the cache.
+  std::optional<std::int64_t> max_requests_per_batch;
+  // Two sets of batch IO buffers (a factor 2 in the memory plan); unset: resolved from the run.
+  std::optional<bool> use_async_batching;
+  // "fifo" or "prefill_first" (transformers warns and uses FIFO for another name).
+  std::string scheduler_type = "fifo";
+  // Fraction of the blocks kept free before new prefills stop; unset: 0.15 (FIFO), 0.0 (prefill_first).
+  std::optional<double> safety_margin;
+  // Log-probabilities next to the tokens (two output rows in the memory plan).
+  bool return_logprobs = false;
+  // GiB of the swap pool for request offload (0: no pool; unset: sized from the safety threshold).
+  std::optional<double> cpu_offload_space = 0.0;
+  // The pool's cap as a fraction of the available RAM.
+  double cpu_offload_space_safety_threshold = 0.8;
+  // Size of the input queue (0: unlimited).
+  std::int64_t max_queue_size = 0;
 
   // transformers' fallback_max_blocks_per_request property.
   static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }
