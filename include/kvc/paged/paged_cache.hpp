@@ -661,17 +661,31 @@ class PagedCache {
                  x.stride(1), head_dim_, kv_heads_);
   }
   // out[h, i, :] = pool row rows[i], head h; the i-th sentinel row takes token i of `fresh`.
+  // Tiles of rows, head by head within a tile: a tile's source rows are read once into cache by
+  // the first head and the others hit it, and each head writes one sequential run per tile (row by
+  // row, all heads at once, wrote to kv_heads interleaved streams and ran at ~0.4 of memcpy).
   void gather(T* out, const T* pool, const std::vector<std::int64_t>& rows, const view_type* fresh) const {
+    constexpr std::int64_t tile = 32;
     const auto r = static_cast<std::int64_t>(rows.size());
     std::int64_t next_fresh = 0;
-    for (std::int64_t i = 0; i < r; ++i) {
-      const std::int64_t row = rows[static_cast<std::size_t>(i)];
-      if (fresh && row == sentinel_) {
-        S::copy_2d(out + i * head_dim_, r * head_dim_, fresh->data() + next_fresh * fresh->stride(2), fresh->stride(1),
-                   head_dim_, kv_heads_);
-        ++next_fresh;
-      } else {
-        S::copy_2d(out + i * head_dim_, r * head_dim_, pool + row * row_elems_, head_dim_, head_dim_, kv_heads_);
+    const T* base[tile];
+    std::int64_t pitch[tile];
+    for (std::int64_t i0 = 0; i0 < r; i0 += tile) {
+      const std::int64_t n = std::min(tile, r - i0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t row = rows[static_cast<std::size_t>(i0 + i)];
+        if (fresh && row == sentinel_) {
+          base[i] = fresh->data() + next_fresh++ * fresh->stride(2);
+          pitch[i] = fresh->stride(1);
+        } else {
+          base[i] = pool + row * row_elems_;
+          pitch[i] = head_dim_;
+        }
+      }
+      for (std::int64_t h = 0; h < kv_heads_; ++h) {
+        T* dst = out + h * r * head_dim_ + i0 * head_dim_;
+        for (std::int64_t i = 0; i < n; ++i)
+          S::copy_2d(dst + i * head_dim_, head_dim_, base[i] + h * pitch[i], head_dim_, head_dim_, 1);
       }
     }
   }
