@@ -540,3 +540,145 @@ TEST_CASE("ContinuousBatchingConfig: transformers' defaults, and its fields from
   const Cache cache(model("ff"), kvc::continuous_batching_config_from_json(R"({"block_size": 4, "num_blocks": 9})"));
   CHECK(cache.num_blocks() == 9);
 }
+
+TEST_CASE("PagedCache under tensor parallelism: sharded heads, sizes agreed as the minimum over ranks") {
+  const kvc::ModelConfig cfg = model("ff", 4, 8);
+  kvc::PagedTensorParallel tp;
+  tp.tp_size = 2;
+  tp.kv_is_tp = true;
+  const Cache sharded(cfg, cb(4, 10), tp);
+  CHECK(sharded.num_key_value_heads() == 2);
+  CHECK(sharded.num_blocks() == 10);  // no agreement hook: this rank's value stands
+  tp.kv_is_tp = false;                // replicated K/V projections: every head on every rank
+  CHECK(Cache(cfg, cb(4, 10), tp).num_key_value_heads() == 4);
+  tp.kv_is_tp = true;
+  CHECK_THROWS_WITH_AS(Cache(model("ff", 3, 8), cb(4, 10), tp),
+                       "Number of key value heads 3 must be divisible by tensor parallel size 2.", kvc::ValueError);
+  // The other rank has less room: both take its sizes.
+  std::vector<std::int64_t> seen;
+  tp.min_over_ranks = [&](std::span<std::int64_t> v) {
+    seen.assign(v.begin(), v.end());
+    const std::int64_t other[2] = {300, 6};
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::min(v[i], other[i]);
+  };
+  auto c = cb(4, 10);
+  c.max_batch_tokens = 512;
+  const Cache agreed(cfg, c, tp);
+  CHECK(seen == std::vector<std::int64_t>{512, 10});
+  CHECK(agreed.num_blocks() == 6);
+  CHECK(agreed.max_batch_tokens() == 300);
+  // Planned from a budget with this rank's heads: more blocks than planning with every head.
+  kvc::ContinuousBatchingConfig unplanned;
+  unplanned.block_size = 16;
+  tp.min_over_ranks = nullptr;
+  const kvc::PagedMemoryBudget budget{.available_bytes = 8 << 20, .vocab_size = 100};
+  const Cache planned(cfg, unplanned, tp, budget);
+  const Cache unsharded(cfg, unplanned, budget);
+  CHECK(planned.num_blocks() > unsharded.num_blocks());
+}
+
+namespace {
+
+// Everything a caller can observe of a paged cache's state.
+struct paged_snapshot {
+  std::int64_t free_blocks = 0, free_swap = 0, prefix = 0;
+  ids uninit, init;
+  std::vector<std::map<std::string, ids>> tables;
+  std::vector<float> keys, values;
+  std::vector<bool> offloaded;
+  bool operator==(const paged_snapshot&) const = default;
+};
+paged_snapshot snap(const Cache& c, const std::vector<std::string>& requests) {
+  paged_snapshot s;
+  s.free_blocks = c.get_num_free_blocks();
+  s.free_swap = c.free_swap_blocks();
+  s.prefix = c.total_prefix_length();
+  s.uninit = c.manager().uninitialized_blocks();
+  s.init = c.manager().initialized_blocks();
+  for (std::int64_t g = 0; g < c.num_groups(); ++g) {
+    std::map<std::string, ids> t;
+    std::visit(
+        [&](const auto& al) {
+          for (const std::string& r : al.requests()) t[r] = al.table(r);
+        },
+        c.group_allocator(g));
+    s.tables.push_back(std::move(t));
+  }
+  const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.head_dim();
+  for (std::int64_t j = 0; j < c.group_size(); ++j) {
+    s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n);
+    s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n);
+  }
+  for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache: every refused call changes nothing") {
+  for (const std::string_view letters : {"ff", "fs"}) {
+    CAPTURE(letters);
+    const std::int64_t heads = 2, dim = 2;
+    Cache c(model(letters, heads, dim, 6), cb(4, 12));
+    c.reserve_swap_space(4);
+    const std::vector<std::string> requests = {"a", "b", "off", "nobody"};
+    // A state to protect: two requests with tokens, one offloaded, completed blocks.
+    const ids prompt = {1, 2, 3, 4, 5, 6, 7};
+    for (const std::string r : {"a", "b", "off"}) {
+      REQUIRE(c.allocate_blocks(2, r, 0));
+      kvc::PagedIndices reads(static_cast<std::size_t>(c.num_groups())), writes(reads.size());
+      c.extend_read_and_write_indices(r, 0, 7, nullptr, writes);
+      std::vector<std::pair<std::int64_t, std::int64_t>> tp;
+      for (std::int64_t p = 0; p < 7; ++p) tp.emplace_back(prompt[static_cast<std::size_t>(p)], p);
+      for (std::int64_t layer = 0; layer < 2; ++layer) {
+        const auto k = step_tensor(tp, layer, heads, dim, false);
+        c.update(view(k), view(k), layer, reads, writes);
+      }
+      if (letters == "ff") c.mark_shareable_blocks_as_complete(r, 1, prompt);
+    }
+    REQUIRE(c.offload_request("off"));
+    const paged_snapshot before = snap(c, requests);
+    auto unchanged = [&] { return snap(c, requests) == before; };
+
+    kvc::PagedIndices reads(static_cast<std::size_t>(c.num_groups())), writes(reads.size());
+    c.extend_read_and_write_indices("a", 7, 1, &reads, writes);
+    const auto k1 = step_tensor({{9, 7}}, 0, heads, dim, false);
+    const auto k2 = step_tensor({{9, 7}, {10, 8}}, 0, heads, dim, false);
+    kvc::PagedIndices out_of_range = writes;
+    out_of_range[0][0] = (c.num_blocks() + 2) * c.block_size();
+    kvc::PagedIndices one_group(static_cast<std::size_t>(c.num_groups() + 1));  // one list too many
+    kvc::HostTensor<float> three_heads(1, 3, 1, dim);
+    three_heads.setZero();
+    std::vector<std::int64_t> small_table(3);
+    const std::vector<std::string> existing = {"b"};
+    std::vector<std::string> kids;  // more forks than the free blocks allow, whatever each needs
+    for (int i = 0; i < 20; ++i) kids.push_back("k" + std::to_string(i));
+    const std::vector<std::int64_t> bad_blocks = {0, 99}, two = {0, 1};
+    const ids short_prompt = {1, 2};
+
+    CHECK_THROWS_AS(c.allocate_blocks(-1, "a", 2), kvc::ValueError);
+    CHECK(!c.allocate_blocks(100, "a", 2));
+    CHECK_THROWS_AS(c.update(view(k1), view(k1), 0, reads, out_of_range), kvc::ValueError);
+    CHECK_THROWS_AS(c.update(view(k2), view(k2), 0, reads, writes), kvc::ValueError);
+    CHECK_THROWS_AS(c.update(view(k1), view(k2), 0, reads, writes), kvc::ValueError);
+    CHECK_THROWS_AS(c.update(view(three_heads), view(three_heads), 0, reads, writes), kvc::ValueError);
+    CHECK_THROWS_AS(c.update(view(k1), view(k1), 5, reads, writes), kvc::IndexError);
+    CHECK_THROWS_AS(c.update(view(k1), view(k1), 0, one_group, writes), kvc::ValueError);
+    CHECK_THROWS_AS(c.fill_block_table("a", 7, 1, small_table), kvc::ValueError);
+    CHECK_THROWS_AS(c.fork_request("nobody", kids), kvc::ValueError);
+    CHECK_THROWS_AS(c.fork_request("a", existing), kvc::ValueError);
+    CHECK_THROWS_AS(c.fork_request("a", kids), kvc::ValueError);
+    CHECK_THROWS_AS(c.copy_cache(bad_blocks, two), kvc::ValueError);
+    CHECK_THROWS_AS(c.copy_cache(two, bad_blocks), kvc::ValueError);
+    CHECK_THROWS_AS(c.offload_request("off"), kvc::ValueError);
+    CHECK_THROWS_AS(c.restore_request("a"), kvc::ValueError);
+    CHECK_THROWS_AS(c.restore_request("off"), kvc::ValueError);  // it has no blocks yet
+    CHECK_THROWS_AS(c.reserve_swap_space(8), kvc::ValueError);
+    CHECK(!c.offload_request("nobody"));
+    if (letters == "ff") {
+      CHECK_THROWS_AS(c.search_prefix_match("a", prompt), kvc::ValueError);  // "a" has blocks
+      CHECK_THROWS_AS(c.mark_shareable_blocks_as_complete("b", 2, short_prompt), kvc::ValueError);
+    }
+    CHECK(unchanged());
+  }
+}

@@ -209,15 +209,19 @@ class BlockManager {
       todo.push_back(i);
     }
     std::reverse(todo.begin(), todo.end());
+    // Every block to hash must have its tokens, checked before anything changes.
+    if (const auto k = std::min<std::size_t>(static_cast<std::size_t>(num_complete), todo.size()); k > 0) {
+      const auto need = (static_cast<std::int64_t>(todo[k - 1]) + 1) * block_size_;
+      if (need > static_cast<std::int64_t>(prompt_ids.size()))
+        throw ValueError("kvc::paged::BlockManager: block " + std::to_string(todo[k - 1]) +
+                         " of the request needs tokens up to " + std::to_string(need) + ", but only " +
+                         std::to_string(prompt_ids.size()) + " are known");
+    }
     std::int64_t done = 0, replaced = 0;
     std::optional<std::int64_t> replacement;  // the id the previous block was replaced by
     for (const std::size_t i : todo) {
       if (done >= num_complete) break;
       const auto from = static_cast<std::int64_t>(i) * block_size_;
-      if (from + block_size_ > static_cast<std::int64_t>(prompt_ids.size()))
-        throw ValueError("kvc::paged::BlockManager: block " + std::to_string(i) +
-                         " of the request needs tokens up to " + std::to_string(from + block_size_) + ", but only " +
-                         std::to_string(prompt_ids.size()) + " are known");
       Block& b = blocks_.at(allocated_blocks[i]);
       if (replacement) b.parent_id = replacement;
       replacement.reset();

@@ -50,6 +50,17 @@ struct PagedMemoryBudget {
   bool return_logprobs = false;
 };
 
+// Tensor parallelism as the paged cache sees it. kv_is_tp: the K/V projections are sharded
+// (transformers: both "layers.*.self_attn.k_proj" and "...v_proj" are in the TP plan).
+// min_over_ranks replaces each value of its argument by its minimum over the TP ranks (an
+// all-reduce MIN: NCCL or gloo upstream, MPI or anything else here); unset, this rank's values
+// stand, as on a single rank.
+struct PagedTensorParallel {
+  std::int64_t tp_size = 1;
+  bool kv_is_tp = false;
+  std::function<void(std::span<std::int64_t>)> min_over_ranks;
+};
+
 // One int64 row list per layer group: transformers' read_index / write_index.
 using PagedIndices = std::vector<std::vector<std::int64_t>>;
 
@@ -102,10 +113,22 @@ class PagedCache {
   static constexpr std::int64_t min_block_size = 4;
 
   // With cb.num_blocks set (cb.max_batch_tokens is then only recorded).
-  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
+  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb) : PagedCache(config, cb, 1, resolved{}) {}
+
+  // Under tensor parallelism (transformers' PagedAttentionCache with a TP plan): with the K/V
+  // projections sharded, this rank keeps num_key_value_heads / tp_size heads (which must divide);
+  // num_blocks and max_batch_tokens, planned from `budget` where cb leaves them unset, are then
+  // agreed as their minimum over the ranks through tp.min_over_ranks.
+  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const PagedTensorParallel& tp,
+             const std::optional<PagedMemoryBudget>& budget = std::nullopt)
+      : PagedCache(config, agreed(config, cb, tp, budget), head_divisor(tp), resolved{}) {}
+
+ private:
+  struct resolved {};
+  PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, std::int64_t head_divisor, resolved)
       : block_size_(cb.block_size),
         manager_(checked_num_blocks(cb), checked_block_size(cb.block_size)),
-        kv_heads_(kv_heads_of(config)),
+        kv_heads_(kv_heads_of(config, head_divisor)),
         head_dim_(head_dim_of(config)) {
     groups_ = paged::group_layers_by_attn_type(config);
     for (const std::string& type : groups_.types)
@@ -156,20 +179,23 @@ class PagedCache {
     }
   }
 
+ public:
   // num_blocks and max_batch_tokens planned for a memory budget where cb leaves them unset
   // (transformers' PagedAttentionMemoryHandler, memory_planner.hpp); a value cb sets is kept.
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const PagedMemoryBudget& budget)
-      : PagedCache(config, planned(config, cb, budget)) {}
+      : PagedCache(config, planned(config, cb, budget, 1), 1, resolved{}) {}
 
-  // The planner's view of `config` run with `cb` and `budget`, for an element type T.
+  // The planner's view of `config` run with `cb` and `budget`, for an element type T, on a rank
+  // that keeps num_key_value_heads / head_divisor heads (transformers plans with every head even
+  // when the heads are sharded, so it plans fewer blocks than fit; docs/differences.md).
   static PagedMemoryModel memory_model(const ModelConfig& config, const ContinuousBatchingConfig& cb,
-                                       const PagedMemoryBudget& budget) {
+                                       const PagedMemoryBudget& budget, std::int64_t head_divisor = 1) {
     const paged::LayerGroups groups = paged::group_layers_by_attn_type(config);
     PagedMemoryModel m;
     m.hidden_size = config.hidden_size;
     m.vocab_size = budget.vocab_size;
     m.num_attention_heads = config.num_attention_heads;
-    m.num_key_value_heads = kv_heads_of(config);
+    m.num_key_value_heads = kv_heads_of(config, head_divisor);
     m.head_dim = head_dim_of(config);
     m.dtype_bytes = static_cast<std::int64_t>(sizeof(T));
     m.num_groups = static_cast<std::int64_t>(groups.groups.size());
@@ -556,21 +582,40 @@ class PagedCache {
   }
 
  private:
+  static std::int64_t head_divisor(const PagedTensorParallel& tp) {
+    detail::check_size("kvc::PagedCache: tp_size", tp.tp_size, 1, max_layers);
+    return tp.tp_size > 1 && tp.kv_is_tp ? tp.tp_size : 1;
+  }
+  static ContinuousBatchingConfig agreed(const ModelConfig& config, const ContinuousBatchingConfig& cb,
+                                         const PagedTensorParallel& tp,
+                                         const std::optional<PagedMemoryBudget>& budget) {
+    ContinuousBatchingConfig out = budget ? planned(config, cb, *budget, head_divisor(tp)) : cb;
+    if (tp.tp_size > 1 && tp.min_over_ranks && out.num_blocks) {
+      std::array<std::int64_t, 2> v{out.max_batch_tokens.value_or(0), *out.num_blocks};
+      tp.min_over_ranks(v);
+      if (out.max_batch_tokens) out.max_batch_tokens = v[0];
+      out.num_blocks = v[1];
+    }
+    return out;
+  }
   static ContinuousBatchingConfig planned(const ModelConfig& config, ContinuousBatchingConfig cb,
-                                          const PagedMemoryBudget& budget) {
-    const PagedAttentionMemoryHandler handler(memory_model(config, cb, budget));
+                                          const PagedMemoryBudget& budget, std::int64_t head_divisor) {
+    const PagedAttentionMemoryHandler handler(memory_model(config, cb, budget, head_divisor));
     const auto [m, nb] =
         handler.infer_max_batch_tokens_and_num_blocks(cb.max_batch_tokens, cb.num_blocks, budget.available_bytes);
     cb.max_batch_tokens = m;
     cb.num_blocks = nb;
     return cb;
   }
-  static std::int64_t kv_heads_of(const ModelConfig& config) {
+  static std::int64_t kv_heads_of(const ModelConfig& config, std::int64_t divisor) {
     const std::int64_t n = config.num_key_value_heads.value_or(config.num_attention_heads);
     if (n <= 0)
       throw ValueError("kvc::PagedCache: num_key_value_heads or num_attention_heads could not be found in the config");
     detail::check_size("kvc::PagedCache: the number of key/value heads", n, 1, max_extent);
-    return n;
+    if (n % divisor != 0)
+      throw ValueError("Number of key value heads " + std::to_string(n) +
+                       " must be divisible by tensor parallel size " + std::to_string(divisor) + ".");
+    return n / divisor;
   }
   static std::int64_t head_dim_of(const ModelConfig& config) {
     std::int64_t d = 0;
