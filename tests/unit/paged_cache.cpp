@@ -84,7 +84,8 @@ TEST_CASE("PagedCache: construction, the padding zone and transformers' messages
   CHECK(c.bytes() == 2 * 1 * 10 * 4 * 2 * 3 * 4);
   CHECK(c.get_num_free_blocks() == 8);
   // The read-trash block is zeroed.
-  for (std::int64_t e = 32 * 6; e < 36 * 6; ++e) CHECK(c.key_pool(0)[e] == 0.f);
+  for (std::int64_t h = 0; h < 2; ++h)  // [heads, 40 rows, 3]
+    for (std::int64_t e = (h * 40 + 32) * 3; e < (h * 40 + 36) * 3; ++e) CHECK(c.key_pool(0)[e] == 0.f);
   CHECK(Cache(model("ff"), cb(4, 8)).use_prefix_sharing());
   CHECK(!Cache(model("ff"), cb(4, 8, false)).use_prefix_sharing());
 

@@ -3,8 +3,10 @@
 // PagedAttentionCache (generation/continuous_batching/cache.py at a597f974), on a kvc storage
 // policy (HostStorage here). docs/paged.md describes the model; in short:
 //   - the model's layers form groups (layer_groups.hpp); layer j of every group shares pool tensor
-//     j: group_size K and group_size V pools of (num_blocks + 2) * block_size rows of
-//     [kv_heads, head_dim] elements;
+//     j: group_size K and group_size V pools of (num_blocks + 2) * block_size rows (pages), laid
+//     out head-major, [kv_heads, rows, head_dim] (FlashInfer's HND; transformers keeps
+//     [rows, kv_heads, head_dim]): the tokens of a block are one contiguous piece per head, so
+//     update gathers them a block at a time;
 //   - block ids are global across groups; blocks num_blocks and num_blocks + 1 are the padding
 //     zone that no request gets: the read trash (row num_blocks * block_size, zeroed, what padded
 //     reads see), the sentinel (the next row, marking "a new token goes here" in sliding reads) and
@@ -13,8 +15,8 @@
 //     or nothing across groups;
 //   - update(k, v, layer, read_index, write_index) scatters the new tokens to their rows and gathers
 //     what attention reads (full groups: write, then read; sliding groups: read, then write).
-// What this version does not do yet (docs/paged.md): tensor parallelism, device storage, the
-// runtime path (make_cache("paged")).
+// What this version does not do yet (docs/paged.md): device storage, the runtime path
+// (make_cache("paged")).
 
 #include <algorithm>
 #include <array>
@@ -243,8 +245,8 @@ class PagedCache {
   }
   const paged::BlockManager& manager() const noexcept { return manager_; }
   const allocator& group_allocator(std::int64_t g) const { return allocators_.at(static_cast<std::size_t>(g)); }
-  // Pool tensor j's rows, [rows, kv_heads, head_dim] flat (a paged attention kernel reads them
-  // through a block table or read indices).
+  // Pool tensor j, [kv_heads, rows, head_dim] flat, rows = (num_blocks + 2) * block_size (a paged
+  // attention kernel reads it through a block table or read indices).
   const T* key_pool(std::int64_t j) const { return keys_.at(static_cast<std::size_t>(j)).data(); }
   const T* value_pool(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
 
@@ -408,7 +410,7 @@ class PagedCache {
     if (src.size() != dst.size()) throw ValueError("kvc::PagedCache::copy_cache: as many sources as destinations");
     for (const std::int64_t b : src) check_block(b);
     for (const std::int64_t b : dst) check_block(b);
-    copy_blocks(keys_, values_, src, keys_, values_, dst);
+    copy_blocks(keys_, values_, pool_rows(), src, keys_, values_, pool_rows(), dst);
   }
 
   // ---- request offload ---------------------------------------------------------------------------
@@ -469,7 +471,8 @@ class PagedCache {
     auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
     (void)inserted;
     // Committed: copies and bookkeeping that cannot fail on the host.
-    copy_blocks(keys_, values_, blocks, swap_k_, swap_v_, slot->second.swap_ids);
+    copy_blocks(keys_, values_, pool_rows(), blocks, swap_k_, swap_v_, swap_blocks_ * block_size_,
+                slot->second.swap_ids);
     swap_free_.erase(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
     free_blocks(request_id);
     return true;
@@ -499,7 +502,7 @@ class PagedCache {
     std::vector<std::int64_t> freed = swap_free_;
     freed.insert(freed.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
     std::sort(freed.begin(), freed.end());
-    copy_blocks(swap_k_, swap_v_, it->second.swap_ids, keys_, values_, dst);
+    copy_blocks(swap_k_, swap_v_, swap_blocks_ * block_size_, it->second.swap_ids, keys_, values_, pool_rows(), dst);
     swap_free_ = std::move(freed);
     swapped_.erase(it);
   }
@@ -679,17 +682,19 @@ class PagedCache {
     std::vector<std::int64_t> group_counts;  // blocks per group
   };
 
-  // Block src_ids[i] of (sk, sv) to block dst_ids[i] of (dk, dv), in every pool tensor.
+  // Block src_ids[i] of (sk, sv) to block dst_ids[i] of (dk, dv), in every pool tensor; the
+  // buffers hold src_rows and dst_rows rows per head ([heads, rows, head_dim]).
   void copy_blocks(const std::vector<typename S::buffer_type>& sk, const std::vector<typename S::buffer_type>& sv,
-                   std::span<const std::int64_t> src_ids, std::vector<typename S::buffer_type>& dk,
-                   std::vector<typename S::buffer_type>& dv, std::span<const std::int64_t> dst_ids) {
-    const std::int64_t block_elems = block_size_ * row_elems_;
+                   std::int64_t src_rows, std::span<const std::int64_t> src_ids,
+                   std::vector<typename S::buffer_type>& dk, std::vector<typename S::buffer_type>& dv,
+                   std::int64_t dst_rows, std::span<const std::int64_t> dst_ids) {
+    const std::int64_t block = block_size_ * head_dim_;  // one head's part of a block
     for (std::size_t j = 0; j < dk.size(); ++j)
       for (std::size_t i = 0; i < src_ids.size(); ++i) {
-        S::copy_2d(dk[j].data() + dst_ids[i] * block_elems, block_elems, sk[j].data() + src_ids[i] * block_elems,
-                   block_elems, block_elems, 1);
-        S::copy_2d(dv[j].data() + dst_ids[i] * block_elems, block_elems, sv[j].data() + src_ids[i] * block_elems,
-                   block_elems, block_elems, 1);
+        S::copy_2d(dk[j].data() + dst_ids[i] * block, dst_rows * head_dim_, sk[j].data() + src_ids[i] * block,
+                   src_rows * head_dim_, block, kv_heads_);
+        S::copy_2d(dv[j].data() + dst_ids[i] * block, dst_rows * head_dim_, sv[j].data() + src_ids[i] * block,
+                   src_rows * head_dim_, block, kv_heads_);
       }
   }
 
@@ -699,39 +704,33 @@ class PagedCache {
                        std::to_string(num_blocks_) + " blocks");
   }
 
+  std::int64_t pool_rows() const noexcept { return (num_blocks_ + 2) * block_size_; }
+
   // Token t of x (every head) to pool row rows[t].
   void scatter(T* pool, const view_type& x, const std::vector<std::int64_t>& rows) const {
     for (std::size_t t = 0; t < rows.size(); ++t)
-      S::copy_2d(pool + rows[t] * row_elems_, head_dim_, x.data() + static_cast<std::int64_t>(t) * x.stride(2),
-                 x.stride(1), head_dim_, kv_heads_);
+      S::copy_2d(pool + rows[t] * head_dim_, pool_rows() * head_dim_,
+                 x.data() + static_cast<std::int64_t>(t) * x.stride(2), x.stride(1), head_dim_, kv_heads_);
   }
-  // out[h, i, :] = pool row rows[i], head h; the i-th sentinel row takes token i of `fresh`.
-  // Tiles of rows, head by head within a tile: a tile's source rows are read once into cache by
-  // the first head and the others hit it, and each head writes one sequential run per tile (row by
-  // row, all heads at once, wrote to kv_heads interleaved streams and ran at ~0.4 of memcpy).
+  // out[h, i, :] = pool[h, rows[i], :]; the i-th sentinel row takes token i of `fresh`. The pools
+  // are head-major, so a run of consecutive rows (the tokens of one block) is one contiguous piece
+  // per head: one copy per run and head instead of one per token and head.
   void gather(T* out, const T* pool, const std::vector<std::int64_t>& rows, const view_type* fresh) const {
-    constexpr std::int64_t tile = 32;
     const auto r = static_cast<std::int64_t>(rows.size());
+    const std::int64_t out_pitch = r * head_dim_, pool_pitch = pool_rows() * head_dim_;
     std::int64_t next_fresh = 0;
-    const T* base[tile];
-    std::int64_t pitch[tile];
-    for (std::int64_t i0 = 0; i0 < r; i0 += tile) {
-      const std::int64_t n = std::min(tile, r - i0);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::int64_t row = rows[static_cast<std::size_t>(i0 + i)];
-        if (fresh && row == sentinel_) {
-          base[i] = fresh->data() + next_fresh++ * fresh->stride(2);
-          pitch[i] = fresh->stride(1);
-        } else {
-          base[i] = pool + row * row_elems_;
-          pitch[i] = head_dim_;
-        }
+    for (std::int64_t i = 0; i < r;) {
+      const std::int64_t row = rows[static_cast<std::size_t>(i)];
+      if (fresh && row == sentinel_) {
+        S::copy_2d(out + i * head_dim_, out_pitch, fresh->data() + next_fresh++ * fresh->stride(2), fresh->stride(1),
+                   head_dim_, kv_heads_);
+        ++i;
+        continue;
       }
-      for (std::int64_t h = 0; h < kv_heads_; ++h) {
-        T* dst = out + h * r * head_dim_ + i0 * head_dim_;
-        for (std::int64_t i = 0; i < n; ++i)
-          S::copy_2d(dst + i * head_dim_, head_dim_, base[i] + h * pitch[i], head_dim_, head_dim_, 1);
-      }
+      std::int64_t n = 1;
+      while (i + n < r && rows[static_cast<std::size_t>(i + n)] == row + n && !(fresh && row + n == sentinel_)) ++n;
+      S::copy_2d(out + i * head_dim_, out_pitch, pool + row * head_dim_, pool_pitch, n * head_dim_, kv_heads_);
+      i += n;
     }
   }
 
