@@ -683,3 +683,33 @@ TEST_CASE("PagedCache: every refused call changes nothing") {
     CHECK(unchanged());
   }
 }
+
+TEST_CASE("the swap pool's size from cpu_offload_space, as transformers' offloading manager plans it") {
+  const Cache c(model("f", 2, 4), cb(4, 8));  // K and V, 1 pool each, 4 rows of 2 x 4 floats: 256 bytes
+  REQUIRE(c.bytes_per_block() == 256);
+  kvc_test::captured_warnings w;
+  kvc::ContinuousBatchingConfig o;
+  o.cpu_offload_space = 1.0 / 1024;  // 1 MiB
+  CHECK(c.plan_swap_blocks(o, std::int64_t{1} << 30) == 4096);
+  CHECK(w.messages.empty());
+  // Above the cap (0.8 of 1 GiB available): clamped, with transformers' text.
+  o.cpu_offload_space = 2.0;
+  CHECK(c.plan_swap_blocks(o, std::int64_t{1} << 30) == static_cast<std::int64_t>((1 << 30) * 0.8) / 256);
+  REQUIRE(w.messages.size() == 1);
+  CHECK(w.messages[0] == "cpu_offload_space=2.0 GiB exceeds 80% of total RAM (1.0 GiB). Clamping to 0.8 GiB.");
+  // None: the whole cap.
+  o.cpu_offload_space.reset();
+  CHECK(c.plan_swap_blocks(o, std::int64_t{1} << 30) == static_cast<std::int64_t>((1 << 30) * 0.8) / 256);
+  CHECK(w.messages.back() == "Auto-sizing CPU swap pool from safety threshold: 0.80 GiB.");
+  // Too small for one block.
+  o.cpu_offload_space = 1e-7;
+  CHECK(c.plan_swap_blocks(o, std::int64_t{1} << 30) == 0);
+  CHECK(w.messages.back() == "cpu_offload_space=0.0 GiB is too small for even one block. No CPU offloading.");
+  // The default 0.0: no pool, no warning.
+  const auto before = w.messages.size();
+  CHECK(c.plan_swap_blocks(kvc::ContinuousBatchingConfig{}, std::int64_t{1} << 30) == 0);
+  CHECK(w.messages.size() == before);
+  // Without a RAM figure this machine's /proc/meminfo is read: some blocks for 1 MiB.
+  o.cpu_offload_space = 1.0 / 1024;
+  CHECK(c.plan_swap_blocks(o) == 4096);
+}

@@ -38,6 +38,7 @@
 #include <kvc/paged/layer_groups.hpp>
 #include <kvc/paged/memory_planner.hpp>
 #include <kvc/tensor.hpp>
+#include <kvc/warnings.hpp>
 
 namespace kvc {
 
@@ -71,6 +72,34 @@ struct PagedSeqlensK {
   std::optional<std::int64_t> full_attention;
   std::optional<std::int64_t> sliding_attention;
 };
+
+namespace detail {
+
+// printf("%.*f"): what Python's format(value, ".Nf") prints for the values messages use.
+inline std::string format_fixed(double value, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, value);
+  return buf;
+}
+
+// MemAvailable of /proc/meminfo in bytes (Linux), else nullopt.
+inline std::optional<std::int64_t> mem_available_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return std::nullopt;
+  char line[256];
+  std::optional<std::int64_t> out;
+  while (std::fgets(line, sizeof line, f)) {
+    long long kib = 0;
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) {
+      out = static_cast<std::int64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
+}  // namespace detail
 
 namespace paged {
 
@@ -445,6 +474,45 @@ class PagedCache {
     swap_v_ = std::move(v);
     swap_free_ = std::move(free);
     swap_blocks_ = num_blocks;
+  }
+  // The swap pool transformers' offloading manager would make: cpu_offload_space GiB (unset: the
+  // whole cap) capped at cpu_offload_space_safety_threshold of the available RAM, in whole blocks,
+  // with its warnings. available_ram: the bytes free now (unset: /proc/meminfo's MemAvailable,
+  // psutil.virtual_memory().available's source; unknown elsewhere).
+  std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb,
+                                std::optional<std::int64_t> available_ram = std::nullopt) const {
+    const std::int64_t per_block = bytes_per_block();
+    if (per_block <= 0) throw ValueError("The number of bytes per block is 0. This is not possible.");
+    if (!available_ram) available_ram = detail::mem_available_bytes();
+    std::optional<std::int64_t> offload;
+    if (cb.cpu_offload_space) offload = static_cast<std::int64_t>(*cb.cpu_offload_space * 1073741824.0);
+    std::optional<std::int64_t> cap;
+    if (available_ram)
+      cap = static_cast<std::int64_t>(static_cast<double>(*available_ram) * cb.cpu_offload_space_safety_threshold);
+    const auto gib = [](double bytes, int digits) { return detail::format_fixed(bytes / 1073741824.0, digits); };
+    if (offload && cap && *offload > *cap) {
+      warn_once("cpu_offload_space=" + gib(static_cast<double>(*offload), 1) + " GiB exceeds " +
+                detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" +
+                gib(static_cast<double>(*available_ram), 1) + " GiB). Clamping to " +
+                gib(static_cast<double>(*cap), 1) + " GiB.");
+      offload = cap;
+    } else if (offload && !cap) {
+      warn_once(
+          "kvc::PagedCache: the available RAM is unknown, so cpu_offload_space_safety_threshold cannot be "
+          "enforced");
+    } else if (!offload) {
+      if (!cap)
+        throw ValueError(
+            "kvc::PagedCache: cpu_offload_space is None, which sizes the swap pool from the available RAM, and the "
+            "available RAM is unknown: pass it, or an explicit cpu_offload_space in GiB");
+      warn_once("Auto-sizing CPU swap pool from safety threshold: " + gib(static_cast<double>(*cap), 2) + " GiB.");
+      offload = cap;
+    }
+    const std::int64_t blocks = *offload / per_block;
+    if (blocks == 0 && cb.cpu_offload_space && *cb.cpu_offload_space > 0)
+      warn_once("cpu_offload_space=" + detail::format_fixed(*cb.cpu_offload_space, 1) +
+                " GiB is too small for even one block. No CPU offloading.");
+    return blocks;
   }
   std::int64_t swap_blocks() const noexcept { return swap_blocks_; }
   std::int64_t free_swap_blocks() const noexcept { return static_cast<std::int64_t>(swap_free_.size()); }
