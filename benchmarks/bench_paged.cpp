@@ -4,10 +4,11 @@
 //                            each): a block for the requests that need one, the read and write
 //                            indices of the whole batch; every 64 steps one request finishes and
 //                            a new one is admitted (untimed: the refill).
-//   update/bs:<n>            one update of one layer for a decode batch of 32 requests with 512
-//                            cached tokens each (8 KV heads x head_dim 128, float): the new rows
-//                            scattered, 32 x 513 rows gathered. Bytes counted: what it gathers and
-//                            writes (K and V).
+//   update/bs/<n>/requests:<r>/past:<p>   one update of one layer for a decode batch of r
+//                            requests with p cached tokens each (8 KV heads x head_dim 128, float):
+//                            the new rows scattered, r x (p + 1) rows gathered. Bytes counted: what
+//                            it gathers and writes (K and V). 32 x 512 at block sizes 16, 64, 256,
+//                            and a small batch, 4 x 128 at block size 16.
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
@@ -84,7 +85,7 @@ void step_bookkeeping(benchmark::State& state) {
 }
 
 void update(benchmark::State& state) {
-  const std::int64_t bs = state.range(0), requests = 32, past = 512;
+  const std::int64_t bs = state.range(0), requests = state.range(1), past = state.range(2);
   Cache cache(one_layer(), blocks(bs, requests * (past / bs + 2)));
   kvc::PagedIndices reads(1), writes(1);
   for (std::int64_t r = 0; r < requests; ++r) {
@@ -113,7 +114,14 @@ void update(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(step_bookkeeping)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
-BENCHMARK(update)->Name("update/bs")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
+BENCHMARK(update)
+    ->Name("update/bs")
+    ->ArgNames({"", "requests", "past"})
+    ->Args({16, 32, 512})
+    ->Args({64, 32, 512})
+    ->Args({256, 32, 512})
+    ->Args({16, 4, 128})
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(kvc_bench::memcpy_bulk)->Name("memcpy")->Arg(64)->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
@@ -130,7 +138,8 @@ int main(int argc, char** argv) {
   const kvc_bench::Result* copy = reporter.find("memcpy/64");
   if (!copy) return 0;
   std::printf("\nupdate bandwidth / memcpy bandwidth (same binary, same run):\n");
-  for (const char* name : {"update/bs/16", "update/bs/64", "update/bs/256"})
+  for (const char* name :
+       {"update/bs/16/requests:32/past:512", "update/bs/64/requests:32/past:512", "update/bs/256/requests:32/past:512"})
     if (const kvc_bench::Result* r = reporter.find(name))
       std::printf("  %-16s %.2f\n", name, r->bytes_per_second / copy->bytes_per_second);
   if (const kvc_bench::Result* r = reporter.find("step_bookkeeping/256"))

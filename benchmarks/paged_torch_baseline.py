@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The operations transformers' PagedAttentionCache.update performs for a full-attention layer
-(generation/continuous_batching/cache.py at a597f974), timed on the workload of kvc_bench_paged's
-update/bs:<n>: a decode batch of 32 requests with 512 cached tokens each, 8 KV heads x head_dim 128,
+(generation/continuous_batching/cache.py at a597f974), timed on the workloads of kvc_bench_paged's
+update benchmarks: a decode batch of 32 requests with 512 cached tokens each (block sizes 16, 64,
+256) and a small one of 4 requests with 128 tokens (block size 16); 8 KV heads x head_dim 128,
 float32, on the CPU. Per step: the new K and V rows scattered into the pool with index_copy_, then
 every read row gathered with index_select (K and V), on pools laid out as transformers lays them
 out ([(num_blocks + 2) * block_size, heads, head_dim]).
@@ -52,7 +53,10 @@ def main():
     sizes = [int(a) for a in sys.argv[1:]] or [16, 64, 256]
     print(f"torch {torch.__version__}, 1 thread")
     for bs in sizes:
-        print(f"transformers' update, block size {bs}: {step_times(bs) * 1e3:.2f} ms per step (median)")
+        print(f"transformers' update, 32 requests x 512 tokens, block size {bs}: "
+              f"{step_times(bs) * 1e3:.3f} ms per step (median)")
+    small = step_times(16, requests=4, past=128, steps=400)
+    print(f"transformers' update, 4 requests x 128 tokens, block size 16: {small * 1e3:.3f} ms per step (median)")
 
 
 if __name__ == "__main__":
