@@ -421,3 +421,17 @@ TEST_CASE("BlockManager invariants under random streams of requests") {
     check_invariants();
   }
 }
+
+TEST_CASE("BlockManager::free_blocks refuses a list it does not hold as often as listed; nothing changes") {
+  BlockManager bm(4, 4);
+  FullAttentionCacheAllocator full(0, 4, true);
+  REQUIRE(full.allocate_blocks(2, "r", bm));
+  full.set_table("bad", {0, 0});  // block 0 listed twice, held once
+  CHECK_THROWS_AS(full.free_blocks("bad", bm), kvc::RuntimeError);
+  CHECK(bm.block(0)->ref_count == 1);
+  CHECK(full.has_request("bad"));
+  full.set_table("bad", {1, 3});  // block 3 is not in use
+  CHECK_THROWS_AS(full.free_blocks("bad", bm), kvc::RuntimeError);
+  CHECK(bm.block(1)->ref_count == 1);
+  CHECK(bm.num_free_blocks() == 2);
+}

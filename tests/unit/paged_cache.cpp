@@ -713,3 +713,49 @@ TEST_CASE("the swap pool's size from cpu_offload_space, as transformers' offload
   o.cpu_offload_space = 1.0 / 1024;
   CHECK(c.plan_swap_blocks(o) == 4096);
 }
+
+TEST_CASE("PagedCache: review findings, each refused without a change") {
+  // A fork naming one destination twice (it used to take blocks and references for a table it then dropped).
+  Cache full(model("ff", 1, 2), cb(4, 12));
+  REQUIRE(full.allocate_blocks(2, "a", 0));
+  const std::vector<std::string> twice = {"x", "x"};
+  const std::int64_t free_before = full.get_num_free_blocks();
+  CHECK_THROWS_WITH_AS(full.fork_request("a", twice), "kvc::paged: fork destination x is named twice", kvc::ValueError);
+  CHECK(full.get_num_free_blocks() == free_before);
+  // Marking blocks whose tokens do not fit a C int: nothing is hashed.
+  const ids big = {1, 2, 3, 4, 5, 6, 7, 1LL << 32};
+  CHECK_THROWS_AS(full.mark_shareable_blocks_as_complete("a", 2, big), kvc::ValueError);
+  for (const std::int64_t b : std::get<0>(full.group_allocator(0)).table("a"))
+    CHECK(!full.manager().block(b)->is_complete());
+  // Index lists: nothing is appended when a later position has no block.
+  kvc::PagedIndices reads(1), writes(1);
+  CHECK_THROWS_AS(full.extend_read_and_write_indices("a", 4, 6, &reads, writes), kvc::ValueError);
+  CHECK(writes[0].empty());
+  CHECK(reads[0].empty());
+  // Views whose head_dim is not contiguous.
+  full.extend_read_and_write_indices("a", 0, 1, nullptr, writes);
+  kvc::HostTensor<float> t(1, 1, 1, 4);
+  t.setZero();
+  const kvc::TensorView<float> strided{t.data(), {1, 1, 1, 2}, {4, 4, 4, 2}};
+  CHECK_THROWS_WITH_AS(full.update(strided, strided, 0, reads, writes),
+                       "kvc::PagedCache::update: keys must have contiguous head_dim rows, got strides [4, 4, 4, 2]",
+                       kvc::ValueError);
+  // num_blocks far too large: refused before anything is allocated for it.
+  CHECK_THROWS_AS(Cache(model("f", 8, 128), cb(16, std::int64_t{1} << 39)), kvc::ValueError);
+  // A wrong `allocated` for a hybrid: what each group really takes must fit, or nothing is taken.
+  Cache hybrid(model("fs", 1, 2, 8), cb(4, 3));
+  CHECK(!hybrid.allocate_blocks(2, "r", 2));  // full 2 + sliding 2 (its table is empty) > 3 free
+  CHECK(hybrid.get_num_free_blocks() == 3);
+  CHECK(hybrid.blocks_in_use("r") == 0);
+  // The planner with sizes far beyond any budget: a MemoryError, not a wrapped-around "fits".
+  kvc::PagedMemoryModel m;
+  m.hidden_size = 4096;
+  m.vocab_size = 128256;
+  m.num_attention_heads = 32;
+  m.num_key_value_heads = 8;
+  m.head_dim = 128;
+  m.group_size = 32;
+  const kvc::PagedAttentionMemoryHandler h(m);
+  CHECK_THROWS_AS(h.infer_max_batch_tokens_and_num_blocks(8192, std::int64_t{1} << 39, 20LL << 30), kvc::MemoryError);
+  CHECK(h.compute_memory_footprint(8192, std::int64_t{1} << 39) == INT64_MAX);
+}

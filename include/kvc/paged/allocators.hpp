@@ -69,8 +69,13 @@ class CacheAllocator {
       const std::string& parent_request_id, std::span<const std::string> children_request_ids, BlockManager& bm) {
     const auto parent = tables_.find(parent_request_id);
     if (parent == tables_.end()) throw ValueError("No block table found for request " + parent_request_id);
-    for (const std::string& child : children_request_ids)
+    for (std::size_t i = 0; i < children_request_ids.size(); ++i) {
+      const std::string& child = children_request_ids[i];
       if (tables_.count(child) != 0) throw ValueError("Block table already exists for request " + child);
+      for (std::size_t j = 0; j < i; ++j)
+        if (children_request_ids[j] == child)
+          throw ValueError("kvc::paged: fork destination " + child + " is named twice");
+    }
     auto forked =
         bm.fork_blocks(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_, index_);
     if (!forked) throw ValueError("Failed to fork blocks for request " + parent_request_id);
@@ -158,7 +163,7 @@ class FullAttentionCacheAllocator : public CacheAllocator {
       parent = h;
     }
     if (hits.empty()) return 0;
-    tables_.insert_or_assign(request_id, hits);  // first, so that a failure below leaves no reference taken
+    tables_.insert_or_assign(request_id, hits);  // first: the insert is the step that can run out of memory
     for (const std::int64_t id : hits) bm.increase_ref_count(id);
     return static_cast<std::int64_t>(hits.size()) * block_size_;
   }

@@ -166,10 +166,20 @@ class BlockManager {
   // Gives back a request's blocks: shareable ones drop a reference each (table order), the others
   // go straight to the back of the FIFO.
   void free_blocks(std::span<const std::int64_t> blocks, bool shareable) {
-    if (shareable)
+    if (shareable) {
+      // Every block must be held as often as it is listed: checked first, so that a bad list
+      // changes nothing (and a retry cannot drop a reference twice).
+      std::unordered_map<std::int64_t, std::int64_t> listed;
+      for (const std::int64_t id : blocks) listed[id] += 1;
+      for (const auto& [id, n] : listed)
+        if (block_or_throw(id, "free_blocks").ref_count < n)
+          throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) + " is listed " +
+                             std::to_string(n) + " times but held " + std::to_string(blocks_.at(id).ref_count) +
+                             " times");
       for (const std::int64_t id : blocks) decrease_ref_count(id);
-    else
+    } else {
       uninit_.insert(uninit_.end(), blocks.begin(), blocks.end());
+    }
   }
 
   // Drops a block nobody else holds back into the FIFO, forgetting its Block. transformers raises
@@ -209,13 +219,18 @@ class BlockManager {
       todo.push_back(i);
     }
     std::reverse(todo.begin(), todo.end());
-    // Every block to hash must have its tokens, checked before anything changes.
+    // Every block to hash must have its tokens, each a C int, checked before anything changes.
     if (const auto k = std::min<std::size_t>(static_cast<std::size_t>(num_complete), todo.size()); k > 0) {
       const auto need = (static_cast<std::int64_t>(todo[k - 1]) + 1) * block_size_;
       if (need > static_cast<std::int64_t>(prompt_ids.size()))
         throw ValueError("kvc::paged::BlockManager: block " + std::to_string(todo[k - 1]) +
                          " of the request needs tokens up to " + std::to_string(need) + ", but only " +
                          std::to_string(prompt_ids.size()) + " are known");
+      for (std::size_t b = 0; b < k; ++b)
+        (void)compute_block_hash(
+            std::nullopt,
+            prompt_ids.subspan(todo[b] * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_)),
+            0);  // throws for a token that does not fit 32 bits
     }
     std::int64_t done = 0, replaced = 0;
     std::optional<std::int64_t> replacement;  // the id the previous block was replaced by

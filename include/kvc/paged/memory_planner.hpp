@@ -85,13 +85,9 @@ class PagedAttentionMemoryHandler {
   const coefficients& attention() const noexcept { return peaks_[1]; }
 
   // The memory at the worse peak for M query tokens and `num_blocks` blocks.
+  // (Saturated at INT64_MAX: sizes from outside can make it larger than any budget.)
   std::int64_t compute_memory_footprint(std::int64_t max_batch_tokens, std::int64_t num_blocks) const noexcept {
-    const double mm = static_cast<double>(max_batch_tokens);
-    const double n = static_cast<double>(num_blocks * m_.block_size);
-    double worst = 0;
-    for (const coefficients& c : peaks_)
-      worst = std::max(worst, c.cm * mm + c.cn * n + c.cmn * mm * n + c.cmm * mm * mm);
-    return static_cast<std::int64_t>(worst);
+    return saturate(footprint(max_batch_tokens, num_blocks));
   }
 
   // (max_batch_tokens, num_blocks) for `available_memory` bytes: each value given is kept, each one
@@ -107,7 +103,7 @@ class PagedAttentionMemoryHandler {
       nb = *num_blocks;
     } else if (num_blocks) {
       nb = *num_blocks;
-      const double n = static_cast<double>(nb * m_.block_size);
+      const double n = static_cast<double>(nb) * static_cast<double>(m_.block_size);
       m = INT64_MAX;
       for (const coefficients& c : peaks_) m = std::min(m, solve_quadratic(c.cmm, c.cm + c.cmn * n, c.cn * n - avail));
     } else {
@@ -117,22 +113,20 @@ class PagedAttentionMemoryHandler {
         std::int64_t upper = INT64_MAX;  // the cache filling 10% of itself per batch: M = 0.1 N
         for (const coefficients& c : peaks_) {
           const std::int64_t pages = solve_quadratic(c.cmn * 0.1 + c.cmm * 0.01, c.cn + c.cm * 0.1, -avail);
-          upper = std::min(upper, static_cast<std::int64_t>(static_cast<double>(pages) * 0.1));
+          upper = std::min(upper, saturate(static_cast<double>(pages) * 0.1));
         }
         m = std::max(std::min(default_max_batch_tokens, upper), min_max_batch_tokens);
       }
       const double mm = static_cast<double>(m);
       nb = INT64_MAX;
       for (const coefficients& c : peaks_) {
-        const auto pages =
-            static_cast<std::int64_t>(std::floor((avail - c.cm * mm - c.cmm * mm * mm) / (c.cn + c.cmn * mm)));
+        const auto pages = saturate(std::floor((avail - c.cm * mm - c.cmm * mm * mm) / (c.cn + c.cmn * mm)));
         nb = std::min(nb, floor_div(pages, m_.block_size));
       }
     }
-    const std::int64_t footprint = compute_memory_footprint(m, nb);
-    if (footprint > available_memory)
-      throw MemoryError("Memory footprint " + std::to_string(footprint) + " is more than available memory " +
-                        std::to_string(available_memory));
+    if (footprint(m, nb) > avail)
+      throw MemoryError("Memory footprint " + std::to_string(compute_memory_footprint(m, nb)) +
+                        " is more than available memory " + std::to_string(available_memory));
     if (m <= 0 || nb <= 0)
       throw ValueError("Invalid values: max_batch_tokens = " + std::to_string(m) +
                        ", num_blocks = " + std::to_string(nb));
@@ -142,16 +136,31 @@ class PagedAttentionMemoryHandler {
   // The largest root of a x^2 + b x + c, floored (x = -c / b when a is 0), as transformers'
   // _solve_quadratic; its errors in its words.
   static std::int64_t solve_quadratic(double a, double b, double c) {
-    if (a == 0) return static_cast<std::int64_t>(-c / b);
+    if (a == 0) return saturate(-c / b);
     const double discriminant = b * b - 4 * a * c;
     if (discriminant < 0)
       throw ValueError("No real solution (discriminant = " + detail::py_float_repr(discriminant) + ")");
     const double root = (-b + std::sqrt(discriminant)) / (2 * a);
     if (root < 0) throw ValueError("No positive solution (root = " + detail::py_float_repr(root) + ")");
-    return static_cast<std::int64_t>(std::floor(root));
+    return saturate(std::floor(root));
   }
 
  private:
+  double footprint(std::int64_t max_batch_tokens, std::int64_t num_blocks) const noexcept {
+    const double mm = static_cast<double>(max_batch_tokens);
+    const double n = static_cast<double>(num_blocks) * static_cast<double>(m_.block_size);
+    double worst = 0;
+    for (const coefficients& c : peaks_)
+      worst = std::max(worst, c.cm * mm + c.cn * n + c.cmn * mm * n + c.cmm * mm * mm);
+    return worst;
+  }
+  // Python's int() of a double, clamped to int64 (the planner's values come from outside).
+  static std::int64_t saturate(double x) noexcept {
+    if (x != x) return 0;
+    if (x <= -9.2e18) return INT64_MIN;
+    if (x >= 9.2e18) return INT64_MAX;
+    return static_cast<std::int64_t>(x);
+  }
   static std::int64_t floor_div(std::int64_t a, std::int64_t b) noexcept {
     const std::int64_t q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;

@@ -157,10 +157,10 @@ class PagedCache {
  private:
   struct resolved {};
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, std::int64_t head_divisor, resolved)
-      : block_size_(cb.block_size),
-        manager_(checked_num_blocks(cb), checked_block_size(cb.block_size)),
+      : block_size_(checked_block_size(cb.block_size)),
         kv_heads_(kv_heads_of(config, head_divisor)),
-        head_dim_(head_dim_of(config)) {
+        head_dim_(head_dim_of(config)),
+        manager_(checked_num_blocks(cb, kv_heads_, head_dim_), block_size_) {
     groups_ = paged::group_layers_by_attn_type(config);
     for (const std::string& type : groups_.types)
       if (type != "full_attention" && type != "sliding_attention") throw ValueError("Invalid group type: " + type);
@@ -311,6 +311,22 @@ class PagedCache {
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, std::int64_t allocated) {
     if (n < 0) throw ValueError("kvc::PagedCache: cannot allocate " + std::to_string(n) + " blocks");
     if (!will_allocation_be_successful(n, allocated)) return std::nullopt;
+    // What each group will really take (a sliding group from its own table, which a wrong
+    // `allocated` could misstate): all of it must fit, or nothing is taken.
+    std::int64_t take = 0;
+    for (const allocator& a : allocators_)
+      take += std::visit(
+          [&](const auto& al) -> std::int64_t {
+            if constexpr (std::decay_t<decltype(al)>::is_sliding) {
+              const std::int64_t have =
+                  al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : 0;
+              return std::max<std::int64_t>(std::min(have + n, al.max_blocks_per_request()) - have, 0);
+            } else {
+              return n;
+            }
+          },
+          a);
+    if (take > get_num_free_blocks()) return std::nullopt;
     std::int64_t most = 0;
     for (allocator& a : allocators_) {
       const auto got = std::visit([&](auto& al) { return al.allocate_blocks(n, request_id, manager_); }, a);
@@ -352,13 +368,21 @@ class PagedCache {
     const auto g = static_cast<std::size_t>(num_groups());
     if (write_index.size() != g || (read_index && read_index->size() != g))
       throw ValueError("kvc::PagedCache: index lists need one entry per layer group (" + std::to_string(g) + ")");
+    PagedIndices reads(read_index ? g : 0), writes(g);  // appended only once every group succeeded
     for (std::size_t i = 0; i < g; ++i)
       std::visit(
           [&](const auto& al) {
-            al.get_write_indices(request_id, past, q, write_index[i]);
-            if (read_index) al.get_read_indices(request_id, past, q, (*read_index)[i]);
+            al.get_write_indices(request_id, past, q, writes[i]);
+            if (read_index) al.get_read_indices(request_id, past, q, reads[i]);
           },
           allocators_[i]);
+    for (std::size_t i = 0; i < g; ++i) write_index[i].reserve(write_index[i].size() + writes[i].size());
+    if (read_index)
+      for (std::size_t i = 0; i < g; ++i) (*read_index)[i].reserve((*read_index)[i].size() + reads[i].size());
+    for (std::size_t i = 0; i < g; ++i) {
+      write_index[i].insert(write_index[i].end(), writes[i].begin(), writes[i].end());
+      if (read_index) (*read_index)[i].insert((*read_index)[i].end(), reads[i].begin(), reads[i].end());
+    }
   }
 
   // The request's block table for a decode kernel: `table` is [num_groups, max_blocks_per_request],
@@ -369,9 +393,10 @@ class PagedCache {
       throw ValueError("kvc::PagedCache: a block table needs num_groups * max_blocks_per_request = " +
                        std::to_string(num_groups() * max_blocks_per_request_) + " entries, got " +
                        std::to_string(table.size()));
+    if (num_sliding_groups_ > 0)
+      throw NotImplementedError("Sliding window attention layers do not support block table");
     for (std::size_t g = 0; g < allocators_.size(); ++g) {
       const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
-      if (!full) throw NotImplementedError("Sliding window attention layers do not support block table");
       full->fill_block_table(request_id, past, q,
                              table.subspan(g * static_cast<std::size_t>(max_blocks_per_request_),
                                            static_cast<std::size_t>(max_blocks_per_request_)));
@@ -419,10 +444,14 @@ class PagedCache {
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
       const std::string& source, std::span<const std::string> destinations) {
     const std::int64_t copies = blocks_copied_per_fork(source) * static_cast<std::int64_t>(destinations.size());
-    for (const std::string& d : destinations)
+    for (std::size_t i = 0; i < destinations.size(); ++i) {
+      const std::string& d = destinations[i];
       for (const allocator& a : allocators_)
         if (std::visit([&](const auto& al) { return al.has_request(d); }, a))
           throw ValueError("Block table already exists for request " + d);
+      for (std::size_t j = 0; j < i; ++j)
+        if (destinations[j] == d) throw ValueError("kvc::paged: fork destination " + d + " is named twice");
+    }
     if (copies > get_num_free_blocks()) throw ValueError("Failed to fork blocks for request " + source);
     std::vector<std::int64_t> src, dst;
     for (allocator& a : allocators_) {
@@ -485,7 +514,12 @@ class PagedCache {
     if (per_block <= 0) throw ValueError("The number of bytes per block is 0. This is not possible.");
     if (!available_ram) available_ram = detail::mem_available_bytes();
     std::optional<std::int64_t> offload;
-    if (cb.cpu_offload_space) offload = static_cast<std::int64_t>(*cb.cpu_offload_space * 1073741824.0);
+    if (cb.cpu_offload_space) {
+      if (!(*cb.cpu_offload_space >= 0 && *cb.cpu_offload_space <= 1e9))
+        throw ValueError("kvc::PagedCache: cpu_offload_space must be between 0 and 1e9 GiB, got " +
+                         detail::py_float_repr(*cb.cpu_offload_space));
+      offload = static_cast<std::int64_t>(*cb.cpu_offload_space * 1073741824.0);
+    }
     std::optional<std::int64_t> cap;
     if (available_ram)
       cap = static_cast<std::int64_t>(static_cast<double>(*available_ram) * cb.cpu_offload_space_safety_threshold);
@@ -708,12 +742,15 @@ class PagedCache {
     detail::check_size("kvc::PagedCache: block_size", bs, 1, max_extent);
     return bs;
   }
-  static std::int64_t checked_num_blocks(const ContinuousBatchingConfig& cb) {
+  static std::int64_t checked_num_blocks(const ContinuousBatchingConfig& cb, std::int64_t kv_heads,
+                                         std::int64_t head_dim) {
     if (!cb.num_blocks)
       throw ValueError(
           "kvc::PagedCache: num_blocks is not set: set it, or give the cache a memory budget "
           "(kvc::PagedMemoryBudget) to plan it from");
     detail::check_size("kvc::PagedCache: num_blocks", *cb.num_blocks, 1, max_extent);
+    // The pools' size, before anything is allocated for the blocks (kvc::allocation_limit).
+    (void)detail::checked_elements({*cb.num_blocks + 2, cb.block_size, kv_heads, head_dim}, sizeof(T));
     return *cb.num_blocks;
   }
 
@@ -721,6 +758,11 @@ class PagedCache {
     if (x.extent(0) != 1 || x.extent(1) != kv_heads_ || x.extent(3) != head_dim_)
       throw ValueError(std::string("kvc::PagedCache::update: ") + what + " must be [1, " + std::to_string(kv_heads_) +
                        ", tokens, " + std::to_string(head_dim_) + "], got " + shape_string(x.extents));
+    if (x.stride(3) != 1 || x.stride(2) < x.extent(3) || x.stride(1) < 0)
+      throw ValueError(std::string("kvc::PagedCache::update: ") + what +
+                       " must have contiguous head_dim rows, got strides [" + std::to_string(x.stride(0)) + ", " +
+                       std::to_string(x.stride(1)) + ", " + std::to_string(x.stride(2)) + ", " +
+                       std::to_string(x.stride(3)) + "]");
   }
   static void check_row(std::int64_t r, std::int64_t rows, const char* what) {
     if (r < 0 || r >= rows)
@@ -803,10 +845,10 @@ class PagedCache {
   }
 
   std::int64_t block_size_;
-  paged::BlockManager manager_;
-  std::int64_t num_blocks_ = 0;
   std::int64_t kv_heads_;
   std::int64_t head_dim_;
+  paged::BlockManager manager_;  // after the head sizes: its block count is checked against the pools
+  std::int64_t num_blocks_ = 0;
   std::int64_t row_elems_ = 0;
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
@@ -820,7 +862,7 @@ class PagedCache {
   std::int64_t total_prefix_length_ = 0;
   std::vector<typename S::buffer_type> keys_, values_;
   typename S::buffer_type out_k_, out_v_;                 // what the last update with reads returned
-  std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [swap blocks, block_size, heads, dim]
+  std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [heads, swap rows, dim] like the pools
   std::vector<std::int64_t> swap_free_;                   // free swap blocks, ascending
   std::int64_t swap_blocks_ = 0;
   std::map<std::string, swapped_request> swapped_;
