@@ -77,6 +77,7 @@ TEST_CASE("block hash: BLAKE2b-64 as Python's hashlib.blake2b(digest_size=8), re
   CHECK(kvc::paged::compute_block_hash(h1 + 1, second, 1) != 3193542449242264775ULL);
   CHECK(kvc::paged::compute_block_hash(h1, ids{5, 6, 7, 9}, 1) != 3193542449242264775ULL);
   CHECK(kvc::paged::compute_block_hash(h1, second, 0) != 3193542449242264775ULL);
+  CHECK_THROWS_AS(kvc::paged::compute_block_hash(std::nullopt, first, std::int64_t{1} << 32), kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::paged::compute_block_hash(std::nullopt, ids{1LL << 40}, 0),
                        "kvc::paged::compute_block_hash: token id 1099511627776 does not fit a 32-bit int (block "
                        "hashes pack token ids as C ints)",

@@ -568,6 +568,10 @@ TEST_CASE("PagedCache under tensor parallelism: sharded heads, sizes agreed as t
   CHECK(seen == std::vector<std::int64_t>{512, 10});
   CHECK(agreed.num_blocks() == 6);
   CHECK(agreed.max_batch_tokens() == 300);
+  // A rank without max_batch_tokens passes "no bound", and takes the other ranks' value.
+  const Cache unset(cfg, cb(4, 10), tp);
+  CHECK(seen == std::vector<std::int64_t>{INT64_MAX, 10});
+  CHECK(unset.max_batch_tokens() == 300);
   // Planned from a budget with this rank's heads: more blocks than planning with every head.
   kvc::ContinuousBatchingConfig unplanned;
   unplanned.block_size = 16;

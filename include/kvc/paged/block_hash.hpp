@@ -115,7 +115,8 @@ inline std::uint64_t blake2b_64(std::span<const std::byte> bytes) noexcept {
 
 // The hash of a complete block: parent hash as 8 bytes little-endian (left out for the first block
 // of a sequence), each token id as 4 bytes little-endian (a C int, as transformers packs them),
-// the group index as 4 bytes little-endian. A token id that does not fit 32 bits is a ValueError.
+// the group index as 4 bytes little-endian. A token id or group that does not fit 32 bits is a
+// ValueError.
 inline std::uint64_t compute_block_hash(std::optional<std::uint64_t> parent_hash, std::span<const std::int64_t> tokens,
                                         std::int64_t group_id) {
   detail::blake2b_64 h;
@@ -126,6 +127,9 @@ inline std::uint64_t compute_block_hash(std::optional<std::uint64_t> parent_hash
                        " does not fit a 32-bit int (block hashes pack token ids as C ints)");
     h.update_le(static_cast<std::uint32_t>(static_cast<std::int32_t>(t)), 4);
   }
+  if (group_id < 0 || group_id > INT32_MAX)
+    throw ValueError("kvc::paged::compute_block_hash: group " + std::to_string(group_id) +
+                     " is outside 0 .. 2^31 - 1 (block hashes pack the group as a C int)");
   h.update_le(static_cast<std::uint32_t>(static_cast<std::int32_t>(group_id)), 4);
   return h.finish();
 }

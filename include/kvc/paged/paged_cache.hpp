@@ -696,9 +696,10 @@ class PagedCache {
                                          const std::optional<PagedMemoryBudget>& budget) {
     ContinuousBatchingConfig out = budget ? planned(config, cb, *budget, head_divisor(tp)) : cb;
     if (tp.tp_size > 1 && tp.min_over_ranks && out.num_blocks) {
-      std::array<std::int64_t, 2> v{out.max_batch_tokens.value_or(0), *out.num_blocks};
+      // An unset max_batch_tokens enters the MIN as "no bound" and stays unset.
+      std::array<std::int64_t, 2> v{out.max_batch_tokens.value_or(INT64_MAX), *out.num_blocks};
       tp.min_over_ranks(v);
-      if (out.max_batch_tokens) out.max_batch_tokens = v[0];
+      if (v[0] != INT64_MAX) out.max_batch_tokens = v[0];
       out.num_blocks = v[1];
     }
     return out;
