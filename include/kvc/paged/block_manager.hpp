@@ -262,16 +262,24 @@ class BlockManager {
     return replaced;
   }
 
+  // How many blocks at the head of `table` are complete (what a fork shares instead of copying).
+  std::size_t complete_prefix(std::span<const std::int64_t> table) const noexcept {
+    std::size_t n = 0;
+    while (n < table.size()) {
+      const Block* b = block(table[n]);
+      if (!b || !b->is_complete()) break;
+      ++n;
+    }
+    return n;
+  }
+
   // Blocks for num_forks copies of a request whose table is `parent_blocks`. Shareable: the leading
   // run of complete blocks is shared (num_forks more references each), the rest is copied into new
   // blocks of each fork; not shareable: every block is copied. nullopt, with nothing changed, when
   // there are not enough free blocks (upstream keeps what it took before failing).
   std::optional<ForkedBlocks> fork_blocks(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks,
                                           bool shareable, std::int64_t group_id) {
-    std::size_t shared = 0;
-    if (shareable)
-      while (shared < parent_blocks.size() && block_or_throw(parent_blocks[shared], "fork_blocks").is_complete())
-        ++shared;
+    const std::size_t shared = shareable ? complete_prefix(parent_blocks) : 0;
     const auto to_copy = static_cast<std::int64_t>(parent_blocks.size() - shared);
     if (num_forks < 0)
       throw ValueError("kvc::paged::BlockManager: cannot fork " + std::to_string(num_forks) + " times");

@@ -297,12 +297,7 @@ class PagedCache {
   // Blocks the request holds over all groups.
   std::int64_t blocks_in_use(const std::string& request_id) const {
     std::int64_t n = 0;
-    for (const allocator& a : allocators_)
-      std::visit(
-          [&](const auto& al) {
-            if (al.has_request(request_id)) n += static_cast<std::int64_t>(al.table(request_id).size());
-          },
-          a);
+    for (std::size_t g = 0; g < allocators_.size(); ++g) n += blocks_in_group(g, request_id);
     return n;
   }
 
@@ -318,8 +313,7 @@ class PagedCache {
       take += std::visit(
           [&](const auto& al) -> std::int64_t {
             if constexpr (std::decay_t<decltype(al)>::is_sliding) {
-              const std::int64_t have =
-                  al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : 0;
+              const std::int64_t have = al.has_request(request_id) ? std::ssize(al.table(request_id)) : 0;
               return std::max<std::int64_t>(std::min(have + n, al.max_blocks_per_request()) - have, 0);
             } else {
               return n;
@@ -329,10 +323,9 @@ class PagedCache {
     if (take > get_num_free_blocks()) return std::nullopt;
     std::int64_t most = 0;
     for (allocator& a : allocators_) {
+      // Cannot come back empty after the check above (value() would throw bad_optional_access).
       const auto got = std::visit([&](auto& al) { return al.allocate_blocks(n, request_id, manager_); }, a);
-      if (!got)  // cannot happen after the check above
-        throw ValueError("Failed to allocate " + std::to_string(n) + " blocks for request " + request_id);
-      most = std::max(most, *got);
+      most = std::max(most, got.value());
     }
     return most;
   }
@@ -510,8 +503,7 @@ class PagedCache {
   // psutil.virtual_memory().available's source; unknown elsewhere).
   std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb,
                                 std::optional<std::int64_t> available_ram = std::nullopt) const {
-    const std::int64_t per_block = bytes_per_block();
-    if (per_block <= 0) throw ValueError("The number of bytes per block is 0. This is not possible.");
+    const std::int64_t per_block = bytes_per_block();  // >= 1: every size is checked positive
     if (!available_ram) available_ram = detail::mem_available_bytes();
     std::optional<std::int64_t> offload;
     if (cb.cpu_offload_space) {
@@ -589,21 +581,14 @@ class PagedCache {
     for (std::size_t g = 0; g < allocators_.size(); ++g) {
       const std::int64_t n = it->second.group_counts[g];
       if (n == 0) continue;
-      static const std::vector<std::int64_t> none;
-      const auto& t = std::visit(
-          [&](const auto& al) -> const std::vector<std::int64_t>& {
-            return al.has_request(request_id) ? al.table(request_id) : none;
-          },
-          allocators_[g]);
-      if (static_cast<std::int64_t>(t.size()) < n)
+      const std::int64_t have = blocks_in_group(g, request_id);
+      if (have < n)
         throw ValueError("kvc::PagedCache: request " + request_id + " needs " + std::to_string(n) +
-                         " blocks in group " + std::to_string(g) + " to be restored, and has " +
-                         std::to_string(t.size()));
+                         " blocks in group " + std::to_string(g) + " to be restored, and has " + std::to_string(have));
+      const auto& t = std::visit([&](const auto& al) -> const auto& { return al.table(request_id); }, allocators_[g]);
       dst.insert(dst.end(), t.begin(), t.begin() + n);
     }
-    std::vector<std::int64_t> freed = swap_free_;
-    freed.insert(freed.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
-    std::sort(freed.begin(), freed.end());
+    std::vector<std::int64_t> freed = with_swap_ids_returned(it->second);
     copy_blocks(swap_k_, swap_v_, swap_blocks_ * block_size_, it->second.swap_ids, keys_, values_, pool_rows(), dst);
     swap_free_ = std::move(freed);
     swapped_.erase(it);
@@ -612,10 +597,7 @@ class PagedCache {
   void drop_offloaded_request(const std::string& request_id) {
     const auto it = swapped_.find(request_id);
     if (it == swapped_.end()) return;
-    std::vector<std::int64_t> freed = swap_free_;
-    freed.insert(freed.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
-    std::sort(freed.begin(), freed.end());
-    swap_free_ = std::move(freed);
+    swap_free_ = with_swap_ids_returned(it->second);
     swapped_.erase(it);
   }
 
@@ -778,11 +760,7 @@ class PagedCache {
       std::visit(
           [&](const auto& al) {
             const auto& t = al.table(source);
-            std::size_t shared = 0;
-            if (al.uses_block_sharing())
-              while (shared < t.size() && manager_.block(t[shared]) && manager_.block(t[shared])->is_complete())
-                ++shared;
-            n += static_cast<std::int64_t>(t.size() - shared);
+            n += static_cast<std::int64_t>(t.size() - (al.uses_block_sharing() ? manager_.complete_prefix(t) : 0));
           },
           a);
     return n;
@@ -792,6 +770,23 @@ class PagedCache {
     std::vector<std::int64_t> swap_ids;      // in table order, group after group
     std::vector<std::int64_t> group_counts;  // blocks per group
   };
+
+  // The free swap blocks with r's given back, ascending (built aside: committed by the caller).
+  std::vector<std::int64_t> with_swap_ids_returned(const swapped_request& r) const {
+    std::vector<std::int64_t> freed = swap_free_;
+    freed.insert(freed.end(), r.swap_ids.begin(), r.swap_ids.end());
+    std::sort(freed.begin(), freed.end());
+    return freed;
+  }
+
+  // Blocks the request holds in group g (0 without a table there).
+  std::int64_t blocks_in_group(std::size_t g, const std::string& request_id) const {
+    return std::visit(
+        [&](const auto& al) {
+          return al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : std::int64_t{0};
+        },
+        allocators_[g]);
+  }
 
   // Block src_ids[i] of (sk, sv) to block dst_ids[i] of (dk, dv), in every pool tensor; the
   // buffers hold src_rows and dst_rows rows per head ([heads, rows, head_dim]).

@@ -175,7 +175,6 @@ class tier {
   }
 
   static offload_engine::counters& totals() noexcept { return spill::totals(); }
-  const std::string& directory() const noexcept { return dir_; }
 
   // ---- storing ------------------------------------------------------------------------------------
 
