@@ -436,3 +436,55 @@ TEST_CASE("BlockManager::free_blocks refuses a list it does not hold as often as
   CHECK(bm.block(1)->ref_count == 1);
   CHECK(bm.num_free_blocks() == 2);
 }
+
+TEST_CASE("block bookkeeping messages, each word for word") {
+  BlockManager bm(4, 4);
+  FullAttentionCacheAllocator full(0, 4, true);
+  REQUIRE(full.allocate_blocks(1, "r", bm));
+  CHECK_THROWS_WITH_AS(BlockManager(-1, 4), "kvc::paged::BlockManager: num_blocks must be >= 0, got -1",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(BlockManager(4, 0), "kvc::paged::BlockManager: block_size must be >= 1, got 0", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(bm.get_free_blocks(-2, std::nullopt, false, 0),
+                       "kvc::paged::BlockManager: cannot take -2 blocks", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(bm.fork_blocks(full.table("r"), -1, true, 0), "kvc::paged::BlockManager: cannot fork -1 times",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(bm.increase_ref_count(3),
+                       "kvc::paged::BlockManager::increase_ref_count: block 3 is not a shareable block in use",
+                       kvc::RuntimeError);
+  full.set_table("twice", {0, 0});
+  CHECK_THROWS_WITH_AS(full.free_blocks("twice", bm),
+                       "kvc::paged::BlockManager: block 0 is listed 2 times but held 1 times", kvc::RuntimeError);
+  CHECK_THROWS_WITH_AS(bm.mark_shareable_blocks_as_complete(1, full.mutable_table("r"), ids{1, 2}),
+                       "kvc::paged::BlockManager: block 0 of the request needs tokens up to 4, but only 2 are known",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::paged::compute_block_hash(std::nullopt, ids{1}, std::int64_t{1} << 32),
+                       "kvc::paged::compute_block_hash: group 4294967296 is outside 0 .. 2^31 - 1 (block hashes pack "
+                       "the group as a C int)",
+                       kvc::ValueError);
+  ids out;
+  CHECK_THROWS_WITH_AS(full.get_write_indices("r", 2, 4, out),
+                       "kvc::paged: request r has 1 blocks in group 0, too few for slot 4", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(full.get_read_indices("r", -1, 1, out),
+                       "kvc::paged: past and query lengths must be >= 0, got past -1 and q 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(full.search_prefix_match("r", ids{1, 2, 3, 4}, bm),
+                       "kvc::paged: request r already has blocks; a prefix match starts a table", kvc::ValueError);
+  ids row(1);
+  CHECK_THROWS_WITH_AS(full.fill_block_table("r", 4, 1, row),
+                       "kvc::paged: a block table row of 1 entries cannot hold the 2 blocks of request r (it has 1)",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(SlidingAttentionCacheAllocator(1, 4, 0, 17, 20),
+                       "kvc::paged: sliding_window must be >= 1, got 0", kvc::ValueError);
+  // A complete block nobody holds any more cannot lose a reference.
+  FullAttentionCacheAllocator other(0, 4, true);
+  REQUIRE(other.allocate_blocks(1, "done", bm));
+  bm.mark_shareable_blocks_as_complete(1, other.mutable_table("done"), ids{9, 9, 9, 9});
+  const std::int64_t freed = other.table("done")[0];
+  other.free_blocks("done", bm);
+  const std::string unreferenced = "kvc::paged::BlockManager: block " + std::to_string(freed) + " is not referenced";
+  CHECK_THROWS_WITH_AS(bm.decrease_ref_count(freed), unreferenced.c_str(), kvc::RuntimeError);
+  // The refusals changed nothing.
+  CHECK(full.table("r") == ids{0});
+  CHECK(bm.block(0)->ref_count == 1);
+  CHECK(!bm.block(0)->is_complete());
+  CHECK(bm.num_free_blocks() == 3);
+}

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -762,4 +763,104 @@ TEST_CASE("PagedCache: review findings, each refused without a change") {
   const kvc::PagedAttentionMemoryHandler h(m);
   CHECK_THROWS_AS(h.infer_max_batch_tokens_and_num_blocks(8192, std::int64_t{1} << 39, 20LL << 30), kvc::MemoryError);
   CHECK(h.compute_memory_footprint(8192, std::int64_t{1} << 39) == INT64_MAX);
+}
+
+TEST_CASE("PagedCache messages, each word for word") {
+  const std::int64_t heads = 2, dim = 2;
+  Cache c(model("fs", heads, dim, 6), cb(4, 8));
+  c.reserve_swap_space(4);
+  REQUIRE(c.allocate_blocks(1, "r", 0));
+  REQUIRE(c.allocate_blocks(1, "o", 0));
+  REQUIRE(c.offload_request("o"));
+  kvc::PagedIndices reads(2), writes(2);
+  c.extend_read_and_write_indices("r", 0, 2, &reads, writes);
+  const auto k2 = step_tensor({{1, 0}, {2, 1}}, 0, heads, dim, false);
+  const auto k1 = step_tensor({{1, 0}}, 0, heads, dim, false);
+  kvc::ContinuousBatchingConfig unset;
+  unset.block_size = 4;
+  kvc::ModelConfig headless = model("f");
+  headless.num_attention_heads = 0;
+  headless.num_key_value_heads.reset();
+  kvc::ModelConfig dimless = model("f");
+  dimless.head_dim.reset();
+  dimless.hidden_size = 0;
+  kvc::PagedIndices one(1), three_sentinels = reads;
+  three_sentinels[1] = {c.sentinel_index(), c.sentinel_index(), c.sentinel_index()};
+  std::vector<std::int64_t> table(5);
+  const std::vector<std::int64_t> src = {0, 1}, dst = {2}, far = {8}, zero = {0};
+  struct row {
+    std::function<void()> call;
+    std::string text;
+  };
+  const std::vector<row> rows = {
+      {[&] { Cache(model("f"), unset); },
+       "kvc::PagedCache: num_blocks is not set: set it, or give the cache a memory budget (kvc::PagedMemoryBudget) to "
+       "plan it from"},
+      {[&] { Cache(headless, cb(4, 8)); },
+       "kvc::PagedCache: num_key_value_heads or num_attention_heads could not be found in the config"},
+      {[&] { Cache(dimless, cb(4, 8)); },
+       "kvc::PagedCache: head_dim or (hidden_size and num_attention_heads) could not be found in the config"},
+      {[&] { (void)c.allocate_blocks(-1, "r", 1); }, "kvc::PagedCache: cannot allocate -1 blocks"},
+      {[&] { c.extend_read_and_write_indices("r", 0, 1, nullptr, one); },
+       "kvc::PagedCache: index lists need one entry per layer group (2)"},
+      {[&] { c.fill_block_table("r", 0, 1, table); },
+       "kvc::PagedCache: a block table needs num_groups * max_blocks_per_request = 64 entries, got 5"},
+      {[&] { c.copy_cache(src, dst); }, "kvc::PagedCache::copy_cache: as many sources as destinations"},
+      {[&] { c.copy_cache(far, zero); }, "kvc::PagedCache::copy_cache: block 8 is not one of the 8 blocks"},
+      {[&] { c.reserve_swap_space(8); },
+       "kvc::PagedCache: the swap pool cannot be resized while 1 requests are offloaded to it"},
+      {[&] { (void)c.offload_request("o"); }, "kvc::PagedCache: request o is already offloaded"},
+      {[&] { c.restore_request("r"); }, "kvc::PagedCache: request r is not offloaded"},
+      {[&] { (void)c.layer_group(2); }, "kvc::PagedCache: layer 2 is out of range for 2 layers"},
+      {[&] { c.update(view(k2), view(k2), 0, one, writes); },
+       "kvc::PagedCache::update: index lists need one entry per layer group (2)"},
+      {[&] { c.update(view(k2), view(k1), 0, reads, writes); },
+       "kvc::PagedCache::update: keys and values have 2 and 1 tokens"},
+      {[&] { c.update(view(k1), view(k1), 0, reads, writes); },
+       "kvc::PagedCache::update: 1 new tokens but 2 write rows for group 0"},
+      {[&] { c.update(view(k2), view(k2), 1, three_sentinels, writes); },
+       "kvc::PagedCache::update: 3 sentinel rows but only 2 new tokens"},
+  };
+  for (const row& r : rows) {
+    CAPTURE(r.text);
+    std::string got;
+    try {
+      r.call();
+    } catch (const std::exception& e) {
+      got = e.what();
+    }
+    CHECK(got == r.text);
+  }
+  kvc::ContinuousBatchingConfig o;
+  o.cpu_offload_space = -1.0;
+  CHECK_THROWS_WITH_AS((void)c.plan_swap_blocks(o, 1 << 30),
+                       "kvc::PagedCache: cpu_offload_space must be between 0 and 1e9 GiB, got -1.0", kvc::ValueError);
+  o.cpu_offload_space.reset();
+  CHECK_THROWS_WITH_AS((void)c.plan_swap_blocks(o, -1),
+                       "kvc::PagedCache: cpu_offload_space is None, which sizes the swap pool from the available RAM, "
+                       "and the available RAM is unknown: pass it, or an explicit cpu_offload_space in GiB",
+                       kvc::ValueError);
+  kvc_test::captured_warnings w;
+  o.cpu_offload_space = 1.0 / 1024;
+  CHECK(c.plan_swap_blocks(o, -1) > 0);
+  CHECK(w.messages == std::vector<std::string>{"kvc::PagedCache: the available RAM is unknown, so "
+                                               "cpu_offload_space_safety_threshold cannot be enforced"});
+  // JSON: every kind of wrong value, and malformed text.
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"allow_block_sharing": 1})"),
+                       "ContinuousBatchingConfig: `allow_block_sharing` must be true or false, got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"scheduler_type": 3})"),
+                       "ContinuousBatchingConfig: `scheduler_type` must be a string, got 3", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json("[1]"),
+                       "ContinuousBatchingConfig: `(the document)` must be a JSON object, got [1]", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::continuous_batching_config_from_json(R"({"max_memory_percent": "a"})"),
+                       "ContinuousBatchingConfig: `max_memory_percent` must be a number, got \"a\"", kvc::ValueError);
+  std::string malformed;
+  try {
+    kvc::continuous_batching_config_from_json("{");
+  } catch (const kvc::ValueError& e) {
+    malformed = e.what();
+  }
+  CHECK(malformed ==
+        "ContinuousBatchingConfig: malformed JSON: [json.exception.parse_error.101] parse error at line 1, column 2: "
+        "syntax error while parsing object key - unexpected end of input; expected string literal");
 }

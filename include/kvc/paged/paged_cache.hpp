@@ -500,11 +500,12 @@ class PagedCache {
   // The swap pool transformers' offloading manager would make: cpu_offload_space GiB (unset: the
   // whole cap) capped at cpu_offload_space_safety_threshold of the available RAM, in whole blocks,
   // with its warnings. available_ram: the bytes free now (unset: /proc/meminfo's MemAvailable,
-  // psutil.virtual_memory().available's source; unknown elsewhere).
+  // psutil.virtual_memory().available's source; a negative value: unknown, as where there is none).
   std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb,
                                 std::optional<std::int64_t> available_ram = std::nullopt) const {
     const std::int64_t per_block = bytes_per_block();  // >= 1: every size is checked positive
     if (!available_ram) available_ram = detail::mem_available_bytes();
+    if (available_ram && *available_ram < 0) available_ram.reset();
     std::optional<std::int64_t> offload;
     if (cb.cpu_offload_space) {
       if (!(*cb.cpu_offload_space >= 0 && *cb.cpu_offload_space <= 1e9))
