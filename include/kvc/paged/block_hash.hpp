@@ -113,6 +113,14 @@ inline std::uint64_t blake2b_64(std::span<const std::byte> bytes) noexcept {
   return h.finish();
 }
 
+// ValueError for a token id that a block hash cannot pack (outside a 32-bit C int).
+inline void check_block_tokens(std::span<const std::int64_t> tokens) {
+  for (const std::int64_t t : tokens)
+    if (t < INT32_MIN || t > INT32_MAX)
+      throw ValueError("kvc::paged::compute_block_hash: token id " + std::to_string(t) +
+                       " does not fit a 32-bit int (block hashes pack token ids as C ints)");
+}
+
 // The hash of a complete block: parent hash as 8 bytes little-endian (left out for the first block
 // of a sequence), each token id as 4 bytes little-endian (a C int, as transformers packs them),
 // the group index as 4 bytes little-endian. A token id or group that does not fit 32 bits is a
@@ -121,10 +129,8 @@ inline std::uint64_t compute_block_hash(std::optional<std::uint64_t> parent_hash
                                         std::int64_t group_id) {
   detail::blake2b_64 h;
   if (parent_hash) h.update_le(*parent_hash, 8);
+  check_block_tokens(tokens);
   for (const std::int64_t t : tokens) {
-    if (t < INT32_MIN || t > INT32_MAX)
-      throw ValueError("kvc::paged::compute_block_hash: token id " + std::to_string(t) +
-                       " does not fit a 32-bit int (block hashes pack token ids as C ints)");
     h.update_le(static_cast<std::uint32_t>(static_cast<std::int32_t>(t)), 4);
   }
   if (group_id < 0 || group_id > INT32_MAX)

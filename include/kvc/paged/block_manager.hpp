@@ -227,10 +227,8 @@ class BlockManager {
                          " of the request needs tokens up to " + std::to_string(need) + ", but only " +
                          std::to_string(prompt_ids.size()) + " are known");
       for (std::size_t b = 0; b < k; ++b)
-        (void)compute_block_hash(
-            std::nullopt,
-            prompt_ids.subspan(todo[b] * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_)),
-            0);  // throws for a token that does not fit 32 bits
+        check_block_tokens(
+            prompt_ids.subspan(todo[b] * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_)));
     }
     std::int64_t done = 0, replaced = 0;
     std::optional<std::int64_t> replacement;  // the id the previous block was replaced by
