@@ -107,6 +107,31 @@ class int_or_list {
   bool is_list_ = false;
 };
 
+// early_initialization's checks of its arguments for a cache of n layers (transformers' texts for
+// lists of the wrong length; kvc's bound on the batch).
+inline void check_early_initialization(std::size_t n, std::int64_t batch_size, const int_or_list& num_heads,
+                                       const int_or_list& head_dim) {
+  if (num_heads.is_list() && num_heads.length() != n)
+    throw ValueError("`num_head` was provided as a list of length " + std::to_string(num_heads.length()) +
+                     ", but the Cache currently has " + std::to_string(n) + " layers");
+  if (head_dim.is_list() && head_dim.length() != n)
+    throw ValueError("`head_dim` was provided as a list of length " + std::to_string(head_dim.length()) +
+                     ", but the Cache currently has " + std::to_string(n) + " layers");
+  check_size("early_initialization: batch_size", batch_size, 1, max_batch);
+}
+
+// batch_repeat_interleave's batch rows: row b repeated `repeats` times, checked against max_batch.
+inline std::vector<std::int64_t> repeated_rows(std::int64_t batch, std::int64_t repeats) {
+  if (batch * repeats > max_batch)  // batch at most max_extent, repeats at most max_batch: no overflow
+    throw ValueError("batch_repeat_interleave: batch " + std::to_string(batch) + " repeated " +
+                     std::to_string(repeats) + " times is " + std::to_string(batch * repeats) +
+                     ", above kvc's limit of " + std::to_string(max_batch));
+  std::vector<std::int64_t> idx;
+  idx.reserve(static_cast<std::size_t>(batch * repeats));
+  for (std::int64_t b = 0; b < batch; ++b) idx.insert(idx.end(), static_cast<std::size_t>(repeats), b);
+  return idx;
+}
+
 }  // namespace detail
 
 namespace concepts {
@@ -441,16 +466,8 @@ class Cache<L, S, O> {
                   "layers keep a fixed batch; use a dynamic cache");
     before_access(-1);
     detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
-    gather_all<true>("batch_repeat_interleave", [&](std::int64_t batch) {
-      if (batch * repeats > max_batch)  // batch at most max_extent, repeats at most max_batch: no overflow
-        throw ValueError("batch_repeat_interleave: batch " + std::to_string(batch) + " repeated " +
-                         std::to_string(repeats) + " times is " + std::to_string(batch * repeats) +
-                         ", above kvc's limit of " + std::to_string(max_batch));
-      std::vector<std::int64_t> idx;
-      idx.reserve(static_cast<std::size_t>(batch * repeats));
-      for (std::int64_t b = 0; b < batch; ++b) idx.insert(idx.end(), static_cast<std::size_t>(repeats), b);
-      return idx;
-    });
+    gather_all<true>("batch_repeat_interleave",
+                     [&](std::int64_t batch) { return detail::repeated_rows(batch, repeats); });
   }
 
   // Keeps only the batch rows named by `indices`, in that order.
@@ -510,13 +527,7 @@ class Cache<L, S, O> {
   // their buffers; dynamic layers fix their shape. Already initialized layers are left alone.
   void early_initialization(std::int64_t batch_size, detail::int_or_list num_heads, detail::int_or_list head_dim) {
     const auto n = static_cast<std::size_t>(size());
-    if (num_heads.is_list() && num_heads.length() != n)
-      throw ValueError("`num_head` was provided as a list of length " + std::to_string(num_heads.length()) +
-                       ", but the Cache currently has " + std::to_string(n) + " layers");
-    if (head_dim.is_list() && head_dim.length() != n)
-      throw ValueError("`head_dim` was provided as a list of length " + std::to_string(head_dim.length()) +
-                       ", but the Cache currently has " + std::to_string(n) + " layers");
-    detail::check_size("early_initialization: batch_size", batch_size, 1, max_batch);
+    detail::check_early_initialization(n, batch_size, num_heads, head_dim);
     for (std::size_t i = 0; i < n; ++i) {
       if (num_heads.at(i) < 1 || head_dim.at(i) < 1)
         throw ValueError("early_initialization: layer " + std::to_string(i) +

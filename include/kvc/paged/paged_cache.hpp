@@ -612,11 +612,44 @@ class PagedCache {
   // the cache that the next update overwrites. Every check comes before the first write.
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
                        const PagedIndices& write_index) {
-    const auto [g, j] = layer_group(layer_idx);
-    const auto gi = static_cast<std::size_t>(g);
     if (read_index.size() != allocators_.size() || write_index.size() != allocators_.size())
       throw ValueError("kvc::PagedCache::update: index lists need one entry per layer group (" +
                        std::to_string(allocators_.size()) + ")");
+    const step s = check_step(k, v, layer_idx, read_index, write_index);
+    const std::vector<std::int64_t>& reads = read_index[s.group];
+    if (reads.empty()) {  // the write-only path
+      write_and_read(s, k, v, read_index, write_index, nullptr, nullptr);
+      return {k, v};
+    }
+    const auto r = static_cast<std::int64_t>(reads.size());
+    const std::int64_t out_elems = detail::checked_elements({kv_heads_, r, head_dim_}, sizeof(T));
+    if (out_k_.size() < out_elems) {
+      typename S::buffer_type nk(out_elems), nv(out_elems);
+      out_k_ = std::move(nk);
+      out_v_ = std::move(nv);
+    }
+    write_and_read(s, k, v, read_index, write_index, out_k_.data(), out_v_.data());
+    const std::array<std::int64_t, 4> e{1, kv_heads_, r, head_dim_};
+    const std::array<std::int64_t, 4> st{kv_heads_ * r * head_dim_, r * head_dim_, head_dim_, 1};
+    return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
+  }
+
+ private:
+  template <class>
+  friend class PagedBatchCache;  // runs a dense batch's rows through check_step and write_and_read
+
+  // One layer's step, checked: its group, its pool tensor, and whether the group is sliding.
+  struct step {
+    std::size_t group;
+    std::size_t pool;
+    bool sliding;
+  };
+  // Every check of update() (the index lists have one entry per group): shapes, token counts and
+  // rows. Nothing is written before it returns.
+  step check_step(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
+                  const PagedIndices& write_index) const {
+    const auto [g, j] = layer_group(layer_idx);
+    const auto gi = static_cast<std::size_t>(g);
     const std::vector<std::int64_t>& reads = read_index[gi];
     const std::vector<std::int64_t>& writes = write_index[gi];
     check_input(k, "keys");
@@ -628,7 +661,7 @@ class PagedCache {
     if (static_cast<std::int64_t>(writes.size()) != tokens)
       throw ValueError("kvc::PagedCache::update: " + std::to_string(tokens) + " new tokens but " +
                        std::to_string(writes.size()) + " write rows for group " + std::to_string(g));
-    const std::int64_t rows = (num_blocks_ + 2) * block_size_;
+    const std::int64_t rows = pool_rows();
     for (const std::int64_t r : writes) check_row(r, rows, "write");
     const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(allocators_[gi]);
     std::int64_t sentinels = 0;
@@ -639,37 +672,35 @@ class PagedCache {
     if (sentinels > tokens)
       throw ValueError("kvc::PagedCache::update: " + std::to_string(sentinels) + " sentinel rows but only " +
                        std::to_string(tokens) + " new tokens");
-    T* kp = keys_[static_cast<std::size_t>(j)].data();
-    T* vp = values_[static_cast<std::size_t>(j)].data();
-    if (reads.empty()) {  // the write-only path
-      scatter(kp, k, writes);
-      scatter(vp, v, writes);
-      return {k, v};
+    return {gi, static_cast<std::size_t>(j), sliding};
+  }
+  // Writes a checked step and gathers its read rows into out_k and out_v ([kv_heads, R, head_dim],
+  // R the group's read rows; nothing is read when they are null). Host copies cannot fail.
+  void write_and_read(const step& s, const view_type& k, const view_type& v, const PagedIndices& read_index,
+                      const PagedIndices& write_index, T* out_k, T* out_v) {
+    const std::vector<std::int64_t>& reads = read_index[s.group];
+    const std::vector<std::int64_t>& writes = write_index[s.group];
+    T* kp = keys_[s.pool].data();
+    T* vp = values_[s.pool].data();
+    if (s.sliding && out_k) {  // read (new tokens at the sentinels), then write: a write may reuse a slot read here
+      gather(out_k, kp, reads, &k);
+      gather(out_v, vp, reads, &v);
     }
-    const auto r = static_cast<std::int64_t>(reads.size());
-    const std::int64_t out_elems = detail::checked_elements({kv_heads_, r, head_dim_}, sizeof(T));
-    if (out_k_.size() < out_elems) {
-      typename S::buffer_type nk(out_elems), nv(out_elems);
-      out_k_ = std::move(nk);
-      out_v_ = std::move(nv);
+    scatter(kp, k, writes);
+    scatter(vp, v, writes);
+    if (!s.sliding && out_k) {  // write, then read: the read rows include the new tokens
+      gather(out_k, kp, reads, nullptr);
+      gather(out_v, vp, reads, nullptr);
     }
-    if (!sliding) {  // write, then read: the read rows include the new tokens
-      scatter(kp, k, writes);
-      scatter(vp, v, writes);
-      gather(out_k_.data(), kp, reads, nullptr);
-      gather(out_v_.data(), vp, reads, nullptr);
-    } else {  // read (new tokens at the sentinels), then write: a write may reuse a slot read here
-      gather(out_k_.data(), kp, reads, &k);
-      gather(out_v_.data(), vp, reads, &v);
-      scatter(kp, k, writes);
-      scatter(vp, v, writes);
-    }
-    const std::array<std::int64_t, 4> e{1, kv_heads_, r, head_dim_};
-    const std::array<std::int64_t, 4> st{kv_heads_ * r * head_dim_, r * head_dim_, head_dim_, 1};
-    return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
+  }
+  // The rows of layer `layer_idx`'s pools, gathered into out_k and out_v as write_and_read does
+  // (rows without sentinels: what a request holds, no new tokens).
+  void read_rows(std::int64_t layer_idx, const std::vector<std::int64_t>& rows, T* out_k, T* out_v) const {
+    const auto j = static_cast<std::size_t>(layer_map_[static_cast<std::size_t>(layer_idx)].second);
+    gather(out_k, keys_[j].data(), rows, nullptr);
+    gather(out_v, values_[j].data(), rows, nullptr);
   }
 
- private:
   static std::int64_t head_divisor(const PagedTensorParallel& tp) {
     detail::check_size("kvc::PagedCache: tp_size", tp.tp_size, 1, max_layers);
     return tp.tp_size > 1 && tp.kv_is_tp ? tp.tp_size : 1;
