@@ -28,11 +28,11 @@ namespace kvc {
 
 namespace detail {
 
-// A host cache: what AnyCache can hold.
+// A host cache: what AnyCache can hold (a kvc::Cache<...> instantiation, or a cache with its
+// method set such as kvc::PagedBatchCache).
 template <class C>
 concept host_cache =
     requires {
-      typename C::layer_policy;
       typename C::storage_policy;
       typename C::kv_type;
     } && std::is_same_v<typename C::view_type, TensorView<typename C::element_type>> &&
@@ -118,7 +118,12 @@ class any_cache_model final : public any_cache_iface {
   }
   std::vector<bool> is_linear() const override { return cache_.is_linear(); }
   bool is_dynamic_cache() const noexcept override { return detail::is_dynamic_cache_v<C>; }
-  std::string repr() const override { return cache_repr(cache_); }
+  std::string repr() const override {
+    if constexpr (requires { cache_.repr(); })
+      return cache_.repr();  // a cache that is not a kvc::Cache says what it is
+    else
+      return cache_repr(cache_);
+  }
 
   std::string_view element_type_name() const noexcept override { return element_name<E>(); }
   std::int64_t get_seq_length(std::int64_t i) const override { return cache_.get_seq_length(i); }

@@ -2,8 +2,8 @@
 // Runtime-built caches: transformers' cache_implementation string → cache table and generate()'s
 // _prepare_cache_for_generation rules (generation/utils.py), returning a kvc::AnyCache.
 //
-// "paged" (continuous batching) is accepted by GenerationConfig::validate but has no cache in kvc:
-// make_cache refuses it with a ValueError saying so.
+// "paged" builds a kvc::PagedBatchCache: the paged cache of continuous batching behind the method
+// set of a dynamic cache, one request per batch row (<kvc/paged/paged_batch_cache.hpp>).
 
 #include <algorithm>
 #include <cctype>
@@ -23,6 +23,8 @@
 #include <kvc/export.hpp>
 #include <kvc/generation.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/paged/continuous_batching_config.hpp>
+#include <kvc/paged/paged_batch_cache.hpp>
 #include <kvc/policies/offload/file.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/warnings.hpp>
@@ -35,9 +37,25 @@ constexpr bool contains(const std::array<std::string_view, N>& list, std::string
   return std::find(list.begin(), list.end(), s) != list.end();
 }
 
-[[noreturn]] inline void not_available(std::string_view implementation, std::string_view needs) {
-  throw ValueError("cache_implementation '" + std::string(implementation) + "' needs " + std::string(needs) +
-                   ", which kvc does not provide yet");
+// The blocks a dense batch of `rows` rows of `tokens` tokens takes in the paged cache of
+// `model_config`: per row, ceil(tokens / block_size) blocks in each full-attention group and at
+// most the sliding ring's ceil(sliding_window / block_size) in each sliding group.
+inline std::int64_t paged_dense_blocks(const ModelConfig& model_config, std::int64_t block_size, std::int64_t rows,
+                                       std::int64_t tokens) {
+  const paged::LayerGroups groups = paged::group_layers_by_attn_type(model_config);
+  const std::int64_t per_group = (std::max<std::int64_t>(tokens, 1) + block_size - 1) / block_size;
+  std::int64_t per_row = 0;
+  for (const std::string& type : groups.types) {
+    std::int64_t n = per_group;
+    if (type == "sliding_attention" && model_config.sliding_window && *model_config.sliding_window > 0)
+      n = std::min(n, (*model_config.sliding_window + block_size - 1) / block_size);
+    per_row += n;
+  }
+  // rows and per_row are each at most max_batch / max_extent-bounded: check the product.
+  if (per_row > 0 && rows > max_extent / per_row)
+    throw ValueError("make_cache: a paged cache for " + std::to_string(rows) + " rows of " + std::to_string(tokens) +
+                     " tokens needs more than " + std::to_string(max_extent) + " blocks");
+  return rows * per_row;
 }
 
 inline constexpr std::string_view quantized_unsupported_message =
@@ -109,9 +127,23 @@ struct CacheRequest {
 //   "static" and the deprecated static names → StaticCache<T>(config, max(max_cache_length,
 //     max_cache_len)); eagerly initialized for batch × max(num_beams, num_return_sequences) when
 //     prefill_chunk_size is set. The deprecated names warn once.
+//   "paged" → PagedBatchCache<HostStorage<T>>(config, continuous_batching_config), one request per
+//     batch row; when num_blocks is unset, as many blocks as batch × max(num_beams,
+//     num_return_sequences) rows of max(max_cache_length, max_length) tokens take (a dense batch
+//     never needs more). An encoder-decoder model is a ValueError.
+template <class T = float>
+AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
+                    const CacheRequest& request, const ContinuousBatchingConfig& continuous_batching_config);
+
 template <class T = float>
 AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
                     const CacheRequest& request = {}) {
+  return make_cache<T>(generation_config, model_config, request, ContinuousBatchingConfig{});
+}
+
+template <class T>
+AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
+                    const CacheRequest& request, const ContinuousBatchingConfig& continuous_batching_config) {
   // generate() turns "hybrid" into None before validating, so a max_cache_len next to it gets the
   // "ignored" warning, as it does with None.
   GenerationConfig checked = generation_config;
@@ -121,7 +153,21 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
   if (impl == "dynamic" || impl == "hybrid") return AnyCache(make_dynamic_cache<T>(model_config));
   // transformers' DynamicCache(config, offloading=True): offload_only_non_sliding defaults to False.
   if (impl == "offloaded") return AnyCache(make_dynamic_cache<T, HostStorage<T>, OffloadToFile<false>>(model_config));
-  if (impl == "paged") detail::not_available(impl, "a paged cache for continuous batching (generate_batch)");
+  if (impl == "paged") {
+    if (model_config.is_encoder_decoder)
+      throw ValueError(
+          "make_cache: cache_implementation 'paged' (continuous batching) is for decoder-only models; an "
+          "encoder-decoder model needs another cache_implementation");
+    ContinuousBatchingConfig cb = continuous_batching_config;
+    if (!cb.num_blocks && cb.block_size >= PagedCache<HostStorage<T>>::min_block_size) {  // else: its message
+      detail::check_size("make_cache: CacheRequest::batch_size", request.batch_size, 1, max_batch);
+      const std::int64_t rows =
+          request.batch_size * std::max(generation_config.num_beams, generation_config.num_return_sequences);
+      const std::int64_t tokens = std::max(request.max_cache_length, generation_config.max_length);
+      cb.num_blocks = detail::paged_dense_blocks(model_config, cb.block_size, rows, tokens);
+    }
+    return AnyCache(PagedBatchCache<HostStorage<T>>(model_config, cb));
+  }
   if (impl == "quantized") {
     if (model_config.is_encoder_decoder) throw ValueError(std::string(detail::quantized_unsupported_message));
     return detail::quantized_from_cache_config<T>(generation_config.cache_config, model_config);

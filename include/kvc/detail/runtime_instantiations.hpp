@@ -24,17 +24,20 @@ template <class T>
 AnyCache described_cache(const nlohmann::json& doc);
 }  // namespace kvc::detail
 
-#define KVC_RUNTIME_INSTANTIATIONS(EXTERN, T)                                                                      \
-  EXTERN template kvc::AnyCache kvc::make_cache<T>(const kvc::GenerationConfig&, const kvc::ModelConfig&,          \
-                                                   const kvc::CacheRequest&);                                      \
-  EXTERN template kvc::AnyEncoderDecoderCache kvc::make_encoder_decoder_cache<T>(                                  \
-      const kvc::GenerationConfig&, const kvc::ModelConfig&, const kvc::CacheRequest&);                            \
-  EXTERN template std::optional<kvc::AnyCache> kvc::prepare_cache_for_generation<T>(                               \
-      const kvc::GenerationConfig&, const kvc::ModelConfig&, std::string_view, kvc::AnyCache,                      \
-      const kvc::CacheRequest&);                                                                                   \
-  EXTERN template std::optional<kvc::AnyEncoderDecoderCache> kvc::prepare_encoder_decoder_cache_for_generation<T>( \
-      const kvc::GenerationConfig&, const kvc::ModelConfig&, std::string_view, kvc::AnyEncoderDecoderCache,        \
-      const kvc::CacheRequest&);                                                                                   \
+#define KVC_RUNTIME_INSTANTIATIONS(EXTERN, T)                                                                       \
+  EXTERN template kvc::AnyCache kvc::make_cache<T>(const kvc::GenerationConfig&, const kvc::ModelConfig&,           \
+                                                   const kvc::CacheRequest&);                                       \
+  EXTERN template kvc::AnyCache kvc::make_cache<T>(const kvc::GenerationConfig&, const kvc::ModelConfig&,           \
+                                                   const kvc::CacheRequest&, const kvc::ContinuousBatchingConfig&); \
+  EXTERN template class kvc::detail::any_cache_model<kvc::PagedBatchCache<kvc::HostStorage<T>>>;                    \
+  EXTERN template kvc::AnyEncoderDecoderCache kvc::make_encoder_decoder_cache<T>(                                   \
+      const kvc::GenerationConfig&, const kvc::ModelConfig&, const kvc::CacheRequest&);                             \
+  EXTERN template std::optional<kvc::AnyCache> kvc::prepare_cache_for_generation<T>(                                \
+      const kvc::GenerationConfig&, const kvc::ModelConfig&, std::string_view, kvc::AnyCache,                       \
+      const kvc::CacheRequest&);                                                                                    \
+  EXTERN template std::optional<kvc::AnyEncoderDecoderCache> kvc::prepare_encoder_decoder_cache_for_generation<T>(  \
+      const kvc::GenerationConfig&, const kvc::ModelConfig&, std::string_view, kvc::AnyEncoderDecoderCache,         \
+      const kvc::CacheRequest&);                                                                                    \
   EXTERN template kvc::AnyCache kvc::detail::described_cache<T>(const nlohmann::json&);
 
 #if defined(KVC_RUNTIME_LIBRARY)

@@ -1,0 +1,396 @@
+#pragma once
+// kvc::PagedBatchCache<S>: a kvc::PagedCache behind the method set of a dynamic cache, for code
+// that runs one dense batch (model.generate's [batch, heads, tokens, head_dim] tensors) and picks
+// its cache at run time: make_cache("paged") builds one, and AnyCache holds it.
+//
+// Each batch row is one request of the paged cache. Every row has the same length (a dense
+// batch), so one step of q tokens takes the same blocks for every row:
+//   - update(k, v, layer) allocates the blocks the step needs for all rows (all or nothing: a
+//     kvc::MemoryError when they are not free, with nothing changed), writes the new tokens to
+//     their pages and returns what attention reads, gathered into [batch, heads, R, head_dim]:
+//     every token for full-attention layers, the last min(past, sliding_window - 1) cached tokens
+//     and the new ones for sliding layers, exactly what DynamicLayer and DynamicSlidingWindowLayer
+//     return. The returned views point into one buffer of this cache that the next update
+//     overwrites (the gather is the cost of paging: O(R) per layer and step, not O(new tokens));
+//   - reorder_cache, batch_select_indices and batch_repeat_interleave move block tables, not
+//     tokens: a row kept once keeps its blocks, a row kept twice is copied into the blocks of a
+//     row that is dropped, else into new blocks (a fork);
+//   - crop and set_write_position do not exist, as on transformers' PagedAttentionCache
+//     (AnyCache's AttributeError).
+// Semantics of the pages: docs/paged.md; the runtime path: docs/runtime.md.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <kvc/cache.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+template <class S>
+class PagedBatchCache {
+ public:
+  using storage_policy = S;
+  using element_type = typename S::element_type;
+  using view_type = typename S::view_type;
+  using kv_type = KV<view_type>;
+  using T = element_type;
+
+  // What AnyCache asks of a cache it holds.
+  static constexpr bool can_crop = false;
+  static constexpr bool can_batch_ops = true;
+  static constexpr bool can_set_write_position = false;
+  // transformers' class: its repr, and the object an AttributeError names.
+  static constexpr std::string_view class_name = "PagedAttentionCache";
+
+  PagedBatchCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
+      : cache_(config, cb), seen_(paged::paged_layer_types(config).size(), 0) {}
+
+  const PagedCache<S>& paged() const noexcept { return cache_; }
+  // The request id of batch row `row` in paged().
+  const std::string& row_request(std::int64_t row) const { return rows_.at(static_cast<std::size_t>(row)); }
+
+  // ---- update and what the layers hold -------------------------------------------------------------
+
+  KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
+    const auto [group, pool] = cache_.layer_group(layer_idx);
+    (void)pool;
+    check_input(k, v);
+    const std::int64_t batch = k.extent(0), q = k.extent(2);
+    const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
+    detail::check_size("kvc::PagedBatchCache::update: tokens", q, 1, max_extent - past);
+
+    // Everything that can fail before a row changes: the output buffer, then the blocks.
+    const std::int64_t bs = cache_.block_size();
+    const std::int64_t wanted = (past + q + bs - 1) / bs;
+    const std::int64_t more = std::max<std::int64_t>(wanted - allocated_, 0);
+    const std::int64_t need = more > 0 ? batch * cache_.blocks_needed(more, allocated_) : 0;
+    if (need > cache_.get_num_free_blocks())
+      throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
+                        std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
+                        " are free (ContinuousBatchingConfig::num_blocks)");
+    if (rows_.empty()) name_rows(batch);
+    // The blocks: capacity. Should building the indices fail after this (an allocation failure),
+    // the rows keep them for the next step and no token or length has changed.
+    if (more > 0) {
+      for (const std::string& id : rows_) (void)cache_.allocate_blocks(more, id, allocated_).value();
+      allocated_ += more;
+    }
+    const std::vector<step_rows>& idx = indices(past, q);
+    const auto gi = static_cast<std::size_t>(group);
+    const auto r = static_cast<std::int64_t>(idx.front().reads[gi].size());
+    T* ok = out_buffer(out_k_, out_v_, batch * cache_.num_key_value_heads() * r * cache_.head_dim());
+    T* ov = out_v_.data();
+    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const view_type kb = row_of(k, b), vb = row_of(v, b);
+      const auto& rb = idx[static_cast<std::size_t>(b)];
+      const auto s = cache_.check_step(kb, vb, layer_idx, rb.reads, rb.writes);
+      cache_.write_and_read(s, kb, vb, rb.reads, rb.writes, ok + b * row_elems, ov + b * row_elems);
+    }
+    seen_[static_cast<std::size_t>(layer_idx)] = past + q;
+    return {dense_view(ok, batch, r), dense_view(ov, batch, r)};
+  }
+
+  // What layer `layer_idx` holds, [batch, heads, L, head_dim] (full layers: every token; sliding
+  // layers: the last sliding_window - 1), gathered into a buffer that the next call overwrites.
+  KV<view_type> stored(std::int64_t layer_idx) const {
+    (void)cache_.layer_group(layer_idx);
+    const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
+    if (rows_.empty()) return {};
+    const auto gi = static_cast<std::size_t>(cache_.layer_group(layer_idx).first);
+    const auto batch = static_cast<std::int64_t>(rows_.size());
+    std::vector<std::vector<std::int64_t>> held(rows_.size());
+    for (std::size_t b = 0; b < rows_.size(); ++b) {
+      PagedIndices reads(static_cast<std::size_t>(cache_.num_groups())), writes(reads.size());
+      cache_.extend_read_and_write_indices(rows_[b], past, 0, &reads, writes);
+      held[b] = std::move(reads[gi]);
+    }
+    const auto r = static_cast<std::int64_t>(held.front().size());
+    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
+    T* sk = out_buffer(stored_k_, stored_v_, batch * row_elems);
+    for (std::int64_t b = 0; b < batch; ++b)
+      cache_.read_rows(layer_idx, held[static_cast<std::size_t>(b)], sk + b * row_elems,
+                       stored_v_.data() + b * row_elems);
+    return {dense_view(sk, batch, r), dense_view(stored_v_.data(), batch, r)};
+  }
+
+  // ---- lengths and masks (DynamicLayer's and DynamicSlidingWindowLayer's) ---------------------------
+
+  std::int64_t get_seq_length(std::int64_t layer_idx = 0) const {
+    check_index(layer_idx, "get_seq_length");
+    return layer_idx < size() ? seen_[static_cast<std::size_t>(layer_idx)] : 0;
+  }
+  std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return get_seq_length(layer_idx); }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
+    check_index(layer_idx, "get_mask_sizes");
+    detail::check_size("get_mask_sizes: query_length", query_length, 0, max_extent);
+    if (layer_idx >= size()) return {query_length, 0};
+    const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
+    if (!is_sliding(layer_idx)) return {past + query_length, 0};
+    const std::int64_t w = cache_.sliding_window();
+    return {std::min(past, w - 1) + query_length, std::max<std::int64_t>(past - w + 1, 0)};
+  }
+  std::int64_t get_max_length() const {
+    std::int64_t out = -1;
+    for (std::int64_t i = 0; i < size(); ++i) {
+      if (!is_sliding(i)) return -1;
+      out = std::max(out, get_max_length(i));
+    }
+    return out;
+  }
+  std::int64_t get_max_length(std::int64_t layer_idx) const {
+    check_index(layer_idx, "get_max_length");
+    return layer_idx < size() && is_sliding(layer_idx) ? cache_.sliding_window() : -1;
+  }
+
+  // ---- the batch ------------------------------------------------------------------------------------
+
+  void reorder_cache(std::span<const std::int64_t> beam_idx) { select_rows("reorder_cache", beam_idx); }
+  void batch_select_indices(std::span<const std::int64_t> indices) { select_rows("batch_select_indices", indices); }
+  void batch_repeat_interleave(std::int64_t repeats) {
+    detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
+    select_rows("batch_repeat_interleave", detail::repeated_rows(batch_size(), repeats));
+  }
+
+  // Frees every row's blocks: the next update starts a new batch.
+  void reset() {
+    cache_.free_all_requests();
+    rows_.clear();
+    std::fill(seen_.begin(), seen_.end(), 0);
+    allocated_ = 0;
+    indices_.clear();
+  }
+  // Fixes the batch before the first update (the heads and head_dim must be the model's).
+  void early_initialization(std::int64_t batch_size, const detail::int_or_list& num_heads,
+                            const detail::int_or_list& head_dim) {
+    const auto n = static_cast<std::size_t>(size());
+    detail::check_early_initialization(n, batch_size, num_heads, head_dim);
+    for (std::size_t i = 0; i < n; ++i)
+      if (num_heads.at(i) != cache_.num_key_value_heads() || head_dim.at(i) != cache_.head_dim())
+        throw ValueError("kvc::PagedBatchCache::early_initialization: layer " + std::to_string(i) + " has " +
+                         std::to_string(cache_.num_key_value_heads()) + " heads of " +
+                         std::to_string(cache_.head_dim()) + ", got " + std::to_string(num_heads.at(i)) + " of " +
+                         std::to_string(head_dim.at(i)));
+    if (!rows_.empty() && static_cast<std::int64_t>(rows_.size()) != batch_size)
+      throw ValueError("kvc::PagedBatchCache::early_initialization: the cache already holds a batch of " +
+                       std::to_string(rows_.size()));
+    if (rows_.empty()) name_rows(batch_size);
+  }
+
+  // ---- what the cache is ----------------------------------------------------------------------------
+
+  std::int64_t size() const noexcept { return static_cast<std::int64_t>(seen_.size()); }
+  std::int64_t batch_size() const noexcept { return static_cast<std::int64_t>(rows_.size()); }
+  bool is_initialized() const noexcept { return !rows_.empty(); }
+  bool is_compileable() const noexcept { return false; }
+  std::vector<bool> is_sliding() const {
+    std::vector<bool> out(seen_.size());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = is_sliding(static_cast<std::int64_t>(i));
+    return out;
+  }
+  bool is_sliding(std::int64_t layer_idx) const {
+    return cache_.layer_group(layer_idx).first >= 0 && std::holds_alternative<paged::SlidingAttentionCacheAllocator>(
+                                                           cache_.group_allocator(cache_.layer_group(layer_idx).first));
+  }
+  std::vector<bool> is_linear() const { return std::vector<bool>(seen_.size(), false); }
+  std::string_view layer_name(std::int64_t) const noexcept { return class_name; }
+  std::string repr() const {
+    return std::string(class_name) + "(num_blocks=" + std::to_string(cache_.num_blocks()) +
+           ", block_size=" + std::to_string(cache_.block_size()) + ")";
+  }
+  std::int64_t bytes() const noexcept { return cache_.bytes(); }
+
+  // No layer is a linear-attention layer: Cache's messages for a cache of attention layers.
+  bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
+                          std::optional<std::int64_t> = std::nullopt) const {
+    if (layer_idx) {
+      check_index(*layer_idx, "has_previous_state");
+      if (*layer_idx >= size()) return false;
+      throw ValueError("You called `has_previous_state` on layer index " + std::to_string(*layer_idx) +
+                       ", but this layer is an Attention layer, which does not support calling it.");
+    }
+    throw ValueError(
+        "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
+        "contain Attention layers.");
+  }
+  template <class X>
+  typename S::state_view_type update_conv_state(const X&, std::int64_t, std::int64_t = 0, std::int64_t = 0) {
+    no_linear_layer("update_conv_state");
+  }
+  template <class X>
+  typename S::state_view_type update_recurrent_state(const X&, std::int64_t, std::int64_t = 0) {
+    no_linear_layer("update_recurrent_state");
+  }
+  template <class X>
+  typename S::state_view_type update_indexer(const X&, std::int64_t) {
+    no_linear_layer("update_indexer");
+  }
+
+  // Nothing is offloaded layer by layer; past recording is a DynamicSlidingWindowLayer option.
+  void make_resident(std::int64_t = -1) noexcept {}
+  void activate_past_recording() noexcept {}
+
+ private:
+  struct step_rows {
+    PagedIndices reads, writes;
+  };
+
+  [[noreturn]] static void no_linear_layer(const char* method) {
+    throw AttributeError("'" + std::string(class_name) + "' object has no attribute '" + method + "'");
+  }
+  static void check_index(std::int64_t layer_idx, const char* method) {
+    if (layer_idx < 0)
+      throw IndexError(std::string(method) + ": layer_idx " + std::to_string(layer_idx) +
+                       " is out of range: layer indices start at 0");
+  }
+  void check_input(const view_type& k, const view_type& v) const {
+    if (k.extents != v.extents)
+      throw ValueError("kvc::PagedBatchCache::update: keys " + shape_string(k.extents) + " and values " +
+                       shape_string(v.extents) + " differ in shape");
+    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.head_dim();
+    if (k.extent(1) != h || k.extent(3) != d || k.extent(0) < 1)
+      throw ValueError("kvc::PagedBatchCache::update: keys and values must be [batch, " + std::to_string(h) +
+                       ", tokens, " + std::to_string(d) + "], got " + shape_string(k.extents));
+    if (!rows_.empty() && k.extent(0) != static_cast<std::int64_t>(rows_.size()))
+      throw ValueError("kvc::PagedBatchCache::update: the cache holds a batch of " + std::to_string(rows_.size()) +
+                       " rows, got " + std::to_string(k.extent(0)));
+  }
+  void name_rows(std::int64_t batch) {
+    std::vector<std::string> ids;
+    ids.reserve(static_cast<std::size_t>(batch));
+    for (std::int64_t b = 0; b < batch; ++b) ids.push_back(std::to_string(next_id_ + b));
+    rows_ = std::move(ids);
+    next_id_ += batch;
+  }
+  static view_type row_of(const view_type& x, std::int64_t b) {
+    return S::make_view(x.data() + b * x.stride(0), {1, x.extent(1), x.extent(2), x.extent(3)},
+                        {x.stride(0), x.stride(1), x.stride(2), x.stride(3)});
+  }
+  view_type dense_view(const T* p, std::int64_t batch, std::int64_t r) const {
+    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.head_dim();
+    return S::make_view(p, {batch, h, r, d}, {h * r * d, r * d, d, 1});
+  }
+  static T* out_buffer(typename S::buffer_type& k, typename S::buffer_type& v, std::int64_t elems) {
+    if (k.size() < elems) {
+      typename S::buffer_type nk(elems), nv(elems);
+      k = std::move(nk);
+      v = std::move(nv);
+    }
+    return k.data();
+  }
+  // Every row's read and write rows for a step of q tokens after `past`, kept for the layers that
+  // follow in the same step (the rows are the same for every layer of a group).
+  const std::vector<step_rows>& indices(std::int64_t past, std::int64_t q) {
+    if (!indices_.empty() && indices_past_ == past && indices_q_ == q) return indices_;
+    const auto groups = static_cast<std::size_t>(cache_.num_groups());
+    std::vector<step_rows> out(rows_.size(), step_rows{PagedIndices(groups), PagedIndices(groups)});
+    for (std::size_t b = 0; b < rows_.size(); ++b)
+      cache_.extend_read_and_write_indices(rows_[b], past, q, &out[b].reads, out[b].writes);
+    indices_ = std::move(out);
+    indices_past_ = past;
+    indices_q_ = q;
+    return indices_;
+  }
+
+  // New row i is old row idx[i]. The first new row of an old row takes its blocks; another copy
+  // takes the blocks of an old row nobody keeps (its tokens overwritten by a block copy), else
+  // new blocks (a fork); old rows nobody keeps are freed. Strong guarantee: everything that can
+  // fail (the checks, the forks) comes before the first change.
+  void select_rows(const char* method, std::span<const std::int64_t> idx) {
+    const auto batch = static_cast<std::int64_t>(rows_.size());
+    if (batch == 0) return;  // nothing stored yet: as a dynamic cache's uninitialized layers
+    for (const std::int64_t i : idx)
+      if (i < 0 || i >= batch)
+        throw IndexError(std::string(method) + ": index " + std::to_string(i) +
+                         " is out of bounds for dimension 0 with size " + std::to_string(batch));
+    if (idx.empty()) throw ValueError(std::string(method) + ": the batch cannot become empty");
+
+    if (allocated_ == 0) {  // rows without blocks (early_initialization): new names are enough
+      rows_.clear();
+      name_rows(static_cast<std::int64_t>(idx.size()));
+      return;
+    }
+    std::vector<bool> kept(rows_.size(), false);
+    std::vector<std::string> next(idx.size());
+    std::vector<std::pair<std::size_t, std::int64_t>> copies;  // (new row, old row) needing its own blocks
+    for (std::size_t i = 0; i < idx.size(); ++i) {
+      const auto old = static_cast<std::size_t>(idx[i]);
+      if (!kept[old]) {
+        kept[old] = true;
+        next[i] = rows_[old];
+      } else {
+        copies.emplace_back(i, idx[i]);
+      }
+    }
+    std::vector<std::string> spare;  // dropped rows whose blocks a copy reuses, then the ones freed
+    for (std::size_t b = 0; b < rows_.size(); ++b)
+      if (!kept[b]) spare.push_back(rows_[b]);
+    const std::size_t reused = std::min(spare.size(), copies.size());
+    std::vector<std::int64_t> from, to;  // the block copies into the reused rows
+    for (std::size_t c = 0; c < reused; ++c) {
+      append_blocks(rows_[static_cast<std::size_t>(copies[c].second)], from);
+      append_blocks(spare[c], to);
+    }
+
+    // The forks: new blocks for the copies no dropped row can take, all taken before anything changes.
+    std::vector<std::string> forked;
+    forked.reserve(copies.size() - reused);
+    try {
+      for (std::size_t c = reused; c < copies.size(); ++c) {
+        const std::string id = std::to_string(next_id_ + static_cast<std::int64_t>(forked.size()));
+        const std::string& src = rows_[static_cast<std::size_t>(copies[c].second)];
+        if (cache_.compute_max_num_forks(src) < 1)
+          throw MemoryError(std::string("kvc::PagedBatchCache::") + method + ": copying a row needs " +
+                            std::to_string(cache_.blocks_in_use(src)) + " free blocks, " +
+                            std::to_string(cache_.get_num_free_blocks()) + " are free");
+        (void)cache_.fork_request(src, std::span<const std::string>(&id, 1));
+        forked.push_back(id);
+      }
+    } catch (...) {
+      for (const std::string& id : forked) cache_.free_blocks(id);
+      throw;
+    }
+    // From here nothing fails: the block copies into the reused rows, then the table moves.
+    cache_.copy_cache(from, to);
+    for (std::size_t c = 0; c < reused; ++c) next[copies[c].first] = spare[c];
+    for (std::size_t c = reused; c < copies.size(); ++c) next[copies[c].first] = forked[c - reused];
+    for (std::size_t s = reused; s < spare.size(); ++s) cache_.free_blocks(spare[s]);
+    next_id_ += static_cast<std::int64_t>(forked.size());
+    rows_ = std::move(next);
+    indices_.clear();
+  }
+  // Appends the blocks of every group's table of `request` (all rows of a dense batch hold as
+  // many blocks, group by group, so two rows' lists pair block for block).
+  void append_blocks(const std::string& request, std::vector<std::int64_t>& out) const {
+    for (std::int64_t g = 0; g < cache_.num_groups(); ++g)
+      std::visit(
+          [&](const auto& al) {
+            const auto& t = al.table(request);
+            out.insert(out.end(), t.begin(), t.end());
+          },
+          cache_.group_allocator(g));
+  }
+
+  PagedCache<S> cache_;
+  std::vector<std::int64_t> seen_;  // tokens seen, per layer
+  std::vector<std::string> rows_;   // request id of each batch row
+  std::int64_t allocated_ = 0;      // logical blocks each row holds (its full-group count)
+  std::int64_t next_id_ = 0;
+  std::vector<step_rows> indices_;
+  std::int64_t indices_past_ = -1, indices_q_ = -1;
+  typename S::buffer_type out_k_, out_v_;
+  mutable typename S::buffer_type stored_k_, stored_v_;
+};
+
+}  // namespace kvc
