@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <kvc/kvc.hpp>
+#include <kvc/paged/paged_batch_cache.hpp>
 
 #include "../support/kvc_test.hpp"
 
@@ -254,7 +255,190 @@ kvc::ModelConfig config_of(const std::vector<std::string>& types) {
   return c;
 }
 
+// ---- the paged cache: its bookkeeping (block manager, tables, swap pool) and one dense batch ----
+
+// A PagedCache and the index lists a caller keeps for it.
+struct paged_rig {
+  kvc::PagedCache<Host> cache;
+  kvc::PagedIndices reads, writes;
+};
+// A PagedBatchCache (the scenarios take a struct of this file).
+struct batch_rig {
+  kvc::PagedBatchCache<Host> cache;
+};
+
+kvc::ModelConfig paged_model(const std::vector<std::string>& types) {
+  kvc::ModelConfig c = config_of(types);
+  c.sliding_window = 5;
+  return c;
+}
+kvc::ContinuousBatchingConfig paged_blocks(std::int64_t num_blocks) {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = num_blocks;
+  return cb;
+}
+
+// A step of q tokens of `request` after `past` through both layers (reads too when `read`).
+op<paged_rig> paged_step(const std::string& request, std::int64_t past, std::int64_t q, bool read) {
+  return {"step " + request + " past " + std::to_string(past) + " q " + std::to_string(q), [=](paged_rig& r) {
+            kvc::PagedIndices reads(static_cast<std::size_t>(r.cache.num_groups())), writes(reads.size());
+            r.cache.extend_read_and_write_indices(request, past, q, read ? &reads : nullptr, writes);
+            r.reads = std::move(reads);
+            r.writes = std::move(writes);
+            std::mt19937 rng(static_cast<unsigned>(past * 31 + q));
+            for (std::int64_t layer = 0; layer < 2; ++layer) {
+              const auto k = random_tensor<float>(1, heads, q, head_dim, rng);
+              r.cache.update(Host::input_view(k), Host::input_view(k), layer, r.reads, r.writes);
+            }
+          }};
+}
+
+// The paged bookkeeping's invariants: every block is free (once) or held, and a held block's
+// reference count is the number of tables that list it. Returns a description of the first
+// violation, or an empty string.
+std::string paged_invariants(const kvc::PagedCache<Host>& c) {
+  const kvc::paged::BlockManager& m = c.manager();
+  std::vector<std::int64_t> held(static_cast<std::size_t>(c.num_blocks()), 0), free(held.size(), 0);
+  for (std::int64_t g = 0; g < c.num_groups(); ++g)
+    std::visit(
+        [&](const auto& al) {
+          for (const std::string& r : al.requests())
+            for (const std::int64_t b : al.table(r)) ++held.at(static_cast<std::size_t>(b));
+        },
+        c.group_allocator(g));
+  for (const std::int64_t b : m.uninitialized_blocks()) ++free.at(static_cast<std::size_t>(b));
+  for (const std::int64_t b : m.initialized_blocks()) ++free.at(static_cast<std::size_t>(b));
+  if (static_cast<std::int64_t>(m.uninitialized_blocks().size() + m.initialized_blocks().size()) !=
+      c.get_num_free_blocks())
+    return "the free count is not the free lists' size";
+  for (std::size_t b = 0; b < held.size(); ++b) {
+    const std::string at = "block " + std::to_string(b) + ": ";
+    if (held[b] > 0 && free[b] > 0) return at + "held and free";
+    if (held[b] == 0 && free[b] != 1) return at + "neither held nor free once";
+    // A shareable block counts its holders; another (a sliding ring's) has exactly one.
+    const kvc::paged::Block* block = m.block(static_cast<std::int64_t>(b));
+    if (held[b] > 0 && (block ? block->ref_count != held[b] : held[b] != 1))
+      return at + "its reference count is not the number of tables holding it";
+  }
+  return {};
+}
+
+// The basic guarantee, for the paged bookkeeping, whose maps and lists allocate midway through
+// many operations (docs/paged.md): for every op and every N, an allocation failure leaves the
+// invariants above true, and the cache usable (`recover` gives every block back: `free_all`).
+template <class C>
+void check_paged_failures(const scenario<C>& s, const std::function<const kvc::PagedCache<Host>&(C&)>& pages,
+                          const std::function<void(C&)>& recover) {
+  std::int64_t failures = 0;
+  for (std::size_t k = 0; k < s.ops.size(); ++k) {
+    for (std::int64_t n = 0;; ++n) {
+      C cache = s.make();
+      for (std::size_t j = 0; j < k; ++j) s.ops[j].run(cache);
+      arm(n);
+      bool threw = false;
+      try {
+        s.ops[k].run(cache);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      const bool failed = disarm();
+      CAPTURE(s.name);
+      CAPTURE(s.ops[k].name);
+      CAPTURE(n);
+      if (!failed) break;
+      ++failures;
+      CHECK(threw);
+      CHECK(paged_invariants(pages(cache)) == "");
+      recover(cache);
+      CHECK(pages(cache).get_num_free_blocks() == pages(cache).num_blocks());
+    }
+  }
+  MESSAGE(s.name << ": " << failures << " injected failures over " << s.ops.size() << " operations");
+  CHECK(failures > 0);
+}
+
 }  // namespace
+
+TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request offload") {
+  for (const bool hybrid : {false, true}) {
+    using C = paged_rig;
+    const std::vector<std::string> types = hybrid ? std::vector<std::string>{"sliding_attention", "full_attention"}
+                                                  : std::vector<std::string>{"full_attention", "full_attention"};
+    const auto make = [types] {
+      C r{kvc::PagedCache<Host>(paged_model(types), paged_blocks(16)), {}, {}};
+      r.cache.reserve_swap_space(6);
+      return r;
+    };
+    const std::vector<std::int64_t> prompt = {1, 2, 3, 4, 5, 6, 7};
+    scenario<C> s{hybrid ? "PagedCache (sliding + full)" : "PagedCache (full)", make, {}};
+    s.ops.push_back({"allocate a", [](C& r) { (void)r.cache.allocate_blocks(2, "a", 0); }});
+    s.ops.push_back(paged_step("a", 0, 7, false));
+    s.ops.push_back({"mark a complete", [=](C& r) { r.cache.mark_shareable_blocks_as_complete("a", 1, prompt); }});
+    s.ops.push_back({"prefix match b", [=](C& r) { (void)r.cache.search_prefix_match("b", prompt); }});
+    s.ops.push_back({"allocate b", [](C& r) {
+                       const std::int64_t held = r.cache.blocks_in_use("b");
+                       (void)r.cache.allocate_blocks(2 - held, "b", held);
+                     }});
+    s.ops.push_back(paged_step("b", 4, 3, true));
+    s.ops.push_back(paged_step("a", 7, 1, true));
+    s.ops.push_back({"fork a to x, y", [](C& r) {
+                       const std::vector<std::string> kids = {"x", "y"};
+                       (void)r.cache.fork_request("a", kids);
+                     }});
+    s.ops.push_back({"offload x", [](C& r) { (void)r.cache.offload_request("x"); }});
+    s.ops.push_back({"free y", [](C& r) { r.cache.free_blocks("y"); }});
+    s.ops.push_back({"allocate x", [](C& r) { (void)r.cache.allocate_blocks(2, "x", 0); }});
+    s.ops.push_back({"restore x", [](C& r) { r.cache.restore_request("x"); }});
+    s.ops.push_back({"offload b", [](C& r) { (void)r.cache.offload_request("b"); }});
+    s.ops.push_back({"drop b", [](C& r) { r.cache.drop_offloaded_request("b"); }});
+    s.ops.push_back({"free all", [](C& r) { r.cache.free_all_requests(); }});
+    check_paged_failures<C>(
+        s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
+        [](C& r) {
+          for (const char* id : {"a", "b", "x", "y"}) r.cache.drop_offloaded_request(id);
+          r.cache.free_all_requests();
+        });
+  }
+}
+
+TEST_CASE("PagedBatchCache: updates, beam reorders, repeats, selections") {
+  using C = batch_rig;
+  const auto make = [] {
+    return C{kvc::PagedBatchCache<Host>(paged_model({"sliding_attention", "full_attention"}), paged_blocks(40))};
+  };
+  scenario<C> s{"PagedBatchCache", make, {}};
+  auto step = [&](std::int64_t q, unsigned seed) {
+    for (std::int64_t layer = 0; layer < 2; ++layer)
+      s.ops.push_back({"update layer " + std::to_string(layer) + " q " + std::to_string(q),
+                       [=](C& r) { r.cache.update(tokens(q, seed), tokens(q, seed + 1), layer); }});
+  };
+  step(6, 1);
+  step(1, 2);
+  step(3, 3);
+  s.ops.push_back({"reorder_cache({1, 1})", [](C& r) { r.cache.reorder_cache({1, 1}); }});
+  s.ops.push_back({"batch_repeat_interleave(2)", [](C& r) { r.cache.batch_repeat_interleave(2); }});
+  s.ops.push_back({"batch_select_indices({0, 2, 2, 2, 1})", [](C& r) {
+                     r.cache.batch_select_indices({0, 2, 2, 2, 1});
+                   }});
+  s.ops.push_back({"update layer 0 after the selection", [](C& r) {
+                     std::mt19937 rng(5);
+                     const auto k = random_tensor<float>(5, heads, 2, head_dim, rng);
+                     r.cache.update(k, k, 0);
+                   }});
+  s.ops.push_back({"reset", [](C& r) { r.cache.reset(); }});
+  check_paged_failures<C>(
+      s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache.paged(); },
+      [](C& r) {
+        r.cache.reset();
+        // And it still reads what a fresh cache reads.
+        C fresh = C{kvc::PagedBatchCache<Host>(paged_model({"sliding_attention", "full_attention"}), paged_blocks(40))};
+        const auto a = r.cache.update(tokens(3, 8), tokens(3, 9), 1);
+        const std::vector<double> got = kvc_test::flatten(a.keys);
+        CHECK(got == kvc_test::flatten(fresh.cache.update(tokens(3, 8), tokens(3, 9), 1).keys));
+        r.cache.reset();
+      });
+}
 
 TEST_CASE("DynamicCache: every allocation failure leaves the cache as it was") {
   using C = kvc::DynamicCache<float>;

@@ -454,6 +454,28 @@ TEST_CASE("block bookkeeping messages, each word for word") {
   full.set_table("twice", {0, 0});
   CHECK_THROWS_WITH_AS(full.free_blocks("twice", bm),
                        "kvc::paged::BlockManager: block 0 is listed 2 times but held 1 times", kvc::RuntimeError);
+  // Blocks that are not shareable (a sliding ring's) have no count: a block already free, or listed
+  // twice, is refused before any of the list goes back (it would be in the FIFO twice).
+  SlidingAttentionCacheAllocator ring(1, 4, 8, 17, 20);
+  REQUIRE(ring.allocate_blocks(2, "s", bm));
+  const ids ring_blocks = ring.table("s");
+  const std::int64_t free_before = bm.num_free_blocks();
+  ring.set_table("s", {ring_blocks[0], ring_blocks[0]});
+  const std::string twice =
+      "kvc::paged::BlockManager: block " + std::to_string(ring_blocks[0]) + " is not in use, or is given back twice";
+  CHECK_THROWS_WITH_AS(ring.free_blocks("s", bm), twice.c_str(), kvc::RuntimeError);
+  ring.set_table("s", {ring_blocks[1], 3});  // block 3 is free
+  CHECK_THROWS_WITH_AS(ring.free_blocks("s", bm),
+                       "kvc::paged::BlockManager: block 3 is not in use, or is given back twice", kvc::RuntimeError);
+  CHECK(bm.num_free_blocks() == free_before);
+  ring.set_table("s", ring_blocks);
+  ring.free_blocks("s", bm);
+  CHECK(bm.num_free_blocks() == free_before + 2);
+  CHECK_THROWS_WITH_AS(bm.uninitialize_unshared_block(3),
+                       "kvc::paged::BlockManager: block 3 is not in use, or is given back twice", kvc::RuntimeError);
+  ids small;
+  CHECK_THROWS_WITH_AS(bm.take_free_blocks(1, std::nullopt, false, 0, small),
+                       "kvc::paged::BlockManager: take_free_blocks needs room for 1 ids", kvc::ValueError);
   CHECK_THROWS_WITH_AS(bm.mark_shareable_blocks_as_complete(1, full.mutable_table("r"), ids{1, 2}),
                        "kvc::paged::BlockManager: block 0 of the request needs tokens up to 4, but only 2 are known",
                        kvc::ValueError);

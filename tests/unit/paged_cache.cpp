@@ -5,6 +5,7 @@
 // keeps each request's tokens (generation/continuous_batching/cache.py at a597f974; docs/paged.md).
 
 #include "../support/kvc_test.hpp"
+#include "../support/paged_snapshot.hpp"
 
 #include <kvc/paged/continuous_batching_config_json.hpp>
 #include <kvc/paged/memory_planner.hpp>
@@ -585,38 +586,9 @@ TEST_CASE("PagedCache under tensor parallelism: sharded heads, sizes agreed as t
 
 namespace {
 
-// Everything a caller can observe of a paged cache's state.
-struct paged_snapshot {
-  std::int64_t free_blocks = 0, free_swap = 0, prefix = 0;
-  ids uninit, init;
-  std::vector<std::map<std::string, ids>> tables;
-  std::vector<float> keys, values;
-  std::vector<bool> offloaded;
-  bool operator==(const paged_snapshot&) const = default;
-};
+using kvc_test::paged_snapshot;
 paged_snapshot snap(const Cache& c, const std::vector<std::string>& requests) {
-  paged_snapshot s;
-  s.free_blocks = c.get_num_free_blocks();
-  s.free_swap = c.free_swap_blocks();
-  s.prefix = c.total_prefix_length();
-  s.uninit = c.manager().uninitialized_blocks();
-  s.init = c.manager().initialized_blocks();
-  for (std::int64_t g = 0; g < c.num_groups(); ++g) {
-    std::map<std::string, ids> t;
-    std::visit(
-        [&](const auto& al) {
-          for (const std::string& r : al.requests()) t[r] = al.table(r);
-        },
-        c.group_allocator(g));
-    s.tables.push_back(std::move(t));
-  }
-  const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.head_dim();
-  for (std::int64_t j = 0; j < c.group_size(); ++j) {
-    s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n);
-    s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n);
-  }
-  for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
-  return s;
+  return kvc_test::take_paged_snapshot(c, requests);
 }
 
 }  // namespace

@@ -76,11 +76,28 @@ class CacheAllocator {
         if (children_request_ids[j] == child)
           throw ValueError("kvc::paged: fork destination " + child + " is named twice");
     }
-    auto forked =
-        bm.fork_blocks(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_, index_);
-    if (!forked) throw ValueError("Failed to fork blocks for request " + parent_request_id);
-    for (std::size_t i = 0; i < children_request_ids.size(); ++i)
-      tables_.emplace(children_request_ids[i], std::move(forked->tables[i]));
+    // The children's entries exist before the manager hands out blocks, so that no allocation can
+    // fail between the blocks being taken and their tables being kept.
+    std::vector<std::map<std::string, std::vector<std::int64_t>>::iterator> made;
+    made.reserve(children_request_ids.size());
+    try {
+      for (const std::string& child : children_request_ids) made.push_back(tables_.try_emplace(child).first);
+    } catch (...) {
+      for (const auto& it : made) tables_.erase(it);
+      throw;
+    }
+    std::optional<ForkedBlocks> forked;
+    try {
+      forked = bm.fork_blocks(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_, index_);
+    } catch (...) {
+      for (const auto& it : made) tables_.erase(it);
+      throw;
+    }
+    if (!forked) {
+      for (const auto& it : made) tables_.erase(it);
+      throw ValueError("Failed to fork blocks for request " + parent_request_id);
+    }
+    for (std::size_t i = 0; i < made.size(); ++i) made[i]->second = std::move(forked->tables[i]);
     return {std::move(forked->copy_src), std::move(forked->copy_dst)};
   }
 
@@ -114,6 +131,25 @@ class CacheAllocator {
                        std::to_string(q));
   }
 
+  // n more blocks at the end of the request's table, all or none (false: too few free). The table
+  // and its room are made first: once the manager has handed the blocks out, nothing allocates.
+  bool grow_table(const std::string& request_id, std::int64_t n, bool chained, BlockManager& bm) {
+    const auto [it, created] = tables_.try_emplace(request_id);
+    try {
+      std::vector<std::int64_t>& t = it->second;
+      if (t.capacity() - t.size() < static_cast<std::size_t>(n))  // grown geometrically: appends stay amortized O(1)
+        t.reserve(std::max(t.size() + static_cast<std::size_t>(n), 2 * t.capacity()));
+      const std::optional<std::int64_t> last =
+          chained && !t.empty() ? std::optional<std::int64_t>(t.back()) : std::nullopt;
+      if (bm.take_free_blocks(n, last, chained && sharing_, index_, t)) return true;
+    } catch (...) {
+      if (created) tables_.erase(it);
+      throw;
+    }
+    if (created) tables_.erase(it);
+    return false;
+  }
+
   std::int64_t index_;
   std::int64_t block_size_;
   bool sharing_;
@@ -132,12 +168,8 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   // n more blocks for the request (chained from its last one); nullopt, with nothing changed, if
   // the manager has not enough. Returns n.
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
-    const auto it = tables_.find(request_id);
-    std::optional<std::int64_t> last;
-    if (it != tables_.end() && !it->second.empty()) last = it->second.back();
-    auto ids = bm.get_free_blocks(n, last, sharing_, index_);
-    if (!ids) return std::nullopt;
-    tables_[request_id].insert(tables_[request_id].end(), ids->begin(), ids->end());
+    if (n < 0) throw ValueError("kvc::paged::BlockManager: cannot take " + std::to_string(n) + " blocks");
+    if (!grow_table(request_id, n, true, bm)) return std::nullopt;
     return n;
   }
 
@@ -228,10 +260,7 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
       tables_.try_emplace(request_id);
       return 0;
     }
-    auto ids = bm.get_free_blocks(take, std::nullopt, false, index_);
-    if (!ids) return std::nullopt;
-    auto& t = tables_[request_id];
-    t.insert(t.end(), ids->begin(), ids->end());
+    if (!grow_table(request_id, take, false, bm)) return std::nullopt;
     return take;
   }
 

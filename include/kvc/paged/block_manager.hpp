@@ -15,11 +15,13 @@
 // a failed fork changes nothing (upstream keeps the ref counts and blocks it took before the
 // failure); uninitialize_unshared_block checks before it changes anything.
 // Block ids are global: 0 .. num_blocks - 1, shared by every layer group of the cache.
+// Its storage is sized for num_blocks when it is built (a ring for the FIFO, an intrusive list
+// for the initialized blocks, a slot per Block), so taking, sharing and giving back blocks never
+// allocates: an allocation failure can only come before a change (docs/paged.md). Registering a
+// hash is the one step that allocates.
 
 #include <algorithm>
 #include <cstdint>
-#include <deque>
-#include <list>
 #include <optional>
 #include <span>
 #include <string>
@@ -68,27 +70,44 @@ class BlockManager {
       throw ValueError("kvc::paged::BlockManager: num_blocks must be >= 0, got " + std::to_string(num_blocks));
     if (block_size < 1)
       throw ValueError("kvc::paged::BlockManager: block_size must be >= 1, got " + std::to_string(block_size));
-    for (std::int64_t i = 0; i < num_blocks; ++i) uninit_.push_back(i);
+    const auto n = static_cast<std::size_t>(num_blocks);
+    ring_.resize(n);
+    for (std::size_t i = 0; i < n; ++i) ring_[i] = static_cast<std::int64_t>(i);
+    uninit_count_ = num_blocks;
+    prev_.assign(n, -1);
+    next_.assign(n, -1);
+    in_init_.assign(n, 0);
+    in_uninit_.assign(n, 1);
+    slots_.resize(n);
+    hash_to_id_.reserve(n);
   }
 
   std::int64_t num_blocks() const noexcept { return num_blocks_; }
   std::int64_t block_size() const noexcept { return block_size_; }
   // Free blocks: never used or given back (uninitialized), plus complete ones nobody holds (initialized).
-  std::int64_t num_free_blocks() const noexcept {
-    return static_cast<std::int64_t>(uninit_.size()) + static_cast<std::int64_t>(init_.size());
-  }
-  std::int64_t num_uninitialized_blocks() const noexcept { return static_cast<std::int64_t>(uninit_.size()); }
-  std::int64_t num_initialized_blocks() const noexcept { return static_cast<std::int64_t>(init_.size()); }
+  std::int64_t num_free_blocks() const noexcept { return uninit_count_ + init_count_; }
+  std::int64_t num_uninitialized_blocks() const noexcept { return uninit_count_; }
+  std::int64_t num_initialized_blocks() const noexcept { return init_count_; }
 
   // The uninitialized free blocks in allocation order, and the initialized ones from the next to be
   // evicted to the last (tests, debugging).
-  std::vector<std::int64_t> uninitialized_blocks() const { return {uninit_.begin(), uninit_.end()}; }
-  std::vector<std::int64_t> initialized_blocks() const { return {init_.rbegin(), init_.rend()}; }
+  std::vector<std::int64_t> uninitialized_blocks() const {
+    std::vector<std::int64_t> out(static_cast<std::size_t>(uninit_count_));
+    for (std::int64_t i = 0; i < uninit_count_; ++i) out[static_cast<std::size_t>(i)] = uninit_at(i);
+    return out;
+  }
+  std::vector<std::int64_t> initialized_blocks() const {
+    std::vector<std::int64_t> out;
+    out.reserve(static_cast<std::size_t>(init_count_));
+    for (std::int64_t id = init_tail_; id >= 0; id = prev_[static_cast<std::size_t>(id)]) out.push_back(id);
+    return out;
+  }
 
   // The Block of a shareable allocation, if `id` has one.
   const Block* block(std::int64_t id) const noexcept {
-    const auto it = blocks_.find(id);
-    return it == blocks_.end() ? nullptr : &it->second;
+    if (id < 0 || id >= num_blocks_) return nullptr;
+    const auto& slot = slots_[static_cast<std::size_t>(id)];
+    return slot ? &*slot : nullptr;
   }
   // The block registered under `hash` (complete, in use or initialized), if any.
   std::optional<std::int64_t> find_hash(std::uint64_t hash) const noexcept {
@@ -101,9 +120,9 @@ class BlockManager {
   // initialized ones make up for it, the missing number of initialized blocks is evicted (most
   // recently freed first): they lose their hash and join the back of the FIFO.
   bool has_enough_free_blocks(std::int64_t n) {
-    const auto un = static_cast<std::int64_t>(uninit_.size());
+    const std::int64_t un = uninit_count_;
     if (un >= n) return true;
-    if (static_cast<std::int64_t>(init_.size()) < n - un) return false;
+    if (init_count_ < n - un) return false;
     for (std::int64_t k = 0; k < n - un; ++k) evict_one();
     return true;
   }
@@ -113,33 +132,38 @@ class BlockManager {
   std::optional<std::vector<std::int64_t>> get_free_blocks(std::int64_t n, std::optional<std::int64_t> last_block_id,
                                                            bool shareable, std::int64_t group_id) {
     if (n < 0) throw ValueError("kvc::paged::BlockManager: cannot take " + std::to_string(n) + " blocks");
-    if (!has_enough_free_blocks(n)) return std::nullopt;
-    std::vector<std::int64_t> ids(uninit_.begin(), uninit_.begin() + n);
-    if (shareable) {
-      std::vector<std::pair<std::int64_t, Block>> made;
-      made.reserve(ids.size());
-      std::optional<std::int64_t> parent = last_block_id;
-      for (const std::int64_t id : ids) {
-        made.emplace_back(id, Block{id, parent, group_id, std::nullopt, 1});
+    std::vector<std::int64_t> ids;
+    ids.reserve(static_cast<std::size_t>(n));  // before anything changes
+    if (!take_free_blocks(n, last_block_id, shareable, group_id, ids)) return std::nullopt;
+    return ids;
+  }
+  // The same into `out`, which must have room for n more ids (reserved: nothing here allocates);
+  // false, with nothing changed, if there are not enough.
+  bool take_free_blocks(std::int64_t n, std::optional<std::int64_t> last_block_id, bool shareable,
+                        std::int64_t group_id, std::vector<std::int64_t>& out) {
+    if (n < 0) throw ValueError("kvc::paged::BlockManager: cannot take " + std::to_string(n) + " blocks");
+    if (out.capacity() - out.size() < static_cast<std::size_t>(n))
+      throw ValueError("kvc::paged::BlockManager: take_free_blocks needs room for " + std::to_string(n) + " ids");
+    if (!has_enough_free_blocks(n)) return false;
+    std::optional<std::int64_t> parent = last_block_id;
+    for (std::int64_t k = 0; k < n; ++k) {
+      const std::int64_t id = uninit_at(0);
+      head_ = (head_ + 1) % num_blocks_;
+      --uninit_count_;
+      in_uninit_[static_cast<std::size_t>(id)] = 0;
+      if (shareable) {  // a stale evicted Block is replaced
+        slots_[static_cast<std::size_t>(id)] = Block{id, parent, group_id, std::nullopt, 1};
         parent = id;
       }
-      blocks_.reserve(blocks_.size() + made.size());
-      for (auto& [id, b] : made) blocks_.insert_or_assign(id, std::move(b));  // a stale evicted Block is replaced
+      out.push_back(id);
     }
-    uninit_.erase(uninit_.begin(), uninit_.begin() + n);
-    return ids;
+    return true;
   }
 
   // One more holder of block `id`; a block that was initialized (free) is in use again.
   void increase_ref_count(std::int64_t id) {
     Block& b = block_or_throw(id, "increase_ref_count");
-    if (b.ref_count == 0) {
-      const auto it = init_pos_.find(id);
-      if (it != init_pos_.end()) {
-        init_.erase(it->second);
-        init_pos_.erase(it);
-      }
-    }
+    if (b.ref_count == 0 && in_init_[static_cast<std::size_t>(id)]) unlink_init(id);
     b.ref_count += 1;
   }
 
@@ -154,12 +178,11 @@ class BlockManager {
       return;
     }
     if (b.is_complete()) {
-      init_.push_back(id);
-      init_pos_.emplace(id, std::prev(init_.end()));
+      link_init(id);
       b.ref_count = 0;
     } else {
-      uninit_.push_back(id);
-      blocks_.erase(id);
+      push_uninit(id);
+      slots_[static_cast<std::size_t>(id)].reset();
     }
   }
 
@@ -174,29 +197,42 @@ class BlockManager {
       for (const auto& [id, n] : listed)
         if (block_or_throw(id, "free_blocks").ref_count < n)
           throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) + " is listed " +
-                             std::to_string(n) + " times but held " + std::to_string(blocks_.at(id).ref_count) +
-                             " times");
+                             std::to_string(n) + " times but held " + std::to_string(block(id)->ref_count) + " times");
       for (const std::int64_t id : blocks) decrease_ref_count(id);
     } else {
-      uninit_.insert(uninit_.end(), blocks.begin(), blocks.end());
+      // Checked first (a block given back twice would overflow the FIFO): each is marked as it
+      // passes (in_uninit_ 2), and the marks are undone if a later one fails.
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        const std::int64_t id = blocks[i];
+        if (id < 0 || id >= num_blocks_ || is_free(id)) {
+          for (std::size_t j = 0; j < i; ++j) in_uninit_[static_cast<std::size_t>(blocks[j])] = 0;
+          throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) +
+                             " is not in use, or is given back twice");
+        }
+        in_uninit_[static_cast<std::size_t>(id)] = 2;
+      }
+      for (const std::int64_t id : blocks) push_uninit(id);
     }
   }
 
   // Drops a block nobody else holds back into the FIFO, forgetting its Block. transformers raises
   // after it has already forgotten the Block; kvc checks first and changes nothing on the error.
   void uninitialize_unshared_block(std::int64_t id) {
-    const auto it = blocks_.find(id);
-    if (it != blocks_.end()) {
-      if (it->second.ref_count > 1)
+    if (id < 0 || id >= num_blocks_ || is_free(id))
+      throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) +
+                         " is not in use, or is given back twice");
+    auto& slot = slots_[static_cast<std::size_t>(id)];
+    if (slot) {
+      if (slot->ref_count > 1)
         throw RuntimeError("Block " + std::to_string(id) +
-                           " has more than one reference: block.ref_count = " + std::to_string(it->second.ref_count));
-      if (it->second.hash) {
-        const auto h = hash_to_id_.find(*it->second.hash);
+                           " has more than one reference: block.ref_count = " + std::to_string(slot->ref_count));
+      if (slot->hash) {
+        const auto h = hash_to_id_.find(*slot->hash);
         if (h != hash_to_id_.end() && h->second == id) hash_to_id_.erase(h);
       }
-      blocks_.erase(it);
+      slot.reset();
     }
-    uninit_.push_back(id);
+    push_uninit(id);
   }
 
   // Hashes up to `num_complete` blocks at the end of a request's table that are not complete yet,
@@ -235,7 +271,7 @@ class BlockManager {
     for (const std::size_t i : todo) {
       if (done >= num_complete) break;
       const auto from = static_cast<std::int64_t>(i) * block_size_;
-      Block& b = blocks_.at(allocated_blocks[i]);
+      Block& b = *slots_[static_cast<std::size_t>(allocated_blocks[i])];  // checked above
       if (replacement) b.parent_id = replacement;
       replacement.reset();
       const std::uint64_t h = compute_block_hash(
@@ -252,8 +288,8 @@ class BlockManager {
         replacement = existing;
         ++replaced;
       } else {
+        hash_to_id_.emplace(h, b.id);  // the step that allocates, before the block is marked
         b.hash = h;
-        hash_to_id_.emplace(h, b.id);
       }
       parent_hash = h;
     }
@@ -281,55 +317,101 @@ class BlockManager {
     const auto to_copy = static_cast<std::int64_t>(parent_blocks.size() - shared);
     if (num_forks < 0)
       throw ValueError("kvc::paged::BlockManager: cannot fork " + std::to_string(num_forks) + " times");
-    // All or nothing: the check evicts, which frees nothing anyone holds.
+    // All or nothing: the check evicts, which frees nothing anyone holds. Everything the result
+    // needs is allocated before the first block is taken.
     if (!has_enough_free_blocks(to_copy * num_forks)) return std::nullopt;
     ForkedBlocks out;
-    out.tables.reserve(static_cast<std::size_t>(num_forks));
+    const auto n_copies = static_cast<std::size_t>(to_copy * num_forks);
+    out.tables.assign(
+        static_cast<std::size_t>(num_forks),
+        std::vector<std::int64_t>(parent_blocks.begin(), parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared)));
+    for (auto& t : out.tables) t.reserve(parent_blocks.size());
+    out.copy_src.reserve(n_copies);
+    out.copy_dst.reserve(n_copies);
     const std::optional<std::int64_t> last_shared =
         shared > 0 ? std::optional<std::int64_t>(parent_blocks[shared - 1]) : std::nullopt;
-    for (std::int64_t f = 0; f < num_forks; ++f) {
-      std::vector<std::int64_t> table(parent_blocks.begin(),
-                                      parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared));
-      if (to_copy > 0) {
-        auto fresh = get_free_blocks(to_copy, last_shared, shareable, group_id);  // cannot fail after the check
-        table.insert(table.end(), fresh->begin(), fresh->end());
-        out.copy_src.insert(out.copy_src.end(), parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared),
-                            parent_blocks.end());
-        out.copy_dst.insert(out.copy_dst.end(), fresh->begin(), fresh->end());
-      }
-      out.tables.push_back(std::move(table));
+    for (auto& table : out.tables) {
+      if (to_copy == 0) continue;
+      (void)take_free_blocks(to_copy, last_shared, shareable, group_id, table);  // cannot fail after the check
+      out.copy_src.insert(out.copy_src.end(), parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared),
+                          parent_blocks.end());
+      out.copy_dst.insert(out.copy_dst.end(), table.begin() + static_cast<std::ptrdiff_t>(shared), table.end());
     }
-    for (std::size_t i = 0; i < shared; ++i) blocks_.at(parent_blocks[i]).ref_count += num_forks;
+    for (std::size_t i = 0; i < shared; ++i) slots_[static_cast<std::size_t>(parent_blocks[i])]->ref_count += num_forks;
     return out;
   }
 
  private:
   Block& block_or_throw(std::int64_t id, const char* what) {
-    const auto it = blocks_.find(id);
-    if (it == blocks_.end())
+    if (id < 0 || id >= num_blocks_ || !slots_[static_cast<std::size_t>(id)])
       throw RuntimeError(std::string("kvc::paged::BlockManager::") + what + ": block " + std::to_string(id) +
                          " is not a shareable block in use");
-    return it->second;
+    return *slots_[static_cast<std::size_t>(id)];
   }
 
-  void evict_one() {
-    const std::int64_t id = init_.back();
-    init_.pop_back();
-    init_pos_.erase(id);
-    if (const auto it = blocks_.find(id); it != blocks_.end()) {
-      if (it->second.hash) hash_to_id_.erase(*it->second.hash);
-      blocks_.erase(it);
+  // The FIFO of uninitialized blocks: a ring of num_blocks slots, head_ its front.
+  std::int64_t uninit_at(std::int64_t i) const noexcept {
+    return ring_[static_cast<std::size_t>((head_ + i) % num_blocks_)];
+  }
+  void push_uninit(std::int64_t id) noexcept {
+    ring_[static_cast<std::size_t>((head_ + uninit_count_) % num_blocks_)] = id;
+    ++uninit_count_;
+    in_uninit_[static_cast<std::size_t>(id)] = 1;
+  }
+  // Whether a block is in the FIFO or the initialized list (or marked by free_blocks' check).
+  bool is_free(std::int64_t id) const noexcept {
+    return in_init_[static_cast<std::size_t>(id)] || in_uninit_[static_cast<std::size_t>(id)];
+  }
+
+  // The initialized blocks: a list threaded through prev_/next_, oldest at init_head_, most
+  // recently freed at init_tail_ (eviction takes the tail).
+  void link_init(std::int64_t id) noexcept {
+    const auto i = static_cast<std::size_t>(id);
+    prev_[i] = init_tail_;
+    next_[i] = -1;
+    if (init_tail_ >= 0)
+      next_[static_cast<std::size_t>(init_tail_)] = id;
+    else
+      init_head_ = id;
+    init_tail_ = id;
+    in_init_[i] = 1;
+    ++init_count_;
+  }
+  void unlink_init(std::int64_t id) noexcept {
+    const auto i = static_cast<std::size_t>(id);
+    if (prev_[i] >= 0)
+      next_[static_cast<std::size_t>(prev_[i])] = next_[i];
+    else
+      init_head_ = next_[i];
+    if (next_[i] >= 0)
+      prev_[static_cast<std::size_t>(next_[i])] = prev_[i];
+    else
+      init_tail_ = prev_[i];
+    prev_[i] = next_[i] = -1;
+    in_init_[i] = 0;
+    --init_count_;
+  }
+
+  void evict_one() noexcept {
+    const std::int64_t id = init_tail_;
+    unlink_init(id);
+    auto& slot = slots_[static_cast<std::size_t>(id)];
+    if (slot) {
+      if (slot->hash) hash_to_id_.erase(*slot->hash);
+      slot.reset();
     }
-    uninit_.push_back(id);
+    push_uninit(id);
   }
 
   std::int64_t num_blocks_;
   std::int64_t block_size_;
-  std::deque<std::int64_t> uninit_;
-  std::list<std::int64_t> init_;  // insertion order; eviction takes the back
-  std::unordered_map<std::int64_t, std::list<std::int64_t>::iterator> init_pos_;
+  std::vector<std::int64_t> ring_;  // the FIFO: uninit_count_ ids from head_, wrapping
+  std::int64_t head_ = 0, uninit_count_ = 0;
+  std::vector<std::int64_t> prev_, next_;  // the initialized list
+  std::vector<char> in_init_, in_uninit_;
+  std::int64_t init_head_ = -1, init_tail_ = -1, init_count_ = 0;
   std::unordered_map<std::uint64_t, std::int64_t> hash_to_id_;
-  std::unordered_map<std::int64_t, Block> blocks_;
+  std::vector<std::optional<Block>> slots_;  // the Block of each id in a shareable allocation, if any
 };
 
 }  // namespace kvc::paged

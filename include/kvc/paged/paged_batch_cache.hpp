@@ -22,10 +22,12 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,6 +64,13 @@ class PagedBatchCache {
 
   // ---- update and what the layers hold -------------------------------------------------------------
 
+  // Any input the storage accepts (HostTensor<T>, a TensorMap of one, a TensorView<T>).
+  template <class KeysT, class ValuesT>
+    requires(S::template accepts_input<KeysT> && S::template accepts_input<ValuesT> &&
+             !(std::is_same_v<KeysT, view_type> && std::is_same_v<ValuesT, view_type>))
+  KV<view_type> update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
+    return update(S::input_view(keys), S::input_view(values), layer_idx);
+  }
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
     const auto [group, pool] = cache_.layer_group(layer_idx);
     (void)pool;
@@ -157,7 +166,13 @@ class PagedBatchCache {
   // ---- the batch ------------------------------------------------------------------------------------
 
   void reorder_cache(std::span<const std::int64_t> beam_idx) { select_rows("reorder_cache", beam_idx); }
+  void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
+    select_rows("reorder_cache", std::span(beam_idx.begin(), beam_idx.size()));
+  }
   void batch_select_indices(std::span<const std::int64_t> indices) { select_rows("batch_select_indices", indices); }
+  void batch_select_indices(std::initializer_list<std::int64_t> indices) {
+    select_rows("batch_select_indices", std::span(indices.begin(), indices.size()));
+  }
   void batch_repeat_interleave(std::int64_t repeats) {
     detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
     select_rows("batch_repeat_interleave", detail::repeated_rows(batch_size(), repeats));

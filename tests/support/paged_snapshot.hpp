@@ -1,0 +1,61 @@
+#pragma once
+// Everything a caller can observe of a kvc::PagedCache's state (blocks, tables, free lists, pools,
+// swap pool, prefix statistic), for tests that check that a refused or failed call changed nothing.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <kvc/paged/paged_cache.hpp>
+
+namespace kvc_test {
+
+struct paged_snapshot {
+  std::int64_t free_blocks = 0, free_swap = 0, prefix = 0;
+  std::vector<std::int64_t> uninit, init;
+  std::vector<std::map<std::string, std::vector<std::int64_t>>> tables;
+  std::vector<float> keys, values;
+  std::vector<bool> offloaded;      // is_offloaded of each request named
+  std::vector<std::string> blocks;  // each block's repr and ref count, and whether its hash is registered
+  bool operator==(const paged_snapshot&) const = default;
+};
+
+template <class Cache>
+paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string>& requests) {
+  paged_snapshot s;
+  s.free_blocks = c.get_num_free_blocks();
+  s.free_swap = c.free_swap_blocks();
+  s.prefix = c.total_prefix_length();
+  s.uninit = c.manager().uninitialized_blocks();
+  s.init = c.manager().initialized_blocks();
+  for (std::int64_t g = 0; g < c.num_groups(); ++g) {
+    std::map<std::string, std::vector<std::int64_t>> t;
+    std::visit(
+        [&](const auto& al) {
+          for (const std::string& r : al.requests()) t[r] = al.table(r);
+        },
+        c.group_allocator(g));
+    s.tables.push_back(std::move(t));
+  }
+  const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.head_dim();
+  for (std::int64_t j = 0; j < c.group_size(); ++j) {
+    s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n);
+    s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n);
+  }
+  for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
+  for (std::int64_t b = 0; b < c.num_blocks(); ++b) {
+    const kvc::paged::Block* block = c.manager().block(b);
+    if (!block) {
+      s.blocks.emplace_back();
+      continue;
+    }
+    const bool registered = block->hash && c.manager().find_hash(*block->hash) == b;
+    s.blocks.push_back(kvc::paged::block_repr(*block) + " refs " + std::to_string(block->ref_count) +
+                       (registered ? " registered" : ""));
+  }
+  return s;
+}
+
+}  // namespace kvc_test
