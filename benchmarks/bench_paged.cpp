@@ -9,6 +9,13 @@
 //                            the new rows scattered, r x (p + 1) rows gathered. Bytes counted: what
 //                            it gathers and writes (K and V). 32 x 512 at block sizes 16, 64, 256,
 //                            and a small batch, 4 x 128 at block size 16.
+//   attention/paged/requests:<r>/past:<p>   one decode step of kvc::paged_attention for r requests
+//                            with p cached tokens each (block size 16, 8 KV heads x 128, 32 query
+//                            heads, float), read through the block tables. Bytes counted: the K
+//                            and V it reads.
+//   attention/contiguous/requests:<r>/past:<p>   the same step through scaled_dot_product_attention
+//                            on one contiguous [r, 8, p + 1, 128] K and V: kvc's own attention on
+//                            the same bytes.
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
@@ -22,6 +29,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include <kvc/attention.hpp>
+#include <kvc/paged/paged_attention.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/policies/storage/host.hpp>
 
@@ -111,8 +120,65 @@ void update(benchmark::State& state) {
   state.counters["MiB_per_step"] = static_cast<double>(moved) / (1 << 20);
 }
 
+constexpr std::int64_t kQueryHeads = 32;
+
+// A decode step of `requests` requests with `past` cached tokens each, read from the pools.
+void attention_paged(benchmark::State& state) {
+  const std::int64_t requests = state.range(0), past = state.range(1), bs = 16;
+  kvc::ModelConfig config = one_layer();
+  config.num_attention_heads = kQueryHeads;
+  Cache cache(config, blocks(bs, requests * (past / bs + 1)));
+  std::vector<std::string> ids;
+  std::vector<std::int64_t> cu = {0}, pasts;
+  for (std::int64_t r = 0; r < requests; ++r) {
+    ids.push_back("req_" + std::to_string(r));
+    cache.allocate_blocks((past + 1 + bs - 1) / bs, ids.back(), 0);
+    cu.push_back(r + 1);
+    pasts.push_back(past);
+  }
+  kvc::HostTensor<float> q(1, kQueryHeads, requests, kDim), k(1, kHeads, requests, kDim);
+  q.setConstant(0.01f);
+  k.setConstant(1.f);
+  const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
+  const kvc::PagedAttentionStep step{ids, cu, pasts};
+  for (auto _ : state) {
+    const auto out = kvc::paged_attention(cache, 0, step, view(q), view(k), view(k));
+    benchmark::DoNotOptimize(out.data());
+  }
+  const std::int64_t bytes = 2 * requests * (past + 1) * kHeads * kDim * static_cast<std::int64_t>(sizeof(float));
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+// The same step on contiguous K and V: kvc's dense attention on the same bytes.
+void attention_contiguous(benchmark::State& state) {
+  const std::int64_t requests = state.range(0), past = state.range(1);
+  kvc::HostTensor<float> q(requests, kQueryHeads, 1, kDim), k(requests, kHeads, past + 1, kDim),
+      v(requests, kHeads, past + 1, kDim);
+  q.setConstant(0.01f);
+  k.setConstant(1.f);
+  v.setConstant(2.f);
+  const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
+  const kvc::AttentionMask mask{past + 1, 0, past};
+  for (auto _ : state) {
+    const auto out = kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const std::int64_t bytes = 2 * requests * (past + 1) * kHeads * kDim * static_cast<std::int64_t>(sizeof(float));
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
 }  // namespace
 
+BENCHMARK(attention_paged)
+    ->Name("attention/paged")
+    ->ArgNames({"requests", "past"})
+    ->Args({64, 2048})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_contiguous)
+    ->Name("attention/contiguous")
+    ->ArgNames({"requests", "past"})
+    ->Args({64, 2048})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(step_bookkeeping)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(update)
     ->Name("update/bs")
@@ -142,6 +208,14 @@ int main(int argc, char** argv) {
        {"update/bs/16/requests:32/past:512", "update/bs/64/requests:32/past:512", "update/bs/256/requests:32/past:512"})
     if (const kvc_bench::Result* r = reporter.find(name))
       std::printf("  %-16s %.2f\n", name, r->bytes_per_second / copy->bytes_per_second);
+  const kvc_bench::Result* paged = reporter.find("attention/paged/requests:64/past:2048");
+  const kvc_bench::Result* dense = reporter.find("attention/contiguous/requests:64/past:2048");
+  if (paged)
+    std::printf("paged attention K/V reads / memcpy bandwidth: %.2f\n",
+                paged->bytes_per_second / copy->bytes_per_second);
+  if (paged && dense)
+    std::printf("paged attention / contiguous attention (same bytes): %.2f\n",
+                paged->bytes_per_second / dense->bytes_per_second);
   if (const kvc_bench::Result* r = reporter.find("step_bookkeeping/256"))
     std::printf("step bookkeeping: %.0f ns per request per decode step\n", r->seconds * 1e9 / 256);
   return 0;

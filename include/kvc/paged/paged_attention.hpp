@@ -1,0 +1,278 @@
+#pragma once
+// kvc::paged_attention: attention for one step of a continuous batch, reading the cached keys and
+// values straight from a kvc::PagedCache's pools through each request's block table (no gather of
+// a request's history into a contiguous copy).
+//
+// The step packs R requests one after another: request r has q_r = cu_seqlens_q[r + 1] -
+// cu_seqlens_q[r] new tokens (its query rows in `queries`, its new keys and values at the same
+// rows of `keys` and `values`) after past[r] cached tokens. A query at absolute position qp of
+// request r sees that request's keys at positions kp <= qp (causal, within the request: no
+// request sees another), and in a sliding layer of window W only kp > qp - W. Cached keys
+// (kp < past[r]) come from the pools; the step's own keys from `keys`/`values`, as
+// flash_attn_with_kvcache takes k_new. Nothing is written: store the step with the cache's update
+// (a write-only update when nothing else needs the gathered keys), before or after this call.
+//
+// A full-attention group keeps position p at block table[p / block_size], row p % block_size; a
+// sliding group keeps it in ring slot p % W (docs/paged.md). The pools are head-major, so the
+// keys of one head in one block are one contiguous [rows, head_dim] piece, read in place (widened
+// to float first for half and bfloat16). A decode step scores each key row against the few query
+// rows with plain dot products while the row is in cache, takes an exact softmax, then adds each
+// value row the same way; a prefill chunk multiplies whole blocks with an online softmax (running
+// maximum and sum). Scores accumulate in float (double for double). Grouped-query and multi-query
+// attention: query head h reads KV head h / (Hq / Hkv), and the query heads of one KV head share
+// each block read.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <kvc/attention.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+// The layout of one step of a continuous batch (transformers' cu_seqlens_q and the cached lengths).
+struct PagedAttentionStep {
+  std::span<const std::string> requests;       // R request ids
+  std::span<const std::int64_t> cu_seqlens_q;  // R + 1 offsets into the packed query rows: 0, ..., T
+  std::span<const std::int64_t> past;          // R cached token counts, before this step
+};
+
+namespace detail {
+
+// A run of consecutive key positions whose rows in one head's pool are consecutive too.
+struct pool_run {
+  std::int64_t position;  // absolute position of the first key
+  std::int64_t row;       // its pool row
+  std::int64_t count;
+};
+
+// The runs covering positions [lo, hi) of a request's cached keys in a group: cut at block
+// boundaries, and for a sliding group (window > 0) at the ring's wrap.
+inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t block_size, std::int64_t window,
+                        std::int64_t lo, std::int64_t hi, const std::string& request, std::vector<pool_run>& out) {
+  out.clear();
+  for (std::int64_t p = lo; p < hi;) {
+    const std::int64_t slot = window > 0 ? p % window : p;
+    const std::int64_t block = slot / block_size, offset = slot % block_size;
+    if (block >= static_cast<std::int64_t>(table.size()))
+      throw ValueError("kvc::paged_attention: request " + request + " has " + std::to_string(table.size()) +
+                       " blocks, too few for its cached position " + std::to_string(p));
+    std::int64_t n = std::min(block_size - offset, hi - p);
+    if (window > 0) n = std::min(n, window - slot);  // the ring wraps to slot 0
+    out.push_back({p, table[static_cast<std::size_t>(block)] * block_size + offset, n});
+    p += n;
+  }
+}
+
+}  // namespace detail
+
+// Attention of layer `layer_idx` for the step: queries [1, Hq, T, head_dim], keys and values
+// [1, Hkv, T, head_dim] (the step's new tokens, packed as the queries), Hkv the cache's KV heads
+// and Hq a multiple of it. Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim).
+template <class S>
+HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
+                                                     const PagedAttentionStep& step,
+                                                     const TensorView<typename S::element_type>& queries,
+                                                     const TensorView<typename S::element_type>& keys,
+                                                     const TensorView<typename S::element_type>& values,
+                                                     std::optional<double> scale = std::nullopt) {
+  using T = typename S::element_type;
+  using A = detail::accum_t<T>;
+  const auto [group, pool] = cache.layer_group(layer_idx);
+  const std::int64_t Hkv = cache.num_key_value_heads(), D = cache.head_dim(), bs = cache.block_size();
+  const std::int64_t Hq = queries.extent(1), T_ = queries.extent(2);
+  const auto R = static_cast<std::int64_t>(step.requests.size());
+
+  // ---- checks ------------------------------------------------------------------------------
+  if (queries.extent(0) != 1 || queries.extent(3) != D || Hq < 1 || Hq % Hkv != 0)
+    throw ValueError("kvc::paged_attention: queries must be [1, a multiple of " + std::to_string(Hkv) +
+                     " heads, tokens, " + std::to_string(D) + "], got " + shape_string(queries.extents));
+  for (const TensorView<T>* x : {&keys, &values})
+    if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, D})
+      throw ValueError("kvc::paged_attention: keys and values must be [1, " + std::to_string(Hkv) + ", " +
+                       std::to_string(T_) + ", " + std::to_string(D) + "] like the queries' tokens, got " +
+                       shape_string(x->extents));
+  for (const TensorView<T>* x : {&queries, &keys, &values})
+    if (x->stride(3) != 1) throw ValueError("kvc::paged_attention: tensors must have contiguous head_dim rows");
+  const auto cu = step.cu_seqlens_q;
+  bool layout_ok = static_cast<std::int64_t>(cu.size()) == R + 1 && static_cast<std::int64_t>(step.past.size()) == R &&
+                   !cu.empty() && cu.front() == 0 && cu.back() == T_;
+  for (std::int64_t r = 0; layout_ok && r < R; ++r)
+    layout_ok = cu[static_cast<std::size_t>(r + 1)] >= cu[static_cast<std::size_t>(r)] &&
+                step.past[static_cast<std::size_t>(r)] >= 0;
+  if (!layout_ok)
+    throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests needs " +
+                     std::to_string(R + 1) + " non-decreasing cu_seqlens_q from 0 to the " + std::to_string(T_) +
+                     " query tokens, and " + std::to_string(R) + " cached lengths >= 0");
+
+  const auto& alloc = cache.group_allocator(group);
+  const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(alloc);
+  const std::int64_t window = sliding ? cache.sliding_window() : 0;
+  const std::int64_t pool_rows = (cache.num_blocks() + 2) * bs;
+  const T* kpool = cache.key_pool(pool);
+  const T* vpool = cache.value_pool(pool);
+  const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  const std::int64_t heads_per_kv = Hq / Hkv;
+
+  // The runs of every request first: a table too short is refused before anything is computed.
+  std::vector<std::vector<detail::pool_run>> runs(static_cast<std::size_t>(R));
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::string& id = step.requests[static_cast<std::size_t>(r)];
+    const std::int64_t past = step.past[static_cast<std::size_t>(r)];
+    const std::int64_t q = cu[static_cast<std::size_t>(r + 1)] - cu[static_cast<std::size_t>(r)];
+    // The cached keys any of its queries sees: all of them, or the window's for a sliding group.
+    const std::int64_t lo = sliding ? std::max<std::int64_t>(past - window + 1, 0) : 0;
+    if (q > 0) {
+      const auto& table =
+          std::visit([&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(id); }, alloc);
+      detail::cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
+    }
+  }
+
+  HostTensor<T> out(1, Hq, T_, D);
+  out.setZero();
+  // A tile of query rows (the query heads of one KV head, `tile` positions each) makes one pass
+  // over the keys. A decode tile (few rows) scores every visible key first, then takes an exact
+  // softmax and one pass over the values: per key (value) row, one dot product (one scaled add)
+  // per query row, which costs less than a matrix product's packing on blocks this small. A
+  // larger tile runs matrix products block by block with an online softmax, so its scores never
+  // outgrow one block.
+  constexpr std::int64_t tile = 64, decode_rows = 16;
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  const std::int64_t head_pitch = pool_rows * D;
+  struct chunk {
+    const T* k;
+    const T* v;
+    std::int64_t kpitch, vpitch, position, count;
+  };
+  std::vector<chunk> chunks;
+  detail::row_matrix<A> qbuf, kbuf, vbuf, scores, acc;
+  Eigen::Matrix<A, Eigen::Dynamic, 1> m, l, corr;
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t past = step.past[static_cast<std::size_t>(r)];
+    const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = cu[static_cast<std::size_t>(r + 1)] - t0;
+    for (std::int64_t hk = 0; hk < Hkv; ++hk) {
+      // The keys of this request and head in position order: the cached runs, then the step's own.
+      chunks.clear();
+      for (const detail::pool_run& run : runs[static_cast<std::size_t>(r)])
+        chunks.push_back({kpool + hk * head_pitch + run.row * D, vpool + hk * head_pitch + run.row * D, D, D,
+                          run.position, run.count});
+      chunks.push_back({keys.data() + hk * keys.stride(1) + t0 * keys.stride(2),
+                        values.data() + hk * values.stride(1) + t0 * values.stride(2), keys.stride(2), values.stride(2),
+                        past, q});
+      for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
+        const std::int64_t per_head = std::min(tile, q - i0), rows = heads_per_kv * per_head;
+        const std::int64_t first_q = past + i0, last_q = first_q + per_head - 1;
+        // Keys any row of the tile sees: positions [lo, last_q].
+        const std::int64_t lo = sliding ? std::max<std::int64_t>(first_q - window + 1, 0) : 0;
+        qbuf.resize(rows, D);
+        for (std::int64_t g = 0; g < heads_per_kv; ++g) {
+          const std::int64_t h = hk * heads_per_kv + g;
+          for (std::int64_t i = 0; i < per_head; ++i) {
+            const T* qp = queries.data() + h * queries.stride(1) + (t0 + i0 + i) * queries.stride(2);
+            for (std::int64_t d = 0; d < D; ++d) qbuf(g * per_head + i, d) = static_cast<A>(qp[d]);
+          }
+        }
+        // Row `row`'s visible columns [jlo, jhi) of keys at positions p0 .. p0 + n - 1.
+        auto visible = [&](std::int64_t row, std::int64_t p0, std::int64_t n) {
+          const std::int64_t qpos = first_q + row % per_head;
+          const std::int64_t jhi = std::clamp<std::int64_t>(qpos - p0 + 1, 0, n);
+          const std::int64_t jlo = sliding ? std::clamp<std::int64_t>(qpos - window + 1 - p0, 0, n) : 0;
+          return std::pair<std::int64_t, std::int64_t>{jlo, std::max(jlo, jhi)};
+        };
+        // fn(keys, values, p0, n) for each chunk's part in [lo, last_q]: the keys and values at
+        // positions p0 .. p0 + n - 1, each an [n, D] block read as A (in place, or widened) on call.
+        auto for_each_chunk = [&](auto&& fn) {
+          for (const chunk& c : chunks) {
+            const std::int64_t p0 = std::max(c.position, lo), p1 = std::min(c.position + c.count, last_q + 1);
+            if (p1 <= p0) continue;
+            const T* kp = c.k + (p0 - c.position) * c.kpitch;
+            const T* vp = c.v + (p0 - c.position) * c.vpitch;
+            fn([&, kp, c, p0, p1] { return detail::as_accum<A>(kp, p1 - p0, D, c.kpitch, kbuf); },
+               [&, vp, c, p0, p1] { return detail::as_accum<A>(vp, p1 - p0, D, c.vpitch, vbuf); }, p0, p1 - p0);
+          }
+        };
+        if (rows <= decode_rows) {
+          const std::int64_t width = last_q + 1 - lo;
+          scores.resize(rows, width);
+          for_each_chunk([&](auto keys_of, auto, std::int64_t p0, std::int64_t n) {
+            const auto K = keys_of();
+            for (std::int64_t j = 0; j < n; ++j) {
+              const Eigen::Map<const Eigen::Matrix<A, 1, Eigen::Dynamic>> key(K.data() + j * K.outerStride(), D);
+              for (std::int64_t row = 0; row < rows; ++row) scores(row, p0 - lo + j) = qbuf.row(row).dot(key);
+            }
+          });
+          scores *= s;
+          for (std::int64_t row = 0; row < rows; ++row) {
+            const auto [jlo, jhi] = visible(row, lo, width);
+            auto sr = scores.row(row);
+            sr.head(jlo).setZero();
+            sr.tail(width - jhi).setZero();
+            if (jhi == jlo) continue;  // nothing visible: a zero output row
+            auto seg = sr.segment(jlo, jhi - jlo);
+            const A max = seg.maxCoeff();
+            seg = (seg.array() - max).exp().matrix();
+            seg /= seg.sum();
+          }
+          acc.setZero(rows, D);
+          for_each_chunk([&](auto, auto values_of, std::int64_t p0, std::int64_t n) {
+            const auto V = values_of();
+            for (std::int64_t j = 0; j < n; ++j) {
+              const Eigen::Map<const Eigen::Matrix<A, 1, Eigen::Dynamic>> value(V.data() + j * V.outerStride(), D);
+              for (std::int64_t row = 0; row < rows; ++row) acc.row(row) += scores(row, p0 - lo + j) * value;
+            }
+          });
+          l.setOnes(rows);
+        } else {
+          acc.setZero(rows, D);
+          m.setConstant(rows, neg_inf);
+          l.setZero(rows);
+          corr.resize(rows);
+          for_each_chunk([&](auto keys_of, auto values_of, std::int64_t p0, std::int64_t n) {
+            scores.noalias() = (qbuf * keys_of().transpose()) * s;
+            for (std::int64_t row = 0; row < rows; ++row) {
+              const auto [jlo, jhi] = visible(row, p0, n);
+              auto sr = scores.row(row);
+              sr.head(jlo).setConstant(neg_inf);
+              sr.tail(n - jhi).setConstant(neg_inf);
+              const A next = jhi > jlo ? std::max(m(row), sr.segment(jlo, jhi - jlo).maxCoeff()) : m(row);
+              if (next == neg_inf) {  // nothing visible yet
+                corr(row) = A(1);
+                sr.setZero();
+                continue;
+              }
+              corr(row) = std::exp(m(row) - next);
+              sr = (sr.array() - next).exp().matrix();
+              m(row) = next;
+            }
+            l = l.cwiseProduct(corr) + scores.rowwise().sum();
+            acc = corr.asDiagonal() * acc;
+            acc.noalias() += scores * values_of();
+          });
+        }
+        for (std::int64_t g = 0; g < heads_per_kv; ++g) {
+          const std::int64_t h = hk * heads_per_kv + g;
+          for (std::int64_t i = 0; i < per_head; ++i) {
+            const std::int64_t row = g * per_head + i;
+            const A inv = l(row) > A(0) ? A(1) / l(row) : A(0);
+            for (std::int64_t d = 0; d < D; ++d) out(0, h, t0 + i0 + i, d) = static_cast<T>(acc(row, d) * inv);
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace kvc

@@ -1,0 +1,192 @@
+// kvc::paged_attention: one step of a continuous batch (prefill chunks and decodes of requests of
+// different lengths, packed) read straight from the paged pools, against a double-precision
+// reference computed per request from a plain record of its tokens.
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <kvc/paged/paged_attention.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+kvc::ModelConfig model(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads,
+                       std::int64_t window) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = 8;
+  c.hidden_size = heads * 8;
+  c.sliding_window = window;
+  c.layer_types = types;
+  return c;
+}
+
+// Every key and value a request has given a layer, [position][kv head][d].
+using history = std::vector<std::vector<std::vector<double>>>;
+
+// The attention of one query row of request `r` in double: keys are the history, then the step's.
+std::vector<double> reference(const history& k, const history& v, std::int64_t qpos, std::int64_t hk,
+                              const std::vector<double>& query, std::int64_t window) {
+  const auto n = static_cast<std::int64_t>(k.size());
+  std::vector<double> w;
+  std::vector<std::int64_t> seen;
+  double max = -INFINITY;
+  for (std::int64_t p = 0; p < n; ++p) {
+    if (p > qpos || (window > 0 && p <= qpos - window)) continue;
+    double dot = 0;
+    for (std::size_t d = 0; d < query.size(); ++d) dot += query[d] * k[p][hk][d];
+    dot /= std::sqrt(static_cast<double>(query.size()));
+    w.push_back(dot);
+    seen.push_back(p);
+    max = std::max(max, dot);
+  }
+  std::vector<double> out(query.size(), 0.0);
+  double sum = 0;
+  for (double& x : w) sum += (x = std::exp(x - max));
+  for (std::size_t i = 0; i < w.size(); ++i)
+    for (std::size_t d = 0; d < out.size(); ++d) out[d] += w[i] / sum * v[seen[i]][hk][d];
+  return out;
+}
+
+template <class T>
+kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
+  return kvc::HostStorage<T>::input_view(t);
+}
+
+// Random steps over `requests` requests of a model with these layer types: every output of every
+// layer against the reference. Returns the largest difference seen.
+template <class T>
+double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads, std::int64_t window,
+                  std::int64_t block_size, unsigned seed) {
+  using Cache = kvc::PagedCache<kvc::HostStorage<T>>;
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = block_size;
+  cb.num_blocks = 400;
+  Cache cache(model(types, kv_heads, heads, window), cb);
+  const std::int64_t D = 8, layers = static_cast<std::int64_t>(types.size());
+  std::mt19937 rng(seed);
+  const std::vector<std::string> ids = {"r0", "r1", "r2", "r3"};
+  std::map<std::string, std::int64_t> past, allocated;
+  std::map<std::string, std::vector<std::pair<history, history>>> kv;  // per request, per layer
+  for (const auto& id : ids) kv[id].resize(static_cast<std::size_t>(layers));
+  double worst = 0;
+  for (int step = 0; step < 14; ++step) {
+    // Each request takes part with a prefill chunk, a decode token, or not at all.
+    std::vector<std::string> reqs;
+    std::vector<std::int64_t> cu = {0}, pasts;
+    for (const auto& id : ids) {
+      const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
+      if (pick == 0) continue;
+      const std::int64_t q = pick == 1 ? std::uniform_int_distribution<std::int64_t>(2, 11)(rng) : 1;
+      const std::int64_t need = (past[id] + q + block_size - 1) / block_size - allocated[id];
+      if (need > 0) allocated[id] += cache.allocate_blocks(need, id, allocated[id]).value();
+      reqs.push_back(id);
+      pasts.push_back(past[id]);
+      cu.push_back(cu.back() + q);
+    }
+    if (reqs.empty()) continue;
+    const std::int64_t tokens = cu.back();
+    kvc::PagedIndices none(static_cast<std::size_t>(cache.num_groups())), writes(none.size());
+    for (std::size_t r = 0; r < reqs.size(); ++r)
+      cache.extend_read_and_write_indices(reqs[r], pasts[r], cu[r + 1] - cu[r], nullptr, writes);
+    const kvc::PagedAttentionStep layout{reqs, cu, pasts};
+    for (std::int64_t layer = 0; layer < layers; ++layer) {
+      const auto q = kvc_test::random_tensor<T>(1, heads, tokens, D, rng);
+      const auto k = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
+      const auto v = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
+      const auto out = kvc::paged_attention(cache, layer, layout, view(q), view(k), view(v));
+      const bool sliding = types[static_cast<std::size_t>(layer)] == "sliding_attention";
+      for (std::size_t r = 0; r < reqs.size(); ++r) {
+        auto& [hk_hist, hv_hist] = kv[reqs[r]][static_cast<std::size_t>(layer)];
+        history keys = hk_hist, values = hv_hist;  // plus this step's tokens of the request
+        for (std::int64_t t = cu[r]; t < cu[r + 1]; ++t) {
+          std::vector<std::vector<double>> kr(static_cast<std::size_t>(kv_heads)), vr(kr.size());
+          for (std::int64_t h = 0; h < kv_heads; ++h)
+            for (std::int64_t d = 0; d < D; ++d) {
+              kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(k(0, h, t, d)));
+              vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(v(0, h, t, d)));
+            }
+          keys.push_back(kr);
+          values.push_back(vr);
+        }
+        for (std::int64_t t = cu[r]; t < cu[r + 1]; ++t)
+          for (std::int64_t h = 0; h < heads; ++h) {
+            std::vector<double> query;
+            for (std::int64_t d = 0; d < D; ++d) query.push_back(static_cast<double>(q(0, h, t, d)));
+            const auto want =
+                reference(keys, values, pasts[r] + t - cu[r], h / (heads / kv_heads), query, sliding ? window : 0);
+            for (std::int64_t d = 0; d < D; ++d)
+              worst =
+                  std::max(worst, std::abs(static_cast<double>(out(0, h, t, d)) - want[static_cast<std::size_t>(d)]));
+          }
+        hk_hist = std::move(keys);
+        hv_hist = std::move(values);
+      }
+      cache.update(view(k), view(v), layer, none, writes);  // the write-only path
+    }
+    for (std::size_t r = 0; r < reqs.size(); ++r) past[reqs[r]] += cu[r + 1] - cu[r];
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("paged_attention: packed prefill chunks and decodes, each request against a double reference") {
+  // GQA (4 query heads on 2 KV heads) and MQA (1 KV head); windows that are and are not a multiple
+  // of the block size, shorter and longer than a prefill chunk.
+  for (const std::int64_t window : {4, 5, 9}) {
+    CAPTURE(window);
+    CHECK(run_stream<float>({"sliding_attention", "full_attention"}, 2, 4, window, 4, 1) < 1e-5);
+    CHECK(run_stream<float>({"full_attention", "sliding_attention", "sliding_attention"}, 1, 4, window, 4, 2) < 1e-5);
+    CHECK(run_stream<double>({"sliding_attention", "full_attention"}, 2, 2, window, 8, 3) < 1e-12);
+  }
+  CHECK(run_stream<float>({"full_attention"}, 2, 6, 0, 16, 4) < 1e-5);
+}
+
+TEST_CASE("paged_attention: half and bfloat16 pools, float accumulation") {
+  // The inputs are multiples of 1/8 in [-8, 8], exact in both types; what differs is the rounding
+  // of the output, at most half an ulp of each type at |x| < 8.
+  CHECK(run_stream<Eigen::half>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 5) < 8.0 / 1024);
+  CHECK(run_stream<Eigen::bfloat16>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 6) < 8.0 / 128);
+}
+
+TEST_CASE("paged_attention refuses a step it cannot read, before computing anything") {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 8;
+  const kvc::PagedCache<kvc::HostStorage<float>> cache(model({"full_attention"}, 2, 4, 0), cb);
+  kvc::PagedCache<kvc::HostStorage<float>> grown = cache;
+  REQUIRE(grown.allocate_blocks(1, "a", 0));
+  const std::vector<std::string> reqs = {"a"};
+  const std::vector<std::int64_t> cu = {0, 2}, past = {3}, bad_cu = {0, 3}, no_past = {};
+  std::mt19937 rng(1);
+  const auto q = kvc_test::random_tensor<float>(1, 4, 2, 8, rng), k = kvc_test::random_tensor<float>(1, 2, 2, 8, rng);
+  const auto q3 = kvc_test::random_tensor<float>(1, 3, 2, 8, rng);
+  const auto k1 = kvc_test::random_tensor<float>(1, 2, 1, 8, rng);
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, cu, past}, view(q3), view(k), view(k)),
+                       "kvc::paged_attention: queries must be [1, a multiple of 2 heads, tokens, 8], got [1, 3, 2, 8]",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, cu, past}, view(q), view(k1), view(k)),
+                       "kvc::paged_attention: keys and values must be [1, 2, 2, 8] like the queries' tokens, got "
+                       "[1, 2, 1, 8]",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, bad_cu, past}, view(q), view(k), view(k)),
+                       "kvc::paged_attention: a step of 1 requests needs 2 non-decreasing cu_seqlens_q from 0 to the "
+                       "2 query tokens, and 1 cached lengths >= 0",
+                       kvc::ValueError);
+  CHECK_THROWS_AS(kvc::paged_attention(grown, 0, {reqs, cu, no_past}, view(q), view(k), view(k)), kvc::ValueError);
+  // 5 cached tokens need 2 blocks; "a" has 1.
+  const std::vector<std::int64_t> long_past = {5};
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, cu, long_past}, view(q), view(k), view(k)),
+                       "kvc::paged_attention: request a has 1 blocks, too few for its cached position 4",
+                       kvc::ValueError);
+  CHECK_THROWS_AS(kvc::paged_attention(cache, 0, {reqs, cu, past}, view(q), view(k), view(k)),
+                  kvc::ValueError);  // no table for "a": the allocator's message
+  CHECK_THROWS_AS(kvc::paged_attention(grown, 1, {reqs, cu, past}, view(q), view(k), view(k)), kvc::IndexError);
+}
