@@ -17,7 +17,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -41,6 +43,11 @@ struct AttentionMask {
   // Chunked attention (transformers' chunked_attention layers): a query sees only keys of its own
   // chunk, kv_pos / chunk == q_pos / chunk.
   std::optional<std::int64_t> attention_chunk_size = std::nullopt;
+  // Ragged batches (transformers' 2-D attention_mask): empty, or [batch, width] row-major, one
+  // entry per absolute position 0 .. width - 1 of each batch row, 0 for padding. A key at a
+  // padded position is seen by no query of its row; width must cover every key
+  // (kv_offset + kv_length). A query that sees no key gets a zero row.
+  std::span<const std::uint8_t> key_padding_mask = {};
 
   // The first absolute key position the query at qp may see.
   constexpr std::int64_t first_visible(std::int64_t qp) const noexcept {
@@ -131,6 +138,14 @@ inline void check_attention(const std::array<std::int64_t, 4>& q, const std::arr
   if (mask.attention_chunk_size)
     check_size("scaled_dot_product_attention: attention_chunk_size", *mask.attention_chunk_size, 1, max_extent);
   (void)checked_elements({q[0], q[1], q[2], v[3]}, 8);  // the output, in the widest element type
+  if (!mask.key_padding_mask.empty()) {
+    const auto n = static_cast<std::int64_t>(mask.key_padding_mask.size());
+    if (q[0] < 1 || n % q[0] != 0 || n / q[0] < mask.kv_offset + mask.kv_length)
+      throw ValueError("scaled_dot_product_attention: key_padding_mask has " + std::to_string(n) +
+                       " entries; it needs one row per batch row (" + std::to_string(q[0]) +
+                       ") of at least kv_offset + kv_length = " + std::to_string(mask.kv_offset + mask.kv_length) +
+                       " positions");
+  }
 }
 
 }  // namespace detail
@@ -210,11 +225,21 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
             continue;
           }
           auto seg = r.segment(jlo, jhi - jlo);
+          if (!mask.key_padding_mask.empty()) {  // padded keys of this batch row drop out
+            const std::uint8_t* keep = mask.key_padding_mask.data() +
+                                       b * static_cast<std::int64_t>(mask.key_padding_mask.size()) / B + first + jlo;
+            for (std::int64_t j = 0; j < jhi - jlo; ++j)
+              if (!keep[j]) seg(j) = -std::numeric_limits<A>::infinity();
+          }
           const A max = seg.maxCoeff();
-          seg = (seg.array() - max).exp().matrix();
-          seg /= seg.sum();
           r.head(jlo).setZero();
           r.tail(width - jhi).setZero();
+          if (max == -std::numeric_limits<A>::infinity()) {  // every visible key is padding
+            seg.setZero();
+            continue;
+          }
+          seg = (seg.array() - max).exp().matrix();
+          seg /= seg.sum();
         }
         if (decode) {
           ctx.setZero(rows, Dv);
@@ -258,6 +283,9 @@ struct AttendOptions {
   std::optional<std::int64_t> sliding_window = std::nullopt;
   std::optional<std::int64_t> attention_chunk_size = std::nullopt;
   std::optional<double> scale = std::nullopt;  // default 1 / sqrt(head_dim)
+  // AttentionMask::key_padding_mask: [batch, width] over absolute positions, width at least the
+  // tokens seen after this step (get_seq_length + q), 0 for padding.
+  std::span<const std::uint8_t> key_padding_mask = {};
 };
 
 // One attention layer's step through a cache: asks the mask sizes and the position, stores the
@@ -275,7 +303,8 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
                      cache.get_seq_length(layer_idx),
                      options.sliding_window,
                      true,
-                     options.attention_chunk_size};
+                     options.attention_chunk_size,
+                     options.key_padding_mask};
   if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid &&
                 detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
     const auto kv_in = detail::tensor_input<std::remove_cvref_t<KT>>::view(new_keys);

@@ -247,3 +247,58 @@ TEST_CASE("chunked attention: a query sees the keys of its own chunk") {
   CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(q, k, k, {k.extent(2), 0, 3, std::nullopt, true, 0}),
                        "scaled_dot_product_attention: attention_chunk_size must be positive, got 0", kvc::ValueError);
 }
+
+TEST_CASE("ragged batches: a padded key drops out of its row's attention") {
+  std::mt19937 rng(11);
+  // Row 0 is left-padded by 2 positions, row 1 is not: a prompt of 7 positions, then 3 decode steps.
+  const std::int64_t Hq = 4, Hkv = 2, D = 8, prompt = 7, pad = 2, steps = 3, width = prompt + steps;
+  std::vector<std::uint8_t> padding(static_cast<std::size_t>(2 * width), 1);
+  padding[0] = padding[1] = 0;
+  // Row b's tokens [from, from + len) as a batch of one.
+  const auto slice = [](const kvc::HostTensor<float>& t, Eigen::Index b, Eigen::Index from, Eigen::Index len) {
+    kvc::HostTensor<float> out(1, t.dimension(1), len, t.dimension(3));
+    for (Eigen::Index h = 0; h < t.dimension(1); ++h)
+      for (Eigen::Index i = 0; i < len; ++i)
+        for (Eigen::Index d = 0; d < t.dimension(3); ++d) out(0, h, i, d) = t(b, h, from + i, d);
+    return out;
+  };
+  kvc::DynamicCache<float> batch, row0, row1;
+  for (std::int64_t s = 0; s <= steps; ++s) {
+    CAPTURE(s);
+    const std::int64_t q = s == 0 ? prompt : 1;
+    const auto queries = gaussian<float>(2, Hq, q, D, rng);
+    const auto keys = gaussian<float>(2, Hkv, q, D, rng), values = gaussian<float>(2, Hkv, q, D, rng);
+    const auto out = kvc::attend(batch, 0, queries, keys, values, {.key_padding_mask = padding});
+    // Row 0 alone holds only its real tokens; row 1 alone is the same as in the batch.
+    const std::int64_t skip = s == 0 ? pad : 0;
+    const auto out0 = kvc::attend(row0, 0, slice(queries, 0, skip, q - skip), slice(keys, 0, skip, q - skip),
+                                  slice(values, 0, skip, q - skip));
+    const auto out1 = kvc::attend(row1, 0, slice(queries, 1, 0, q), slice(keys, 1, 0, q), slice(values, 1, 0, q));
+    double worst = 0;
+    for (Eigen::Index h = 0; h < Hq; ++h)
+      for (Eigen::Index d = 0; d < D; ++d) {
+        for (Eigen::Index i = 0; i < q; ++i) {
+          worst = std::max(worst, std::abs(double(out(1, h, i, d)) - double(out1(0, h, i, d))));
+          if (i < skip)  // a padded query sees no key: a zero row
+            worst = std::max(worst, std::abs(double(out(0, h, i, d))));
+          else
+            worst = std::max(worst, std::abs(double(out(0, h, i, d)) - double(out0(0, h, i - skip, d))));
+        }
+      }
+    CHECK(worst < 1e-5);
+  }
+  // Without the mask row 0 would see its padding: the check above is not vacuous.
+  kvc::DynamicCache<float> plain;
+  const auto queries = gaussian<float>(2, Hq, prompt, D, rng), keys = gaussian<float>(2, Hkv, prompt, D, rng);
+  const auto masked = kvc::attend(batch = {}, 0, queries, keys, keys, {.key_padding_mask = padding});
+  const auto unmasked = kvc::attend(plain, 0, queries, keys, keys);
+  CHECK(std::abs(double(masked(0, 0, 3, 0)) - double(unmasked(0, 0, 3, 0))) > 1e-6);
+
+  const std::vector<std::uint8_t> short_mask(10, 1);
+  kvc::DynamicCache<float> fresh;
+  CHECK_THROWS_WITH_AS(kvc::attend(fresh, 0, queries, keys, keys, {.key_padding_mask = short_mask}),
+                       "scaled_dot_product_attention: key_padding_mask has 10 entries; it needs one row per batch "
+                       "row (2) of at least kv_offset + kv_length = 7 positions",
+                       kvc::ValueError);
+  CHECK(fresh.get_seq_length(0) == 0);  // refused before the update
+}
