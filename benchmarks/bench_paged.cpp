@@ -1,9 +1,9 @@
 // kvc_bench_paged: the paged cache's bookkeeping and its update, side by side with memcpy.
 //
-//   step_bookkeeping/256     one decode step of 256 requests (block size 16, ~512 cached tokens
-//                            each): a block for the requests that need one, the read and write
-//                            indices of the whole batch; every 64 steps one request finishes and
-//                            a new one is admitted (untimed: the refill).
+//   step_bookkeeping/256     one decode step of 256 requests (block size 16, 512 to 767 cached
+//                            tokens each, 640 on average): a block for the requests that need
+//                            one, the read and write indices of the whole batch; each step one
+//                            request finishes and a new one is admitted (untimed: the refill).
 //   update/bs/<n>/requests:<r>/past:<p>   one update of one layer for a decode batch of r
 //                            requests with p cached tokens each (8 KV heads x head_dim 128, float):
 //                            the new rows scattered, r x (p + 1) rows gathered. Bytes counted: what
@@ -60,15 +60,21 @@ kvc::ContinuousBatchingConfig blocks(std::int64_t block_size, std::int64_t num_b
 }
 
 void step_bookkeeping(benchmark::State& state) {
-  const std::int64_t requests = state.range(0), bs = 16, past0 = 512;
-  Cache cache(one_layer(), blocks(bs, requests * (past0 / bs + 80)));
-  std::vector<std::int64_t> past(static_cast<std::size_t>(requests), past0), allocated(past.size(), 0);
+  // Request r starts with past0 + r % span cached tokens and is replaced by a fresh request of
+  // past0 tokens once it has decoded `span` more (untimed): one replacement per step, and every
+  // step reads between past0 and past0 + span tokens per request, however many steps run.
+  const std::int64_t requests = state.range(0), bs = 16, past0 = 512, span = 256;
+  Cache cache(one_layer(), blocks(bs, requests * ((past0 + span) / bs + 2)));
+  std::vector<std::int64_t> past(static_cast<std::size_t>(requests)), allocated(past.size(), 0);
   std::vector<std::string> ids;
-  for (std::int64_t r = 0; r < requests; ++r) {
-    ids.push_back("req_" + std::to_string(r));
-    allocated[static_cast<std::size_t>(r)] = *cache.allocate_blocks(past0 / bs, ids.back(), 0);
-  }
-  std::int64_t step = 0, next = requests;
+  std::int64_t next = 0;
+  auto admit = [&](std::size_t r, std::int64_t tokens) {
+    ids[r] = "req_" + std::to_string(next++);
+    past[r] = tokens;
+    allocated[r] = *cache.allocate_blocks((tokens + bs - 1) / bs, ids[r], 0);
+  };
+  ids.resize(past.size());
+  for (std::int64_t r = 0; r < requests; ++r) admit(static_cast<std::size_t>(r), past0 + r % span);
   kvc::PagedIndices reads(1), writes(1);
   for (auto _ : state) {
     reads[0].clear();
@@ -80,15 +86,13 @@ void step_bookkeeping(benchmark::State& state) {
       past[r] += 1;
     }
     benchmark::DoNotOptimize(reads[0].data());
-    if (++step % 64 == 0) {  // one request finishes, a new one takes its place
-      state.PauseTiming();
-      const std::size_t r = static_cast<std::size_t>(step / 64) % ids.size();
-      cache.free_blocks(ids[r]);
-      ids[r] = "req_" + std::to_string(next++);
-      past[r] = past0;
-      allocated[r] = *cache.allocate_blocks(past0 / bs, ids[r], 0);
-      state.ResumeTiming();
-    }
+    state.PauseTiming();
+    for (std::size_t r = 0; r < ids.size(); ++r)
+      if (past[r] >= past0 + span) {  // finished: a new request takes its place
+        cache.free_blocks(ids[r]);
+        admit(r, past0);
+      }
+    state.ResumeTiming();
   }
   state.counters["requests"] = static_cast<double>(requests);
 }

@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include <kvc/attention.hpp>
 #include <kvc/runtime.hpp>
 
 #include "../support/kvc_test.hpp"
@@ -297,4 +298,23 @@ TEST_CASE("PagedBatchCache::early_initialization fixes the batch before the firs
   std::mt19937 rng(1);
   const auto k = kvc_test::random_tensor<float>(6, 2, 3, 8, rng);
   CHECK(pc.update(k, k, 1).keys.extents == std::array<std::int64_t, 4>{6, 2, 3, 8});
+}
+
+TEST_CASE("attend over make_cache('paged') gives what it gives over the dynamic cache") {
+  std::mt19937 rng(21);
+  const kvc::ModelConfig m = hybrid_model(5);
+  kvc::AnyCache dynamic = kvc::make_cache(kvc::GenerationConfig{}, m);
+  kvc::AnyCache pc = kvc::make_cache(paged(), m, {}, blocks(4, 100));
+  for (const std::int64_t q : {6, 1, 1, 4, 1}) {
+    for (std::int64_t layer = 0; layer < 3; ++layer) {
+      CAPTURE(layer);
+      const auto queries = kvc_test::random_tensor<float>(2, 4, q, 8, rng);
+      const auto k = kvc_test::random_tensor<float>(2, 2, q, 8, rng),
+                 v = kvc_test::random_tensor<float>(2, 2, q, 8, rng);
+      const auto a = kvc::attend(dynamic, layer, queries, k, v);
+      const auto b = kvc::attend(pc, layer, queries, k, v);
+      const std::vector<double> fa = kvc_test::flatten(kvc::HostStorage<float>::input_view(a));
+      CHECK(kvc_test::flatten(kvc::HostStorage<float>::input_view(b)) == fa);
+    }
+  }
 }
