@@ -21,6 +21,7 @@
 #include <kvc/paged/paged_batch_cache.hpp>
 
 #include "../support/kvc_test.hpp"
+#include "../support/paged_snapshot.hpp"
 
 // ---- the failing allocator ---------------------------------------------------------------------
 
@@ -279,19 +280,23 @@ kvc::ContinuousBatchingConfig paged_blocks(std::int64_t num_blocks) {
   return cb;
 }
 
-// A step of q tokens of `request` after `past` through both layers (reads too when `read`).
-op<paged_rig> paged_step(const std::string& request, std::int64_t past, std::int64_t q, bool read) {
-  return {"step " + request + " past " + std::to_string(past) + " q " + std::to_string(q), [=](paged_rig& r) {
-            kvc::PagedIndices reads(static_cast<std::size_t>(r.cache.num_groups())), writes(reads.size());
-            r.cache.extend_read_and_write_indices(request, past, q, read ? &reads : nullptr, writes);
-            r.reads = std::move(reads);
-            r.writes = std::move(writes);
-            std::mt19937 rng(static_cast<unsigned>(past * 31 + q));
-            for (std::int64_t layer = 0; layer < 2; ++layer) {
-              const auto k = random_tensor<float>(1, heads, q, head_dim, rng);
-              r.cache.update(Host::input_view(k), Host::input_view(k), layer, r.reads, r.writes);
-            }
-          }};
+// A step of q tokens of `request` after `past`: its index lists (kept in the rig), then one
+// update per layer (each call on its own, as the strong guarantee is per call).
+void add_paged_step(std::vector<op<paged_rig>>& ops, const std::string& request, std::int64_t past, std::int64_t q,
+                    bool read) {
+  const std::string at = request + " past " + std::to_string(past) + " q " + std::to_string(q);
+  ops.push_back({"indices " + at, [=](paged_rig& r) {
+                   kvc::PagedIndices reads(static_cast<std::size_t>(r.cache.num_groups())), writes(reads.size());
+                   r.cache.extend_read_and_write_indices(request, past, q, read ? &reads : nullptr, writes);
+                   r.reads = std::move(reads);
+                   r.writes = std::move(writes);
+                 }});
+  for (std::int64_t layer = 0; layer < 2; ++layer)
+    ops.push_back({"update " + at + " layer " + std::to_string(layer), [=](paged_rig& r) {
+                     std::mt19937 rng(static_cast<unsigned>(past * 31 + q + layer));
+                     const auto k = random_tensor<float>(1, heads, q, head_dim, rng);
+                     r.cache.update(Host::input_view(k), Host::input_view(k), layer, r.reads, r.writes);
+                   }});
 }
 
 // The paged bookkeeping's invariants: every block is free (once) or held, and a held block's
@@ -324,17 +329,19 @@ std::string paged_invariants(const kvc::PagedCache<Host>& c) {
   return {};
 }
 
-// The basic guarantee, for the paged bookkeeping, whose maps and lists allocate midway through
-// many operations (docs/paged.md): for every op and every N, an allocation failure leaves the
-// invariants above true, and the cache usable (`recover` gives every block back: `free_all`).
-template <class C>
+// For every op and every N, an allocation failure leaves the cache as it was (compared through
+// `observe`) where `strong(op)`, and for the other ops the basic guarantee: the invariants above
+// hold and the cache is usable (`recover` gives every block back).
+template <class C, class Observe>
 void check_paged_failures(const scenario<C>& s, const std::function<const kvc::PagedCache<Host>&(C&)>& pages,
-                          const std::function<void(C&)>& recover) {
+                          const std::function<void(C&)>& recover, const std::function<bool(const std::string&)>& strong,
+                          Observe observe) {
   std::int64_t failures = 0;
   for (std::size_t k = 0; k < s.ops.size(); ++k) {
     for (std::int64_t n = 0;; ++n) {
       C cache = s.make();
       for (std::size_t j = 0; j < k; ++j) s.ops[j].run(cache);
+      const auto before = observe(cache);
       arm(n);
       bool threw = false;
       try {
@@ -350,6 +357,7 @@ void check_paged_failures(const scenario<C>& s, const std::function<const kvc::P
       ++failures;
       CHECK(threw);
       CHECK(paged_invariants(pages(cache)) == "");
+      if (strong(s.ops[k].name)) CHECK(observe(cache) == before);
       recover(cache);
       CHECK(pages(cache).get_num_free_blocks() == pages(cache).num_blocks());
     }
@@ -373,15 +381,15 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
     const std::vector<std::int64_t> prompt = {1, 2, 3, 4, 5, 6, 7};
     scenario<C> s{hybrid ? "PagedCache (sliding + full)" : "PagedCache (full)", make, {}};
     s.ops.push_back({"allocate a", [](C& r) { (void)r.cache.allocate_blocks(2, "a", 0); }});
-    s.ops.push_back(paged_step("a", 0, 7, false));
+    add_paged_step(s.ops, "a", 0, 7, false);
     s.ops.push_back({"mark a complete", [=](C& r) { r.cache.mark_shareable_blocks_as_complete("a", 1, prompt); }});
     s.ops.push_back({"prefix match b", [=](C& r) { (void)r.cache.search_prefix_match("b", prompt); }});
     s.ops.push_back({"allocate b", [](C& r) {
                        const std::int64_t held = r.cache.blocks_in_use("b");
                        (void)r.cache.allocate_blocks(2 - held, "b", held);
                      }});
-    s.ops.push_back(paged_step("b", 4, 3, true));
-    s.ops.push_back(paged_step("a", 7, 1, true));
+    add_paged_step(s.ops, "b", 4, 3, true);
+    add_paged_step(s.ops, "a", 7, 1, true);
     s.ops.push_back({"fork a to x, y", [](C& r) {
                        const std::vector<std::string> kids = {"x", "y"};
                        (void)r.cache.fork_request("a", kids);
@@ -393,11 +401,16 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
     s.ops.push_back({"offload b", [](C& r) { (void)r.cache.offload_request("b"); }});
     s.ops.push_back({"drop b", [](C& r) { r.cache.drop_offloaded_request("b"); }});
     s.ops.push_back({"free all", [](C& r) { r.cache.free_all_requests(); }});
+    // Every call is strong but a fork over several groups, which forks group by group.
     check_paged_failures<C>(
         s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
         [](C& r) {
           for (const char* id : {"a", "b", "x", "y"}) r.cache.drop_offloaded_request(id);
           r.cache.free_all_requests();
+        },
+        [](const std::string& op) { return op.rfind("fork", 0) != 0; },
+        [](C& r) {
+          return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "b", "x", "y"}), std::pair{r.reads, r.writes}};
         });
   }
 }
@@ -437,7 +450,9 @@ TEST_CASE("PagedBatchCache: updates, beam reorders, repeats, selections") {
         const std::vector<double> got = kvc_test::flatten(a.keys);
         CHECK(got == kvc_test::flatten(fresh.cache.update(tokens(3, 8), tokens(3, 9), 1).keys));
         r.cache.reset();
-      });
+      },
+      [](const std::string&) { return false; },  // the basic guarantee (docs/limits.md)
+      [](C& r) { return r.cache.batch_size(); });
 }
 
 TEST_CASE("DynamicCache: every allocation failure leaves the cache as it was") {

@@ -131,14 +131,35 @@ class CacheAllocator {
                        std::to_string(q));
   }
 
-  // n more blocks at the end of the request's table, all or none (false: too few free). The table
-  // and its room are made first: once the manager has handed the blocks out, nothing allocates.
-  bool grow_table(const std::string& request_id, std::int64_t n, bool chained, BlockManager& bm) {
+ public:
+  // Makes the request's table if it has none, and room in it for n more blocks (what a later
+  // allocate_blocks of up to n then takes without allocating); true if it made the table.
+  bool reserve_table(const std::string& request_id, std::int64_t n) {
     const auto [it, created] = tables_.try_emplace(request_id);
     try {
       std::vector<std::int64_t>& t = it->second;
-      if (t.capacity() - t.size() < static_cast<std::size_t>(n))  // grown geometrically: appends stay amortized O(1)
+      if (t.capacity() - t.size() < static_cast<std::size_t>(n))
         t.reserve(std::max(t.size() + static_cast<std::size_t>(n), 2 * t.capacity()));
+    } catch (...) {
+      if (created) tables_.erase(it);
+      throw;
+    }
+    return created;
+  }
+  // Forgets a table reserve_table made and nothing filled.
+  void drop_empty_table(const std::string& request_id) noexcept {
+    const auto it = tables_.find(request_id);
+    if (it != tables_.end() && it->second.empty()) tables_.erase(it);
+  }
+
+ protected:
+  // n more blocks at the end of the request's table, all or none (false: too few free). The table
+  // and its room are made first: once the manager has handed the blocks out, nothing allocates.
+  bool grow_table(const std::string& request_id, std::int64_t n, bool chained, BlockManager& bm) {
+    const bool created = reserve_table(request_id, n);  // grown geometrically: appends stay amortized O(1)
+    const auto it = tables_.find(request_id);
+    try {
+      std::vector<std::int64_t>& t = it->second;
       const std::optional<std::int64_t> last =
           chained && !t.empty() ? std::optional<std::int64_t>(t.back()) : std::nullopt;
       if (bm.take_free_blocks(n, last, chained && sharing_, index_, t)) return true;

@@ -78,6 +78,7 @@ class BlockManager {
     next_.assign(n, -1);
     in_init_.assign(n, 0);
     in_uninit_.assign(n, 1);
+    listed_.assign(n, 0);
     slots_.resize(n);
     hash_to_id_.reserve(n);
   }
@@ -191,13 +192,23 @@ class BlockManager {
   void free_blocks(std::span<const std::int64_t> blocks, bool shareable) {
     if (shareable) {
       // Every block must be held as often as it is listed: checked first, so that a bad list
-      // changes nothing (and a retry cannot drop a reference twice).
-      std::unordered_map<std::int64_t, std::int64_t> listed;
-      for (const std::int64_t id : blocks) listed[id] += 1;
-      for (const auto& [id, n] : listed)
-        if (block_or_throw(id, "free_blocks").ref_count < n)
-          throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) + " is listed " +
-                             std::to_string(n) + " times but held " + std::to_string(block(id)->ref_count) + " times");
+      // changes nothing (and a retry cannot drop a reference twice). The counts go in listed_,
+      // sized with the manager, so that giving blocks back never allocates.
+      for (const std::int64_t id : blocks) (void)block_or_throw(id, "free_blocks");
+      for (const std::int64_t id : blocks) ++listed_[static_cast<std::size_t>(id)];
+      std::int64_t bad = -1, times = 0;
+      for (const std::int64_t id : blocks) {
+        auto& n = listed_[static_cast<std::size_t>(id)];
+        if (bad < 0 && n > block(id)->ref_count) {
+          bad = id;
+          times = n;
+        }
+        n = 0;  // back to zero for the next call
+      }
+      if (bad >= 0)
+        throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(bad) + " is listed " +
+                           std::to_string(times) + " times but held " + std::to_string(block(bad)->ref_count) +
+                           " times");
       for (const std::int64_t id : blocks) decrease_ref_count(id);
     } else {
       // Checked first (a block given back twice would overflow the FIFO): each is marked as it
@@ -409,6 +420,7 @@ class BlockManager {
   std::int64_t head_ = 0, uninit_count_ = 0;
   std::vector<std::int64_t> prev_, next_;  // the initialized list
   std::vector<char> in_init_, in_uninit_;
+  std::vector<std::int64_t> listed_;  // free_blocks' counts, zero between calls
   std::int64_t init_head_ = -1, init_tail_ = -1, init_count_ = 0;
   std::unordered_map<std::uint64_t, std::int64_t> hash_to_id_;
   std::vector<std::optional<Block>> slots_;  // the Block of each id in a shareable allocation, if any

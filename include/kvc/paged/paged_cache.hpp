@@ -22,6 +22,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -308,9 +309,10 @@ class PagedCache {
     if (!will_allocation_be_successful(n, allocated)) return std::nullopt;
     // What each group will really take (a sliding group from its own table, which a wrong
     // `allocated` could misstate): all of it must fit, or nothing is taken.
-    std::int64_t take = 0;
+    std::vector<std::int64_t> takes;  // per group
+    takes.reserve(allocators_.size());
     for (const allocator& a : allocators_)
-      take += std::visit(
+      takes.push_back(std::visit(
           [&](const auto& al) -> std::int64_t {
             if constexpr (std::decay_t<decltype(al)>::is_sliding) {
               const std::int64_t have = al.has_request(request_id) ? std::ssize(al.table(request_id)) : 0;
@@ -319,8 +321,19 @@ class PagedCache {
               return n;
             }
           },
-          a);
-    if (take > get_num_free_blocks()) return std::nullopt;
+          a));
+    if (std::accumulate(takes.begin(), takes.end(), std::int64_t{0}) > get_num_free_blocks()) return std::nullopt;
+    // Every group's table and its room first (undone if one cannot be made), so that taking the
+    // blocks afterwards allocates nothing: an allocation failure changes nothing.
+    std::vector<char> made(allocators_.size(), 0);
+    try {
+      for (std::size_t g = 0; g < allocators_.size(); ++g)
+        made[g] = std::visit([&](auto& al) { return al.reserve_table(request_id, takes[g]); }, allocators_[g]);
+    } catch (...) {
+      for (std::size_t g = 0; g < allocators_.size(); ++g)
+        if (made[g]) std::visit([&](auto& al) { al.drop_empty_table(request_id); }, allocators_[g]);
+      throw;
+    }
     std::int64_t most = 0;
     for (allocator& a : allocators_) {
       // Cannot come back empty after the check above (value() would throw bad_optional_access).
