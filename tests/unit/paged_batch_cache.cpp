@@ -259,7 +259,7 @@ TEST_CASE("PagedBatchCache: a call that fails changes nothing, and says why") {
   CHECK(held(pc).paged().get_num_free_blocks() == 0);
   const observed four = observe(pc);
   CHECK_THROWS_WITH_AS(pc.batch_select_indices({0, 0, 1, 1, 2}),
-                       "kvc::PagedBatchCache::batch_select_indices: copying a row needs 3 free blocks, 0 are free",
+                       "kvc::PagedBatchCache::batch_select_indices: copying rows needs 3 free blocks, 0 are free",
                        kvc::MemoryError);
   CHECK(observe(pc) == four);
   // Reusing the blocks of rows that are dropped needs no free block.

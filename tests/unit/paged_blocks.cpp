@@ -473,6 +473,10 @@ TEST_CASE("block bookkeeping messages, each word for word") {
   CHECK(bm.num_free_blocks() == free_before + 2);
   CHECK_THROWS_WITH_AS(bm.uninitialize_unshared_block(3),
                        "kvc::paged::BlockManager: block 3 is not in use, or is given back twice", kvc::RuntimeError);
+  kvc::paged::ForkedBlocks unprepared;
+  CHECK_THROWS_WITH_AS(bm.commit_fork(full.table("r"), 2, true, 0, unprepared),
+                       "kvc::paged::BlockManager: commit_fork needs the ForkedBlocks prepare_fork made",
+                       kvc::ValueError);
   ids small;
   CHECK_THROWS_WITH_AS(bm.take_free_blocks(1, std::nullopt, false, 0, small),
                        "kvc::paged::BlockManager: take_free_blocks needs room for 1 ids", kvc::ValueError);

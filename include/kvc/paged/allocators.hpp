@@ -67,6 +67,24 @@ class CacheAllocator {
   // the block copies to make. Nothing changes when it throws.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_blocks(
       const std::string& parent_request_id, std::span<const std::string> children_request_ids, BlockManager& bm) {
+    PreparedFork f = prepare_fork(parent_request_id, children_request_ids, bm);
+    if (!commit_fork(parent_request_id, f, bm)) {
+      abandon_fork(f);
+      throw ValueError("Failed to fork blocks for request " + parent_request_id);
+    }
+    return {std::move(f.blocks.copy_src), std::move(f.blocks.copy_dst)};
+  }
+
+  // fork_blocks in steps, for a cache that forks several groups: prepare_fork checks the names and
+  // allocates everything (the children's empty tables, the manager's ForkedBlocks) without taking a
+  // block; commit_fork takes the blocks and fills the tables without allocating (false: too few
+  // free blocks, nothing taken); abandon_fork undoes a prepared fork that is not committed.
+  struct PreparedFork {
+    std::vector<std::map<std::string, std::vector<std::int64_t>>::iterator> made;
+    ForkedBlocks blocks;
+  };
+  PreparedFork prepare_fork(const std::string& parent_request_id, std::span<const std::string> children_request_ids,
+                            const BlockManager& bm) {
     const auto parent = tables_.find(parent_request_id);
     if (parent == tables_.end()) throw ValueError("No block table found for request " + parent_request_id);
     for (std::size_t i = 0; i < children_request_ids.size(); ++i) {
@@ -76,29 +94,27 @@ class CacheAllocator {
         if (children_request_ids[j] == child)
           throw ValueError("kvc::paged: fork destination " + child + " is named twice");
     }
-    // The children's entries exist before the manager hands out blocks, so that no allocation can
-    // fail between the blocks being taken and their tables being kept.
-    std::vector<std::map<std::string, std::vector<std::int64_t>>::iterator> made;
-    made.reserve(children_request_ids.size());
+    PreparedFork f;
     try {
-      for (const std::string& child : children_request_ids) made.push_back(tables_.try_emplace(child).first);
+      f.made.reserve(children_request_ids.size());
+      for (const std::string& child : children_request_ids) f.made.push_back(tables_.try_emplace(child).first);
+      f.blocks = bm.prepare_fork(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_);
     } catch (...) {
-      for (const auto& it : made) tables_.erase(it);
+      abandon_fork(f);
       throw;
     }
-    std::optional<ForkedBlocks> forked;
-    try {
-      forked = bm.fork_blocks(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_, index_);
-    } catch (...) {
-      for (const auto& it : made) tables_.erase(it);
-      throw;
-    }
-    if (!forked) {
-      for (const auto& it : made) tables_.erase(it);
-      throw ValueError("Failed to fork blocks for request " + parent_request_id);
-    }
-    for (std::size_t i = 0; i < made.size(); ++i) made[i]->second = std::move(forked->tables[i]);
-    return {std::move(forked->copy_src), std::move(forked->copy_dst)};
+    return f;
+  }
+  bool commit_fork(const std::string& parent_request_id, PreparedFork& f, BlockManager& bm) {
+    const auto& parent = table_of(parent_request_id);
+    if (!bm.commit_fork(parent, static_cast<std::int64_t>(f.made.size()), sharing_, index_, f.blocks)) return false;
+    for (std::size_t i = 0; i < f.made.size(); ++i) f.made[i]->second = std::move(f.blocks.tables[i]);
+    f.made.clear();  // committed: the tables stay
+    return true;
+  }
+  void abandon_fork(PreparedFork& f) noexcept {
+    for (const auto& it : f.made) tables_.erase(it);
+    f.made.clear();
   }
 
  protected:

@@ -324,21 +324,37 @@ class BlockManager {
   // there are not enough free blocks (upstream keeps what it took before failing).
   std::optional<ForkedBlocks> fork_blocks(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks,
                                           bool shareable, std::int64_t group_id) {
-    const std::size_t shared = shareable ? complete_prefix(parent_blocks) : 0;
-    const auto to_copy = static_cast<std::int64_t>(parent_blocks.size() - shared);
+    ForkedBlocks out = prepare_fork(parent_blocks, num_forks, shareable);
+    if (!commit_fork(parent_blocks, num_forks, shareable, group_id, out)) return std::nullopt;
+    return out;
+  }
+  // fork_blocks in two steps. prepare_fork allocates everything the result needs (the forks'
+  // tables, holding the shared blocks, with room for the rest; the copy lists' room) and changes
+  // nothing. commit_fork takes the blocks into it and allocates nothing: false, with nothing
+  // changed, when there are not enough free blocks. A caller forking several groups prepares them
+  // all before it commits any.
+  ForkedBlocks prepare_fork(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks, bool shareable) const {
     if (num_forks < 0)
       throw ValueError("kvc::paged::BlockManager: cannot fork " + std::to_string(num_forks) + " times");
-    // All or nothing: the check evicts, which frees nothing anyone holds. Everything the result
-    // needs is allocated before the first block is taken.
-    if (!has_enough_free_blocks(to_copy * num_forks)) return std::nullopt;
+    const std::size_t shared = shareable ? complete_prefix(parent_blocks) : 0;
     ForkedBlocks out;
-    const auto n_copies = static_cast<std::size_t>(to_copy * num_forks);
+    const auto n_copies = (parent_blocks.size() - shared) * static_cast<std::size_t>(num_forks);
     out.tables.assign(
         static_cast<std::size_t>(num_forks),
         std::vector<std::int64_t>(parent_blocks.begin(), parent_blocks.begin() + static_cast<std::ptrdiff_t>(shared)));
     for (auto& t : out.tables) t.reserve(parent_blocks.size());
     out.copy_src.reserve(n_copies);
     out.copy_dst.reserve(n_copies);
+    return out;
+  }
+  bool commit_fork(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks, bool shareable,
+                   std::int64_t group_id, ForkedBlocks& out) {
+    const std::size_t shared = shareable ? complete_prefix(parent_blocks) : 0;
+    const auto to_copy = static_cast<std::int64_t>(parent_blocks.size() - shared);
+    if (static_cast<std::int64_t>(out.tables.size()) != num_forks)
+      throw ValueError("kvc::paged::BlockManager: commit_fork needs the ForkedBlocks prepare_fork made");
+    // All or nothing: the check evicts, which frees nothing anyone holds.
+    if (!has_enough_free_blocks(to_copy * num_forks)) return false;
     const std::optional<std::int64_t> last_shared =
         shared > 0 ? std::optional<std::int64_t>(parent_blocks[shared - 1]) : std::nullopt;
     for (auto& table : out.tables) {
@@ -349,7 +365,7 @@ class BlockManager {
       out.copy_dst.insert(out.copy_dst.end(), table.begin() + static_cast<std::ptrdiff_t>(shared), table.end());
     }
     for (std::size_t i = 0; i < shared; ++i) slots_[static_cast<std::size_t>(parent_blocks[i])]->ref_count += num_forks;
-    return out;
+    return true;
   }
 
  private:

@@ -79,7 +79,9 @@ class PagedBatchCache {
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
     detail::check_size("kvc::PagedBatchCache::update: tokens", q, 1, max_extent - past);
 
-    // Everything that can fail before a row changes: the output buffer, then the blocks.
+    // Everything that can fail comes before the first change: the checks, the new rows' names,
+    // the index lists' memory, the output buffer and every row's table room. Then the blocks are
+    // taken and the lists filled, which allocates nothing.
     const std::int64_t bs = cache_.block_size();
     const std::int64_t wanted = (past + q + bs - 1) / bs;
     const std::int64_t more = std::max<std::int64_t>(wanted - allocated_, 0);
@@ -88,18 +90,43 @@ class PagedBatchCache {
       throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
                         std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
                         " are free (ContinuousBatchingConfig::num_blocks)");
-    if (rows_.empty()) name_rows(batch);
-    // The blocks: capacity. Should building the indices fail after this (an allocation failure),
-    // the rows keep them for the next step and no token or length has changed.
-    if (more > 0) {
-      for (const std::string& id : rows_) (void)cache_.allocate_blocks(more, id, allocated_).value();
-      allocated_ += more;
-    }
-    const std::vector<step_rows>& idx = indices(past, q);
+    std::vector<std::string> names;
+    if (rows_.empty()) names = row_names(batch);
+    const std::vector<std::string>& ids = rows_.empty() ? names : rows_;
+    const bool reuse = !indices_.empty() && indices_past_ == past && indices_q_ == q;
+    std::vector<step_rows> next;
+    if (!reuse) next = sized_indices(ids.size(), past, q);
     const auto gi = static_cast<std::size_t>(group);
-    const auto r = static_cast<std::int64_t>(idx.front().reads[gi].size());
+    const std::int64_t r =
+        reuse ? static_cast<std::int64_t>(indices_.front().reads[gi].size()) : read_rows(gi, past, q);
     T* ok = out_buffer(out_k_, out_v_, batch * cache_.num_key_value_heads() * r * cache_.head_dim());
     T* ov = out_v_.data();
+    if (more > 0) reserve_tables(ids, more);
+    // Committed: nothing below allocates or fails.
+    if (more > 0) {
+      for (const std::string& id : ids)
+        for (auto& a : cache_.allocators_)
+          std::visit([&](auto& al) { (void)al.allocate_blocks(more, id, cache_.manager_); }, a);
+      allocated_ += more;
+    }
+    if (!reuse) {
+      for (std::size_t b = 0; b < ids.size(); ++b)
+        for (std::size_t g = 0; g < cache_.allocators_.size(); ++g)
+          std::visit(
+              [&](const auto& al) {
+                al.get_write_indices(ids[b], past, q, next[b].writes[g]);
+                al.get_read_indices(ids[b], past, q, next[b].reads[g]);
+              },
+              cache_.allocators_[g]);
+      indices_ = std::move(next);
+      indices_past_ = past;
+      indices_q_ = q;
+    }
+    if (rows_.empty()) {
+      rows_ = std::move(names);
+      next_id_ += batch;
+    }
+    const std::vector<step_rows>& idx = indices_;
     const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
     for (std::int64_t b = 0; b < batch; ++b) {
       const view_type kb = row_of(k, b), vb = row_of(v, b);
@@ -281,11 +308,15 @@ class PagedBatchCache {
       throw ValueError("kvc::PagedBatchCache::update: the cache holds a batch of " + std::to_string(rows_.size()) +
                        " rows, got " + std::to_string(k.extent(0)));
   }
-  void name_rows(std::int64_t batch) {
+  // Names for `batch` new rows (not yet the cache's).
+  std::vector<std::string> row_names(std::int64_t batch) const {
     std::vector<std::string> ids;
     ids.reserve(static_cast<std::size_t>(batch));
     for (std::int64_t b = 0; b < batch; ++b) ids.push_back(std::to_string(next_id_ + b));
-    rows_ = std::move(ids);
+    return ids;
+  }
+  void name_rows(std::int64_t batch) {
+    rows_ = row_names(batch);
     next_id_ += batch;
   }
   static view_type row_of(const view_type& x, std::int64_t b) {
@@ -304,18 +335,38 @@ class PagedBatchCache {
     }
     return k.data();
   }
-  // Every row's read and write rows for a step of q tokens after `past`, kept for the layers that
-  // follow in the same step (the rows are the same for every layer of a group).
-  const std::vector<step_rows>& indices(std::int64_t past, std::int64_t q) {
-    if (!indices_.empty() && indices_past_ == past && indices_q_ == q) return indices_;
-    const auto groups = static_cast<std::size_t>(cache_.num_groups());
-    std::vector<step_rows> out(rows_.size(), step_rows{PagedIndices(groups), PagedIndices(groups)});
-    for (std::size_t b = 0; b < rows_.size(); ++b)
-      cache_.extend_read_and_write_indices(rows_[b], past, q, &out[b].reads, out[b].writes);
-    indices_ = std::move(out);
-    indices_past_ = past;
-    indices_q_ = q;
-    return indices_;
+  // Read rows of a step of q tokens after `past` in group g: every position for a full group,
+  // the last min(past, sliding_window - 1) and the new ones for a sliding group.
+  std::int64_t read_rows(std::size_t g, std::int64_t past, std::int64_t q) const {
+    const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache_.allocators_[g]);
+    return (sliding ? std::min(past, cache_.sliding_window() - 1) : past) + q;
+  }
+  // Index lists for every row, empty, with room for a step of q tokens after `past` (the rows are
+  // the same for every layer of a group; update keeps them for the layers that follow).
+  std::vector<step_rows> sized_indices(std::size_t rows, std::int64_t past, std::int64_t q) const {
+    const std::size_t groups = cache_.allocators_.size();
+    std::vector<step_rows> out(rows, step_rows{PagedIndices(groups), PagedIndices(groups)});
+    for (auto& sr : out)
+      for (std::size_t g = 0; g < groups; ++g) {
+        sr.reads[g].reserve(static_cast<std::size_t>(read_rows(g, past, q)));
+        sr.writes[g].reserve(static_cast<std::size_t>(q));
+      }
+    return out;
+  }
+  // Room in every row's table of every group for `more` blocks (tables a failure made are dropped).
+  void reserve_tables(const std::vector<std::string>& ids, std::int64_t more) {
+    std::vector<std::pair<std::size_t, const std::string*>> made;  // (group, row) of tables made here
+    made.reserve(ids.size() * cache_.allocators_.size());
+    try {
+      for (const std::string& id : ids)
+        for (std::size_t g = 0; g < cache_.allocators_.size(); ++g)
+          if (std::visit([&](auto& al) { return al.reserve_table(id, more); }, cache_.allocators_[g]))
+            made.emplace_back(g, &id);
+    } catch (...) {
+      for (const auto& m : made)
+        std::visit([&](auto& al) { al.drop_empty_table(*m.second); }, cache_.allocators_[m.first]);
+      throw;
+    }
   }
 
   // New row i is old row idx[i]. The first new row of an old row takes its blocks; another copy
@@ -358,23 +409,24 @@ class PagedBatchCache {
       append_blocks(spare[c], to);
     }
 
-    // The forks: new blocks for the copies no dropped row can take, all taken before anything changes.
+    // The forks: new blocks for the copies no dropped row can take, in one call (all or none).
     std::vector<std::string> forked;
     forked.reserve(copies.size() - reused);
-    try {
-      for (std::size_t c = reused; c < copies.size(); ++c) {
-        const std::string id = std::to_string(next_id_ + static_cast<std::int64_t>(forked.size()));
-        const std::string& src = rows_[static_cast<std::size_t>(copies[c].second)];
-        if (cache_.compute_max_num_forks(src) < 1)
-          throw MemoryError(std::string("kvc::PagedBatchCache::") + method + ": copying a row needs " +
-                            std::to_string(cache_.blocks_in_use(src)) + " free blocks, " +
-                            std::to_string(cache_.get_num_free_blocks()) + " are free");
-        (void)cache_.fork_request(src, std::span<const std::string>(&id, 1));
-        forked.push_back(id);
-      }
-    } catch (...) {
-      for (const std::string& id : forked) cache_.free_blocks(id);
-      throw;
+    for (std::size_t c = reused; c < copies.size(); ++c)
+      forked.push_back(std::to_string(next_id_ + static_cast<std::int64_t>(forked.size())));
+    std::vector<std::pair<std::string, std::span<const std::string>>> forks;
+    forks.reserve(forked.size());
+    for (std::size_t c = reused; c < copies.size(); ++c)
+      forks.emplace_back(rows_[static_cast<std::size_t>(copies[c].second)],
+                         std::span<const std::string>(&forked[c - reused], 1));
+    if (!forks.empty()) {
+      std::int64_t need = 0;
+      for (const auto& f : forks) need += cache_.blocks_in_use(f.first);
+      if (need > cache_.get_num_free_blocks())
+        throw MemoryError(std::string("kvc::PagedBatchCache::") + method + ": copying rows needs " +
+                          std::to_string(need) + " free blocks, " + std::to_string(cache_.get_num_free_blocks()) +
+                          " are free");
+      (void)cache_.fork_requests(forks);
     }
     // From here nothing fails: the block copies into the reused rows, then the table moves.
     cache_.copy_cache(from, to);

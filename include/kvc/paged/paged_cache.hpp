@@ -449,21 +449,49 @@ class PagedCache {
   // non-shared blocks need (copy_cache). All or nothing across groups.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
       const std::string& source, std::span<const std::string> destinations) {
-    const std::int64_t copies = blocks_copied_per_fork(source) * static_cast<std::int64_t>(destinations.size());
-    for (std::size_t i = 0; i < destinations.size(); ++i) {
-      const std::string& d = destinations[i];
-      for (const allocator& a : allocators_)
-        if (std::visit([&](const auto& al) { return al.has_request(d); }, a))
-          throw ValueError("Block table already exists for request " + d);
-      for (std::size_t j = 0; j < i; ++j)
-        if (destinations[j] == d) throw ValueError("kvc::paged: fork destination " + d + " is named twice");
+    const std::pair<std::string, std::span<const std::string>> one{source, destinations};
+    return fork_requests(std::span(&one, 1));
+  }
+  // Several sources at once, each (source, its destinations): all forks or none.
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_requests(
+      std::span<const std::pair<std::string, std::span<const std::string>>> forks) {
+    std::int64_t copies = 0;
+    std::vector<const std::string*> named;  // every destination so far
+    for (const auto& [source, destinations] : forks) {
+      copies += blocks_copied_per_fork(source) * static_cast<std::int64_t>(destinations.size());
+      for (const std::string& d : destinations) {
+        for (const allocator& a : allocators_)
+          if (std::visit([&](const auto& al) { return al.has_request(d); }, a))
+            throw ValueError("Block table already exists for request " + d);
+        for (const std::string* e : named)
+          if (*e == d) throw ValueError("kvc::paged: fork destination " + d + " is named twice");
+        named.push_back(&d);
+      }
     }
-    if (copies > get_num_free_blocks()) throw ValueError("Failed to fork blocks for request " + source);
+    if (copies > get_num_free_blocks())
+      throw ValueError("Failed to fork blocks for request " + (forks.empty() ? std::string() : forks.front().first));
+    // Every fork of every group is prepared (all the memory it needs) before any takes a block, so
+    // that an allocation failure changes nothing.
+    std::vector<paged::CacheAllocator::PreparedFork> prepared;  // fork-major, then group
     std::vector<std::int64_t> src, dst;
-    for (allocator& a : allocators_) {
-      auto [s, d] = std::visit([&](auto& al) { return al.fork_blocks(source, destinations, manager_); }, a);
-      src.insert(src.end(), s.begin(), s.end());
-      dst.insert(dst.end(), d.begin(), d.end());
+    try {
+      prepared.reserve(forks.size() * allocators_.size());
+      for (const auto& f : forks)  // (no structured binding: clang 14 lambdas cannot capture one)
+        for (allocator& a : allocators_)
+          prepared.push_back(std::visit([&](auto& al) { return al.prepare_fork(f.first, f.second, manager_); }, a));
+      src.reserve(static_cast<std::size_t>(copies));
+      dst.reserve(static_cast<std::size_t>(copies));
+    } catch (...) {
+      for (std::size_t i = 0; i < prepared.size(); ++i)
+        std::visit([&](auto& al) { al.abandon_fork(prepared[i]); }, allocators_[i % allocators_.size()]);
+      throw;
+    }
+    for (std::size_t i = 0; i < prepared.size(); ++i)  // fits: checked above, and nothing allocates
+      std::visit([&](auto& al) { (void)al.commit_fork(forks[i / allocators_.size()].first, prepared[i], manager_); },
+                 allocators_[i % allocators_.size()]);
+    for (const auto& f : prepared) {
+      src.insert(src.end(), f.blocks.copy_src.begin(), f.blocks.copy_src.end());
+      dst.insert(dst.end(), f.blocks.copy_dst.begin(), f.blocks.copy_dst.end());
     }
     copy_cache(src, dst);
     return {std::move(src), std::move(dst)};
