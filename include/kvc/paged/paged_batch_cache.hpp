@@ -128,10 +128,11 @@ class PagedBatchCache {
     }
     const std::vector<step_rows>& idx = indices_;
     const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
+    // The shapes are checked above and the rows come from the allocators: no per-row re-check.
+    const auto s = cache_.step_of(layer_idx);
     for (std::int64_t b = 0; b < batch; ++b) {
       const view_type kb = row_of(k, b), vb = row_of(v, b);
       const auto& rb = idx[static_cast<std::size_t>(b)];
-      const auto s = cache_.check_step(kb, vb, layer_idx, rb.reads, rb.writes);
       cache_.write_and_read(s, kb, vb, rb.reads, rb.writes, ok + b * row_elems, ov + b * row_elems);
     }
     seen_[static_cast<std::size_t>(layer_idx)] = past + q;
@@ -141,10 +142,9 @@ class PagedBatchCache {
   // What layer `layer_idx` holds, [batch, heads, L, head_dim] (full layers: every token; sliding
   // layers: the last sliding_window - 1), gathered into a buffer that the next call overwrites.
   KV<view_type> stored(std::int64_t layer_idx) const {
-    (void)cache_.layer_group(layer_idx);
+    const auto gi = static_cast<std::size_t>(cache_.layer_group(layer_idx).first);  // checks layer_idx
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
     if (rows_.empty()) return {};
-    const auto gi = static_cast<std::size_t>(cache_.layer_group(layer_idx).first);
     const auto batch = static_cast<std::int64_t>(rows_.size());
     std::vector<std::vector<std::int64_t>> held(rows_.size());
     for (std::size_t b = 0; b < rows_.size(); ++b) {
@@ -242,8 +242,7 @@ class PagedBatchCache {
     return out;
   }
   bool is_sliding(std::int64_t layer_idx) const {
-    return cache_.layer_group(layer_idx).first >= 0 && std::holds_alternative<paged::SlidingAttentionCacheAllocator>(
-                                                           cache_.group_allocator(cache_.layer_group(layer_idx).first));
+    return group_is_sliding(static_cast<std::size_t>(cache_.layer_group(layer_idx).first));
   }
   std::vector<bool> is_linear() const { return std::vector<bool>(seen_.size(), false); }
   std::string_view layer_name(std::int64_t) const noexcept { return class_name; }
@@ -338,8 +337,10 @@ class PagedBatchCache {
   // Read rows of a step of q tokens after `past` in group g: every position for a full group,
   // the last min(past, sliding_window - 1) and the new ones for a sliding group.
   std::int64_t read_rows(std::size_t g, std::int64_t past, std::int64_t q) const {
-    const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache_.allocators_[g]);
-    return (sliding ? std::min(past, cache_.sliding_window() - 1) : past) + q;
+    return (group_is_sliding(g) ? std::min(past, cache_.sliding_window() - 1) : past) + q;
+  }
+  bool group_is_sliding(std::size_t g) const {
+    return std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache_.allocators_[g]);
   }
   // Index lists for every row, empty, with room for a step of q tokens after `past` (the rows are
   // the same for every layer of a group; update keeps them for the layers that follow).

@@ -687,10 +687,16 @@ class PagedCache {
   };
   // Every check of update() (the index lists have one entry per group): shapes, token counts and
   // rows. Nothing is written before it returns.
+  step step_of(std::int64_t layer_idx) const {
+    const auto [g, j] = layer_group(layer_idx);
+    return {static_cast<std::size_t>(g), static_cast<std::size_t>(j),
+            std::holds_alternative<paged::SlidingAttentionCacheAllocator>(allocators_[static_cast<std::size_t>(g)])};
+  }
   step check_step(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
                   const PagedIndices& write_index) const {
-    const auto [g, j] = layer_group(layer_idx);
-    const auto gi = static_cast<std::size_t>(g);
+    const step s = step_of(layer_idx);
+    const auto g = static_cast<std::int64_t>(s.group);
+    const auto gi = s.group;
     const std::vector<std::int64_t>& reads = read_index[gi];
     const std::vector<std::int64_t>& writes = write_index[gi];
     check_input(k, "keys");
@@ -704,7 +710,7 @@ class PagedCache {
                        std::to_string(writes.size()) + " write rows for group " + std::to_string(g));
     const std::int64_t rows = pool_rows();
     for (const std::int64_t r : writes) check_row(r, rows, "write");
-    const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(allocators_[gi]);
+    const bool sliding = s.sliding;
     std::int64_t sentinels = 0;
     for (const std::int64_t r : reads) {
       check_row(r, rows, "read");
@@ -713,7 +719,7 @@ class PagedCache {
     if (sentinels > tokens)
       throw ValueError("kvc::PagedCache::update: " + std::to_string(sentinels) + " sentinel rows but only " +
                        std::to_string(tokens) + " new tokens");
-    return {gi, static_cast<std::size_t>(j), sliding};
+    return s;
   }
   // Writes a checked step and gathers its read rows into out_k and out_v ([kv_heads, R, head_dim],
   // R the group's read rows; nothing is read when they are null). Host copies cannot fail.
