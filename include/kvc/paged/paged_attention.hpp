@@ -10,7 +10,8 @@
 // request sees another), and in a sliding layer of window W only kp > qp - W. Cached keys
 // (kp < past[r]) come from the pools; the step's own keys from `keys`/`values`, as
 // flash_attn_with_kvcache takes k_new. Nothing is written: store the step with the cache's update
-// (a write-only update when nothing else needs the gathered keys), before or after this call.
+// (a write-only update when nothing else needs the gathered keys) after this call: a sliding
+// group writes a new token into the ring slot of a key the step's earlier queries still see.
 //
 // A full-attention group keeps position p at block table[p / block_size], row p % block_size; a
 // sliding group keeps it in ring slot p % W (docs/paged.md). The pools are head-major, so the

@@ -343,6 +343,15 @@ class PagedCache {
     return most;
   }
 
+  // Blocks the request holds in group g (0 without a table there).
+  std::int64_t blocks_in_group(std::size_t g, const std::string& request_id) const {
+    return std::visit(
+        [&](const auto& al) {
+          return al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : std::int64_t{0};
+        },
+        allocators_.at(g));
+  }
+
   void free_blocks(const std::string& request_id) {
     for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request_id, manager_); }, a);
   }
@@ -856,15 +865,6 @@ class PagedCache {
     freed.insert(freed.end(), r.swap_ids.begin(), r.swap_ids.end());
     std::sort(freed.begin(), freed.end());
     return freed;
-  }
-
-  // Blocks the request holds in group g (0 without a table there).
-  std::int64_t blocks_in_group(std::size_t g, const std::string& request_id) const {
-    return std::visit(
-        [&](const auto& al) {
-          return al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : std::int64_t{0};
-        },
-        allocators_[g]);
   }
 
   // Block src_ids[i] of (sk, sv) to block dst_ids[i] of (dk, dv), in every pool tensor; the

@@ -1,0 +1,613 @@
+#pragma once
+// kvc::ContinuousBatchingScheduler: the request scheduler that drives a kvc::PagedCache the way
+// transformers' continuous batching drives its PagedAttentionCache (continuous_batching/
+// scheduler.py, requests.py and the offloading manager at a597f974), as a library component: the
+// user's model loop asks for a batch, runs the model over it, and hands back one token per request
+// that produced one.
+//
+//   while (auto batch = scheduler.schedule()) {
+//     ... the model over batch->input_ids at batch->position_ids: each layer stores its new keys
+//         and values with cache.update(k, v, layer, batch->read_index, batch->write_index) and
+//         attends with kvc::paged_attention(cache, layer, batch->step(), q, k, v) ...
+//     scheduler.update(*batch, next_tokens);  // one token per batch->logits_indices entry
+//   }
+//
+// What a step does, as transformers does it: candidates in FIFO order (decoding requests, then
+// prefilling ones, then waiting ones) or prefill-first order (prefilling, decoding, waiting);
+// per candidate the safety margin (no new prefill once fewer than safety_margin * num_blocks
+// blocks are free), prefix matching of a new prompt, the token budget (max_batch_tokens, with
+// chunked prefill), the cache-read budget (num_pages), block allocation ahead of the step, and the
+// request budget (max_requests_per_batch). When blocks run out, starved requests pick victims
+// (paged::select_offload_victims): each is copied to the cache's swap pool when it fits (resumed
+// bit for bit later) or soft reset (its blocks freed, its prompt and generated tokens prefilled
+// again). Finished requests free their blocks; a request with num_return_sequences > 1 is forked
+// after its prompt but the last token is cached (children share the complete blocks), or, where
+// the free blocks cannot hold a fork, its extra sequences queue as requests of their own.
+//
+// Where kvc differs (docs/differences.md): blocks are allocated exactly (transformers asks for
+// one block too many when the step's tokens fill a block exactly or leave one slot), restored
+// requests come back before victims leave (so a victim can use the swap blocks a restore just
+// freed), and a request that cannot fit even in an empty cache fails on its own (its state says
+// why) instead of ending every request with "No requests can be scheduled and no requests can be
+// offloaded.".
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <kvc/detail/py_repr.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/paged/continuous_batching_config.hpp>
+#include <kvc/paged/paged_attention.hpp>
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/warnings.hpp>
+
+namespace kvc {
+
+// transformers' RequestStatus.
+enum class RequestStatus : std::uint8_t { pending, prefilling, decoding, finished, failed };
+
+// What a user submits.
+struct GenerationRequest {
+  std::string request_id = {};
+  std::vector<std::int64_t> prompt = {};  // token ids, at least one, each a non-negative C int
+  std::int64_t max_new_tokens = 20;
+  std::optional<std::int64_t> eos_token_id = std::nullopt;
+  // Sequences sampled from the prompt: the request is forked into `{id}__child#{i}`, i = 0..n-2.
+  std::int64_t num_return_sequences = 1;
+};
+
+// One request as the scheduler tracks it (transformers' RequestState, cache-relevant fields).
+struct RequestState {
+  std::string request_id;
+  std::vector<std::int64_t> tokens;  // the prompt, then every generated token
+  std::int64_t prompt_length = 0;
+  std::vector<std::int64_t> remaining_prefill_tokens;  // not yet in the cache (pending, prefilling)
+  std::int64_t next_token = -1;                        // decoding: the last generated token, not yet cached
+  std::int64_t position_offset = 0;                    // tokens in the cache (sent to the model)
+  std::int64_t allocated_blocks = 0;                   // logical blocks (a full group's table length)
+  std::int64_t max_new_tokens = 0;
+  std::optional<std::int64_t> eos_token_id;
+  std::int64_t num_children = 0;  // forks still to make
+  RequestStatus status = RequestStatus::pending;
+  bool is_cpu_offloaded = false;
+  std::int64_t preemptions = 0;  // times it was offloaded or soft reset
+  std::string error;             // why it failed
+
+  std::span<const std::int64_t> prompt() const noexcept {
+    return std::span(tokens).first(static_cast<std::size_t>(prompt_length));
+  }
+  std::span<const std::int64_t> generated() const noexcept {
+    return std::span(tokens).subspan(static_cast<std::size_t>(prompt_length));
+  }
+  bool is_active() const noexcept { return status == RequestStatus::prefilling || status == RequestStatus::decoding; }
+};
+
+// One request's share of a step (transformers' FutureRequestState).
+struct ScheduledRequest {
+  std::string request_id;
+  std::int64_t past = 0;          // tokens cached before the step
+  std::int64_t query_length = 0;  // tokens of the step
+  std::int64_t complete_blocks = 0;
+  bool has_new_token = false;  // its last token's logits give the next token
+};
+
+// One step: the requests' tokens packed one request after another.
+struct ScheduledBatch {
+  std::vector<ScheduledRequest> requests;
+  std::vector<std::string> request_ids;      // R
+  std::vector<std::int64_t> input_ids;       // T
+  std::vector<std::int64_t> position_ids;    // T
+  std::vector<std::int64_t> cu_seqlens_q;    // R + 1
+  std::vector<std::int64_t> past;            // R
+  std::vector<std::int64_t> logits_indices;  // rows whose logits give a token, in request order
+  PagedIndices read_index;                   // empty lists unless asked for and some request has cache
+  PagedIndices write_index;
+  std::int64_t step = 0;
+
+  std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(input_ids.size()); }
+  PagedAttentionStep attention_step() const noexcept { return {request_ids, cu_seqlens_q, past}; }
+};
+
+struct SchedulerOptions {
+  // Build read indices (transformers' eager/SDPA path gathers through them); kvc::paged_attention
+  // reads through the block tables and needs only the write indices.
+  bool read_indices = false;
+};
+
+struct SchedulerStats {
+  std::int64_t steps = 0;
+  std::int64_t batch_tokens = 0;       // tokens sent to the model
+  std::int64_t prefix_hit_tokens = 0;  // prompt tokens served from shared blocks
+  std::int64_t cpu_offloads = 0;
+  std::int64_t soft_resets = 0;
+  std::int64_t restores = 0;
+  std::int64_t forks = 0;           // children made by forking
+  std::int64_t forks_requeued = 0;  // children queued as requests of their own
+  std::int64_t failed = 0;
+  std::int64_t peak_blocks_in_use = 0;  // over every group, after a step
+  // Block rows (a token in one group) the active requests' cached tokens needed at that peak:
+  // peak_blocks_in_use * block_size / live_rows_at_peak is the paging overhead (below 1 with sharing).
+  std::int64_t live_rows_at_peak = 0;
+  std::int64_t preemptions() const noexcept { return cpu_offloads + soft_resets; }
+};
+
+template <class S>
+class ContinuousBatchingScheduler {
+ public:
+  ContinuousBatchingScheduler(PagedCache<S>& cache, const ContinuousBatchingConfig& cb, SchedulerOptions options = {})
+      : cache_(&cache), options_(options) {
+    prefill_first_ = cb.scheduler_type == "prefill_first";
+    if (!prefill_first_ && cb.scheduler_type != "fifo")
+      warn("Scheduler '" + cb.scheduler_type + "' not found. Defaulting to FIFO.");
+    safety_margin_ = cb.safety_margin.value_or(prefill_first_ ? 0.0 : 0.15);
+    if (!(safety_margin_ >= 0.0 && safety_margin_ <= 1.0))
+      throw ValueError("Got safety_margin = " + detail::py_float_repr(safety_margin_) +
+                       " but expected a value in [0, 1]");
+    const std::int64_t requests = cb.max_requests_per_batch.value_or(1024);
+    if (requests < 1)
+      throw ValueError("Got max_requests_per_batch = " + std::to_string(requests) + " but expected a value >= 1");
+    const std::optional<std::int64_t> tokens =
+        cache.max_batch_tokens() ? cache.max_batch_tokens() : cb.max_batch_tokens;
+    if (!tokens || *tokens < 1)
+      throw ValueError(
+          "kvc::ContinuousBatchingScheduler: max_batch_tokens must be set (>= 1) in the cache's or the "
+          "scheduler's ContinuousBatchingConfig");
+    max_batch_tokens_ = *tokens;
+    // transformers' update_cb_config_after_cache_creation: a request takes a token of the batch,
+    // and without prefix sharing a block too.
+    max_requests_per_batch_ = std::min(requests, max_batch_tokens_);
+    if (!cache.use_prefix_sharing()) max_requests_per_batch_ = std::min(max_requests_per_batch_, cache.num_blocks());
+    fast_path_blocks_ = cache.num_sliding_attention_groups() == 0 ? cache.max_blocks_per_request() : 0;
+    for (std::int64_t g = 0; g < cache.num_groups(); ++g)
+      if (const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&cache.group_allocator(g)))
+        sharing_ = sharing_ || full->uses_block_sharing();
+  }
+
+  std::int64_t max_batch_tokens() const noexcept { return max_batch_tokens_; }
+  std::int64_t max_requests_per_batch() const noexcept { return max_requests_per_batch_; }
+  double safety_margin() const noexcept { return safety_margin_; }
+  bool prefill_first() const noexcept { return prefill_first_; }
+  const SchedulerStats& stats() const noexcept { return stats_; }
+  const PagedCache<S>& cache() const noexcept { return *cache_; }
+
+  // Queues a request (at the back). Refused, with nothing queued: an empty prompt, a token outside
+  // [0, 2^31), max_new_tokens or num_return_sequences below 1, an id already known or one that
+  // names a child (`__child#`).
+  void add_request(GenerationRequest request) {
+    const std::string where = "kvc::ContinuousBatchingScheduler::add_request: request '" + request.request_id + "' ";
+    if (request.prompt.empty()) throw ValueError(where + "has an empty prompt");
+    for (const std::int64_t t : request.prompt)
+      if (t < 0 || t > std::numeric_limits<std::int32_t>::max())
+        throw ValueError(where + "has token " + std::to_string(t) + ", outside [0, 2^31)");
+    if (request.max_new_tokens < 1 || request.num_return_sequences < 1)
+      throw ValueError(where + "needs max_new_tokens >= 1 and num_return_sequences >= 1, got " +
+                       std::to_string(request.max_new_tokens) + " and " + std::to_string(request.num_return_sequences));
+    if (states_.count(request.request_id) != 0 || request.request_id.find(child_mark) != std::string::npos)
+      throw ValueError(where + "is already known, or names a child sequence (" + child_mark + ")");
+    RequestState st;
+    st.request_id = request.request_id;
+    st.prompt_length = static_cast<std::int64_t>(request.prompt.size());
+    st.remaining_prefill_tokens = request.prompt;
+    st.tokens = std::move(request.prompt);
+    st.max_new_tokens = request.max_new_tokens;
+    st.eos_token_id = request.eos_token_id;
+    st.num_children = request.num_return_sequences - 1;
+    const std::string id = st.request_id;
+    states_.emplace(id, std::move(st));
+    waiting_.push_back(id);
+    // A one-token prompt leaves nothing cached to fork from: its sequences queue on their own.
+    if (states_.at(id).prompt_length == 1) requeue_children(states_.at(id));
+  }
+
+  // Whether any request is waiting or running.
+  bool has_unfinished_requests() const noexcept { return !waiting_.empty() || !active_.empty(); }
+  std::int64_t num_waiting() const noexcept { return static_cast<std::int64_t>(waiting_.size()); }
+  std::int64_t num_active() const noexcept { return static_cast<std::int64_t>(active_.size()); }
+
+  const RequestState& request(const std::string& id) const {
+    const auto it = states_.find(id);
+    if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
+    return it->second;
+  }
+  // Finished and failed requests, in the order they ended; they leave the scheduler.
+  std::vector<RequestState> take_finished() {
+    std::vector<RequestState> out;
+    out.reserve(ended_.size());
+    for (const std::string& id : ended_) {
+      const auto it = states_.find(id);
+      out.push_back(std::move(it->second));
+      states_.erase(it);
+    }
+    ended_.clear();
+    return out;
+  }
+
+  // Cancels a waiting or running request: its blocks and swap blocks are freed, and it ends as failed.
+  void cancel_request(const std::string& id) {
+    if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
+    RequestState& st = mutable_state(id);
+    if (st.status == RequestStatus::finished || st.status == RequestStatus::failed) return;
+    end_request(st, RequestStatus::failed, "cancelled");
+  }
+
+  // The next step, or nullopt when no request is left. Blocks for the step are allocated; requests
+  // offloaded earlier and scheduled now are copied back. Every batch must go to update() before
+  // the next schedule().
+  std::optional<ScheduledBatch> schedule() {
+    if (in_flight_) throw ValueError(in_flight_message("schedule"));
+    for (;;) {
+      pass p = run_pass();
+      if (!p.scheduled.empty()) {
+        std::optional<ScheduledBatch> batch = build(p);
+        if (!p.starved.empty()) offload(p.starved);
+        return batch;
+      }
+      if (!p.allocation_failed) {
+        if (block_new_requests_ && active_.empty() && !waiting_.empty()) {
+          block_new_requests_ = false;
+          continue;
+        }
+        return std::nullopt;
+      }
+      if (offload(p.starved) > 0) continue;
+      // Nothing runs and nothing can leave: the request that failed first cannot fit at all.
+      RequestState& st = mutable_state(*p.first_failed);
+      end_request(st, RequestStatus::failed,
+                  "needs " + std::to_string(p.first_failed_need) + " more blocks for " +
+                      std::to_string(st.position_offset + p.first_failed_tokens) +
+                      " tokens, more than the cache can free (" + std::to_string(cache_->num_blocks()) + " blocks of " +
+                      std::to_string(cache_->block_size()) + " tokens)");
+    }
+  }
+
+  // The step's results: `next_tokens[i]` for the i-th request of the batch with has_new_token.
+  // Each such request records its token and finishes at its eos_token_id or max_new_tokens (its
+  // blocks freed); the blocks the step completed are hashed for sharing; a request whose prompt
+  // is cached but for its last token is forked.
+  void update(const ScheduledBatch& batch, std::span<const std::int64_t> next_tokens) {
+    if (!in_flight_ || batch.step != stats_.steps)
+      throw ValueError("kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last");
+    if (static_cast<std::int64_t>(next_tokens.size()) != static_cast<std::int64_t>(batch.logits_indices.size()))
+      throw ValueError("kvc::ContinuousBatchingScheduler::update: the batch needs " +
+                       std::to_string(batch.logits_indices.size()) + " next tokens, got " +
+                       std::to_string(next_tokens.size()));
+    for (const std::int64_t t : next_tokens)
+      if (t < 0 || t > std::numeric_limits<std::int32_t>::max())
+        throw ValueError("kvc::ContinuousBatchingScheduler::update: token " + std::to_string(t) +
+                         " is outside [0, 2^31)");
+    in_flight_ = false;
+    std::size_t next = 0;
+    for (const ScheduledRequest& r : batch.requests) {
+      RequestState& st = states_.at(r.request_id);
+      if (r.has_new_token) {
+        const std::int64_t token = next_tokens[next++];
+        st.tokens.push_back(token);
+        st.next_token = token;
+        st.status = RequestStatus::decoding;
+        const auto made = static_cast<std::int64_t>(st.generated().size());
+        if (made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id)) {
+          end_request(st, RequestStatus::finished, {});
+          continue;
+        }
+      }
+      cache_->mark_shareable_blocks_as_complete(st.request_id, r.complete_blocks, st.tokens);
+    }
+    for (const ScheduledRequest& r : batch.requests) maybe_fork(states_.at(r.request_id));
+  }
+
+ private:
+  static constexpr const char* child_mark = "__child#";
+
+  struct pass {
+    std::vector<ScheduledRequest> scheduled;
+    std::vector<paged::StarvedRequest> starved;
+    bool allocation_failed = false;
+    std::optional<std::string> first_failed;
+    std::int64_t first_failed_need = 0, first_failed_tokens = 0;
+  };
+
+  static std::string in_flight_message(const char* call) {
+    return std::string("kvc::ContinuousBatchingScheduler::") + call +
+           ": the last batch is still in flight; pass it to update() first";
+  }
+
+  RequestState& mutable_state(const std::string& id) {
+    const auto it = states_.find(id);
+    if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
+    return it->second;
+  }
+
+  static void erase_id(std::vector<std::string>& ids, const std::string& id) {
+    const auto it = std::find(ids.begin(), ids.end(), id);
+    if (it != ids.end()) ids.erase(it);
+  }
+
+  // Candidates in the scheduler's order; waiting ones interleave offloaded and fresh requests
+  // (offloaded first), as transformers' _get_waiting_candidates does.
+  std::vector<std::string> candidates() const {
+    std::vector<std::string> out;
+    out.reserve(active_.size() + waiting_.size());
+    const auto with = [&](RequestStatus s) {
+      for (const std::string& id : active_)
+        if (states_.at(id).status == s) out.push_back(id);
+    };
+    with(prefill_first_ ? RequestStatus::prefilling : RequestStatus::decoding);
+    with(prefill_first_ ? RequestStatus::decoding : RequestStatus::prefilling);
+    if (block_new_requests_) return out;
+    std::vector<std::string> off, fresh;
+    for (const std::string& id : waiting_) (states_.at(id).is_cpu_offloaded ? off : fresh).push_back(id);
+    for (std::size_t i = 0; i < std::max(off.size(), fresh.size()); ++i) {
+      if (i < off.size()) out.push_back(off[i]);
+      if (i < fresh.size()) out.push_back(fresh[i]);
+    }
+    return out;
+  }
+
+  void activate(RequestState& st) {
+    if (st.is_active()) return;
+    active_.reserve(active_.size() + 1);
+    erase_id(waiting_, st.request_id);
+    active_.push_back(st.request_id);
+    st.status = RequestStatus::prefilling;
+  }
+
+  // Blocks for `q` more tokens: exactly the logical blocks past + q needs (transformers asks for
+  // ((q - free + 1) // bs) + 1). Returns the blocks asked for, 0 when none were needed, or -n when
+  // n blocks did not fit.
+  std::int64_t allocate(RequestState& st, std::int64_t q) {
+    const std::int64_t bs = cache_->block_size();
+    const std::int64_t want = (st.position_offset + q + bs - 1) / bs - st.allocated_blocks;
+    if (want <= 0 && st.allocated_blocks > 0) return 0;
+    const std::int64_t n = std::max<std::int64_t>(want, 1);
+    const std::optional<std::int64_t> got = cache_->allocate_blocks(n, st.request_id, st.allocated_blocks);
+    if (!got) return -n;
+    st.allocated_blocks += *got;
+    return n;
+  }
+
+  pass run_pass() {
+    pass p;
+    std::int64_t token_budget = max_batch_tokens_, cache_budget = cache_->num_pages(),
+                 request_budget = max_requests_per_batch_;
+    bool fast_path = true;
+    const std::int64_t bs = cache_->block_size();
+    const auto margin = static_cast<double>(cache_->num_blocks()) * safety_margin_;
+    for (const std::string& id : candidates()) {
+      RequestState& st = states_.at(id);
+      if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
+          static_cast<double>(cache_->get_num_free_blocks()) < margin)
+        break;
+      if (st.status == RequestStatus::pending && !st.is_cpu_offloaded && cache_->use_prefix_sharing()) {
+        const std::int64_t k = cache_->search_prefix_match(id, st.remaining_prefill_tokens);
+        if (k > 0) {
+          activate(st);
+          st.allocated_blocks += k / bs;
+          // At least one token is left to compute: its logits start the generation.
+          const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens) - 1);
+          st.remaining_prefill_tokens.erase(st.remaining_prefill_tokens.begin(),
+                                            st.remaining_prefill_tokens.begin() + keep);
+          st.position_offset += keep;
+          stats_.prefix_hit_tokens += keep;
+        }
+      }
+      maybe_fork(st);  // a prompt matched up to its last token is forked before that token runs
+      const bool decoding = st.status == RequestStatus::decoding;
+      const std::int64_t available = decoding ? 1 : std::ssize(st.remaining_prefill_tokens);
+      std::int64_t q = std::min(available, token_budget);
+      if (!decoding && st.num_children > 0 && available > 1) q = std::min(q, available - 1);  // fork first
+      std::int64_t need = st.position_offset;
+      if (cache_->num_full_attention_groups() == 0) need = std::min(need, cache_->sliding_window());
+      const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
+      if (!(fast_path && fast) && cache_budget < need) continue;
+      const std::int64_t cur = st.position_offset;
+      const std::int64_t got = allocate(st, q);
+      if (got < 0) {
+        p.allocation_failed = true;
+        if (!p.first_failed) {
+          p.first_failed = id;
+          p.first_failed_need = -got;
+          p.first_failed_tokens = q;
+        }
+        if (st.is_active())
+          p.starved.push_back({id, cache_->blocks_needed(-got, st.allocated_blocks)});
+        else if (cache_->get_num_free_blocks() == 0)
+          break;
+        continue;
+      }
+      activate(st);
+      const bool new_token = decoding || q == available;
+      p.scheduled.push_back({id, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
+      fast_path = fast_path && fast;
+      token_budget -= q;
+      cache_budget -= need;
+      request_budget -= 1;
+      if (token_budget == 0 || request_budget == 0 || (!fast_path && cache_budget <= 0)) break;
+    }
+    return p;
+  }
+
+  std::optional<ScheduledBatch> build(pass& p) {
+    ScheduledBatch b;
+    const auto groups = static_cast<std::size_t>(cache_->num_groups());
+    b.read_index.resize(groups);
+    b.write_index.resize(groups);
+    b.cu_seqlens_q.push_back(0);
+    const bool reads = options_.read_indices && std::any_of(p.scheduled.begin(), p.scheduled.end(),
+                                                            [](const ScheduledRequest& r) { return r.past > 0; });
+    for (ScheduledRequest& r : p.scheduled) {
+      RequestState& st = states_.at(r.request_id);
+      if (st.is_cpu_offloaded) {  // its new blocks are allocated: copy it back into them
+        cache_->restore_request(st.request_id);
+        std::int64_t most = 0;
+        for (std::size_t g = 0; g < groups; ++g) most = std::max(most, cache_->blocks_in_group(g, st.request_id));
+        st.allocated_blocks = most;
+        if (sharing_) r.complete_blocks += st.position_offset / cache_->block_size();
+        st.is_cpu_offloaded = false;
+        ++stats_.restores;
+      }
+      cache_->extend_read_and_write_indices(st.request_id, r.past, r.query_length, reads ? &b.read_index : nullptr,
+                                            b.write_index);
+      if (st.status == RequestStatus::decoding) {
+        b.input_ids.push_back(st.next_token);
+      } else {
+        const auto q = static_cast<std::ptrdiff_t>(r.query_length);
+        b.input_ids.insert(b.input_ids.end(), st.remaining_prefill_tokens.begin(),
+                           st.remaining_prefill_tokens.begin() + q);
+        st.remaining_prefill_tokens.erase(st.remaining_prefill_tokens.begin(), st.remaining_prefill_tokens.begin() + q);
+      }
+      for (std::int64_t i = 0; i < r.query_length; ++i) b.position_ids.push_back(r.past + i);
+      st.position_offset += r.query_length;
+      b.cu_seqlens_q.push_back(b.cu_seqlens_q.back() + r.query_length);
+      if (r.has_new_token) b.logits_indices.push_back(b.cu_seqlens_q.back() - 1);
+      b.request_ids.push_back(r.request_id);
+      b.past.push_back(r.past);
+    }
+    b.requests = std::move(p.scheduled);
+    b.step = ++stats_.steps;
+    stats_.batch_tokens += b.num_tokens();
+    note_peaks();
+    in_flight_ = true;
+    return b;
+  }
+
+  // The most blocks in use after a step, and the rows (token slots, over the groups) the active
+  // requests' cached tokens needed then: a sliding group needs a token only while it is in the window.
+  void note_peaks() {
+    const std::int64_t in_use = cache_->num_blocks() - cache_->get_num_free_blocks();
+    if (in_use < stats_.peak_blocks_in_use) return;
+    std::int64_t rows = 0;
+    for (const std::string& id : active_) {
+      const std::int64_t n = states_.at(id).position_offset;
+      rows += cache_->num_full_attention_groups() * n +
+              cache_->num_sliding_attention_groups() * std::min(n, cache_->sliding_window());
+    }
+    stats_.peak_blocks_in_use = in_use;
+    stats_.live_rows_at_peak = rows;
+  }
+
+  // transformers' offload_requests: victims among the starved requests leave the cache, to the
+  // swap pool where they fit, else by a soft reset. Returns how many left.
+  std::int64_t offload(const std::vector<paged::StarvedRequest>& starved) {
+    const std::vector<std::string> victims =
+        paged::select_offload_victims(starved, cache_->get_num_free_blocks(), num_active(),
+                                      [&](const std::string& id) { return cache_->blocks_in_use(id); });
+    for (const std::string& id : victims) {
+      RequestState& st = states_.at(id);
+      if (cache_->swap_blocks() > 0 && cache_->offload_request(id)) {
+        st.is_cpu_offloaded = true;
+        if (st.status == RequestStatus::decoding) st.remaining_prefill_tokens.assign(1, st.next_token);
+        ++stats_.cpu_offloads;
+      } else {  // soft reset: everything known so far is prefilled again
+        cache_->free_blocks(id);
+        st.remaining_prefill_tokens = st.tokens;
+        st.position_offset = 0;
+        ++stats_.soft_resets;
+      }
+      st.allocated_blocks = 0;
+      st.status = RequestStatus::pending;
+      ++st.preemptions;
+      waiting_.reserve(waiting_.size() + 1);
+      erase_id(active_, id);
+      waiting_.push_back(id);
+    }
+    if (!victims.empty()) block_new_requests_ = true;
+    return static_cast<std::int64_t>(victims.size());
+  }
+
+  bool holds_blocks(const std::string& id) const {
+    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+      if (std::visit([&](const auto& a) { return a.has_request(id); }, cache_->group_allocator(g))) return true;
+    return false;
+  }
+
+  void end_request(RequestState& st, RequestStatus status, std::string error) {
+    if (holds_blocks(st.request_id)) cache_->free_blocks(st.request_id);
+    cache_->drop_offloaded_request(st.request_id);
+    erase_id(active_, st.request_id);
+    erase_id(waiting_, st.request_id);
+    st.status = status;
+    st.is_cpu_offloaded = false;
+    st.allocated_blocks = 0;
+    st.remaining_prefill_tokens.clear();
+    if (status == RequestStatus::failed) {
+      st.error = "kvc::ContinuousBatchingScheduler: request " + st.request_id + " " + std::move(error);
+      ++stats_.failed;
+    }
+    ended_.push_back(st.request_id);
+    block_new_requests_ = false;
+  }
+
+  // A request forks once its prompt is cached but for its last token.
+  void maybe_fork(RequestState& st) {
+    if (st.num_children > 0 && st.status == RequestStatus::prefilling && st.position_offset > 0 &&
+        st.remaining_prefill_tokens.size() == 1)
+      fork(st);
+  }
+
+  std::string child_id(const RequestState& parent, std::int64_t i) const {
+    return parent.request_id + child_mark + std::to_string(i);
+  }
+
+  // Copies of `parent` under the child ids, sharing its complete blocks (copy-on-write for the
+  // rest), as many as the free blocks allow; the others queue as new requests with its prompt.
+  void fork(RequestState& parent) {  // references into states_ survive its growth
+    std::vector<std::string> ids;
+    for (std::int64_t i = 0; i < parent.num_children; ++i) ids.push_back(child_id(parent, i));
+    const auto forks =
+        static_cast<std::size_t>(std::min(parent.num_children, cache_->compute_max_num_forks(parent.request_id)));
+    if (forks == 0) return requeue_children(parent);
+    cache_->fork_request(parent.request_id, std::span(ids).first(forks));
+    parent.num_children -= static_cast<std::int64_t>(forks);
+    auto at = std::find(active_.begin(), active_.end(), parent.request_id) + 1;
+    for (std::size_t i = 0; i < forks; ++i) {
+      RequestState child = parent;
+      child.request_id = ids[i];
+      child.num_children = 0;
+      at = active_.insert(at, child.request_id) + 1;
+      states_.emplace(ids[i], std::move(child));
+      ++stats_.forks;
+    }
+    requeue_children(parent, static_cast<std::int64_t>(forks));
+  }
+
+  // The parent's children from `first` on, as new waiting requests with its prompt.
+  void requeue_children(RequestState& parent, std::int64_t first = 0) {
+    const std::int64_t n = first + parent.num_children;
+    parent.num_children = 0;
+    for (std::int64_t i = first; i < n; ++i) {
+      RequestState child;
+      child.request_id = child_id(parent, i);
+      child.tokens.assign(parent.prompt().begin(), parent.prompt().end());
+      child.prompt_length = parent.prompt_length;
+      child.remaining_prefill_tokens = child.tokens;
+      child.max_new_tokens = parent.max_new_tokens;
+      child.eos_token_id = parent.eos_token_id;
+      waiting_.push_back(child.request_id);
+      states_.emplace(child.request_id, std::move(child));
+      ++stats_.forks_requeued;
+    }
+  }
+
+  PagedCache<S>* cache_;
+  SchedulerOptions options_;
+  bool prefill_first_ = false;
+  double safety_margin_ = 0.15;
+  std::int64_t max_batch_tokens_ = 0, max_requests_per_batch_ = 0, fast_path_blocks_ = 0;
+  std::unordered_map<std::string, RequestState> states_;
+  std::vector<std::string> active_;   // prefilling and decoding, in the order they started
+  std::vector<std::string> waiting_;  // pending, in arrival order
+  std::vector<std::string> ended_;
+  bool sharing_ = false;  // some group hashes its complete blocks
+  bool block_new_requests_ = false;
+  bool in_flight_ = false;
+  SchedulerStats stats_;
+};
+
+}  // namespace kvc

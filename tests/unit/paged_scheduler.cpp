@@ -1,0 +1,449 @@
+// kvc::ContinuousBatchingScheduler driving a kvc::PagedCache: budgets, chunked prefill, prefix
+// sharing, forks, preemption by offload and by soft reset, and the requests' cached keys and values
+// checked after every step against what each request alone would hold.
+//
+// The model is a toy whose key and value at position p are a function of the sequence's tokens
+// 0..p (identical prefixes give identical rows, as a real model's would, so prefix sharing and
+// forks are exact) and whose next token is a function of every token so far.
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <kvc/paged/scheduler.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+using Cache = kvc::PagedCache<kvc::HostStorage<float>>;
+using Scheduler = kvc::ContinuousBatchingScheduler<kvc::HostStorage<float>>;
+constexpr std::int64_t D = 4, KVH = 2, VOCAB = 40;
+
+kvc::ModelConfig model(const std::vector<std::string>& types, std::int64_t window = 6) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  c.num_attention_heads = KVH;
+  c.num_key_value_heads = KVH;
+  c.head_dim = D;
+  c.hidden_size = KVH * D;
+  c.sliding_window = window;
+  c.layer_types = types;
+  return c;
+}
+
+std::uint64_t mix(std::uint64_t h, std::uint64_t x) {
+  std::uint64_t z = h + 0x9e3779b97f4a7c15ULL * (x + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+std::uint64_t prefix_hash(std::span<const std::int64_t> tokens) {
+  std::uint64_t h = 7;
+  for (const std::int64_t t : tokens) h = mix(h, static_cast<std::uint64_t>(t));
+  return h;
+}
+// Row element (layer, k or v, head, d) of a position whose prefix hashes to h: exact in float.
+float element(std::uint64_t h, std::int64_t layer, int kv, std::int64_t head, std::int64_t d) {
+  return static_cast<float>(mix(h, static_cast<std::uint64_t>(((layer * 2 + kv) * KVH + head) * D + d)) % 4096) / 64.0f;
+}
+std::int64_t next_token(std::span<const std::int64_t> tokens) {
+  return static_cast<std::int64_t>(mix(prefix_hash(tokens), 99) % VOCAB);
+}
+
+// What a request alone generates.
+std::vector<std::int64_t> alone(std::vector<std::int64_t> seq, std::int64_t max_new, std::optional<std::int64_t> eos) {
+  const std::size_t prompt = seq.size();
+  while (static_cast<std::int64_t>(seq.size() - prompt) < max_new) {
+    seq.push_back(next_token(seq));
+    if (eos && seq.back() == *eos) break;
+  }
+  return {seq.begin() + static_cast<std::ptrdiff_t>(prompt), seq.end()};
+}
+
+// The pool row of a request's position in a group: a full group's block table, or a sliding
+// group's ring slot.
+std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::string& id, std::int64_t pos) {
+  const auto& alloc = cache.group_allocator(group);
+  const auto& table = std::visit([&](const auto& a) -> const std::vector<std::int64_t>& { return a.table(id); }, alloc);
+  const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(alloc);
+  const std::int64_t slot = sliding ? pos % cache.sliding_window() : pos, bs = cache.block_size();
+  return table.at(static_cast<std::size_t>(slot / bs)) * bs + slot % bs;
+}
+
+struct Run {
+  std::int64_t steps = 0, checked_rows = 0, max_tokens = 0, max_requests = 0;
+  std::map<std::string, kvc::RequestState> ended;
+};
+
+// Drives the scheduler to the end with the toy model, checking after every step that every
+// request of the batch holds its own rows at every cached position (the window's for sliding
+// groups) and that its inputs are its own tokens.
+Run drive(Cache& cache, Scheduler& s, std::int64_t layers) {
+  Run run;
+  const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
+  while (auto batch = s.schedule()) {
+    ++run.steps;
+    REQUIRE(run.steps < 5000);
+    const std::int64_t T = batch->num_tokens();
+    run.max_tokens = std::max(run.max_tokens, T);
+    run.max_requests = std::max(run.max_requests, static_cast<std::int64_t>(batch->requests.size()));
+    std::size_t logits = 0;
+    for (std::size_t r = 0; r < batch->requests.size(); ++r) {
+      REQUIRE(batch->requests[r].query_length >= 1);
+      if (batch->requests[r].has_new_token)
+        REQUIRE(batch->logits_indices.at(logits++) == batch->cu_seqlens_q[r + 1] - 1);
+      const auto& tokens = s.request(batch->request_ids[r]).tokens;
+      for (std::int64_t t = batch->cu_seqlens_q[r]; t < batch->cu_seqlens_q[r + 1]; ++t) {
+        const std::int64_t pos = batch->position_ids[static_cast<std::size_t>(t)];
+        REQUIRE(pos < static_cast<std::int64_t>(tokens.size()));
+        REQUIRE(batch->input_ids[static_cast<std::size_t>(t)] == tokens[static_cast<std::size_t>(pos)]);
+      }
+    }
+    for (std::int64_t layer = 0; layer < layers; ++layer) {
+      kvc::HostTensor<float> k(1, KVH, T, D), v(1, KVH, T, D);
+      for (std::size_t r = 0; r < batch->requests.size(); ++r) {
+        const auto& tokens = s.request(batch->request_ids[r]).tokens;
+        for (std::int64_t t = batch->cu_seqlens_q[r]; t < batch->cu_seqlens_q[r + 1]; ++t) {
+          const auto pos = static_cast<std::size_t>(batch->position_ids[static_cast<std::size_t>(t)]);
+          const std::uint64_t h = prefix_hash(std::span(tokens).first(pos + 1));
+          for (std::int64_t hd = 0; hd < KVH; ++hd)
+            for (std::int64_t d = 0; d < D; ++d) {
+              k(0, hd, t, d) = element(h, layer, 0, hd, d);
+              v(0, hd, t, d) = element(h, layer, 1, hd, d);
+            }
+        }
+      }
+      cache.update(kvc::HostStorage<float>::input_view(k), kvc::HostStorage<float>::input_view(v), layer,
+                   batch->read_index, batch->write_index);
+    }
+    // Every request of the batch now holds positions 0 .. past + q (a sliding group the last W).
+    for (std::size_t r = 0; r < batch->requests.size(); ++r) {
+      const std::string& id = batch->request_ids[r];
+      const auto& tokens = s.request(id).tokens;
+      const std::int64_t end = batch->past[r] + batch->requests[r].query_length;
+      for (std::int64_t layer = 0; layer < layers; ++layer) {
+        const auto [g, j] = cache.layer_group(layer);
+        const bool sliding =
+            std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(cache.group_allocator(g));
+        const std::int64_t from = sliding ? std::max<std::int64_t>(end - cache.sliding_window(), 0) : 0;
+        for (std::int64_t pos = from; pos < end; ++pos) {
+          const std::uint64_t h = prefix_hash(std::span(tokens).first(static_cast<std::size_t>(pos + 1)));
+          const std::int64_t row = pool_row(cache, g, id, pos);
+          for (std::int64_t hd = 0; hd < KVH; ++hd)
+            for (std::int64_t d = 0; d < D; ++d) {
+              const std::int64_t at = (hd * rows + row) * D + d;
+              if (cache.key_pool(j)[at] != element(h, layer, 0, hd, d) ||
+                  cache.value_pool(j)[at] != element(h, layer, 1, hd, d))
+                FAIL("request " << id << " layer " << layer << " position " << pos << " holds another row");
+            }
+          ++run.checked_rows;
+        }
+      }
+    }
+    std::vector<std::int64_t> next;
+    for (std::size_t r = 0; r < batch->requests.size(); ++r)
+      if (batch->requests[r].has_new_token) {
+        const auto& tokens = s.request(batch->request_ids[r]).tokens;
+        const auto end = static_cast<std::size_t>(batch->past[r] + batch->requests[r].query_length);
+        next.push_back(next_token(std::span(tokens).first(end)));
+      }
+    s.update(*batch, next);
+    for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));
+  }
+  for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));  // failed in schedule()
+  return run;
+}
+
+struct Workload {
+  std::vector<kvc::GenerationRequest> requests;
+  std::map<std::string, std::vector<std::int64_t>> expected;  // every sequence's generated tokens
+};
+
+// n requests, half with a shared 12-token system prefix, two with three sequences.
+Workload workload(unsigned seed, int n) {
+  std::mt19937 rng(seed);
+  auto draw = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  std::vector<std::int64_t> system;
+  for (int i = 0; i < 12; ++i) system.push_back(draw(0, VOCAB - 1));
+  Workload w;
+  for (int i = 0; i < n; ++i) {
+    kvc::GenerationRequest r;
+    r.request_id = "req" + std::to_string(i);
+    if (i % 2 == 0) r.prompt = system;
+    for (std::int64_t t = draw(1, 20); t > 0; --t) r.prompt.push_back(draw(0, VOCAB - 1));
+    r.max_new_tokens = draw(1, 14);
+    if (i % 5 == 3) r.eos_token_id = draw(0, VOCAB - 1);
+    if (i == 1 || i == 4) r.num_return_sequences = 3;
+    const auto gen = alone(r.prompt, r.max_new_tokens, r.eos_token_id);
+    w.expected[r.request_id] = gen;
+    for (std::int64_t c = 0; c + 1 < r.num_return_sequences; ++c)
+      w.expected[r.request_id + "__child#" + std::to_string(c)] = gen;
+    w.requests.push_back(std::move(r));
+  }
+  return w;
+}
+
+struct Setup {
+  std::vector<std::string> types;
+  std::int64_t block_size, num_blocks, max_batch_tokens, swap_blocks;
+  std::string scheduler;
+};
+
+Run serve(const Setup& setup, const Workload& w, Cache*& out_cache, std::optional<Cache>& holder,
+          std::optional<Scheduler>& sched) {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = setup.block_size;
+  cb.num_blocks = setup.num_blocks;
+  cb.max_batch_tokens = setup.max_batch_tokens;
+  cb.scheduler_type = setup.scheduler;
+  holder.emplace(model(setup.types), cb);
+  if (setup.swap_blocks > 0) holder->reserve_swap_space(setup.swap_blocks);
+  sched.emplace(*holder, cb);
+  for (const auto& r : w.requests) sched->add_request(r);
+  out_cache = &*holder;
+  return drive(*holder, *sched, static_cast<std::int64_t>(setup.types.size()));
+}
+
+// A cache config with blocks of 4 tokens.
+kvc::ContinuousBatchingConfig small(std::int64_t num_blocks, std::optional<std::int64_t> max_batch_tokens) {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = num_blocks;
+  cb.max_batch_tokens = max_batch_tokens;
+  return cb;
+}
+
+}  // namespace
+
+TEST_CASE("scheduler: every request ends as it would alone, under preemption, sharing and forks") {
+  const std::vector<std::string> full = {"full_attention", "full_attention"};
+  const std::vector<std::string> hybrid = {"full_attention", "sliding_attention", "full_attention"};
+  const std::vector<Setup> setups = {
+      {full, 4, 400, 64, 0, "fifo"},           // room for everyone
+      {full, 4, 20, 24, 0, "fifo"},            // soft resets
+      {full, 4, 20, 24, 200, "fifo"},          // offload to the swap pool
+      {full, 4, 20, 24, 12, "prefill_first"},  // a small pool: some of each
+      {hybrid, 4, 24, 16, 0, "fifo"},          // sliding groups, no prefix sharing
+      {hybrid, 8, 14, 32, 200, "prefill_first"},
+  };
+  for (unsigned seed : {1u, 2u, 3u})
+    for (const Setup& setup : setups) {
+      CAPTURE(seed);
+      CAPTURE(setup.num_blocks);
+      CAPTURE(setup.swap_blocks);
+      CAPTURE(setup.scheduler);
+      CAPTURE(setup.types.size());
+      const Workload w = workload(seed, 24);
+      Cache* cache = nullptr;
+      std::optional<Cache> holder;
+      std::optional<Scheduler> s;
+      const Run run = serve(setup, w, cache, holder, s);
+      // Every sequence ended, none failed, each with the tokens it makes alone.
+      REQUIRE(run.ended.size() == w.expected.size());
+      for (const auto& expected : w.expected) {
+        CAPTURE(expected.first);
+        const kvc::RequestState& st = run.ended.at(expected.first);
+        CHECK(st.status == kvc::RequestStatus::finished);
+        CHECK(std::vector<std::int64_t>(st.generated().begin(), st.generated().end()) == expected.second);
+      }
+      CHECK(run.checked_rows > 1000);
+      // Budgets held, and nothing leaked: every block and swap block is free again.
+      CHECK(run.max_tokens <= setup.max_batch_tokens);
+      CHECK(run.max_requests <= s->max_requests_per_batch());
+      CHECK(cache->get_num_free_blocks() == cache->num_blocks());
+      CHECK(cache->free_swap_blocks() == cache->swap_blocks());
+      CHECK_FALSE(s->has_unfinished_requests());
+      const kvc::SchedulerStats& st = s->stats();
+      CHECK(st.failed == 0);
+      CHECK(st.forks + st.forks_requeued == 4);
+      CHECK(st.peak_blocks_in_use <= cache->num_blocks());
+      if (setup.num_blocks < 100) CHECK(st.preemptions() > 0);
+      if (setup.num_blocks < 100 && setup.swap_blocks == 0) CHECK(st.soft_resets > 0);
+      if (setup.swap_blocks >= 200) {
+        CHECK(st.cpu_offloads > 0);
+        CHECK(st.restores == st.cpu_offloads);
+      }
+      if (setup.types == full) CHECK(st.prefix_hit_tokens > 0);
+      if (setup.types == hybrid) CHECK(st.prefix_hit_tokens == 0);
+    }
+}
+
+TEST_CASE("scheduler: exact allocation, chunked prefill, one forward per step's budget") {
+  kvc::ContinuousBatchingConfig cb = small(100, 8);
+  cb.allow_block_sharing = false;
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  CHECK(s.max_requests_per_batch() == 8);  // min(1024, max_batch_tokens)
+  CHECK(s.safety_margin() == doctest::Approx(0.15));
+  s.add_request({.request_id = "long", .prompt = std::vector<std::int64_t>(19, 3), .max_new_tokens = 2});
+  s.add_request({.request_id = "short", .prompt = {1, 2, 3}, .max_new_tokens = 3});
+  // Step 1: 8 of the 19 prompt tokens (the token budget), nothing for "short".
+  auto b = s.schedule();
+  REQUIRE(b);
+  CHECK(b->request_ids == std::vector<std::string>{"long"});
+  CHECK(b->num_tokens() == 8);
+  CHECK(b->logits_indices.empty());
+  CHECK(s.request("long").status == kvc::RequestStatus::prefilling);
+  CHECK(s.request("long").allocated_blocks == 2);  // exactly ceil(8 / 4): transformers asks for 3
+  CHECK(cache.get_num_free_blocks() == 98);
+  CHECK(s.stats().peak_blocks_in_use == 2);
+  CHECK(s.stats().live_rows_at_peak == 8);
+  s.update(*b, {});
+  b = s.schedule();
+  CHECK(b->num_tokens() == 8);
+  CHECK(b->past == std::vector<std::int64_t>{8});
+  s.update(*b, {});
+  // Step 3: the last 3 prompt tokens (and its first token), then "short" with the 5 left.
+  b = s.schedule();
+  CHECK(b->request_ids == std::vector<std::string>{"long", "short"});
+  CHECK(b->cu_seqlens_q == std::vector<std::int64_t>{0, 3, 6});
+  CHECK(b->logits_indices == std::vector<std::int64_t>{2, 5});
+  CHECK(b->position_ids == std::vector<std::int64_t>{16, 17, 18, 0, 1, 2});
+  CHECK(s.request("long").allocated_blocks == 5);
+  CHECK(s.request("short").allocated_blocks == 1);
+  s.update(*b, std::vector<std::int64_t>{7, 8});
+  CHECK(s.request("long").status == kvc::RequestStatus::decoding);
+  CHECK(s.request("long").generated().size() == 1);
+  // Decodes: one token each; "long" ends after its second token and frees its blocks.
+  b = s.schedule();
+  CHECK(b->input_ids == std::vector<std::int64_t>{7, 8});
+  CHECK(b->position_ids == std::vector<std::int64_t>{19, 3});
+  s.update(*b, std::vector<std::int64_t>{9, 10});
+  const auto done = s.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].request_id == "long");
+  CHECK(std::vector<std::int64_t>(done[0].generated().begin(), done[0].generated().end()) ==
+        std::vector<std::int64_t>{7, 9});
+  CHECK(cache.get_num_free_blocks() == 99);  // only "short"'s block (4 tokens) is held
+  CHECK_THROWS_AS(s.request("long"), kvc::KeyError);
+}
+
+TEST_CASE("scheduler: a request too long for the whole cache fails alone") {
+  kvc::ContinuousBatchingConfig cb = small(6, 64);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "big", .prompt = std::vector<std::int64_t>(30, 1), .max_new_tokens = 1});
+  s.add_request({.request_id = "small", .prompt = {1, 2}, .max_new_tokens = 2});
+  Run run = drive(cache, s, 1);
+  REQUIRE(run.ended.size() == 2);
+  CHECK(run.ended.at("small").status == kvc::RequestStatus::finished);
+  const kvc::RequestState& big = run.ended.at("big");
+  CHECK(big.status == kvc::RequestStatus::failed);
+  CHECK(big.error ==
+        "kvc::ContinuousBatchingScheduler: request big needs 8 more blocks for 30 tokens, more than the cache can "
+        "free (6 blocks of 4 tokens)");
+  CHECK(s.stats().failed == 1);
+  CHECK(cache.get_num_free_blocks() == 6);
+}
+
+TEST_CASE("scheduler: cancelling frees a request's blocks and swap blocks") {
+  kvc::ContinuousBatchingConfig cb = small(20, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "a", .prompt = {1, 2, 3, 4, 5}, .max_new_tokens = 9});
+  auto b = s.schedule();
+  CHECK_THROWS_WITH_AS(s.schedule(),
+                       "kvc::ContinuousBatchingScheduler::schedule: the last batch is still in flight; pass it to "
+                       "update() first",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.cancel_request("a"),
+                       "kvc::ContinuousBatchingScheduler::cancel_request: the last batch is still in flight; pass it "
+                       "to update() first",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.update(*b, {}),
+                       "kvc::ContinuousBatchingScheduler::update: the batch needs 1 next tokens, got 0",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.update(*b, std::vector<std::int64_t>{-1}),
+                       "kvc::ContinuousBatchingScheduler::update: token -1 is outside [0, 2^31)", kvc::ValueError);
+  s.update(*b, std::vector<std::int64_t>{6});
+  CHECK_THROWS_WITH_AS(s.update(*b, std::vector<std::int64_t>{6}),
+                       "kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last",
+                       kvc::ValueError);
+  CHECK(cache.get_num_free_blocks() == 18);
+  s.cancel_request("a");
+  CHECK(cache.get_num_free_blocks() == 20);
+  const auto done = s.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(done[0].status == kvc::RequestStatus::failed);
+  CHECK(done[0].error == "kvc::ContinuousBatchingScheduler: request a cancelled");
+  CHECK_FALSE(s.schedule());
+}
+
+TEST_CASE("scheduler: configuration and request errors, with transformers' messages where it has them") {
+  kvc::ContinuousBatchingConfig cb = small(20, std::nullopt);
+  Cache unsized(model({"full_attention"}), cb);
+  CHECK_THROWS_WITH_AS(Scheduler(unsized, cb),
+                       "kvc::ContinuousBatchingScheduler: max_batch_tokens must be set (>= 1) in the cache's or the "
+                       "scheduler's ContinuousBatchingConfig",
+                       kvc::ValueError);
+  cb.max_batch_tokens = 16;
+  Cache cache(model({"full_attention"}), cb);
+  cb.safety_margin = 1.5;
+  CHECK_THROWS_WITH_AS(Scheduler(cache, cb), "Got safety_margin = 1.5 but expected a value in [0, 1]", kvc::ValueError);
+  cb.safety_margin.reset();
+  cb.max_requests_per_batch = 0;
+  CHECK_THROWS_WITH_AS(Scheduler(cache, cb), "Got max_requests_per_batch = 0 but expected a value >= 1",
+                       kvc::ValueError);
+  cb.max_requests_per_batch.reset();
+  cb.scheduler_type = "lifo";
+  std::vector<std::string> warnings;
+  const auto previous = kvc::set_warning_handler([&](std::string_view m) { warnings.emplace_back(m); });
+  Scheduler s(cache, cb);
+  kvc::set_warning_handler(previous);
+  CHECK(warnings == std::vector<std::string>{"Scheduler 'lifo' not found. Defaulting to FIFO."});
+  CHECK_FALSE(s.prefill_first());
+
+  s.add_request({.request_id = "x", .prompt = {1}});
+  const std::string where = "kvc::ContinuousBatchingScheduler::add_request: request ";
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "e", .prompt = {}}), (where + "'e' has an empty prompt").c_str(),
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "t", .prompt = {1, -2}}),
+                       (where + "'t' has token -2, outside [0, 2^31)").c_str(), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "m", .prompt = {1}, .max_new_tokens = 0}),
+                       (where + "'m' needs max_new_tokens >= 1 and num_return_sequences >= 1, got 0 and 1").c_str(),
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "x", .prompt = {1}}),
+                       (where + "'x' is already known, or names a child sequence (__child#)").c_str(), kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "y__child#0", .prompt = {1}}),
+                       (where + "'y__child#0' is already known, or names a child sequence (__child#)").c_str(),
+                       kvc::ValueError);
+  CHECK(s.num_waiting() == 1);
+  CHECK_THROWS_WITH_AS(s.request("nope"), "kvc::ContinuousBatchingScheduler: no request 'nope'", kvc::KeyError);
+}
+
+TEST_CASE("scheduler: a one-token prompt's sequences run as requests of their own") {
+  kvc::ContinuousBatchingConfig cb = small(20, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "one", .prompt = {5}, .max_new_tokens = 3, .num_return_sequences = 3});
+  CHECK(s.num_waiting() == 3);
+  const Run run = drive(cache, s, 1);
+  const auto expected = alone({5}, 3, std::nullopt);
+  for (const std::string id : {"one", "one__child#0", "one__child#1"}) {
+    const auto& st = run.ended.at(id);
+    CHECK(std::vector<std::int64_t>(st.generated().begin(), st.generated().end()) == expected);
+  }
+  CHECK(s.stats().forks_requeued == 2);
+}
+
+TEST_CASE("scheduler: a prompt found whole in the cache computes its last token again") {
+  kvc::ContinuousBatchingConfig cb = small(20, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  const std::vector<std::int64_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8};
+  s.add_request({.request_id = "first", .prompt = prompt, .max_new_tokens = 2});
+  drive(cache, s, 1);
+  s.add_request({.request_id = "again", .prompt = prompt, .max_new_tokens = 2});
+  const auto b = s.schedule();
+  REQUIRE(b);
+  CHECK(b->input_ids == std::vector<std::int64_t>{8});  // both blocks shared, the last token recomputed
+  CHECK(b->past == std::vector<std::int64_t>{7});
+  CHECK(s.stats().prefix_hit_tokens == 7);
+  CHECK(s.request("again").allocated_blocks == 2);
+}
