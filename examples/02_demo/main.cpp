@@ -36,12 +36,17 @@
 
 #include "../common/decoder.hpp"
 #include "../common/hf_config.hpp"
+#include "../common/report.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using examples::clock_type;
 using examples::Decoder;
 using examples::DecoderConfig;
+using examples::fmt;
+using examples::human_bytes;
+using examples::Progress;
+using examples::seconds_since;
 
 constexpr std::int64_t weight_limit_bytes = std::int64_t{2} << 30;  // 2 GiB without --allow-large
 const std::vector<std::string> all_caches{"dynamic", "dynamic-config", "static", "offloaded", "quantized"};
@@ -166,68 +171,6 @@ double tolerance_for(const std::string& dtype) {
   if (dtype == "half") return 5e-3;
   return 1e-4;
 }
-
-std::string fmt(const char* format, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 3) {
-    bytes /= 1024;
-    ++u;
-  }
-  return fmt(u == 0 ? "%.0f" : "%.1f", bytes) + " " + units[u];
-}
-
-// --- progress on stderr --------------------------------------------------------------------
-
-// A `\r` line of tokens done / total and tokens/s, only when stderr is a terminal and the run has
-// lasted more than a second.
-class Progress {
- public:
-  explicit Progress(clock_type::time_point start) : enabled_(isatty(STDERR_FILENO) == 1), start_(start) {}
-  void update(const std::string& what, std::int64_t done, std::int64_t total, const char* unit,
-              clock_type::time_point since) {
-    if (!enabled_) return;
-    const std::lock_guard lock(mutex_);
-    const auto now = clock_type::now();
-    if (now - start_ < std::chrono::seconds(1) || (now - last_ < std::chrono::milliseconds(100) && done < total))
-      return;
-    last_ = now;
-    const double seconds = std::chrono::duration<double>(now - since).count();
-    const std::string line = what + " " + std::to_string(done) + "/" + std::to_string(total) + " " + unit + ", " +
-                             fmt("%.1f", seconds > 0 ? static_cast<double>(done) / seconds : 0.0) + " " + unit + "/s";
-    std::fprintf(stderr, "\r%-70s", line.c_str());
-    std::fflush(stderr);
-    shown_ = true;
-  }
-  // A line shown at once (a step known to take seconds, e.g. the weights of a large config).
-  void note(const std::string& text) {
-    if (!enabled_) return;
-    const std::lock_guard lock(mutex_);
-    std::fprintf(stderr, "\r%-70s", text.c_str());
-    std::fflush(stderr);
-    shown_ = true;
-  }
-  void clear() {
-    if (!shown_) return;
-    std::fprintf(stderr, "\r%70s\r", "");
-    std::fflush(stderr);
-    shown_ = false;
-  }
-
- private:
-  bool enabled_;
-  clock_type::time_point start_, last_{};
-  bool shown_ = false;
-  std::mutex mutex_;
-};
-
-double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
 
 // --- generation ----------------------------------------------------------------------------
 

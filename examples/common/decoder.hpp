@@ -238,17 +238,36 @@ class Decoder {
   // continue from cache.get_seq_length(). Returns the logits of the last token, or of every token.
   template <class Cache>
   Logits forward(std::span<const std::int32_t> tokens, Cache& cache, bool all_logits = false) const {
-    return run(tokens, cache.get_seq_length(0), all_logits,
-               [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
-                   const kvc::HostTensor<T>& v) { return attend(cache, layer, q, k, v); });
+    const Matrix x = run(tokens, positions_from(cache.get_seq_length(0), tokens.size()),
+                         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
+                             const kvc::HostTensor<T>& v) { return attend(cache, layer, q, k, v); });
+    return logits(all_logits ? x : Matrix(x.bottomRows(1)));
+  }
+
+  // One step of a continuous batch: the tokens of several sequences packed one after another,
+  // token i at position positions[i], and attend_fn(layer, q, k, v) attending each sequence's
+  // queries to its own keys only (kvc::paged_attention over a paged cache). Returns the logits of
+  // the rows `logit_rows`, in that order.
+  template <class Attend>
+  Logits forward_packed(std::span<const std::int32_t> tokens, std::span<const std::int64_t> positions,
+                        std::span<const std::int64_t> logit_rows, Attend&& attend_fn) const {
+    if (positions.size() != tokens.size()) throw std::invalid_argument("Decoder: one position per token");
+    const Matrix x = run(tokens, std::vector<std::int64_t>(positions.begin(), positions.end()), attend_fn);
+    Matrix picked(static_cast<Eigen::Index>(logit_rows.size()), x.cols());
+    for (std::size_t i = 0; i < logit_rows.size(); ++i) {
+      const std::int64_t r = logit_rows[i];
+      if (r < 0 || r >= x.rows()) throw std::out_of_range("Decoder: logit row " + std::to_string(r));
+      picked.row(static_cast<Eigen::Index>(i)) = x.row(r);
+    }
+    return logits(picked);
   }
 
   // The reference: the whole sequence recomputed from scratch, attention over all its keys with
   // an explicit causal mask (and the layer's window for sliding layers). Positions start at 0.
   Logits forward_no_cache(std::span<const std::int32_t> tokens, bool all_logits = false) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
-    return run(
-        tokens, 0, all_logits,
+    const Matrix x = run(
+        tokens, positions_from(0, tokens.size()),
         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
           const kvc::AttentionMask mask{.kv_length = n,
                                         .kv_offset = 0,
@@ -257,6 +276,7 @@ class Decoder {
                                         .causal = true};
           return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
         });
+    return logits(all_logits ? x : Matrix(x.bottomRows(1)));
   }
 
  private:
@@ -274,8 +294,16 @@ class Decoder {
     return kvc::attend(cache, layer, q, k, v, kvc::AttendOptions{.sliding_window = config_.window(layer)});
   }
 
+  static std::vector<std::int64_t> positions_from(std::int64_t first, std::size_t n) {
+    std::vector<std::int64_t> out(n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = first + static_cast<std::int64_t>(i);
+    return out;
+  }
+
+  // The final hidden states, [tokens, hidden]; token i at positions[i].
   template <class Attend>
-  Logits run(std::span<const std::int32_t> tokens, std::int64_t position, bool all_logits, Attend&& attend_fn) const {
+  Matrix run(std::span<const std::int32_t> tokens, const std::vector<std::int64_t>& positions,
+             Attend&& attend_fn) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
     const std::int64_t h = config_.hidden_size, hq = config_.num_attention_heads, hkv = config_.num_key_value_heads;
     if (n == 0) throw std::invalid_argument("Decoder: no tokens");
@@ -287,7 +315,7 @@ class Decoder {
         throw std::out_of_range("Decoder: token " + std::to_string(t) + " is outside the vocabulary");
       x.row(i) = embed_.row(t) * normalizer;
     }
-    const auto [cos, sin] = rope_table(position, n);
+    const auto [cos, sin] = rope_table(positions);
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       Matrix a = rms_norm(x, w.attn_norm);
@@ -304,9 +332,12 @@ class Decoder {
       gate = (gate.array() / (1.0f + (-gate.array()).exp()) * up.array()).matrix();  // SiLU(gate) * up
       x.noalias() += gate * w.w_down;
     }
-    const Matrix last = all_logits ? rms_norm(x, final_norm_) : rms_norm(x.bottomRows(1), final_norm_);
+    return x;
+  }
+
+  Logits logits(const Matrix& x) const {
     const Matrix& head = config_.tie_word_embeddings ? embed_ : lm_head_;
-    return last * head.transpose();
+    return rms_norm(x, final_norm_) * head.transpose();
   }
 
   Matrix rms_norm(const Matrix& x, const Eigen::RowVectorXf& weight) const {
@@ -319,12 +350,14 @@ class Decoder {
   }
 
   // cos/sin of position * inv_freq, [n, head_dim / 2], computed in double and rounded once.
-  std::pair<Matrix, Matrix> rope_table(std::int64_t position, std::int64_t n) const {
+  std::pair<Matrix, Matrix> rope_table(const std::vector<std::int64_t>& positions) const {
     const auto half = static_cast<Eigen::Index>(inv_freq_.size());
+    const auto n = static_cast<Eigen::Index>(positions.size());
     Matrix c(n, half), s(n, half);
-    for (std::int64_t i = 0; i < n; ++i)
+    for (Eigen::Index i = 0; i < n; ++i)
       for (Eigen::Index j = 0; j < half; ++j) {
-        const double angle = static_cast<double>(position + i) * inv_freq_[static_cast<std::size_t>(j)];
+        const double angle =
+            static_cast<double>(positions[static_cast<std::size_t>(i)]) * inv_freq_[static_cast<std::size_t>(j)];
         c(i, j) = static_cast<float>(std::cos(angle));
         s(i, j) = static_cast<float>(std::sin(angle));
       }

@@ -1,0 +1,437 @@
+// kvc_serve_demo: continuous batching on kvc. The seeded decoder of examples/common serves many
+// requests at once through a kvc::PagedCache driven by kvc::ContinuousBatchingScheduler: prompts
+// of different lengths, a shared system prefix on half of them, two requests with three sequences
+// each (forks), and a cache small enough that requests are preempted (to the swap pool, or soft
+// reset and prefilled again). Every step's logits of every sequence are checked against the same
+// model recomputing that sequence alone without a cache (forward_no_cache). The same sequences then
+// run one after another, each through its own kvc::DynamicCache, for the throughput and memory
+// comparison.
+//
+//   kvc_serve_demo [--requests N] [--seed N] [--block-size N] [--blocks N] [--swap-blocks N]
+//                  [--max-batch-tokens N] [--scheduler fifo|prefill_first] [--hybrid] [--json]
+//
+// Exits 0 when every sequence passes, 1 when one fails, 2 for a bad option.
+#include <kvc/kvc.hpp>
+#include <kvc/paged/paged_attention.hpp>
+#include <kvc/paged/scheduler.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "../common/decoder.hpp"
+#include "../common/report.hpp"
+
+namespace {
+
+using examples::clock_type;
+using examples::Decoder;
+using examples::DecoderConfig;
+using examples::fmt;
+using examples::human_bytes;
+using Storage = kvc::HostStorage<float>;
+
+// Logits of float attention through the pools against the no-cache model: the order of the sums
+// differs (online softmax over blocks); the largest measured difference is about 1e-5.
+constexpr double tolerance = 1e-4;
+
+const char* const usage =
+    "usage: kvc_serve_demo [options]\n"
+    "  Continuous batching of seeded requests through kvc's paged cache and scheduler, every step's\n"
+    "  logits checked against the model recomputing each sequence alone without a cache.\n"
+    "options:\n"
+    "  --requests N          requests (default 32; two of them ask for 3 sequences)\n"
+    "  --seed N              seed of the weights, the requests and the sampling (default 2024)\n"
+    "  --block-size N        tokens per block (default 16)\n"
+    "  --blocks N            blocks of the cache (default: 60% of what every sequence needs at its end)\n"
+    "  --swap-blocks N       blocks of the swap pool for offloaded requests (default blocks / 8)\n"
+    "  --max-batch-tokens N  tokens per forward (default 256)\n"
+    "  --scheduler NAME      fifo or prefill_first (default fifo)\n"
+    "  --hybrid              the demo model with sliding and full layers (no prefix sharing)\n"
+    "  --json                print one JSON object instead of the table\n"
+    "exit status: 0 every sequence passes, 1 one fails, 2 bad option\n";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::int64_t requests = 32;
+  std::uint64_t seed = 2024;
+  std::int64_t block_size = 16;
+  std::optional<std::int64_t> blocks, swap_blocks;
+  std::int64_t max_batch_tokens = 256;
+  std::string scheduler = "fifo";
+  bool hybrid = false;
+  bool json = false;
+};
+
+std::int64_t parse_count(std::string_view flag, std::string_view text, std::int64_t lo, std::int64_t hi) {
+  std::int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
+    throw UsageError(std::string(flag) + " needs an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                     "], got '" + std::string(text) + "'");
+  return v;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError(std::string(a) + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    } else if (a == "--requests") {
+      o.requests = parse_count(a, value(), 3, 4096);
+    } else if (a == "--seed") {
+      o.seed = static_cast<std::uint64_t>(parse_count(a, value(), 0, std::int64_t{1} << 62));
+    } else if (a == "--block-size") {
+      o.block_size = parse_count(a, value(), 4, 1024);
+    } else if (a == "--blocks") {
+      o.blocks = parse_count(a, value(), 1, std::int64_t{1} << 24);
+    } else if (a == "--swap-blocks") {
+      o.swap_blocks = parse_count(a, value(), 0, std::int64_t{1} << 24);
+    } else if (a == "--max-batch-tokens") {
+      o.max_batch_tokens = parse_count(a, value(), 1, std::int64_t{1} << 20);
+    } else if (a == "--scheduler") {
+      o.scheduler = std::string(value());
+      if (o.scheduler != "fifo" && o.scheduler != "prefill_first")
+        throw UsageError("--scheduler needs fifo or prefill_first, got '" + o.scheduler + "'");
+    } else if (a == "--hybrid") {
+      o.hybrid = true;
+    } else if (a == "--json") {
+      o.json = true;
+    } else {
+      throw UsageError("unknown option '" + std::string(a) + "' (see --help)");
+    }
+  }
+  return o;
+}
+
+// The requests, chat-like: prompts of 8..40 tokens, answers of 64..160 drawn from the seed, a
+// 32-token system prefix before the prompt of every other request, three sequences for requests 1
+// and 2.
+std::vector<kvc::GenerationRequest> make_requests(const Options& o, std::int64_t vocab) {
+  std::mt19937_64 rng(o.seed ^ 0x5eed5eedULL);
+  auto draw = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  std::vector<std::int64_t> system(32);
+  for (auto& t : system) t = draw(0, vocab - 1);
+  std::vector<kvc::GenerationRequest> out;
+  for (std::int64_t i = 0; i < o.requests; ++i) {
+    kvc::GenerationRequest r;
+    r.request_id = "req" + std::to_string(i);
+    if (i % 2 == 0) r.prompt = system;
+    for (std::int64_t n = draw(8, 40); n > 0; --n) r.prompt.push_back(draw(0, vocab - 1));
+    r.max_new_tokens = draw(64, 160);
+    r.num_return_sequences = i == 1 || i == 2 ? 3 : 1;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// The decoder of examples/common in a serving shape: 4 layers, hidden 768, 12 query heads and 2 KV
+// heads of 64, MLP 2048, vocabulary 2048: 105 MB of float weights, more than this machine's caches,
+// so that decoding one token at a time reads every weight from memory while a batch of tokens
+// shares each read. Llama-style (every layer full attention, so prompts can share blocks), or
+// Gemma-style with sliding layers.
+DecoderConfig serving_model(bool hybrid) {
+  DecoderConfig c;
+  c.num_hidden_layers = 4;
+  c.hidden_size = 768;
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.intermediate_size = 2048;
+  c.vocab_size = 2048;
+  if (hybrid) {
+    c.layer_types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
+    c.sliding_window = 64;
+  } else {
+    c.layer_types.assign(4, "full_attention");
+    c.sliding_window.reset();
+  }
+  return c;
+}
+
+// A sampled token (Gumbel-max at temperature 1): the noise depends only on the seed, the sequence
+// and the position, so a sequence samples the same way whatever else shares its batch, and the
+// children of a fork draw differently from their parent.
+std::int64_t sample(const examples::Logits& logits, Eigen::Index row, const std::string& id, std::int64_t position,
+                    std::uint64_t seed) {
+  std::mt19937_64 rng(seed ^ std::hash<std::string>{}(id) ^
+                      (static_cast<std::uint64_t>(position) * 0x9e3779b97f4a7c15ULL));
+  std::uniform_real_distribution<double> u(1e-12, 1.0);
+  Eigen::Index best = 0;
+  double best_score = -INFINITY;
+  for (Eigen::Index v = 0; v < logits.cols(); ++v) {
+    const double score = static_cast<double>(logits(row, v)) - std::log(-std::log(u(rng)));
+    if (score > best_score) best_score = score, best = v;
+  }
+  return static_cast<std::int64_t>(best);
+}
+
+// One sequence's record: the logits each of its generated tokens was sampled from.
+struct Sequence {
+  std::vector<std::vector<float>> logits;  // row i: the logits that gave generated token i
+  kvc::RequestState state;
+  double max_diff = 0;
+  bool pass = false;
+};
+
+struct PagedRun {
+  std::map<std::string, Sequence> sequences;
+  double seconds = 0;
+  std::int64_t steps = 0, tokens = 0;
+  kvc::SchedulerStats stats;
+  std::int64_t num_blocks = 0, swap_blocks = 0, bytes_per_block = 0, block_size = 0;
+};
+
+kvc::HostTensor<float> attend_step(kvc::PagedCache<Storage>& cache, const kvc::ScheduledBatch& b, std::int64_t layer,
+                                   const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
+                                   const kvc::HostTensor<float>& v) {
+  auto out = kvc::paged_attention(cache, layer, b.attention_step(), Storage::input_view(q), Storage::input_view(k),
+                                  Storage::input_view(v));
+  cache.update(Storage::input_view(k), Storage::input_view(v), layer, b.read_index, b.write_index);  // then store
+  return out;
+}
+
+PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<kvc::GenerationRequest>& requests) {
+  const DecoderConfig& c = model.config();
+  PagedRun run;
+  // [snippet:serve_loop]
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = o.block_size;
+  std::int64_t need = 0;  // blocks every sequence needs at its end
+  for (const auto& r : requests)
+    need += r.num_return_sequences *
+            ((static_cast<std::int64_t>(r.prompt.size()) + r.max_new_tokens + o.block_size - 1) / o.block_size);
+  cb.num_blocks = o.blocks.value_or(std::max<std::int64_t>(need * 6 / 10, 1));
+  cb.max_batch_tokens = o.max_batch_tokens;
+  cb.scheduler_type = o.scheduler;
+  kvc::PagedCache<Storage> cache(c.cache_config(), cb);
+  cache.reserve_swap_space(o.swap_blocks.value_or(*cb.num_blocks / 8));
+  kvc::ContinuousBatchingScheduler<Storage> scheduler(cache, cb);
+  for (const auto& r : requests) scheduler.add_request(r);
+
+  std::int64_t expected = 0, done = 0;  // sequences
+  for (const auto& r : requests) expected += r.num_return_sequences;
+  examples::Progress progress(clock_type::now());
+  const auto start = clock_type::now();
+  while (auto batch = scheduler.schedule()) {
+    const std::vector<std::int32_t> ids(batch->input_ids.begin(), batch->input_ids.end());
+    const examples::Logits logits =
+        model.forward_packed(ids, batch->position_ids, batch->logits_indices,
+                             [&](std::int64_t layer, const auto& q, const auto& k, const auto& v) {
+                               return attend_step(cache, *batch, layer, q, k, v);
+                             });
+    std::vector<std::int64_t> next;  // one token per logits row
+    for (std::size_t r = 0, row = 0; r < batch->requests.size(); ++r) {
+      const kvc::ScheduledRequest& s = batch->requests[r];
+      if (!s.has_new_token) continue;
+      const std::int64_t position = s.past + s.query_length;  // of the token sampled
+      next.push_back(sample(logits, static_cast<Eigen::Index>(row), s.request_id, position, o.seed));
+      auto& rows = run.sequences[s.request_id].logits;
+      rows.emplace_back(logits.row(static_cast<Eigen::Index>(row)).data(),
+                        logits.row(static_cast<Eigen::Index>(row)).data() + logits.cols());
+      ++row;
+    }
+    scheduler.update(*batch, next);
+    for (auto& st : scheduler.take_finished()) {
+      run.sequences[st.request_id].state = std::move(st);
+      ++done;
+    }
+    run.tokens += batch->num_tokens();
+    ++run.steps;
+    progress.update("serving: sequences", done, expected, "seqs", start);
+  }
+  // [/snippet]
+  run.seconds = examples::seconds_since(start);
+  progress.clear();
+  for (auto& st : scheduler.take_finished()) run.sequences[st.request_id].state = std::move(st);
+  run.stats = scheduler.stats();
+  run.num_blocks = cache.num_blocks();
+  run.swap_blocks = cache.swap_blocks();
+  run.bytes_per_block = cache.bytes_per_block();
+  run.block_size = cache.block_size();
+  return run;
+}
+
+// Each sequence recomputed alone without a cache: its logits at every generated position.
+void check(const Decoder<float>& model, PagedRun& run) {
+  std::vector<Sequence*> all;
+  for (auto& entry : run.sequences) all.push_back(&entry.second);
+  examples::parallel_for(static_cast<std::int64_t>(all.size()), [&](std::int64_t i) {
+    Sequence& s = *all[static_cast<std::size_t>(i)];
+    const auto& st = s.state;
+    const auto gen = static_cast<std::int64_t>(st.generated().size());
+    if (st.status != kvc::RequestStatus::finished || gen == 0 || static_cast<std::int64_t>(s.logits.size()) != gen)
+      return;
+    const std::vector<std::int32_t> tokens(st.tokens.begin(), st.tokens.end() - 1);
+    const examples::Logits ref = model.forward_no_cache(tokens, true);
+    double worst = 0;
+    for (std::int64_t g = 0; g < gen; ++g) {
+      const Eigen::Index row = st.prompt_length - 1 + g;
+      for (Eigen::Index v = 0; v < ref.cols(); ++v)
+        worst = std::max(worst, std::abs(static_cast<double>(ref(row, v)) -
+                                         s.logits[static_cast<std::size_t>(g)][static_cast<std::size_t>(v)]));
+    }
+    s.max_diff = worst;
+    s.pass = worst <= tolerance;
+  });
+}
+
+// The same sequences one after another, each through its own DynamicCache, teacher-forced with
+// the tokens the paged run sampled (the same work, without batching). Returns seconds and the
+// largest cache any sequence held.
+std::pair<double, std::int64_t> one_cache_per_request(const Decoder<float>& model, const PagedRun& run) {
+  std::int64_t peak = 0;
+  const auto start = clock_type::now();
+  for (const auto& entry : run.sequences) {
+    const kvc::RequestState& st = entry.second.state;
+    if (st.status != kvc::RequestStatus::finished) continue;
+    kvc::DynamicCache<float> cache;
+    const std::vector<std::int32_t> tokens(st.tokens.begin(), st.tokens.end());
+    model.forward(std::span(tokens).first(static_cast<std::size_t>(st.prompt_length)), cache);
+    for (std::size_t t = static_cast<std::size_t>(st.prompt_length); t + 1 < tokens.size(); ++t)
+      model.forward(std::span(tokens).subspan(t, 1), cache);
+    peak = std::max<std::int64_t>(peak, cache.bytes());
+  }
+  return {examples::seconds_since(start), peak};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "kvc_serve_demo: %s\n", e.what());
+    return 2;
+  }
+  try {
+    const DecoderConfig config = serving_model(o.hybrid);
+    const Decoder<float> model(config, o.seed);
+    const auto requests = make_requests(o, config.vocab_size);
+    PagedRun run = serve(o, model, requests);
+    check(model, run);
+    const auto [dyn_seconds, dyn_peak] = one_cache_per_request(model, run);
+
+    std::int64_t generated = 0, passed = 0, longest = 0, prompt_tokens = 0;
+    for (const auto& [id, s] : run.sequences) {
+      generated += static_cast<std::int64_t>(s.state.generated().size());
+      prompt_tokens += s.state.prompt_length;
+      longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(s.state.tokens.size()));
+      passed += s.pass ? 1 : 0;
+    }
+    const auto n = static_cast<std::int64_t>(run.sequences.size());
+    const std::int64_t token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim *
+                                     static_cast<std::int64_t>(sizeof(float));
+    const std::int64_t peak_bytes = run.stats.peak_blocks_in_use * run.bytes_per_block;
+    const std::int64_t live_bytes = run.stats.live_rows_at_peak * run.bytes_per_block / run.block_size;
+    const std::int64_t static_bytes = n * longest * token_bytes;  // a static cache per sequence at the longest
+    const double speedup = dyn_seconds / run.seconds;
+    const double hit_rate = static_cast<double>(run.stats.prefix_hit_tokens) / static_cast<double>(prompt_tokens);
+    const bool ok = passed == n && run.stats.failed == 0;
+
+    if (o.json) {
+      nlohmann::ordered_json j;
+      j["requests"] = o.requests;
+      j["sequences"] = n;
+      j["steps"] = run.steps;
+      j["batch_tokens"] = run.tokens;
+      j["generated_tokens"] = generated;
+      j["seconds"] = run.seconds;
+      j["generated_tokens_per_second"] = static_cast<double>(generated) / run.seconds;
+      j["num_blocks"] = run.num_blocks;
+      j["block_size"] = run.block_size;
+      j["swap_blocks"] = run.swap_blocks;
+      j["peak_kv_bytes"] = peak_bytes;
+      j["live_kv_bytes_at_peak"] = live_bytes;
+      j["paging_overhead"] = static_cast<double>(peak_bytes) / static_cast<double>(live_bytes);
+      j["static_kv_bytes"] = static_bytes;
+      j["prefix_hit_tokens"] = run.stats.prefix_hit_tokens;
+      j["prefix_hit_rate"] = hit_rate;
+      j["cpu_offloads"] = run.stats.cpu_offloads;
+      j["soft_resets"] = run.stats.soft_resets;
+      j["forks"] = run.stats.forks;
+      j["forks_requeued"] = run.stats.forks_requeued;
+      j["one_cache_per_request"] = {{"seconds", dyn_seconds}, {"peak_kv_bytes", dyn_peak}};
+      j["throughput_ratio"] = speedup;
+      j["tolerance"] = tolerance;
+      auto& seqs = j["per_sequence"] = nlohmann::ordered_json::array();
+      for (const auto& [id, s] : run.sequences)
+        seqs.push_back({{"id", id},
+                        {"prompt_tokens", s.state.prompt_length},
+                        {"generated_tokens", s.state.generated().size()},
+                        {"preemptions", s.state.preemptions},
+                        {"max_abs_logit_diff", s.max_diff},
+                        {"result", s.pass ? "PASS" : "FAIL"}});
+      j["passed"] = passed;
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf("model:   %lld layers (%s), hidden %lld, %lld KV heads of %lld, vocabulary %lld, float\n",
+                  static_cast<long long>(config.num_hidden_layers), o.hybrid ? "sliding and full" : "all full",
+                  static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_key_value_heads),
+                  static_cast<long long>(config.head_dim), static_cast<long long>(config.vocab_size));
+      std::printf(
+          "cache:   %lld blocks of %lld tokens (%s), swap pool %lld blocks, %s scheduler, %lld tokens per step\n",
+          static_cast<long long>(run.num_blocks), static_cast<long long>(run.block_size),
+          human_bytes(static_cast<double>(run.num_blocks * run.bytes_per_block)).c_str(),
+          static_cast<long long>(run.swap_blocks), o.scheduler.c_str(), static_cast<long long>(o.max_batch_tokens));
+      std::printf("\n%-16s %7s %9s %11s %13s  %s\n", "sequence", "prompt", "generated", "preemptions", "max |dlogit|",
+                  "result");
+      for (const auto& [id, s] : run.sequences)
+        std::printf("%-16s %7lld %9lld %11lld %13.2e  %s\n", id.c_str(), static_cast<long long>(s.state.prompt_length),
+                    static_cast<long long>(s.state.generated().size()), static_cast<long long>(s.state.preemptions),
+                    s.max_diff, s.pass ? "PASS" : ("FAIL " + s.state.error).c_str());
+      std::printf("\nrequests:      %lld (%lld sequences), %lld steps, %lld tokens through the model, %lld generated\n",
+                  static_cast<long long>(o.requests), static_cast<long long>(n), static_cast<long long>(run.steps),
+                  static_cast<long long>(run.tokens), static_cast<long long>(generated));
+      std::printf(
+          "throughput:    %.0f generated tokens/s paged (%.2f s), %.0f one DynamicCache per request (%.2f s): "
+          "%.2fx\n",
+          static_cast<double>(generated) / run.seconds, run.seconds, static_cast<double>(generated) / dyn_seconds,
+          dyn_seconds, speedup);
+      std::printf(
+          "peak KV:       %s in blocks, %s for the live tokens then (%.3fx); static caches at the longest "
+          "sequence: %s; one DynamicCache at a time: %s\n",
+          human_bytes(static_cast<double>(peak_bytes)).c_str(), human_bytes(static_cast<double>(live_bytes)).c_str(),
+          static_cast<double>(peak_bytes) / static_cast<double>(live_bytes),
+          human_bytes(static_cast<double>(static_bytes)).c_str(), human_bytes(static_cast<double>(dyn_peak)).c_str());
+      std::printf(
+          "sharing:       %lld prompt tokens from shared blocks (%.1f%% of %lld); %lld forks, %lld sequences "
+          "queued on their own\n",
+          static_cast<long long>(run.stats.prefix_hit_tokens), 100.0 * hit_rate, static_cast<long long>(prompt_tokens),
+          static_cast<long long>(run.stats.forks), static_cast<long long>(run.stats.forks_requeued));
+      std::printf("preemptions:   %lld (%lld to the swap pool and back, %lld soft resets)\n",
+                  static_cast<long long>(run.stats.preemptions()), static_cast<long long>(run.stats.cpu_offloads),
+                  static_cast<long long>(run.stats.soft_resets));
+      std::printf("kvc_serve_demo: %lld/%lld sequences match forward_no_cache (max |dlogit| <= %.0e)%s\n",
+                  static_cast<long long>(passed), static_cast<long long>(n), tolerance, ok ? "" : " FAILED");
+    }
+    return ok ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvc_serve_demo: %s\n", e.what());
+    return 1;
+  }
+}
