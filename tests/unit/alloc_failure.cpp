@@ -395,6 +395,8 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
                        const std::vector<std::string> kids = {"x", "y"};
                        (void)r.cache.fork_request("a", kids);
                      }});
+    // a's first block is complete and shared with x and y: cutting inside it copies it.
+    s.ops.push_back({"truncate a to 3", [](C& r) { (void)r.cache.truncate_request("a", 3); }});
     s.ops.push_back({"offload x", [](C& r) { (void)r.cache.offload_request("x"); }});
     s.ops.push_back({"free y", [](C& r) { r.cache.free_blocks("y"); }});
     s.ops.push_back({"allocate x", [](C& r) { (void)r.cache.allocate_blocks(2, "x", 0); }});

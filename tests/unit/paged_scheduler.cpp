@@ -79,13 +79,15 @@ struct Run {
   std::map<std::string, kvc::RequestState> ended;
 };
 
-// Drives the scheduler to the end with the toy model, checking after every step that every
-// request of the batch holds its own rows at every cached position (the window's for sliding
-// groups) and that its inputs are its own tokens.
-Run drive(Cache& cache, Scheduler& s, std::int64_t layers) {
-  Run run;
+// One step of the toy model, checking afterwards that every request of the batch holds its own
+// rows at every cached position (the window's for sliding groups) and that its inputs are its own
+// tokens. False when nothing was left to schedule.
+bool step(Cache& cache, Scheduler& s, std::int64_t layers, Run& run) {
   const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
-  while (auto batch = s.schedule()) {
+  auto batch = s.schedule();
+  for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));  // failed in schedule()
+  if (!batch) return false;
+  {
     ++run.steps;
     REQUIRE(run.steps < 5000);
     const std::int64_t T = batch->num_tokens();
@@ -154,7 +156,14 @@ Run drive(Cache& cache, Scheduler& s, std::int64_t layers) {
     s.update(*batch, next);
     for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));
   }
-  for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));  // failed in schedule()
+  return true;
+}
+
+// Steps to the end.
+Run drive(Cache& cache, Scheduler& s, std::int64_t layers) {
+  Run run;
+  while (step(cache, s, layers, run)) {
+  }
   return run;
 }
 
@@ -446,4 +455,144 @@ TEST_CASE("scheduler: a prompt found whole in the cache computes its last token 
   CHECK(b->past == std::vector<std::int64_t>{7});
   CHECK(s.stats().prefix_hit_tokens == 7);
   CHECK(s.request("again").allocated_blocks == 2);
+}
+
+namespace {
+
+// What a sequence holding `tokens` (its prompt the first `prompt` of them) ends as alone.
+std::vector<std::int64_t> extend(std::vector<std::int64_t> tokens, std::size_t prompt, std::size_t max_new) {
+  while (tokens.size() - prompt < max_new) tokens.push_back(next_token(tokens));
+  return tokens;
+}
+
+// Steps until the request has `cached` tokens in the cache.
+void run_until(Cache& cache, Scheduler& s, std::int64_t layers, Run& run, const std::string& id, std::int64_t cached) {
+  while (s.request(id).position_offset < cached) REQUIRE(step(cache, s, layers, run));
+}
+
+std::int64_t block_at(const Cache& cache, const std::string& id, std::size_t i) {
+  return std::get<kvc::paged::FullAttentionCacheAllocator>(cache.group_allocator(0)).table(id).at(i);
+}
+
+}  // namespace
+
+TEST_CASE("sequence operations: seq_rm rolls a request back, seq_cp copies one, each exact") {
+  kvc::ContinuousBatchingConfig cb = small(60, 32);
+  Cache cache(model({"full_attention", "full_attention"}), cb);
+  Scheduler s(cache, cb);
+  std::vector<std::int64_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+  s.add_request({.request_id = "r0", .prompt = prompt, .max_new_tokens = 12});
+  Run run;
+  run_until(cache, s, 2, run, "r0", 14);
+  CHECK(s.seq_pos_min("r0") == 0);
+  CHECK(s.seq_pos_max("r0") == 13);
+  const std::vector<std::int64_t> at_copy = s.request("r0").tokens;  // 15 tokens, the last not cached
+  // A copy shares the three complete blocks and copies the fourth.
+  CHECK(s.seq_cp("r0", "c", -1, -1));
+  CHECK(block_at(cache, "c", 1) == block_at(cache, "r0", 1));
+  CHECK(s.seq_pos_max("c") == 13);
+  // A hole cannot be made; a suffix can. Cutting into the prompt at 6: 5 tokens stay cached, and
+  // the block holding positions 4..7, shared with c, is copied before r0 writes into it.
+  CHECK_FALSE(s.seq_rm("r0", 3, 7));
+  CHECK(s.request("r0").tokens == at_copy);
+  CHECK(s.seq_rm("r0", 6, -1));
+  CHECK(s.seq_pos_max("r0") == 4);
+  CHECK(s.request("r0").prompt_length == 6);
+  CHECK(s.request("r0").status == kvc::RequestStatus::prefilling);
+  CHECK(block_at(cache, "r0", 0) == block_at(cache, "c", 0));
+  CHECK(block_at(cache, "r0", 1) != block_at(cache, "c", 1));
+  CHECK(cache.blocks_in_group(0, "r0") == 2);
+  // A copy of the first 4 tokens: a fork of r0 cut at 4, which keeps 3 tokens cached in block 0,
+  // shared with r0 and c, so d gets a copy of it.
+  CHECK(s.seq_cp("r0", "d", 0, 4));
+  CHECK(s.request("d").tokens == std::vector<std::int64_t>(prompt.begin(), prompt.begin() + 4));
+  CHECK(block_at(cache, "d", 0) != block_at(cache, "r0", 0));
+  CHECK_FALSE(s.seq_cp("r0", "e", 2, -1));
+  CHECK(s.seq_add("r0", 0, -1, 0));
+  CHECK_THROWS_WITH_AS(s.seq_add("r0", 2, -1, -2),
+                       "kvc::ContinuousBatchingScheduler::seq_add: positions cannot shift: a paged request's "
+                       "positions are its slots in the block tables and its cached keys carry their rotary position "
+                       "(kvc does not re-rotate them); remove the suffix with seq_rm and let the request compute it "
+                       "again",
+                       kvc::ValueError);
+  while (step(cache, s, 2, run)) {
+  }
+  const auto tokens = [&](const std::string& id) { return run.ended.at(id).tokens; };
+  CHECK(tokens("r0") == extend({prompt.begin(), prompt.begin() + 6}, 6, 12));
+  CHECK(tokens("c") == extend(at_copy, 10, 12));
+  CHECK(tokens("d") == extend({prompt.begin(), prompt.begin() + 4}, 4, 12));
+  CHECK(tokens("r0") != tokens("c"));
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+}
+
+TEST_CASE("sequence operations: a wrapped sliding window is computed again; bounds; seq_keep") {
+  kvc::ContinuousBatchingConfig cb = small(60, 32);
+  const std::vector<std::string> types = {"full_attention", "sliding_attention"};
+  Cache cache(model(types, 6), cb);
+  Scheduler s(cache, cb);
+  const std::vector<std::int64_t> prompt = {7, 7, 1, 2, 8};
+  s.add_request({.request_id = "a", .prompt = prompt, .max_new_tokens = 10});
+  s.add_request({.request_id = "b", .prompt = {1, 2, 3}, .max_new_tokens = 10});
+  s.add_request({.request_id = "c", .prompt = {4}, .max_new_tokens = 10});
+  CHECK(s.seq_pos_min("a") == -1);
+  CHECK(s.seq_pos_max("a") == -1);
+  Run run;
+  run_until(cache, s, 2, run, "a", 9);
+  CHECK(s.seq_pos_min("a") == 3);  // the window of 6 ends at position 8
+  CHECK(s.seq_pos_max("a") == 8);
+  // Positions 0..5 of the ring were overwritten: the 7 tokens kept are prefilled again.
+  CHECK(s.seq_rm("a", 7, -1));
+  CHECK(s.seq_pos_max("a") == -1);
+  CHECK(s.request("a").remaining_prefill_tokens.size() == 7);
+  CHECK(cache.blocks_in_use("a") == 0);
+  const std::vector<std::int64_t> kept = s.request("a").tokens;
+  // b alone is kept.
+  s.seq_keep("b");
+  CHECK(s.num_active() + s.num_waiting() == 1);
+  while (step(cache, s, 2, run)) {
+  }
+  CHECK(run.ended.at("b").tokens == extend({1, 2, 3}, 3, 10));
+  CHECK(run.ended.at("a").status == kvc::RequestStatus::failed);
+  CHECK(run.ended.at("a").error == "kvc::ContinuousBatchingScheduler: request a removed by seq_keep");
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+
+  // The same request kept this time: it ends as it would alone from its 7 tokens.
+  Scheduler s2(cache, cb);
+  s2.add_request({.request_id = "a", .prompt = prompt, .max_new_tokens = 10});
+  Run run2;
+  run_until(cache, s2, 2, run2, "a", 9);
+  CHECK(s2.seq_rm("a", 7, -1));
+  while (step(cache, s2, 2, run2)) {
+  }
+  CHECK(run2.ended.at("a").tokens == extend(kept, 5, 10));
+}
+
+TEST_CASE("sequence operations: refusals, and removing a whole request") {
+  kvc::ContinuousBatchingConfig cb = small(30, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "a", .prompt = {1, 2, 3}, .max_new_tokens = 1});
+  s.add_request({.request_id = "b", .prompt = {1, 2, 3}, .max_new_tokens = 5});
+  auto batch = s.schedule();
+  CHECK_THROWS_WITH_AS(s.seq_rm("a", 1, -1),
+                       "kvc::ContinuousBatchingScheduler::seq_rm: the last batch is still in flight; pass it to "
+                       "update() first",
+                       kvc::ValueError);
+  s.update(*batch, std::vector<std::int64_t>{4, 4});
+  CHECK(s.request("a").status == kvc::RequestStatus::finished);
+  CHECK_THROWS_WITH_AS(s.seq_pos_max("zz"), "kvc::ContinuousBatchingScheduler: no request 'zz'", kvc::KeyError);
+  CHECK_THROWS_WITH_AS(s.seq_rm("a", 1, -1), "kvc::ContinuousBatchingScheduler::seq_rm: request 'a' has ended",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.seq_cp("b", "a", 0, -1),
+                       "kvc::ContinuousBatchingScheduler::seq_cp: request 'a' is already known, or names a child "
+                       "sequence (__child#)",
+                       kvc::ValueError);
+  CHECK(s.seq_rm("b", 5, 9));  // nothing there
+  CHECK(s.seq_rm("b", -1, -1));
+  CHECK(s.request("b").status == kvc::RequestStatus::failed);
+  CHECK(s.request("b").error == "kvc::ContinuousBatchingScheduler: request b removed by seq_rm");
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+  CHECK_FALSE(s.schedule());
+  CHECK_THROWS_WITH_AS(cache.truncate_request("b", -1),
+                       "kvc::PagedCache::truncate_request: tokens must be >= 0, got -1", kvc::ValueError);
 }

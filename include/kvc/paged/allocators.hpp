@@ -63,6 +63,16 @@ class CacheAllocator {
     tables_.erase(it);
   }
 
+  // Keeps the first `keep` blocks of the request's table and gives the others back (the table
+  // goes when none is kept). Freeing allocates nothing.
+  void truncate(const std::string& request_id, std::int64_t keep, BlockManager& bm) {
+    std::vector<std::int64_t>& t = table_of(request_id);
+    const auto k = static_cast<std::size_t>(std::clamp<std::int64_t>(keep, 0, std::ssize(t)));
+    bm.free_blocks(std::span(t).subspan(k), sharing_);
+    t.resize(k);
+    if (k == 0) tables_.erase(request_id);
+  }
+
   // Gives each child a table for a copy of the parent (see BlockManager::fork_blocks) and returns
   // the block copies to make. Nothing changes when it throws.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_blocks(

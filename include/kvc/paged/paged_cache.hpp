@@ -374,6 +374,49 @@ class PagedCache {
             a);
   }
 
+  // Keeps the request's first `tokens` positions and gives back the blocks past them, in every
+  // group (llama.cpp's seq_rm of a suffix; transformers' crop). A partial last block that another
+  // request shares, or that is complete (hashed: a later prompt may still find it), is replaced by
+  // a private copy first, so the tokens written after the cut change nothing anyone else reads.
+  // A sliding group keeps the ring blocks of slots below `tokens`: right only while the ring has
+  // not wrapped (the request never passed its window), which the caller checks. False, with
+  // nothing changed, when no block is free for a copy.
+  bool truncate_request(const std::string& request_id, std::int64_t tokens) {
+    if (tokens < 0)
+      throw ValueError("kvc::PagedCache::truncate_request: tokens must be >= 0, got " + std::to_string(tokens));
+    const std::int64_t keep = (tokens + block_size_ - 1) / block_size_;
+    std::vector<std::size_t> copy;  // groups whose last kept block needs a private copy
+    if (tokens % block_size_ != 0)
+      for (std::size_t g = 0; g < allocators_.size(); ++g) {
+        const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
+        if (!full || !full->uses_block_sharing() || blocks_in_group(g, request_id) <= keep) continue;
+        const paged::Block* b = manager_.block(full->table(request_id)[static_cast<std::size_t>(keep - 1)]);
+        if (b && (b->is_complete() || b->ref_count > 1)) copy.push_back(g);
+      }
+    if (static_cast<std::int64_t>(copy.size()) > get_num_free_blocks()) return false;
+    std::vector<std::int64_t> fresh, old;
+    fresh.reserve(copy.size());
+    old.reserve(copy.size());
+    for (const std::size_t g : copy) {  // cannot fail: counted above, room reserved
+      const auto& full = std::get<paged::FullAttentionCacheAllocator>(allocators_[g]);
+      const auto& t = full.table(request_id);
+      const auto at = static_cast<std::size_t>(keep - 1);
+      const std::optional<std::int64_t> parent = at > 0 ? std::optional(t[at - 1]) : std::nullopt;
+      manager_.take_free_blocks(1, parent, true, full.index(), fresh);
+      old.push_back(t[at]);
+    }
+    copy_blocks(keys_, values_, pool_rows(), old, keys_, values_, pool_rows(), fresh);
+    for (std::size_t i = 0; i < copy.size(); ++i) {
+      auto& t = std::get<paged::FullAttentionCacheAllocator>(allocators_[copy[i]]).mutable_table(request_id);
+      t[static_cast<std::size_t>(keep - 1)] = fresh[i];
+      manager_.decrease_ref_count(old[i]);
+    }
+    for (std::size_t g = 0; g < allocators_.size(); ++g)
+      if (blocks_in_group(g, request_id) > 0)
+        std::visit([&](auto& al) { al.truncate(request_id, keep, manager_); }, allocators_[g]);
+    return true;
+  }
+
   // ---- indices ----------------------------------------------------------------------------------
 
   // Appends the request's rows for a step of q tokens after `past` to each group's lists; no read

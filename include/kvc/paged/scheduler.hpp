@@ -237,6 +237,122 @@ class ContinuousBatchingScheduler {
     end_request(st, RequestStatus::failed, "cancelled");
   }
 
+  // ---- sequence operations (llama.cpp's llama_memory_seq_*; docs/continuous_batching.md) ------
+  // A request is a sequence; positions count its tokens from 0. None may run while a batch is in
+  // flight, and none applies to a request that has ended.
+
+  // The smallest position whose keys and values every layer still holds: 0 (a sliding group holds
+  // the window's, from position - window + 1 of its last cached token); -1 when nothing is cached.
+  std::int64_t seq_pos_min(const std::string& id) const {
+    const RequestState& st = request(id);
+    if (st.position_offset == 0) return -1;
+    if (cache_->num_sliding_attention_groups() == 0) return 0;
+    return std::max<std::int64_t>(st.position_offset - cache_->sliding_window(), 0);
+  }
+  // The last cached position (get_seq_length() - 1 in transformers' terms); -1 when nothing is.
+  std::int64_t seq_pos_max(const std::string& id) const { return request(id).position_offset - 1; }
+
+  // Removes the request's tokens at positions [p0, p1) (p0 < 0: from 0; p1 < 0: to the end) with
+  // their keys and values. The paged layout has no holes, so only a suffix can go: a range that
+  // ends before the request's last token returns false with nothing changed (as llama.cpp's
+  // seq_rm does for memory that cannot drop part of a sequence). The request then holds p0
+  // tokens and continues from them, its last token computed again for the next one's logits
+  // (speculative decoding's rollback; transformers' crop). Removing from 0 ends the request.
+  // Where a sliding group's ring has wrapped, or no block is free to copy a shared partial
+  // block, the kept tokens are prefilled again (a soft reset) instead of truncated in place.
+  bool seq_rm(const std::string& id, std::int64_t p0, std::int64_t p1) {
+    RequestState& st = live_state(id, "seq_rm");
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    p0 = std::max<std::int64_t>(p0, 0);
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (p0 >= p1) return true;
+    if (p1 < n) return false;
+    if (p0 == 0) {
+      end_request(st, RequestStatus::failed, "removed by seq_rm");
+      return true;
+    }
+    std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
+    const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
+    if (cached < st.position_offset &&
+        (st.is_cpu_offloaded || wrapped || !cache_->truncate_request(st.request_id, cached))) {
+      drop_cache(st);
+      cached = 0;
+    }
+    st.tokens.resize(static_cast<std::size_t>(p0));
+    st.prompt_length = std::min(st.prompt_length, p0);
+    st.position_offset = cached;
+    st.allocated_blocks = table_length(st.request_id);
+    st.remaining_prefill_tokens.assign(st.tokens.begin() + cached, st.tokens.end());
+    if (st.is_active()) st.status = RequestStatus::prefilling;
+    return true;
+  }
+
+  // Makes `dst` a copy of the request `src` holding its tokens [p0, p1) (p0 must be 0 or less:
+  // false otherwise, since a copy starts at position 0). Where src has cached tokens and the free
+  // blocks allow it, dst shares src's complete blocks and copies the rest (a fork, as
+  // num_return_sequences does); otherwise it is queued to compute its tokens itself. dst
+  // generates on its own from then on, with src's max_new_tokens and eos_token_id.
+  bool seq_cp(const std::string& src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
+    RequestState& st = live_state(src, "seq_cp");
+    if (states_.count(dst) != 0 || dst.find(child_mark) != std::string::npos)
+      throw ValueError("kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst +
+                       "' is already known, or names a child sequence (" + child_mark + ")");
+    if (p0 > 0) return false;
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (p1 == 0) return true;
+    RequestState copy = st;
+    copy.request_id = dst;
+    copy.num_children = 0;
+    copy.preemptions = 0;
+    const bool fork = st.position_offset > 0 && !st.is_cpu_offloaded && cache_->compute_max_num_forks(src) >= 1;
+    if (fork) {
+      cache_->fork_request(src, std::span(&dst, 1));
+      const auto after = std::find(active_.begin(), active_.end(), src);
+      active_.insert(after == active_.end() ? after : after + 1, dst);
+      ++stats_.forks;
+    } else {
+      copy.remaining_prefill_tokens = copy.tokens;
+      copy.position_offset = 0;
+      copy.allocated_blocks = 0;
+      copy.is_cpu_offloaded = false;
+      copy.status = RequestStatus::pending;
+      waiting_.push_back(dst);
+      ++stats_.forks_requeued;
+    }
+    states_.emplace(dst, std::move(copy));
+    if (p1 < n) seq_rm(dst, p1, -1);
+    return true;
+  }
+
+  // Keeps the request `id` and ends every other (llama.cpp's seq_keep; transformers'
+  // batch_select_indices with one row).
+  void seq_keep(const std::string& id) {
+    (void)live_state(id, "seq_keep");
+    std::vector<std::string> others;
+    for (const auto* ids : {&active_, &waiting_})
+      for (const std::string& other : *ids)
+        if (other != id) others.push_back(other);
+    for (const std::string& other : others)
+      end_request(states_.at(other), RequestStatus::failed, "removed by seq_keep");
+  }
+
+  // llama.cpp's seq_add shifts positions, re-rotating the cached keys (its K-shift). kvc does not:
+  // a paged request's positions are its slots in the block tables, and its keys were stored after
+  // the rotary embedding. A zero shift or an empty range is accepted (true); any other shift is
+  // refused with a ValueError that says so.
+  bool seq_add(const std::string& id, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
+    const RequestState& st = live_state(id, "seq_add");
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    p0 = std::max<std::int64_t>(p0, 0);
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (delta == 0 || p0 >= p1) return true;
+    throw ValueError(
+        "kvc::ContinuousBatchingScheduler::seq_add: positions cannot shift: a paged request's positions "
+        "are its slots in the block tables and its cached keys carry their rotary position (kvc does not "
+        "re-rotate them); remove the suffix with seq_rm and let the request compute it again");
+  }
+
   // The next step, or nullopt when no request is left. Blocks for the step are allocated; requests
   // offloaded earlier and scheduled now are copied back. Every batch must go to update() before
   // the next schedule().
@@ -316,6 +432,32 @@ class ContinuousBatchingScheduler {
   static std::string in_flight_message(const char* call) {
     return std::string("kvc::ContinuousBatchingScheduler::") + call +
            ": the last batch is still in flight; pass it to update() first";
+  }
+
+  // A request that has not ended, for a sequence operation.
+  RequestState& live_state(const std::string& id, const char* call) {
+    if (in_flight_) throw ValueError(in_flight_message(call));
+    RequestState& st = mutable_state(id);
+    if (st.status == RequestStatus::finished || st.status == RequestStatus::failed)
+      throw ValueError(std::string("kvc::ContinuousBatchingScheduler::") + call + ": request '" + id + "' has ended");
+    return st;
+  }
+
+  // Forgets the request's cached tokens (blocks and swap blocks): it computes them again.
+  void drop_cache(RequestState& st) {
+    if (holds_blocks(st.request_id)) cache_->free_blocks(st.request_id);
+    cache_->drop_offloaded_request(st.request_id);
+    st.is_cpu_offloaded = false;
+    st.position_offset = 0;
+    st.allocated_blocks = 0;
+  }
+
+  // The most blocks the request holds in any group (its logical block count).
+  std::int64_t table_length(const std::string& id) const {
+    std::int64_t most = 0;
+    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+      most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), id));
+    return most;
   }
 
   RequestState& mutable_state(const std::string& id) {
@@ -445,9 +587,7 @@ class ContinuousBatchingScheduler {
       RequestState& st = states_.at(r.request_id);
       if (st.is_cpu_offloaded) {  // its new blocks are allocated: copy it back into them
         cache_->restore_request(st.request_id);
-        std::int64_t most = 0;
-        for (std::size_t g = 0; g < groups; ++g) most = std::max(most, cache_->blocks_in_group(g, st.request_id));
-        st.allocated_blocks = most;
+        st.allocated_blocks = table_length(st.request_id);
         if (sharing_) r.complete_blocks += st.position_offset / cache_->block_size();
         st.is_cpu_offloaded = false;
         ++stats_.restores;
