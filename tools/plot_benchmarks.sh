@@ -14,6 +14,8 @@
 #                            memcpy and read-only bandwidths measured in the same run
 #   memory_per_token.png     K/V bytes per token after n tokens, per cache, float and bfloat16
 #   compile_time.png         compile time of the probe TUs with g++ and clang++
+#   serving.png              continuous batching: throughput and peak KV memory vs concurrent requests,
+#                            and what prefix sharing saves (serving_*.dat, written by kvc_bench_serving)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -152,6 +154,36 @@ n = $n
 plot for [i=2:n+1] "$tab/compile_time.dat" using i:xtic(1) title columnheader(i) ls (i - 1), \
      for [i=2:n+1] "$tab/compile_time.dat" using (\$0 + (i - 2 - (n - 1) / 2.0) / (n + 1)):i:(sprintf("%.1f s", column(i))) \
          with labels offset 0,0.7 font ",9" notitle
+GNUPLOT
+fi
+
+# ---- continuous batching (kvc_bench_serving writes its tables itself) -----------------------------
+if [[ -f $in/serving_throughput.dat && -f $in/serving_memory.dat && -f $in/serving_prefix.dat ]]; then
+  gnuplot <<GNUPLOT
+$common
+set terminal pngcairo size 1860,580 font "sans,11" noenhanced
+set output "$out/serving.png"
+set multiplot layout 1,3 title "kvc continuous batching (kvc_bench_serving): the examples' decoder (4 layers, hidden 768, 105 MB of float weights), blocks of 16 tokens\nrequests: prompts of 8..40 tokens, half behind a 32-token system prompt, 32..96 new tokens each"
+set logscale x 2
+set xlabel "concurrent requests"
+set key top left Left reverse font ",9"
+set title "throughput: generated tokens per second"
+set ylabel "tokens/s"
+set yrange [0:*]
+plot for [i=2:3] "$in/serving_throughput.dat" using 1:i with linespoints ls (i - 1)
+set title "peak KV memory"
+set logscale y 2
+set ylabel "MiB (log scale)"
+set yrange [*:*]
+plot for [i=2:5] "$in/serving_memory.dat" using 1:i with linespoints ls (i - 1)
+unset logscale
+set title "prefix sharing: 64 requests arriving 4 per step,\na fraction behind a 256-token system prompt"
+set xlabel "fraction of requests sharing the system prompt"
+set ylabel "saved, against block sharing off"
+set yrange [0:100]
+set format y "%.0f%%"
+plot for [i=2:3] "$in/serving_prefix.dat" using 1:(100 * column(i)) with linespoints ls (i - 1) title columnheader(i)
+unset multiplot
 GNUPLOT
 fi
 

@@ -33,6 +33,7 @@
 
 #include "../common/decoder.hpp"
 #include "../common/report.hpp"
+#include "../common/serving.hpp"
 
 namespace {
 
@@ -125,70 +126,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// The requests, chat-like: prompts of 8..40 tokens, answers of 64..160 drawn from the seed, a
-// 32-token system prefix before the prompt of every other request, three sequences for requests 1
-// and 2.
-std::vector<kvc::GenerationRequest> make_requests(const Options& o, std::int64_t vocab) {
-  std::mt19937_64 rng(o.seed ^ 0x5eed5eedULL);
-  auto draw = [&](std::int64_t lo, std::int64_t hi) {
-    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
-  };
-  std::vector<std::int64_t> system(32);
-  for (auto& t : system) t = draw(0, vocab - 1);
-  std::vector<kvc::GenerationRequest> out;
-  for (std::int64_t i = 0; i < o.requests; ++i) {
-    kvc::GenerationRequest r;
-    r.request_id = "req" + std::to_string(i);
-    if (i % 2 == 0) r.prompt = system;
-    for (std::int64_t n = draw(8, 40); n > 0; --n) r.prompt.push_back(draw(0, vocab - 1));
-    r.max_new_tokens = draw(64, 160);
-    r.num_return_sequences = i == 1 || i == 2 ? 3 : 1;
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
-// The decoder of examples/common in a serving shape: 4 layers, hidden 768, 12 query heads and 2 KV
-// heads of 64, MLP 2048, vocabulary 2048: 105 MB of float weights, more than this machine's caches,
-// so that decoding one token at a time reads every weight from memory while a batch of tokens
-// shares each read. Llama-style (every layer full attention, so prompts can share blocks), or
-// Gemma-style with sliding layers.
-DecoderConfig serving_model(bool hybrid) {
-  DecoderConfig c;
-  c.num_hidden_layers = 4;
-  c.hidden_size = 768;
-  c.num_attention_heads = 12;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.intermediate_size = 2048;
-  c.vocab_size = 2048;
-  if (hybrid) {
-    c.layer_types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
-    c.sliding_window = 64;
-  } else {
-    c.layer_types.assign(4, "full_attention");
-    c.sliding_window.reset();
-  }
-  return c;
-}
-
-// A sampled token (Gumbel-max at temperature 1): the noise depends only on the seed, the sequence
-// and the position, so a sequence samples the same way whatever else shares its batch, and the
-// children of a fork draw differently from their parent.
-std::int64_t sample(const examples::Logits& logits, Eigen::Index row, const std::string& id, std::int64_t position,
-                    std::uint64_t seed) {
-  std::mt19937_64 rng(seed ^ std::hash<std::string>{}(id) ^
-                      (static_cast<std::uint64_t>(position) * 0x9e3779b97f4a7c15ULL));
-  std::uniform_real_distribution<double> u(1e-12, 1.0);
-  Eigen::Index best = 0;
-  double best_score = -INFINITY;
-  for (Eigen::Index v = 0; v < logits.cols(); ++v) {
-    const double score = static_cast<double>(logits(row, v)) - std::log(-std::log(u(rng)));
-    if (score > best_score) best_score = score, best = v;
-  }
-  return static_cast<std::int64_t>(best);
-}
-
 // One sequence's record: the logits each of its generated tokens was sampled from.
 struct Sequence {
   std::vector<std::vector<float>> logits;  // row i: the logits that gave generated token i
@@ -205,19 +142,9 @@ struct PagedRun {
   std::int64_t num_blocks = 0, swap_blocks = 0, bytes_per_block = 0, block_size = 0;
 };
 
-kvc::HostTensor<float> attend_step(kvc::PagedCache<Storage>& cache, const kvc::ScheduledBatch& b, std::int64_t layer,
-                                   const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
-                                   const kvc::HostTensor<float>& v) {
-  auto out = kvc::paged_attention(cache, layer, b.attention_step(), Storage::input_view(q), Storage::input_view(k),
-                                  Storage::input_view(v));
-  cache.update(Storage::input_view(k), Storage::input_view(v), layer, b.read_index, b.write_index);  // then store
-  return out;
-}
-
 PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<kvc::GenerationRequest>& requests) {
-  const DecoderConfig& c = model.config();
   PagedRun run;
-  // [snippet:serve_loop]
+  // [snippet:serve_setup]
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = o.block_size;
   std::int64_t need = 0;  // blocks every sequence needs at its end
@@ -227,46 +154,32 @@ PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<
   cb.num_blocks = o.blocks.value_or(std::max<std::int64_t>(need * 6 / 10, 1));
   cb.max_batch_tokens = o.max_batch_tokens;
   cb.scheduler_type = o.scheduler;
-  kvc::PagedCache<Storage> cache(c.cache_config(), cb);
+  kvc::PagedCache<Storage> cache(model.config().cache_config(), cb);
   cache.reserve_swap_space(o.swap_blocks.value_or(*cb.num_blocks / 8));
   kvc::ContinuousBatchingScheduler<Storage> scheduler(cache, cb);
   for (const auto& r : requests) scheduler.add_request(r);
+  // [/snippet]
 
   std::int64_t expected = 0, done = 0;  // sequences
   for (const auto& r : requests) expected += r.num_return_sequences;
   examples::Progress progress(clock_type::now());
   const auto start = clock_type::now();
-  while (auto batch = scheduler.schedule()) {
-    const std::vector<std::int32_t> ids(batch->input_ids.begin(), batch->input_ids.end());
-    const examples::Logits logits =
-        model.forward_packed(ids, batch->position_ids, batch->logits_indices,
-                             [&](std::int64_t layer, const auto& q, const auto& k, const auto& v) {
-                               return attend_step(cache, *batch, layer, q, k, v);
-                             });
-    std::vector<std::int64_t> next;  // one token per logits row
-    for (std::size_t r = 0, row = 0; r < batch->requests.size(); ++r) {
-      const kvc::ScheduledRequest& s = batch->requests[r];
-      if (!s.has_new_token) continue;
-      const std::int64_t position = s.past + s.query_length;  // of the token sampled
-      next.push_back(sample(logits, static_cast<Eigen::Index>(row), s.request_id, position, o.seed));
-      auto& rows = run.sequences[s.request_id].logits;
-      rows.emplace_back(logits.row(static_cast<Eigen::Index>(row)).data(),
-                        logits.row(static_cast<Eigen::Index>(row)).data() + logits.cols());
-      ++row;
-    }
-    scheduler.update(*batch, next);
-    for (auto& st : scheduler.take_finished()) {
-      run.sequences[st.request_id].state = std::move(st);
-      ++done;
-    }
-    run.tokens += batch->num_tokens();
-    ++run.steps;
-    progress.update("serving: sequences", done, expected, "seqs", start);
-  }
-  // [/snippet]
-  run.seconds = examples::seconds_since(start);
+  const examples::ServeTotals totals = examples::serve(
+      model, cache, scheduler, o.seed,
+      [&](const kvc::ScheduledRequest& s, const examples::Logits& logits, Eigen::Index row, std::int64_t) {
+        run.sequences[s.request_id].logits.emplace_back(logits.row(row).data(), logits.row(row).data() + logits.cols());
+      },
+      [&] {
+        for (auto& st : scheduler.take_finished()) {
+          run.sequences[st.request_id].state = std::move(st);
+          ++done;
+        }
+        progress.update("serving: sequences", done, expected, "seqs", start);
+      });
   progress.clear();
-  for (auto& st : scheduler.take_finished()) run.sequences[st.request_id].state = std::move(st);
+  run.seconds = totals.seconds;
+  run.steps = totals.steps;
+  run.tokens = totals.batch_tokens;
   run.stats = scheduler.stats();
   run.num_blocks = cache.num_blocks();
   run.swap_blocks = cache.swap_blocks();
@@ -299,25 +212,6 @@ void check(const Decoder<float>& model, PagedRun& run) {
   });
 }
 
-// The same sequences one after another, each through its own DynamicCache, teacher-forced with
-// the tokens the paged run sampled (the same work, without batching). Returns seconds and the
-// largest cache any sequence held.
-std::pair<double, std::int64_t> one_cache_per_request(const Decoder<float>& model, const PagedRun& run) {
-  std::int64_t peak = 0;
-  const auto start = clock_type::now();
-  for (const auto& entry : run.sequences) {
-    const kvc::RequestState& st = entry.second.state;
-    if (st.status != kvc::RequestStatus::finished) continue;
-    kvc::DynamicCache<float> cache;
-    const std::vector<std::int32_t> tokens(st.tokens.begin(), st.tokens.end());
-    model.forward(std::span(tokens).first(static_cast<std::size_t>(st.prompt_length)), cache);
-    for (std::size_t t = static_cast<std::size_t>(st.prompt_length); t + 1 < tokens.size(); ++t)
-      model.forward(std::span(tokens).subspan(t, 1), cache);
-    peak = std::max<std::int64_t>(peak, cache.bytes());
-  }
-  return {examples::seconds_since(start), peak};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -329,12 +223,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const DecoderConfig config = serving_model(o.hybrid);
+    const DecoderConfig config = examples::serving_model(o.hybrid);
     const Decoder<float> model(config, o.seed);
-    const auto requests = make_requests(o, config.vocab_size);
+    const auto requests = examples::make_requests(o.requests, o.seed, config.vocab_size, examples::WorkloadShape{});
     PagedRun run = serve(o, model, requests);
     check(model, run);
-    const auto [dyn_seconds, dyn_peak] = one_cache_per_request(model, run);
+    std::vector<const kvc::RequestState*> finished;
+    for (const auto& entry : run.sequences)
+      if (entry.second.state.status == kvc::RequestStatus::finished) finished.push_back(&entry.second.state);
+    const auto [dyn_seconds, dyn_peak] = examples::one_cache_per_request(model, finished);
 
     std::int64_t generated = 0, passed = 0, longest = 0, prompt_tokens = 0;
     for (const auto& [id, s] : run.sequences) {

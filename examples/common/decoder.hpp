@@ -319,20 +319,29 @@ class Decoder {
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       Matrix a = rms_norm(x, w.attn_norm);
-      Matrix q = a * w.wq, k = a * w.wk;
-      const Matrix v = a * w.wv;
+      Matrix q = times(a, w.wq), k = times(a, w.wk);
+      const Matrix v = times(a, w.wv);
       rotate(q, hq, cos, sin);
       rotate(k, hkv, cos, sin);
       const kvc::HostTensor<T> out =
           attend_fn(static_cast<std::int64_t>(l), to_heads(q, hq), to_heads(k, hkv), to_heads(v, hkv));
-      x.noalias() += from_heads(out) * w.wo;
+      x.noalias() += times(from_heads(out), w.wo);
       a = rms_norm(x, w.mlp_norm);
-      Matrix gate = a * w.w_gate;
-      const Matrix up = a * w.w_up;
+      Matrix gate = times(a, w.w_gate);
+      const Matrix up = times(a, w.w_up);
       gate = (gate.array() / (1.0f + (-gate.array()).exp()) * up.array()).matrix();  // SiLU(gate) * up
-      x.noalias() += gate * w.w_down;
+      x.noalias() += times(gate, w.w_down);
     }
     return x;
+  }
+
+  // x * w. Two or three rows go one at a time as vector products: Eigen's matrix product first
+  // packs the weights, which for so few rows moves more memory than reading them once per row.
+  static Matrix times(const Matrix& x, const Weight& w) {
+    if (x.rows() == 1 || x.rows() > 3) return x * w;
+    Matrix y(x.rows(), w.cols());
+    for (Eigen::Index r = 0; r < x.rows(); ++r) y.row(r).noalias() = x.row(r) * w;
+    return y;
   }
 
   Logits logits(const Matrix& x) const {
