@@ -56,7 +56,7 @@ const char* const usage =
     "  --requests N          requests (default 32; two of them ask for 3 sequences)\n"
     "  --seed N              seed of the weights, the requests and the sampling (default 2024)\n"
     "  --block-size N        tokens per block (default 16)\n"
-    "  --blocks N            blocks of the cache (default: 60% of what every sequence needs at its end)\n"
+    "  --blocks N            blocks of the cache (default: half of what every sequence needs at its end)\n"
     "  --swap-blocks N       blocks of the swap pool for offloaded requests (default blocks / 8)\n"
     "  --max-batch-tokens N  tokens per forward (default 256)\n"
     "  --scheduler NAME      fifo or prefill_first (default fifo)\n"
@@ -151,7 +151,7 @@ PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<
   for (const auto& r : requests)
     need += r.num_return_sequences *
             ((static_cast<std::int64_t>(r.prompt.size()) + r.max_new_tokens + o.block_size - 1) / o.block_size);
-  cb.num_blocks = o.blocks.value_or(std::max<std::int64_t>(need * 6 / 10, 1));
+  cb.num_blocks = o.blocks.value_or(std::max<std::int64_t>(need / 2, 1));
   cb.max_batch_tokens = o.max_batch_tokens;
   cb.scheduler_type = o.scheduler;
   kvc::PagedCache<Storage> cache(model.config().cache_config(), cb);
@@ -198,6 +198,8 @@ void check(const Decoder<float>& model, PagedRun& run) {
     const auto gen = static_cast<std::int64_t>(st.generated().size());
     if (st.status != kvc::RequestStatus::finished || gen == 0 || static_cast<std::int64_t>(s.logits.size()) != gen)
       return;
+    // [snippet:exactness_check]
+    // The sequence alone, no cache: row p holds the logits that predict its token p + 1.
     const std::vector<std::int32_t> tokens(st.tokens.begin(), st.tokens.end() - 1);
     const examples::Logits ref = model.forward_no_cache(tokens, true);
     double worst = 0;
@@ -209,6 +211,7 @@ void check(const Decoder<float>& model, PagedRun& run) {
     }
     s.max_diff = worst;
     s.pass = worst <= tolerance;
+    // [/snippet]
   });
 }
 

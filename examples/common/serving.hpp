@@ -133,6 +133,7 @@ inline ServeTotals serve(
     const std::function<void()>& on_step) {
   ServeTotals totals;
   const auto start = std::chrono::steady_clock::now();
+  // [snippet:serve_loop]
   while (auto batch = scheduler.schedule()) {
     const Logits logits = forward_step(model, cache, *batch);
     std::vector<std::int64_t> next;  // one token per logits row
@@ -144,6 +145,7 @@ inline ServeTotals serve(
       ++row;
     }
     scheduler.update(*batch, next);
+    // [/snippet]
     ++totals.steps;
     totals.batch_tokens += batch->num_tokens();
     if (on_step) on_step();
