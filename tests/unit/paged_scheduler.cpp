@@ -525,6 +525,25 @@ TEST_CASE("sequence operations: seq_rm rolls a request back, seq_cp copies one, 
   CHECK(cache.get_num_free_blocks() == cache.num_blocks());
 }
 
+TEST_CASE("sequence operations: a cut inside the last block of the table copies it when it is shared") {
+  kvc::ContinuousBatchingConfig cb = small(30, 32);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "a", .prompt = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, .max_new_tokens = 4});
+  Run run;
+  run_until(cache, s, 1, run, "a", 12);  // three complete blocks
+  REQUIRE(cache.blocks_in_group(0, "a") == 3);
+  CHECK(s.seq_cp("a", "b", 0, -1));
+  CHECK(block_at(cache, "b", 2) == block_at(cache, "a", 2));
+  CHECK(s.seq_rm("a", 11, -1));  // keeps 10 cached: block 2 is the last one a holds, and b's too
+  CHECK(cache.blocks_in_group(0, "a") == 3);
+  CHECK(block_at(cache, "a", 2) != block_at(cache, "b", 2));
+  CHECK(block_at(cache, "a", 1) == block_at(cache, "b", 1));
+  while (step(cache, s, 1, run)) {
+  }
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+}
+
 TEST_CASE("sequence operations: a wrapped sliding window is computed again; bounds; seq_keep") {
   kvc::ContinuousBatchingConfig cb = small(60, 32);
   const std::vector<std::string> types = {"full_attention", "sliding_attention"};

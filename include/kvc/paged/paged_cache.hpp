@@ -389,7 +389,7 @@ class PagedCache {
     if (tokens % block_size_ != 0)
       for (std::size_t g = 0; g < allocators_.size(); ++g) {
         const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
-        if (!full || !full->uses_block_sharing() || blocks_in_group(g, request_id) <= keep) continue;
+        if (!full || !full->uses_block_sharing() || blocks_in_group(g, request_id) < keep) continue;
         const paged::Block* b = manager_.block(full->table(request_id)[static_cast<std::size_t>(keep - 1)]);
         if (b && (b->is_complete() || b->ref_count > 1)) copy.push_back(g);
       }
