@@ -22,7 +22,6 @@
 #include <cstdio>
 #include <exception>
 #include <map>
-#include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -236,10 +235,9 @@ int main(int argc, char** argv) {
       if (entry.second.state.status == kvc::RequestStatus::finished) finished.push_back(&entry.second.state);
     const auto [dyn_seconds, dyn_peak] = examples::one_cache_per_request(model, finished);
 
-    std::int64_t generated = 0, passed = 0, longest = 0, prompt_tokens = 0;
+    std::int64_t generated = 0, passed = 0, longest = 0;
     for (const auto& [id, s] : run.sequences) {
       generated += static_cast<std::int64_t>(s.state.generated().size());
-      prompt_tokens += s.state.prompt_length;
       longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(s.state.tokens.size()));
       passed += s.pass ? 1 : 0;
     }
@@ -250,7 +248,7 @@ int main(int argc, char** argv) {
     const std::int64_t live_bytes = run.stats.live_rows_at_peak * run.bytes_per_block / run.block_size;
     const std::int64_t static_bytes = n * longest * token_bytes;  // a static cache per sequence at the longest
     const double speedup = dyn_seconds / run.seconds;
-    const double hit_rate = static_cast<double>(run.stats.prefix_hit_tokens) / static_cast<double>(prompt_tokens);
+    const double hit_rate = run.stats.prefix_hit_rate();
     const bool ok = passed == n && run.stats.failed == 0;
 
     if (o.json) {
@@ -270,6 +268,7 @@ int main(int argc, char** argv) {
       j["paging_overhead"] = static_cast<double>(peak_bytes) / static_cast<double>(live_bytes);
       j["static_kv_bytes"] = static_bytes;
       j["prefix_hit_tokens"] = run.stats.prefix_hit_tokens;
+      j["prefill_tokens_computed"] = run.stats.prefill_tokens;
       j["prefix_hit_rate"] = hit_rate;
       j["cpu_offloads"] = run.stats.cpu_offloads;
       j["soft_resets"] = run.stats.soft_resets;
@@ -277,6 +276,7 @@ int main(int argc, char** argv) {
       j["forks_requeued"] = run.stats.forks_requeued;
       j["one_cache_per_request"] = {{"seconds", dyn_seconds}, {"peak_kv_bytes", dyn_peak}};
       j["throughput_ratio"] = speedup;
+      j["peak_kv_ratio"] = static_cast<double>(peak_bytes) / static_cast<double>(dyn_peak);
       j["tolerance"] = tolerance;
       auto& seqs = j["per_sequence"] = nlohmann::ordered_json::array();
       for (const auto& [id, s] : run.sequences)
@@ -314,15 +314,16 @@ int main(int argc, char** argv) {
           dyn_seconds, speedup);
       std::printf(
           "peak KV:       %s in blocks, %s for the live tokens then (%.3fx); static caches at the longest "
-          "sequence: %s; one DynamicCache at a time: %s\n",
+          "sequence: %s; one DynamicCache at a time: %s (paged %.1fx that, serving %lld sequences at once)\n",
           human_bytes(static_cast<double>(peak_bytes)).c_str(), human_bytes(static_cast<double>(live_bytes)).c_str(),
           static_cast<double>(peak_bytes) / static_cast<double>(live_bytes),
-          human_bytes(static_cast<double>(static_bytes)).c_str(), human_bytes(static_cast<double>(dyn_peak)).c_str());
+          human_bytes(static_cast<double>(static_bytes)).c_str(), human_bytes(static_cast<double>(dyn_peak)).c_str(),
+          static_cast<double>(peak_bytes) / static_cast<double>(dyn_peak), static_cast<long long>(n));
       std::printf(
-          "sharing:       %lld prompt tokens from shared blocks (%.1f%% of %lld); %lld forks, %lld sequences "
-          "queued on their own\n",
-          static_cast<long long>(run.stats.prefix_hit_tokens), 100.0 * hit_rate, static_cast<long long>(prompt_tokens),
-          static_cast<long long>(run.stats.forks), static_cast<long long>(run.stats.forks_requeued));
+          "sharing:       %lld tokens to prefill found in shared blocks, %lld computed (hit rate %.1f%%); %lld "
+          "forks, %lld sequences queued on their own\n",
+          static_cast<long long>(run.stats.prefix_hit_tokens), static_cast<long long>(run.stats.prefill_tokens),
+          100.0 * hit_rate, static_cast<long long>(run.stats.forks), static_cast<long long>(run.stats.forks_requeued));
       std::printf("preemptions:   %lld (%lld to the swap pool and back, %lld soft resets)\n",
                   static_cast<long long>(run.stats.preemptions()), static_cast<long long>(run.stats.cpu_offloads),
                   static_cast<long long>(run.stats.soft_resets));

@@ -335,12 +335,20 @@ class Decoder {
     return x;
   }
 
-  // x * w. Two or three rows go one at a time as vector products: Eigen's matrix product first
-  // packs the weights, which for so few rows moves more memory than reading them once per row.
+  // x * w. Eigen's matrix product first packs both operands; for a handful of rows against a
+  // large weight matrix that moves the weights through memory twice for little arithmetic. Up to
+  // 8 rows, each weight column is read once instead and met by all the rows (a matrix-vector
+  // product with x, which stays in cache), the columns spread over the threads (OpenMP, where the
+  // program is built with it). Measured on 768 x 2048 weights, 2 cores: 2 rows 0.38 ms against
+  // 1.21, 8 rows 0.59 against 0.96; at 32 rows Eigen's product is ahead (1.29 against 1.43).
   static Matrix times(const Matrix& x, const Weight& w) {
-    if (x.rows() == 1 || x.rows() > 3) return x * w;
-    Matrix y(x.rows(), w.cols());
-    for (Eigen::Index r = 0; r < x.rows(); ++r) y.row(r).noalias() = x.row(r) * w;
+    if (x.rows() == 1 || x.rows() > 8) return x * w;
+    Eigen::MatrixXf y(x.rows(), w.cols());  // column-major: each column written whole
+    const auto cols = static_cast<std::int64_t>(w.cols());
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static)
+#endif
+    for (std::int64_t j = 0; j < cols; ++j) y.col(j).noalias() = x * w.col(j);
     return y;
   }
 

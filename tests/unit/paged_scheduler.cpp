@@ -454,6 +454,8 @@ TEST_CASE("scheduler: a prompt found whole in the cache computes its last token 
   CHECK(b->input_ids == std::vector<std::int64_t>{8});  // both blocks shared, the last token recomputed
   CHECK(b->past == std::vector<std::int64_t>{7});
   CHECK(s.stats().prefix_hit_tokens == 7);
+  CHECK(s.stats().prefill_tokens == 8 + 1);  // "first" computed its 8, "again" its last one
+  CHECK(s.stats().prefix_hit_rate() == doctest::Approx(7.0 / 16.0));
   CHECK(s.request("again").allocated_blocks == 2);
 }
 

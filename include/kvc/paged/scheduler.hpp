@@ -124,7 +124,13 @@ struct SchedulerOptions {
 struct SchedulerStats {
   std::int64_t steps = 0;
   std::int64_t batch_tokens = 0;       // tokens sent to the model
-  std::int64_t prefix_hit_tokens = 0;  // prompt tokens served from shared blocks
+  std::int64_t prefill_tokens = 0;     // of which prefill (prompts, and tokens prefilled again)
+  std::int64_t prefix_hit_tokens = 0;  // prefill tokens served from shared blocks instead
+  // The prefix-sharing hit rate: of the tokens to prefill, the share found in shared blocks.
+  double prefix_hit_rate() const noexcept {
+    const std::int64_t all = prefill_tokens + prefix_hit_tokens;
+    return all == 0 ? 0.0 : static_cast<double>(prefix_hit_tokens) / static_cast<double>(all);
+  }
   std::int64_t cpu_offloads = 0;
   std::int64_t soft_resets = 0;
   std::int64_t restores = 0;
@@ -597,6 +603,7 @@ class ContinuousBatchingScheduler {
       if (st.status == RequestStatus::decoding) {
         b.input_ids.push_back(st.next_token);
       } else {
+        stats_.prefill_tokens += r.query_length;
         const auto q = static_cast<std::ptrdiff_t>(r.query_length);
         b.input_ids.insert(b.input_ids.end(), st.remaining_prefill_tokens.begin(),
                            st.remaining_prefill_tokens.begin() + q);
