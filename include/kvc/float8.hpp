@@ -1,0 +1,132 @@
+#pragma once
+// kvc::float8_e4m3 and kvc::float8_e5m2: the two 8-bit floating-point formats of the OCP 8-bit
+// Floating Point Specification (OFP8, revision 1.0), as storage types for keys and values.
+//
+//   E4M3: sign, 4 exponent bits (bias 7), 3 mantissa bits. No infinities; S.1111.111 is NaN, so the
+//         largest finite value is S.1111.110 = 448. Smallest normal 2^-6, smallest subnormal 2^-9.
+//   E5M2: sign, 5 exponent bits (bias 15), 2 mantissa bits, IEEE-like: S.11111.00 is infinity,
+//         S.11111.{01,10,11} NaN, largest finite S.11110.11 = 57344. Smallest normal 2^-14,
+//         smallest subnormal 2^-16.
+//
+// Conversion from float rounds to nearest, ties to even (OFP8 section 5.2). What overflows after
+// rounding (and an infinity) follows the spec's two modes: saturating (the default, what KV caches
+// use) gives the largest finite value of the sign; non-saturating gives infinity (E5M2) or NaN
+// (E4M3, which has no infinity). NaN converts to NaN (0x7F with the input's sign) in both. Every
+// one of the 256 codes of each format decodes exactly to a float.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace kvc {
+
+enum class fp8_overflow : std::uint8_t { saturate, non_saturating };
+
+namespace detail {
+
+// The parameters of one OFP8 format.
+template <int ExponentBits, int MantissaBits, bool HasInfinity>
+struct fp8_format {
+  static constexpr int exponent_bits = ExponentBits;
+  static constexpr int mantissa_bits = MantissaBits;
+  static constexpr int bias = (1 << (ExponentBits - 1)) - 1;
+  static constexpr bool has_infinity = HasInfinity;
+  static constexpr std::uint8_t exponent_mask = ((1u << ExponentBits) - 1u) << MantissaBits;
+  static constexpr std::uint8_t mantissa_mask = (1u << MantissaBits) - 1u;
+  // The largest finite code of the positive sign: E5M2's exponent field below all ones, E4M3's all
+  // ones with the mantissa below all ones (all ones there is NaN).
+  static constexpr std::uint8_t max_finite =
+      HasInfinity ? static_cast<std::uint8_t>(exponent_mask - (1u << MantissaBits) + mantissa_mask)
+                  : static_cast<std::uint8_t>(exponent_mask | (mantissa_mask - 1u));
+  static constexpr std::uint8_t nan = 0x7F;                // both formats: exponent and mantissa all ones
+  static constexpr std::uint8_t infinity = exponent_mask;  // E5M2 only
+
+  static constexpr bool is_nan(std::uint8_t code) noexcept {
+    const std::uint8_t magnitude = code & 0x7F;
+    if (has_infinity) return (magnitude & exponent_mask) == exponent_mask && (magnitude & mantissa_mask) != 0;
+    return magnitude == 0x7F;
+  }
+
+  // The value of a code.
+  static float decode(std::uint8_t code) noexcept {
+    const bool negative = (code & 0x80) != 0;
+    const std::uint8_t magnitude = code & 0x7F;
+    if (is_nan(code))
+      return negative ? -std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::quiet_NaN();
+    if (has_infinity && magnitude == infinity)
+      return negative ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+    const int e = magnitude >> MantissaBits;
+    const int m = magnitude & mantissa_mask;
+    // Subnormal: m * 2^(1 - bias - M); normal: (2^M + m) * 2^(e - bias - M). Exact in float.
+    const float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - bias - MantissaBits)
+                           : std::ldexp(static_cast<float>((1 << MantissaBits) + m), e - bias - MantissaBits);
+    return negative ? -v : v;
+  }
+
+  // The code of a float, rounded to nearest even.
+  static std::uint8_t encode(float x, fp8_overflow mode) noexcept {
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80);
+    if (std::isnan(x)) return static_cast<std::uint8_t>(sign | nan);
+    const auto overflow = [&] {
+      if (mode == fp8_overflow::saturate) return static_cast<std::uint8_t>(sign | max_finite);
+      return static_cast<std::uint8_t>(sign | (has_infinity ? infinity : nan));
+    };
+    if (std::isinf(x)) return overflow();
+    const double a = std::fabs(static_cast<double>(x));
+    if (a == 0.0) return sign;
+    // The exponent of the result before rounding: subnormals share the smallest normal's.
+    int e = std::ilogb(a);
+    e = e < 1 - bias ? 1 - bias : e;
+    // a in units of the last mantissa bit at that exponent; exact (a power-of-two scaling of a float).
+    const double units = std::ldexp(a, MantissaBits - e);
+    double r = std::floor(units);
+    const double rest = units - r;
+    if (rest > 0.5 || (rest == 0.5 && std::fmod(r, 2.0) != 0.0)) r += 1.0;
+    auto n = static_cast<std::uint32_t>(r);                 // < 2^(M + 2)
+    int biased = n >= (1u << MantissaBits) ? e + bias : 0;  // a subnormal that did not round up
+    if (n == (2u << MantissaBits)) {                        // rounded up to the next binade
+      n >>= 1;
+      ++biased;
+    }
+    const std::uint32_t code = (static_cast<std::uint32_t>(biased) << MantissaBits) | (n & mantissa_mask);
+    if (code > max_finite) return overflow();
+    return static_cast<std::uint8_t>(sign | code);
+  }
+};
+
+using e4m3_format = fp8_format<4, 3, false>;
+using e5m2_format = fp8_format<5, 2, true>;
+
+// One 8-bit float type per format: a code, converted to and from float.
+template <class Format>
+struct float8 {
+  using format = Format;
+  std::uint8_t bits = 0;
+
+  constexpr float8() noexcept = default;
+  // Rounds to nearest even and saturates (the OFP8 conversion in saturating mode).
+  explicit float8(float x) noexcept : bits(Format::encode(x, fp8_overflow::saturate)) {}
+  float8(float x, fp8_overflow mode) noexcept : bits(Format::encode(x, mode)) {}
+
+  static constexpr float8 from_bits(std::uint8_t code) noexcept {
+    float8 f;
+    f.bits = code;
+    return f;
+  }
+  explicit operator float() const noexcept { return Format::decode(bits); }
+  float to_float() const noexcept { return Format::decode(bits); }
+  bool is_nan() const noexcept { return Format::is_nan(bits); }
+
+  // Bit equality (both zeros differ, as do NaN codes).
+  friend constexpr bool operator==(float8 a, float8 b) noexcept { return a.bits == b.bits; }
+};
+
+}  // namespace detail
+
+using float8_e4m3 = detail::float8<detail::e4m3_format>;
+using float8_e5m2 = detail::float8<detail::e5m2_format>;
+
+}  // namespace kvc
