@@ -50,9 +50,15 @@ using examples::seconds_since;
 
 constexpr std::int64_t weight_limit_bytes = std::int64_t{2} << 30;  // 2 GiB without --allow-large
 const std::vector<std::string> all_caches{"dynamic", "dynamic-config", "static", "offloaded", "quantized"};
-// Caches whose logits are expected to differ from the no-cache model: their difference is
-// reported, not checked against the tolerance.
+// Caches whose logits are expected to differ from the no-cache model: their difference is checked
+// against the bound of their format instead of the dtype's tolerance.
 bool is_lossy(const std::string& cache) { return cache == "quantized"; }
+// The bound for int4 (quanto-like, groups of 64 along head_dim, a residual of 128 tokens): the
+// largest |dlogit| measured was 0.18 to 0.21 on the default model (float, bfloat16, half, three
+// seeds) and 0.40 to 0.45 on tiny-gemma3 (its window of 16 puts more of each attention on quantized
+// keys); the bound keeps a margin of about 2x over that. Logits here have a spread of about 1, so
+// a codec that scrambles groups or scales lands well above it.
+constexpr double lossy_bound = 1.0;
 
 const char* const usage =
     "usage: kvc_demo [options]\n"
@@ -64,7 +70,7 @@ const char* const usage =
     "  --tokens N         greedy decode steps after the prompt (default 50)\n"
     "  --cache NAME|all   dynamic, dynamic-config, static, offloaded (layers not in use in a spill file),\n"
     "                     quantized (int4, lossy: its logit error is\n"
-    "                     reported, not checked) or all (default all)\n"
+    "                     checked against the int4 bound, 1.0) or all (default all)\n"
     "  --dtype TYPE       element type of Q/K/V, the cache and attention: float, bfloat16, half\n"
     "  --seed N           seed of the weights and the prompt (default 2024)\n"
     "  --json             print one JSON object instead of the table\n"
@@ -276,10 +282,14 @@ struct Row {
   std::vector<std::int32_t> generated;
   std::vector<std::string> errors;
   bool checked = false;
-  bool lossy = false;             // quantized: the difference is reported, not checked
+  bool lossy = false;             // quantized: the difference is checked against lossy_bound
   std::int64_t argmax_flips = 0;  // lossy caches: steps whose greedy token differs from the reference
+  std::int64_t steps = 0;         // checked steps (the prefill and each decode step)
   bool ok() const { return errors.empty(); }
-  const char* verdict() const { return !ok() ? "FAIL" : !checked ? "SKIPPED" : lossy ? "REPORTED" : "PASS"; }
+  const char* verdict() const { return !ok() ? "FAIL" : !checked ? "SKIPPED" : "PASS"; }
+  double greedy_agreement() const {
+    return steps == 0 ? 0.0 : static_cast<double>(steps - argmax_flips) / static_cast<double>(steps);
+  }
 };
 
 // "4 x DynamicLayer", "2 x (DynamicSlidingWindowLayer, DynamicLayer)"; a long period as counts.
@@ -344,8 +354,11 @@ Row measure(const std::string& name, const Decoder<T>& model, Cache& cache, Refe
     const double diff = (got - ref).cwiseAbs().maxCoeff();
     const std::string step = k == 0 ? "prefill" : "decode step " + std::to_string(k);
     if (!(diff <= max_diff)) max_diff = diff;  // keeps a NaN
+    ++row.steps;
     if (row.lossy) {
-      if (!std::isfinite(diff)) fail(step + ": logits are not finite");
+      if (!(diff <= lossy_bound))
+        fail(step + ": logits differ from the no-cache model by " + fmt("%.3g", diff) + " > " +
+             fmt("%.1f", lossy_bound) + " (the int4 bound)");
       if (argmax(got) != argmax(ref)) ++row.argmax_flips;
       continue;
     }
@@ -454,9 +467,11 @@ void print_table(const DecoderConfig& c, const Options& o, double tolerance, con
                   static_cast<long long>(r.near_ties), tolerance);
     if (r.lossy && r.checked)
       std::printf(
-          "  %s: lossy, reported not checked: max |dlogit| %.3g; the greedy token differs from the no-cache "
-          "model's at %lld of %zu steps\n",
-          r.cache.c_str(), r.max_diff.value_or(0.0), static_cast<long long>(r.argmax_flips), r.generated.size());
+          "  %s: lossy, checked against the int4 bound: max |dlogit| %.3g <= %.1f; the greedy token agrees with the "
+          "no-cache model's at %lld of %lld steps (%.1f%%); KV bytes count its codes, residual and dequantized "
+          "workspace\n",
+          r.cache.c_str(), r.max_diff.value_or(0.0), lossy_bound, static_cast<long long>(r.steps - r.argmax_flips),
+          static_cast<long long>(r.steps), 100.0 * r.greedy_agreement());
   }
 
   bool same = true;
@@ -478,7 +493,10 @@ void print_table(const DecoderConfig& c, const Options& o, double tolerance, con
     if (!r.lossy && r.max_diff && !(*r.max_diff <= max_diff)) max_diff = *r.max_diff;
   std::string lossy_note;
   for (const Row& r : rows)
-    if (r.lossy && r.max_diff) lossy_note += "; " + r.cache + " (lossy): max |dlogit| " + fmt("%.2e", *r.max_diff);
+    if (r.lossy && r.max_diff)
+      lossy_note += "; " + r.cache + " (int4, lossy): max |dlogit| " + fmt("%.2e", *r.max_diff) +
+                    " <= " + fmt("%.1f", lossy_bound) + ", greedy agreement " +
+                    fmt("%.1f", 100.0 * r.greedy_agreement()) + "%";
   if (failed > 0)
     std::printf("kvc_demo: %lld of %zu caches FAIL\n", static_cast<long long>(failed), rows.size());
   else if (!o.check)
@@ -525,6 +543,8 @@ nlohmann::ordered_json to_json(const DecoderConfig& c, const Options& o, double 
                            {"near_tie_flips", r.near_ties},
                            {"lossy", r.lossy},
                            {"lossy_argmax_flips", r.argmax_flips},
+                           {"lossy_bound", r.lossy ? nlohmann::ordered_json(lossy_bound) : nullptr},
+                           {"greedy_agreement", r.checked ? nlohmann::ordered_json(r.greedy_agreement()) : nullptr},
                            {"generated", r.generated},
                            {"errors", r.errors},
                            {"result", r.verdict()}});
