@@ -15,6 +15,11 @@
 //        offsets) / fp16 bytes of the 4032 quantized tokens; held = (quantized + the residual's
 //        allocated buffer) / fp16 bytes of all 4096 tokens; total = held + the dequantized
 //        workspace the returned views point into, / the same.
+//   attend/<cache>   a decode step with attention at 4096 tokens, Eigen::half, one layer of
+//        [1, 8, S, 128] K/V and 32 query heads: a 4032-token prefill, then 64 steps of kvc::attend
+//        (DynamicCache<half>; quanto int4 through update, transformers' path) or
+//        kvc::attend_quantized (quanto int4 from the codes, no workspace). Counters: steps_per_s,
+//        held (the cache's bytes after the steps, as a fraction of fp16 K/V of 4096 tokens).
 //
 // All times are the benchmark thread's CPU time.
 
@@ -28,7 +33,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <kvc/attention.hpp>
 #include <kvc/caches.hpp>
+#include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
 
 #include "bench_common.hpp"
@@ -120,6 +127,49 @@ kvc::QuantizedCache<float> make_quantized() {
   return {backend_of(Hqq), config(kLayers), {Nbits, Axis, Axis, 64, 128}};
 }
 
+// ---- decode with attention at 4k tokens ----------------------------------------------------------
+
+enum class AttendMode { dynamic, quantized_update, quantized_fused };
+
+void BM_Attend(benchmark::State& state, AttendMode mode) {
+  using H = Eigen::half;
+  constexpr std::int64_t prefill_len = 4032, steps = 64, query_heads = 32;
+  const auto prefill = make_input<H>(prefill_len, 6);
+  const auto tok = make_input<H>(1, 7);
+  kvc::HostTensor<H> queries(1, query_heads, 1, kHeadDim);
+  queries.setConstant(H(0.01f));
+  const kvc::HostTensor<H> prefill_queries = make_input<H>(prefill_len, 8);  // 8 heads: reused below
+  std::int64_t held = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    kvc::DynamicCache<H> dynamic;
+    kvc::QuantizedCache<H> quantized("quanto", config(1), {4, 0, 0, 64, 128});
+    if (mode == AttendMode::dynamic) {
+      dynamic.update(prefill, prefill, 0);
+    } else if (mode == AttendMode::quantized_update) {
+      quantized.update(prefill, prefill, 0);
+    } else {
+      const auto view = [](const kvc::HostTensor<H>& t) { return kvc::HostStorage<H>::input_view(t); };
+      (void)kvc::attend_quantized(quantized, 0, view(prefill_queries), view(prefill), view(prefill));
+    }
+    state.ResumeTiming();
+    for (std::int64_t i = 0; i < steps; ++i) {
+      if (mode == AttendMode::dynamic) {
+        benchmark::DoNotOptimize(kvc::attend(dynamic, 0, queries, tok, tok).data());
+      } else if (mode == AttendMode::quantized_update) {
+        benchmark::DoNotOptimize(kvc::attend(quantized, 0, queries, tok, tok).data());
+      } else {
+        const auto view = [](const kvc::HostTensor<H>& t) { return kvc::HostStorage<H>::input_view(t); };
+        benchmark::DoNotOptimize(kvc::attend_quantized(quantized, 0, view(queries), view(tok), view(tok)).data());
+      }
+    }
+    held = mode == AttendMode::dynamic ? dynamic.bytes() : quantized.bytes();
+  }
+  state.counters["steps_per_s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * steps), benchmark::Counter::kIsRate);
+  state.counters["held"] = static_cast<double>(held) / (4096.0 * 2 * kHeads * kHeadDim * 2);
+}
+
 // ---- memory ----------------------------------------------------------------------------------------
 
 void BM_Memory(benchmark::State& state, bool hqq, std::int64_t nbits) {
@@ -188,6 +238,13 @@ int main(int argc, char** argv) {
                                make_quantized<true, 8, 0>)
       ->Unit(benchmark::kMillisecond);
 
+  benchmark::RegisterBenchmark("attend/DynamicCache<half>", BM_Attend, AttendMode::dynamic)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/update", BM_Attend, AttendMode::quantized_update)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused", BM_Attend, AttendMode::quantized_fused)
+      ->Unit(benchmark::kMillisecond);
+
   for (const Codec& c :
        {Codec{false, 2, 0}, Codec{false, 4, 0}, Codec{true, 2, 1}, Codec{true, 4, 1}, Codec{true, 8, 1}}) {
     std::string name = c.hqq ? "memory/hqq/nbits:" : "memory/quanto/nbits:";
@@ -219,6 +276,16 @@ int main(int argc, char** argv) {
     const double sps = r->counters.at("steps_per_s");
     std::printf("%-30s %12.1f %12.2f %12.3f\n", n, sps, r->counters.at("out_GB/s"),
                 dyn ? sps / dyn->counters.at("steps_per_s") : NAN);
+  }
+  const auto* dyn_attend = reporter.find("attend/DynamicCache<half>");
+  std::printf("\n%-30s %12s %12s %10s   (Eigen::half, 4096 tokens, 8 KV / 32 query heads x 128)\n",
+              "decode step with attention", "steps/s", "vs Dynamic", "held");
+  for (const char* n : {"attend/DynamicCache<half>", "attend/quanto/nbits:4/update", "attend/quanto/nbits:4/fused"}) {
+    const auto* r = reporter.find(n);
+    if (!r) continue;
+    const double sps = r->counters.at("steps_per_s");
+    std::printf("%-30s %12.1f %12.3f %10.3f\n", n, sps, dyn_attend ? sps / dyn_attend->counters.at("steps_per_s") : NAN,
+                r->counters.at("held"));
   }
   std::printf("\n%-22s %10s %10s %10s   (fraction of fp16 bytes, 4096 tokens)\n", "memory (Eigen::half)", "quantized",
               "held", "total");

@@ -338,6 +338,17 @@ class Cache<L, S, O> {
       return {};
   }
 
+  // update's checks (the layer index, a replicated layer appended on demand, the shapes against
+  // the layer's) and offload hooks around op(layer state) instead of the layer's own update: for
+  // a path that stores a step its own way (kvc::attend_quantized attends from a quantized layer's
+  // codes, then appends). op must take every layer kind of the cache and return one type, which
+  // this returns; a layer appended for the call is dropped again if op throws.
+  template <class Op>
+  auto update_with(const view_type& keys, const view_type& values, std::int64_t layer_idx, Op&& op) {
+    using R = std::invoke_result_t<Op&, std::variant_alternative_t<0, layer_variant>&>;
+    return store_views<R>(keys, values, layer_idx, op);
+  }
+
   // ---- length queries ------------------------------------------------------------------------
 
   // A pure linear-attention layer has no length: index 0 answers for the first attention layer,
@@ -856,6 +867,16 @@ class Cache<L, S, O> {
   }
 
   kv_type update_views(const view_type& k, const view_type& v, std::int64_t layer_idx) {
+    return store_views<kv_type>(k, v, layer_idx, [&](auto& l) -> kv_type {
+      if constexpr (has_kv<std::decay_t<decltype(l)>>)
+        return l.update(k, v);
+      else
+        return {};  // unreachable: store_views refuses such a layer first
+    });
+  }
+
+  template <class R, class Op>
+  R store_views(const view_type& k, const view_type& v, std::int64_t layer_idx, Op&& op) {
     check_index(layer_idx, "update");
     check_input(k, v);
     const std::size_t old_size = layers_.size();
@@ -889,14 +910,7 @@ class Cache<L, S, O> {
           },
           layers_[idx]);
       offload_.before_update(*this, layer_idx);
-      kv_type out = std::visit(
-          [&](auto& l) -> kv_type {
-            if constexpr (has_kv<std::decay_t<decltype(l)>>)
-              return l.update(k, v);
-            else
-              return {};  // unreachable: checked above
-          },
-          layers_[idx]);
+      R out = std::visit([&](auto& l) -> R { return op(l); }, layers_[idx]);
       offload_.after_update(*this, layer_idx);
       return out;
     } catch (...) {

@@ -163,9 +163,7 @@ struct QuantizedLayer {
       // there (on a device its writes can, and they come before its moves).
       std::optional<detail::kv_store<S>> grown_residual;
       if (!flush && rlen_ + q > residual_.capacity())
-        grown_residual = residual_.relocated(
-            std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)}), 0,
-            rlen_);
+        grown_residual = residual_.relocated(residual_capacity_for(q), 0, rlen_);
       const bool rebuild_in_place = !ws_fresh_ && !flush && ws_.capacity() >= total;
       std::optional<detail::kv_store<S>> grown_ws;
       if (ws_.capacity() < total || (!ws_fresh_ && !rebuild_in_place)) {
@@ -206,6 +204,56 @@ struct QuantizedLayer {
       ws_fresh_ = true;
       return ws_.kv(0, total);
     }
+
+    // The fused path's store (kvc::attend_quantized, <kvc/quantized_attention.hpp>): k and v are
+    // kept exactly as update keeps them (quantized at the same moments, so the codes are the same)
+    // but no dequantized workspace is made, and any is released: the layer then holds its codes
+    // and its residual only. A flush quantizes from a temporary of the whole sequence, freed at
+    // once. Strong guarantee: what allocates comes before anything changes.
+    void append(const view& k, const view& v) {
+      const std::int64_t q = k.extent(2);
+      if (!initialized_ || cumulative_ == 0) {
+        const LayerShape shape = detail::shape_of(k, v);
+        qtensor nk = encode(k, opts_.axis_key);
+        qtensor nv = encode(v, opts_.axis_value);
+        detail::kv_store<S> residual(shape, 0, false);
+        shape_ = shape;
+        qk_ = std::move(nk);
+        qv_ = std::move(nv);
+        residual_ = std::move(residual);
+        rlen_ = 0;
+        cumulative_ = q;
+        initialized_ = true;
+        release_workspace();
+        return;
+      }
+      const std::int64_t held = qk_.tokens() + rlen_, total = held + q;
+      if (rlen_ > 0 && rlen_ + 1 >= opts_.residual_length) {  // the flush update makes
+        detail::kv_store<S> all(shape_, total, false);
+        fill_from_store(all);
+        all.write(held, k, v);
+        qtensor nk = encode(all.keys(0, total), opts_.axis_key);
+        qtensor nv = encode(all.values(0, total), opts_.axis_value);
+        qk_ = std::move(nk);
+        qv_ = std::move(nv);
+        rlen_ = 0;
+      } else {
+        if (rlen_ + q > residual_.capacity()) {
+          detail::kv_store<S> grown = residual_.relocated(residual_capacity_for(q), 0, rlen_);
+          grown.write(rlen_, k, v);
+          residual_ = std::move(grown);
+        } else {
+          residual_.write(rlen_, k, v);
+        }
+        rlen_ += q;
+      }
+      cumulative_ += q;
+      release_workspace();
+    }
+    // What the fused path reads: the quantized history and the residual's tokens.
+    const auto& quantized_keys() const noexcept { return qk_; }
+    const auto& quantized_values() const noexcept { return qv_; }
+    KV<view> residual_kv() const noexcept { return residual_.kv(0, rlen_); }
 
     std::int64_t get_seq_length() const noexcept { return cumulative_; }
     std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return {cumulative_ + q, 0}; }
@@ -283,6 +331,12 @@ struct QuantizedLayer {
       ws_ = detail::kv_store<S>();
       rlen_ = cumulative_ = 0;
       ws_fresh_ = false;
+    }
+
+    // The residual's capacity when q more tokens do not fit: doubling, at least 16 (or the residual
+    // length, if shorter).
+    std::int64_t residual_capacity_for(std::int64_t q) const noexcept {
+      return std::max({rlen_ + q, 2 * residual_.capacity(), std::min<std::int64_t>(opts_.residual_length, 16)});
     }
 
     // Room for `total` tokens and the ones the next few updates add: residual_length more (a

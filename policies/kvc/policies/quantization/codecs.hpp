@@ -577,6 +577,38 @@ class quantized_tensor {
     return out;
   }
 
+  // Rows [t0, t0 + count) of block blk (batch * heads + head), dequantized to out in float (decode()
+  // rounds the same values to its element type): count rows of dim. For attention over the codes a
+  // tile at a time (kvc::attend_quantized); allocates nothing.
+  void decode_rows(std::int64_t blk, std::int64_t t0, std::int64_t count, float* out) const noexcept {
+    constexpr std::int64_t piece = 256;
+    std::uint8_t codes[piece];
+    const quant_layout& l = layout_;
+    const std::uint8_t* bits = codes_.data() + blk * l.block_bytes;
+    const M* scale = scale_.data() + blk * l.groups;
+    const M* offset = offset_.data() + blk * l.groups;
+    const std::int64_t first = t0 * l.dim, n = count * l.dim;
+    for (std::int64_t i = 0; i < n;) {
+      // A run of elements that shares its metadata (groups along head_dim), or one row's piece.
+      std::int64_t len = std::min(piece, n - i);
+      if (l.grouping == quant_grouping::along_head_dim) {
+        const std::int64_t e = first + i;
+        len = std::min(len, (e / l.group_size + 1) * l.group_size - e);
+        unpack_codes(bits, e, len, l.nbits, codes);
+        const std::int64_t g = e / l.group_size;
+        const float o = to_float(offset[g]), sc = to_float(scale[g]);
+        for (std::int64_t j = 0; j < len; ++j) out[i + j] = dequant(o, sc, codes[j]);
+      } else {
+        unpack_codes(bits, first + i, len, l.nbits, codes);
+        for (std::int64_t j = 0; j < len; ++j) {
+          const std::int64_t g = group_of(l.grouping, first + i + j, l.group_size, l.dim);
+          out[i + j] = dequant(to_float(offset[g]), to_float(scale[g]), codes[j]);
+        }
+      }
+      i += len;
+    }
+  }
+
   std::int64_t tokens() const noexcept { return layout_.tokens; }
   // Bytes held: packed codes plus every group's scale and offset.
   std::int64_t bytes() const noexcept {
