@@ -121,3 +121,37 @@ TEST_CASE("attend_quantized: what it refuses, before anything is stored") {
   CHECK_THROWS_WITH_AS(kvc::attend_quantized(dynamic, 0, view(q), view(k), view(k)),
                        "kvc::attend_quantized: layer 0 is a DynamicLayer, not a quantized layer", kvc::ValueError);
 }
+
+TEST_CASE(
+    "attend_quantized's store: int4 under 0.30 and int2 under 0.17 of fp16 bytes at 4096 tokens (update: over 1)") {
+  using H = Eigen::half;
+  using Cache = kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<H>>;
+  std::mt19937 rng(5);
+  const auto prefill = kvc_test::random_tensor<H>(1, 8, 4032, 128, rng);
+  const auto tok = kvc_test::random_tensor<H>(1, 8, 1, 128, rng);
+  const double fp16 = 4096.0 * 2 * 8 * 128 * 2;  // K and V of 4096 tokens, 2 bytes each
+  const auto held = [&](std::int64_t nbits, bool fused) {
+    Cache cache(kvc::QuantoQuantizedLayer{
+        .nbits = nbits, .axis_key = 0, .axis_value = 0, .q_group_size = 64, .residual_length = 128});
+    const auto store = [&](const kvc::HostTensor<H>& x) {
+      if (fused)
+        cache.update_with(view(x), view(x), 0, [&](auto& st) {
+          st.append(view(x), view(x));
+          return 0;
+        });
+      else
+        (void)cache.update(x, x, 0);
+    };
+    store(prefill);
+    for (int i = 0; i < 64; ++i) store(tok);
+    CHECK(cache.get_seq_length(0) == 4096);
+    return static_cast<double>(cache.bytes()) / fp16;
+  };
+  const double int4 = held(4, true), int2 = held(2, true), int4_update = held(4, false);
+  CAPTURE(int4);
+  CAPTURE(int2);
+  CAPTURE(int4_update);
+  CHECK(int4 <= 0.30);
+  CHECK(int2 <= 0.17);
+  CHECK(int4_update > 1.0);  // the workspace: a dequantized copy of every token
+}
