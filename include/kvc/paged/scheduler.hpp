@@ -675,13 +675,10 @@ class ContinuousBatchingScheduler {
   }
 
   void end_request(RequestState& st, RequestStatus status, std::string error) {
-    if (holds_blocks(st.request_id)) cache_->free_blocks(st.request_id);
-    cache_->drop_offloaded_request(st.request_id);
+    drop_cache(st);
     erase_id(active_, st.request_id);
     erase_id(waiting_, st.request_id);
     st.status = status;
-    st.is_cpu_offloaded = false;
-    st.allocated_blocks = 0;
     st.remaining_prefill_tokens.clear();
     if (status == RequestStatus::failed) {
       st.error = "kvc::ContinuousBatchingScheduler: request " + st.request_id + " " + std::move(error);
