@@ -8,9 +8,10 @@
 // used at once (online softmax: a running maximum and sum per query row), then the full-precision
 // residual, then the step's own keys and values; the step is stored afterwards with the layer's
 // append, which quantizes at the same moments as update (the same codes) but keeps no workspace.
-// Attention sees the same numbers as through update (the history dequantized and rounded to the
-// element type, the residual, the new tokens), so the two paths agree to float rounding; the
-// layer holds its codes and residual only. A difference from transformers by choice
+// Attention sees the numbers update returns (the history dequantized, the residual, the new
+// tokens), except that the dequantized history stays in float where update's workspace rounds it
+// to a 16-bit element type (a pass that cost a fifth of the step): for float and double the two
+// paths agree to float rounding; the layer holds its codes and residual only. A difference from transformers by choice
 // (docs/differences.md).
 //
 // Host storage; a Cache whose layer `layer_idx` is a QuantizedLayer. Masking as kvc::attend:
@@ -20,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -28,9 +28,6 @@
 #include <vector>
 
 #include <Eigen/Core>
-#if defined(__F16C__) && defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #include <kvc/attention.hpp>
 #include <kvc/errors.hpp>
@@ -48,41 +45,17 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
   c.residual_kv();
 };
 
-// x[0, n) rounded to T (Eigen::half or Eigen::bfloat16) and back, as a buffer of T would hold them.
-// bfloat16 by the bits (round to nearest even on the upper half; the loop vectorises); half with
-// F16C where the compiler targets it, else through Eigen::half.
-template <class T>
-void round_to(float* x, std::int64_t n) noexcept {
-  if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      std::uint32_t b;
-      std::memcpy(&b, x + i, 4);
-      const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
-      const std::uint32_t r = nan ? (b | 0x00400000u) & 0xFFFF0000u : (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-      std::memcpy(x + i, &r, 4);
-    }
-  } else {
-    std::int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
-#endif
-    for (; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
-  }
-}
-
 // The attention of one (batch row, KV head) block: the `group` query heads that read it, q query
-// rows each at positions past .. past + q - 1, over `history` quantized rows, then `resid` and
-// `fresh` full-precision rows. Every source becomes a float tile of up to `tile` rows; scores and
+// rows each at positions past .. past + q - 1, over the quantized history (its chunks in order),
+// then `resid` and `fresh` full-precision rows. Every source becomes a float tile of up to `tile` rows; scores and
 // the weighted values are matrix products on those tiles (Eigen), with an online softmax between.
-template <class T, class A, class QT>
-void attend_block(const QT& qk, const QT& qv, std::int64_t blk, std::int64_t history, const T* rk, const T* rv,
-                  std::int64_t resid, const T* nk, const T* nv, std::int64_t fresh, const T* const* queries,
-                  std::int64_t group, std::int64_t dim, std::int64_t past, const AttentionMask& mask, A scale,
-                  T* const* outputs) {
+template <class T, class A, class QH>
+void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
+                  const T* nk, const T* nv, std::int64_t fresh, const T* const* queries, std::int64_t group,
+                  std::int64_t dim, std::int64_t past, const AttentionMask& mask, A scale, T* const* outputs) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
-  constexpr std::int64_t tile = 64;
+  constexpr std::int64_t tile = 64, decode_rows = 16;
   const std::int64_t rows = group * fresh;
   // Reused across calls on this thread: the tiles (float rows, as dequantized) and the state.
   thread_local std::vector<float> kt, vt;
@@ -100,10 +73,14 @@ void attend_block(const QT& qk, const QT& qv, std::int64_t blk, std::int64_t his
     const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> kf(kt.data(), n, dim),
         vf(vt.data(), n, dim);
     auto s = sc.leftCols(n);
-    if constexpr (std::is_same_v<A, float>)
-      s.noalias() = qm * kf.transpose();
-    else
+    if constexpr (std::is_same_v<A, float>) {
+      if (rows <= decode_rows)  // a decode step: row by row, without the product's packing copy
+        for (std::int64_t r = 0; r < rows; ++r) s.row(r).noalias() = qm.row(r) * kf.transpose();
+      else
+        s.noalias() = qm * kf.transpose();
+    } else {
       s.noalias() = qm * kf.template cast<A>().transpose();
+    }
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t qp = past + r % fresh;
       for (std::int64_t j = 0; j < n; ++j)
@@ -120,25 +97,31 @@ void attend_block(const QT& qk, const QT& qv, std::int64_t blk, std::int64_t his
       acc.row(r) *= shrink;
       m(r) = new_m;
     }
-    if constexpr (std::is_same_v<A, float>)
-      acc.noalias() += s * vf;
-    else
+    if constexpr (std::is_same_v<A, float>) {
+      if (rows <= decode_rows)
+        for (std::int64_t r = 0; r < rows; ++r) acc.row(r).noalias() += s.row(r) * vf;
+      else
+        acc.noalias() += s * vf;
+    } else {
       acc.noalias() += s * vf.template cast<A>();
+    }
   };
   const auto load = [&](float* dst, const T* src, std::int64_t n) {
     for (std::int64_t i = 0; i < n * dim; ++i) dst[i] = static_cast<float>(src[i]);
   };
   const std::int64_t first = mask.first_visible(past);  // no query sees a key before it
-  for (std::int64_t t0 = std::max<std::int64_t>(first, 0) / tile * tile; t0 < history; t0 += tile) {
-    const std::int64_t n = std::min(tile, history - t0);
-    qk.decode_rows(blk, t0, n, kt.data());
-    qv.decode_rows(blk, t0, n, vt.data());
-    if constexpr (sizeof(T) == 2) {  // as update's workspace holds them: rounded to half or bfloat16
-      round_to<T>(kt.data(), n * dim);
-      round_to<T>(vt.data(), n * dim);
+  std::int64_t start = 0;                               // where the chunk starts
+  for (std::size_t c = 0; c < qk.chunks(); start += qk.chunk(c++).tokens()) {
+    const auto &ck = qk.chunk(c), &cv = qv.chunk(c);
+    const std::int64_t len = ck.tokens();
+    for (std::int64_t t0 = std::clamp<std::int64_t>(first - start, 0, len) / tile * tile; t0 < len; t0 += tile) {
+      const std::int64_t n = std::min(tile, len - t0);
+      ck.decode_rows(blk, t0, n, kt.data());
+      cv.decode_rows(blk, t0, n, vt.data());
+      fold(start + t0, n);
     }
-    fold(t0, n);
   }
+  const std::int64_t history = start;
   for (std::int64_t t0 = 0; t0 < resid; t0 += tile) {
     const std::int64_t n = std::min(tile, resid - t0);
     load(kt.data(), rk + t0 * dim, n);
@@ -193,11 +176,11 @@ HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
       const AttentionMask mask{past + q, 0, past, options.sliding_window, true, options.attention_chunk_size, {}};
       const A scale = static_cast<A>(options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(D)));
       HostTensor<T> out(B, Hq, q, D);
-      // Contiguous copies of the step's inputs (views may be strided).
-      const HostTensor<T> qc = queries.to_tensor(), kc = keys.to_tensor(), vc = values.to_tensor();
       if (past > 0) {
+        // Contiguous copies of the step's inputs (views may be strided).
+        const HostTensor<T> qc = queries.to_tensor(), kc = keys.to_tensor(), vc = values.to_tensor();
         const auto r = st.residual_kv();
-        const std::int64_t history = st.quantized_tokens(), resid = st.residual_tokens();
+        const std::int64_t resid = st.residual_tokens();
         std::vector<const T*> qs(static_cast<std::size_t>(group));
         std::vector<T*> os(static_cast<std::size_t>(group));
         for (std::int64_t b = 0; b < B; ++b)
@@ -208,7 +191,7 @@ HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
             }
             const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
             const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
-            detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, history, rk, rv, resid,
+            detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
                                        &kc(b, hk, 0, 0), &vc(b, hk, 0, 0), q, qs.data(), group, D, past, mask, scale,
                                        os.data());
           }

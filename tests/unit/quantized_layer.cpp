@@ -748,3 +748,145 @@ TEST_CASE(
   CHECK(kv.keys.extent(2) == 2);
   CHECK(cache.get_seq_length() == 2);
 }
+
+// ---- append_only (KIVI) --------------------------------------------------------------------------
+
+namespace {
+
+// The packed codes of chunk c of layer 0's key (or value) history.
+template <class C>
+std::vector<std::uint8_t> chunk_codes(const C& c, std::size_t chunk, bool keys = true) {
+  return c.visit_layer(0, [&](const auto& l) {
+    const auto& h = keys ? l.quantized_keys() : l.quantized_values();
+    return chunk < h.chunks() ? h.chunk(chunk).packed() : std::vector<std::uint8_t>{};
+  });
+}
+template <class C>
+std::size_t chunk_count(const C& c) {
+  return c.visit_layer(0, [](const auto& l) { return l.quantized_keys().chunks(); });
+}
+
+// Tokens [from, from + len) of t quantized on their own, as the layer's options say.
+std::vector<std::uint8_t> encode_slice(const kvc::HostTensor<float>& t, std::int64_t from, std::int64_t len,
+                                       const kvc::QuantoQuantizedLayer& o, std::int64_t axis) {
+  const std::int64_t S = t.dimension(2), D = t.dimension(3);
+  return kvc::detail::quantized_tensor<float>::encode<kvc::QuantoCodec>(
+             static_cast<int>(o.nbits), kvc::QuantoCodec::grouping(axis), o.q_group_size, t.data() + from * D,
+             t.dimension(0), t.dimension(1), len, D, t.dimension(1) * S * D, S * D)
+      .packed();
+}
+
+}  // namespace
+
+TEST_CASE("append_only: each flush quantizes the residual and the new tokens as a chunk of their own") {
+  const kvc::QuantoQuantizedLayer kind{
+      .nbits = 2, .axis_key = -1, .axis_value = 0, .q_group_size = 4, .residual_length = 5, .append_only = true};
+  std::mt19937 rng(21);
+  LayerCache<kvc::QuantoQuantizedLayer> c(kind);
+  const std::vector<std::int64_t> steps = {7, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1};
+  kvc::HostTensor<float> ks, vs;
+  std::vector<std::int64_t> chunk_ends;  // what the layer should hold: chunks ending here, then a residual
+  std::int64_t total = 0, rlen = 0;
+  for (std::size_t s = 0; s < steps.size(); ++s) {
+    const std::int64_t q = steps[s];
+    const auto k = gaussian<float>(2, 2, q, 8, rng, 2), v = gaussian<float>(2, 2, q, 8, rng);
+    ks = s == 0 ? k : kvc_test::cat(ks, k);
+    vs = s == 0 ? v : kvc_test::cat(vs, v);
+    const std::int64_t history_before = quantized_tokens(c);
+    const auto kv = c.update(k, v, 0);
+    // The same moments as transformers' update (the first call, then a residual of 4 or more).
+    total += q;
+    if (s == 0 || (rlen > 0 && rlen + 1 >= kind.residual_length)) {
+      chunk_ends.push_back(total);
+      rlen = 0;
+    } else {
+      rlen += q;
+    }
+    CAPTURE(s);
+    REQUIRE(chunk_count(c) == chunk_ends.size());
+    REQUIRE(quantized_tokens(c) == chunk_ends.back());
+    REQUIRE(residual_tokens(c) == rlen);
+    // Every chunk holds the codes of its own tokens quantized alone: earlier ones never change.
+    for (std::size_t i = 0; i < chunk_ends.size(); ++i) {
+      const std::int64_t from = i == 0 ? 0 : chunk_ends[i - 1];
+      CHECK(chunk_codes(c, i) == encode_slice(ks, from, chunk_ends[i] - from, kind, kind.axis_key));
+      CHECK(chunk_codes(c, i, false) == encode_slice(vs, from, chunk_ends[i] - from, kind, kind.axis_value));
+    }
+    // What update returns: the history held before the call dequantized, everything after it exact.
+    REQUIRE(kv.keys.extent(2) == total);
+    const auto got = flatten(kv.values);
+    const auto want = kvc_test::slice_seq(vs, 0, total);
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(got.size()); ++i)
+      if (i % (total * 8) >= history_before * 8)
+        CHECK(got[static_cast<std::size_t>(i)] == want[static_cast<std::size_t>(i)]);
+    if (s > 0) CHECK(rel_rms(kv.keys, ks, history_before) < 0.35);
+  }
+
+  const auto first = chunk_codes(c, 0), second = chunk_codes(c, 1);
+  REQUIRE(chunk_ends.size() >= 3);
+  SUBCASE("crop into a chunk quantizes that chunk's prefix again; the chunks before it stay as they are") {
+    const std::int64_t keep = chunk_ends[1] + 2;
+    c.crop(keep - c.get_seq_length());
+    CHECK(c.get_seq_length() == keep);
+    CHECK(residual_tokens(c) == 0);
+    CHECK(quantized_tokens(c) == keep);
+    REQUIRE(chunk_count(c) == 3);
+    CHECK(chunk_codes(c, 0) == first);
+    CHECK(chunk_codes(c, 1) == second);
+    const auto k = gaussian<float>(2, 2, 1, 8, rng), v = gaussian<float>(2, 2, 1, 8, rng);
+    const auto kv = c.update(k, v, 0);
+    CHECK(kv.keys.extent(2) == keep + 1);
+    CHECK(rel_rms(kv.keys, ks, keep) < 0.35);
+    CHECK(flatten(kv.values).back() == kvc_test::slice_seq(v, 0, 1).back());
+  }
+  SUBCASE("crop at a chunk's start drops the chunks from there, nothing is quantized again") {
+    c.crop(chunk_ends[0] - c.get_seq_length());
+    CHECK(c.get_seq_length() == chunk_ends[0]);
+    REQUIRE(chunk_count(c) == 1);
+    CHECK(chunk_codes(c, 0) == first);
+  }
+  SUBCASE("batch reorder moves every chunk's rows") {
+    auto swapped = c;
+    swapped.reorder_cache({1, 0});
+    const auto k = gaussian<float>(2, 2, 1, 8, rng);
+    const auto kv = c.update(k, k, 0);
+    kvc::HostTensor<float> ks2(2, 2, 1, 8);
+    std::copy_n(k.data() + 16, 16, ks2.data());
+    std::copy_n(k.data(), 16, ks2.data() + 16);
+    const auto sw = swapped.update(ks2, ks2, 0);
+    const auto a = flatten(kv.keys), b = flatten(sw.keys);
+    const std::size_t half = a.size() / 2;
+    CHECK(std::vector<double>(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(half)) ==
+          std::vector<double>(b.begin() + static_cast<std::ptrdiff_t>(half), b.end()));
+    CHECK(std::vector<double>(a.begin() + static_cast<std::ptrdiff_t>(half), a.end()) ==
+          std::vector<double>(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(half)));
+  }
+}
+
+TEST_CASE("decode_rows (attention's tiles) gives decode()'s values: every width, grouping, start and length") {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  using QT = kvc::detail::quantized_tensor<float>;
+  for (const int nbits : {1, 2, 3, 4, 8})
+    for (const auto grouping : {kvc::detail::quant_grouping::along_head_dim, kvc::detail::quant_grouping::along_seq})
+      for (const std::int64_t dim : {6, 64, 300})
+        for (const std::int64_t group : {5, 32, 64}) {
+          const std::int64_t B = 2, H = 2, S = 41;
+          std::vector<float> src(static_cast<std::size_t>(B * H * S * dim));
+          for (float& x : src) x = dist(rng);
+          const QT t =
+              QT::encode<kvc::HqqCodec>(nbits, grouping, group, src.data(), B, H, S, dim, H * S * dim, S * dim);
+          std::vector<float> all(src.size());
+          t.decode(all.data(), H * S * dim, S * dim);
+          CAPTURE(nbits);
+          CAPTURE(dim);
+          CAPTURE(group);
+          for (std::int64_t blk = 0; blk < B * H; ++blk)
+            for (const auto& [t0, n] : {std::pair<std::int64_t, std::int64_t>{0, S}, {3, 17}, {40, 1}, {32, 9}}) {
+              std::vector<float> rows(static_cast<std::size_t>(n * dim), -99.f);
+              t.decode_rows(blk, t0, n, rows.data());
+              const auto from = all.begin() + blk * S * dim + t0 * dim;
+              CHECK(std::equal(rows.begin(), rows.end(), from));
+            }
+        }
+}

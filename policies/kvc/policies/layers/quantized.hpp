@@ -32,6 +32,13 @@
 // later calls return dequant(history) + residual + new, and when the residual already holds
 // residual_length - 1 tokens or more (and is not empty), everything returned is quantized again
 // and the residual is emptied; otherwise the new tokens join the residual.
+//
+// `append_only` (a kvc option, off by default; docs/differences.md): at those same moments only
+// the residual and the new tokens are quantized, as a chunk of their own appended to the history,
+// which is never quantized again (KIVI's scheme). The history is then a list of chunks, each
+// quantized on its own (detail::quantized_history); without the option it is always one chunk.
+// kvc::kivi_options() are KIVI's settings: keys grouped along seq (one scale per channel and
+// chunk of tokens), values along head_dim (per token), append-only.
 
 #include <algorithm>
 #include <cstdint>
@@ -66,8 +73,79 @@ namespace detail {
 // its backend).
 template <class Codec, class From>
 constexpr QuantizedLayer<Codec> with_codec(const QuantizedLayer<From>& o) noexcept {
-  return {o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length};
+  return {o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length, o.append_only};
 }
+
+// The quantized history of one K or V tensor: chunks of consecutive tokens, each a quantized tensor
+// QT of its own (quantized_tensor on the host, device_quantized_tensor on CUDA). Without
+// append_only it holds one chunk, replaced whenever the layer quantizes; with it, every quantization
+// appends a chunk.
+template <class QT>
+class quantized_history {
+ public:
+  quantized_history() = default;
+  explicit quantized_history(QT&& first) {
+    chunks_.push_back(std::move(first));
+    tokens_ = chunks_.back().tokens();
+  }
+
+  std::int64_t tokens() const noexcept { return tokens_; }
+  std::size_t chunks() const noexcept { return chunks_.size(); }
+  const QT& chunk(std::size_t i) const noexcept { return chunks_[i]; }
+  // Codes and metadata of every chunk.
+  std::int64_t bytes() const noexcept {
+    std::int64_t n = 0;
+    for (const QT& c : chunks_) n += c.bytes();
+    return n;
+  }
+
+  // Room for one more chunk: then push cannot throw.
+  void reserve_one() { chunks_.reserve(chunks_.size() + 1); }
+  void push(QT&& c) noexcept {
+    tokens_ += c.tokens();
+    chunks_.push_back(std::move(c));
+  }
+
+  // Writes tokens [from, tokens()) dequantized: token t of block (b, h) to dst + b * stride_b +
+  // h * stride_h + t * dim. `from` is where a chunk starts.
+  template <class T>
+  void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h, std::int64_t dim, std::int64_t from = 0) const {
+    std::int64_t start = 0;
+    for (const QT& c : chunks_) {
+      if (start >= from) c.decode(dst + start * dim, stride_b, stride_h);
+      start += c.tokens();
+    }
+  }
+
+  // The chunk holding token t (t < tokens()) and where that chunk starts.
+  std::pair<std::size_t, std::int64_t> find(std::int64_t t) const noexcept {
+    std::int64_t start = 0;
+    std::size_t i = 0;
+    while (start + chunks_[i].tokens() <= t) start += chunks_[i++].tokens();
+    return {i, start};
+  }
+
+  // Keeps the first `keep` chunks, then `last` if given (at most as many chunks as before).
+  void truncate(std::size_t keep, std::optional<QT>&& last) noexcept {
+    chunks_.erase(chunks_.begin() + static_cast<std::ptrdiff_t>(keep), chunks_.end());
+    if (last) chunks_.push_back(std::move(*last));  // within the capacity the erase left
+    tokens_ = 0;
+    for (const QT& c : chunks_) tokens_ += c.tokens();
+  }
+
+  // Batch entry i of the copy is entry indices[i] of this history (packed bytes copied as they are).
+  quantized_history gathered(std::span<const std::int64_t> indices) const {
+    quantized_history out;
+    out.chunks_.reserve(chunks_.size());
+    for (const QT& c : chunks_) out.chunks_.push_back(c.gathered(indices));
+    out.tokens_ = tokens_;
+    return out;
+  }
+
+ private:
+  std::vector<QT> chunks_;
+  std::int64_t tokens_ = 0;
+};
 
 // The checks of transformers' QuantoQuantizedLayer.__init__ and HQQQuantizedLayer.__init__: the
 // codec's, in its order (nbits, axis_key, axis_value), then q_group_size and residual_length
@@ -92,6 +170,8 @@ struct QuantizedLayer {
   std::int64_t axis_value = 0;
   std::int64_t q_group_size = 64;
   std::int64_t residual_length = 128;
+  // kvc's option: quantize only what leaves the residual, as a chunk appended to the history.
+  bool append_only = false;
 
   // Any storage with a quantized tensor type (detail::quantized_tensor_for): HostStorage, where
   // the codecs run on the CPU, and CudaStorage, where they run as kernels.
@@ -178,13 +258,24 @@ struct QuantizedLayer {
 
       if (flush) {
         // The new tokens go after the held prefix (in place, this leaves the prefix the previous
-        // views show untouched), then all `total` tokens are quantized.
+        // views show untouched), then all `total` tokens are quantized, or with append_only the
+        // residual and the new ones (w holds the residual exactly after the history).
         w.write(held, k, v);
-        qtensor nk = encode(w.keys(0, total), opts_.axis_key);
-        qtensor nv = encode(w.values(0, total), opts_.axis_value);
-        if (grown_ws) ws_ = std::move(*grown_ws);
-        qk_ = std::move(nk);
-        qv_ = std::move(nv);
+        if (opts_.append_only) {
+          qtensor nk = encode(w.keys(qlen, total - qlen), opts_.axis_key);
+          qtensor nv = encode(w.values(qlen, total - qlen), opts_.axis_value);
+          qk_.reserve_one();
+          qv_.reserve_one();
+          if (grown_ws) ws_ = std::move(*grown_ws);
+          qk_.push(std::move(nk));
+          qv_.push(std::move(nv));
+        } else {
+          history nk(encode(w.keys(0, total), opts_.axis_key));
+          history nv(encode(w.values(0, total), opts_.axis_value));
+          if (grown_ws) ws_ = std::move(*grown_ws);
+          qk_ = std::move(nk);
+          qv_ = std::move(nv);
+        }
         rlen_ = 0;
         cumulative_ += q;
         ws_fresh_ = false;  // it holds what was returned, not dequant of the new history
@@ -214,8 +305,8 @@ struct QuantizedLayer {
       const std::int64_t q = k.extent(2);
       if (!initialized_ || cumulative_ == 0) {
         const LayerShape shape = detail::shape_of(k, v);
-        qtensor nk = encode(k, opts_.axis_key);
-        qtensor nv = encode(v, opts_.axis_value);
+        history nk(encode(k, opts_.axis_key));
+        history nv(encode(v, opts_.axis_value));
         detail::kv_store<S> residual(shape, 0, false);
         shape_ = shape;
         qk_ = std::move(nk);
@@ -228,12 +319,24 @@ struct QuantizedLayer {
         return;
       }
       const std::int64_t held = qk_.tokens() + rlen_, total = held + q;
-      if (rlen_ > 0 && rlen_ + 1 >= opts_.residual_length) {  // the flush update makes
+      if (rlen_ > 0 && rlen_ + 1 >= opts_.residual_length && opts_.append_only) {  // update's flush
+        detail::kv_store<S> chunk(shape_, rlen_ + q, false);
+        const KV<view> r = residual_.kv(0, rlen_);
+        chunk.write(0, r.keys, r.values);
+        chunk.write(rlen_, k, v);
+        qtensor nk = encode(chunk.keys(0, rlen_ + q), opts_.axis_key);
+        qtensor nv = encode(chunk.values(0, rlen_ + q), opts_.axis_value);
+        qk_.reserve_one();
+        qv_.reserve_one();
+        qk_.push(std::move(nk));
+        qv_.push(std::move(nv));
+        rlen_ = 0;
+      } else if (rlen_ > 0 && rlen_ + 1 >= opts_.residual_length) {
         detail::kv_store<S> all(shape_, total, false);
         fill_from_store(all);
         all.write(held, k, v);
-        qtensor nk = encode(all.keys(0, total), opts_.axis_key);
-        qtensor nv = encode(all.values(0, total), opts_.axis_value);
+        history nk(encode(all.keys(0, total), opts_.axis_key));
+        history nv(encode(all.values(0, total), opts_.axis_value));
         qk_ = std::move(nk);
         qv_ = std::move(nv);
         rlen_ = 0;
@@ -250,7 +353,8 @@ struct QuantizedLayer {
       cumulative_ += q;
       release_workspace();
     }
-    // What the fused path reads: the quantized history and the residual's tokens.
+    // What the fused path reads: the quantized history (detail::quantized_history: its chunks) and
+    // the residual's tokens.
     const auto& quantized_keys() const noexcept { return qk_; }
     const auto& quantized_values() const noexcept { return qv_; }
     KV<view> residual_kv() const noexcept { return residual_.kv(0, rlen_); }
@@ -261,7 +365,8 @@ struct QuantizedLayer {
 
     void check_crop(std::int64_t) const noexcept {}
     // Negative: removes -n tokens from the end, across the residual and the quantized history
-    // (a cut into the history dequantizes it, truncates and quantizes it again). Positive: the
+    // (a cut into a chunk of the history dequantizes that chunk, truncates and quantizes it again;
+    // the chunks after it go, the ones before stay as they are). Positive: the
     // deprecated absolute length (with DynamicLayer's warning).
     void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
 
@@ -269,7 +374,9 @@ struct QuantizedLayer {
     // (the history quantized again) happens in prepare_crop, which changes nothing.
     struct crop_plan {
       std::int64_t count = 0;                                                // tokens removed
-      std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the cut history, if cut
+      bool cuts_history = false;                                             // more than the residual
+      std::size_t keep_chunks = 0;                                           // the history's chunks kept whole
+      std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the chunk cut short
     };
     crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
       crop_plan plan;
@@ -277,19 +384,24 @@ struct QuantizedLayer {
       plan.count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
       if (plan.count <= rlen_) return plan;
       const std::int64_t keep = cumulative_ - plan.count;  // < quantized_tokens()
-      plan.keys = requantized(qk_, keep, shape_.key_head_dim, opts_.axis_key);
-      plan.values = requantized(qv_, keep, shape_.value_head_dim, opts_.axis_value);
+      const auto [chunk, start] = qk_.find(keep);
+      plan.cuts_history = true;
+      plan.keep_chunks = chunk;
+      if (keep > start) {
+        plan.keys = requantized(qk_.chunk(chunk), keep - start, shape_.key_head_dim, opts_.axis_key);
+        plan.values = requantized(qv_.chunk(chunk), keep - start, shape_.value_head_dim, opts_.axis_value);
+      }
       return plan;
     }
     void commit_crop(crop_plan&& plan) noexcept {
       if (plan.count == 0) return;
       cumulative_ -= plan.count;
-      if (!plan.keys) {
+      if (!plan.cuts_history) {
         rlen_ -= plan.count;  // the workspace's prefix stays what it was
         return;
       }
-      qk_ = std::move(*plan.keys);
-      qv_ = std::move(*plan.values);
+      qk_.truncate(plan.keep_chunks, std::move(plan.keys));
+      qv_.truncate(plan.keep_chunks, std::move(plan.values));
       rlen_ = 0;
       ws_fresh_ = false;
     }
@@ -321,13 +433,14 @@ struct QuantizedLayer {
 
    private:
     using qtensor = detail::quantized_tensor_t<S, meta_type>;
+    using history = detail::quantized_history<qtensor>;
 
     state(const state& o, int)
         : opts_(o.opts_), shape_(o.shape_), rlen_(o.rlen_), cumulative_(o.cumulative_), initialized_(o.initialized_) {}
 
     void clear() noexcept {
-      qk_ = qtensor();
-      qv_ = qtensor();
+      qk_ = history();
+      qv_ = history();
       ws_ = detail::kv_store<S>();
       rlen_ = cumulative_ = 0;
       ws_fresh_ = false;
@@ -371,8 +484,8 @@ struct QuantizedLayer {
     // throws only when CUDA fails).
     void fill_from_store(detail::kv_store<S>& w) const {
       const auto wk = w.key_blocks(), wv = w.value_blocks();
-      qk_.decode(wk.data, wk.stride_b, wk.stride_h);
-      qv_.decode(wv.data, wv.stride_b, wv.stride_h);
+      qk_.decode(wk.data, wk.stride_b, wk.stride_h, shape_.key_head_dim);
+      qv_.decode(wv.data, wv.stride_b, wv.stride_h, shape_.value_head_dim);
       const KV<view> r = residual_.kv(0, rlen_);
       w.write(qk_.tokens(), r.keys, r.values);
     }
@@ -380,8 +493,8 @@ struct QuantizedLayer {
     KV<view> first_update(const view& k, const view& v) {
       const LayerShape shape = detail::shape_of(k, v);
       const std::int64_t q = k.extent(2);
-      qtensor nk = encode(k, opts_.axis_key);
-      qtensor nv = encode(v, opts_.axis_value);
+      history nk(encode(k, opts_.axis_key));
+      history nv(encode(v, opts_.axis_value));
       detail::kv_store<S> w(shape, std::max(q, detail::min_dynamic_capacity), false);
       w.write(0, k, v);
       detail::kv_store<S> residual(shape, 0, false);
@@ -399,7 +512,7 @@ struct QuantizedLayer {
 
     QuantizedLayer opts_;
     LayerShape shape_{};
-    qtensor qk_, qv_;               // quantized history (same number of tokens)
+    history qk_, qv_;               // quantized history (the same chunks of tokens)
     detail::kv_store<S> residual_;  // full-precision tokens [0, rlen_)
     detail::kv_store<S> ws_;        // the workspace: what the last update returned
     std::int64_t rlen_ = 0;
@@ -408,6 +521,15 @@ struct QuantizedLayer {
     bool initialized_ = false;
   };
 };
+
+// KIVI's settings (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache",
+// 2024), spelled for the quanto backend: keys grouped along seq (one scale per channel and 32
+// tokens), values along head_dim (one scale per token and 32 channels), the last 128 tokens in full
+// precision, append_only. QuantizedCache<T>("quanto", config, kvc::kivi_options()).
+constexpr QuantizedOptions kivi_options(std::int64_t nbits = 2) noexcept {
+  return {
+      .nbits = nbits, .axis_key = -1, .axis_value = 0, .q_group_size = 32, .residual_length = 128, .append_only = true};
+}
 
 using QuantoQuantizedLayer = QuantizedLayer<QuantoCodec>;
 using HQQQuantizedLayer = QuantizedLayer<HqqCodec>;

@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
@@ -52,6 +53,9 @@
 #include <vector>
 
 #include <math.h>  // floorf, fabsf, powf, copysignf: the same names in host and device code
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -220,6 +224,46 @@ inline void unpack_codes(const std::uint8_t* in, std::int64_t first, std::int64_
     return;
   }
   for (std::int64_t i = 0; i < count; ++i) codes[i] = static_cast<std::uint8_t>(code_at(in, first + i, nbits));
+}
+
+// `count` codes of Bits = 4 or 2 bits packed from bit 0 of p (pack_codes' order: the first in
+// the lowest bits), dequantized with one scale and offset to out[0, count). Sixteen at a time with
+// SSE2 (every x86-64), products and sums rounded separately as dequant does.
+template <int Bits>
+inline void dequant_packed(const std::uint8_t* p, std::int64_t count, float offset, float scale, float* out) noexcept {
+  static_assert(Bits == 4 || Bits == 2);
+  constexpr int per = 8 / Bits;
+  constexpr unsigned mask = (1u << Bits) - 1u;
+  std::int64_t i = 0;
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+  const __m128 vo = _mm_set1_ps(offset), vs = _mm_set1_ps(scale);
+  const __m128i m = _mm_set1_epi8(static_cast<char>(mask)), zero = _mm_setzero_si128();
+  const auto store4 = [&](float* to, __m128i codes32) {
+    _mm_storeu_ps(to, _mm_add_ps(vo, _mm_mul_ps(vs, _mm_cvtepi32_ps(codes32))));
+  };
+  for (; i + 16 <= count; i += 16) {
+    const std::uint8_t* b = p + i / per;
+    __m128i codes;  // the 16 codes, one a byte, in order
+    if constexpr (Bits == 4) {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+      codes = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    } else {
+      std::int32_t word;
+      std::memcpy(&word, b, 4);
+      const __m128i x = _mm_cvtsi32_si128(word);
+      const __m128i c0 = _mm_and_si128(x, m), c1 = _mm_and_si128(_mm_srli_epi16(x, 2), m);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(x, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(x, 6), m);
+      codes = _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
+    }
+    const __m128i lo = _mm_unpacklo_epi8(codes, zero), hi = _mm_unpackhi_epi8(codes, zero);
+    store4(out + i, _mm_unpacklo_epi16(lo, zero));
+    store4(out + i + 4, _mm_unpackhi_epi16(lo, zero));
+    store4(out + i + 8, _mm_unpacklo_epi16(hi, zero));
+    store4(out + i + 12, _mm_unpackhi_epi16(hi, zero));
+  }
+#endif
+  for (; i < count; ++i)
+    out[i] = dequant(offset, scale, (static_cast<unsigned>(p[i / per]) >> ((i % per) * Bits)) & mask);
 }
 
 // v rounded to the nearest code in [0, qmax] (halves up).
@@ -588,6 +632,25 @@ class quantized_tensor {
     const M* scale = scale_.data() + blk * l.groups;
     const M* offset = offset_.data() + blk * l.groups;
     const std::int64_t first = t0 * l.dim, n = count * l.dim;
+    if (l.grouping == quant_grouping::along_seq && l.dim <= piece) {
+      // Row by row: the row's codes, then one scale and offset per channel, converted to float
+      // once per chunk of group_size tokens (the loop over channels vectorises).
+      float sf[piece], of[piece];
+      std::int64_t converted = -1;
+      for (std::int64_t r = t0; r < t0 + count; ++r) {
+        if (r / l.group_size != converted) {
+          converted = r / l.group_size;
+          for (std::int64_t d = 0; d < l.dim; ++d) {
+            sf[d] = to_float(scale[converted * l.dim + d]);
+            of[d] = to_float(offset[converted * l.dim + d]);
+          }
+        }
+        unpack_codes(bits, r * l.dim, l.dim, l.nbits, codes);
+        float* o = out + (r - t0) * l.dim;
+        for (std::int64_t d = 0; d < l.dim; ++d) o[d] = dequant(of[d], sf[d], codes[d]);
+      }
+      return;
+    }
     for (std::int64_t i = 0; i < n;) {
       // A run of elements that shares its metadata (groups along head_dim), or one row's piece.
       std::int64_t len = std::min(piece, n - i);
@@ -596,12 +659,10 @@ class quantized_tensor {
         len = std::min(len, (e / l.group_size + 1) * l.group_size - e);
         const std::int64_t g = e / l.group_size;
         const float o = to_float(offset[g]), sc = to_float(scale[g]);
-        if (l.nbits == 4 && e % 2 == 0 && len % 2 == 0) {  // two codes a byte, read in one pass
-          const std::uint8_t* p = bits + e / 2;
-          for (std::int64_t j = 0; j < len / 2; ++j) {
-            out[i + 2 * j] = dequant(o, sc, p[j] & 0xFu);
-            out[i + 2 * j + 1] = dequant(o, sc, p[j] >> 4);
-          }
+        if (l.nbits == 4 && e % 2 == 0) {  // codes read straight from their bytes
+          dequant_packed<4>(bits + e / 2, len, o, sc, out + i);
+        } else if (l.nbits == 2 && e % 4 == 0) {
+          dequant_packed<2>(bits + e / 4, len, o, sc, out + i);
         } else {
           unpack_codes(bits, e, len, l.nbits, codes);
           for (std::int64_t j = 0; j < len; ++j) out[i + j] = dequant(o, sc, codes[j]);
