@@ -92,6 +92,9 @@ Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>> as_accum
           std::memcpy(dst + c, &bits, sizeof bits);
         }
       }
+    } else if constexpr (std::is_same_v<A, float> && requires(const T* x, float* y) { T::widen(x, y, rows); }) {
+      // One-byte codes (kvc::float8_e4m3, float8_e5m2), widened a row at a time.
+      for (std::int64_t r = 0; r < rows; ++r) T::widen(ptr + r * pitch, scratch.data() + r * cols, cols);
     } else {
       for (std::int64_t r = 0; r < rows; ++r)
         for (std::int64_t c = 0; c < cols; ++c) scratch(r, c) = static_cast<A>(ptr[r * pitch + c]);
@@ -150,20 +153,28 @@ inline void check_attention(const std::array<std::int64_t, 4>& q, const std::arr
 
 }  // namespace detail
 
-// out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
-// queries: [B, Hq, q, D]; keys: [B, Hkv, kv_length, D]; values: [B, Hkv, kv_length, Dv]; Hq a
-// multiple of Hkv. `scale` defaults to 1 / sqrt(D). Returns [B, Hq, q, Dv].
-template <class T>
-HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
-                                           const TensorView<T>& values, const AttentionMask& mask,
-                                           std::optional<double> scale = std::nullopt) {
-  using A = detail::accum_t<T>;
+namespace detail {
+
+// The dequantization scales of K and V stored as codes (fp8 KV, <kvc/fp8_attention.hpp>):
+// key_scale(h) and value_scale(h) of KV head h. unit_scales: the stored values themselves.
+struct unit_scales {
+  static constexpr float key_scale(std::int64_t) noexcept { return 1.0f; }
+  static constexpr float value_scale(std::int64_t) noexcept { return 1.0f; }
+};
+
+// scaled_dot_product_attention with K/V of element type KV (T, or codes that `as_accum` widens)
+// and KV head hk's keys and values multiplied by scales.key_scale(hk) and value_scale(hk): the key
+// scale joins the softmax scale, the value scale multiplies the output rows.
+template <class T, class KV, class Scales>
+HostTensor<T> attention_impl(const TensorView<T>& queries, const TensorView<KV>& keys, const TensorView<KV>& values,
+                             const AttentionMask& mask, std::optional<double> scale, const Scales& scales) {
+  using A = accum_t<T>;
   const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
   const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3);
-  detail::check_attention(queries.extents, keys.extents, values.extents, mask);
-  for (const TensorView<T>* t : {&queries, &keys, &values})
-    if (t->stride(3) != 1 || t->stride(2) != t->extent(3))
-      throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
+  check_attention(queries.extents, keys.extents, values.extents, mask);
+  const auto contiguous = [](const auto& t) { return t.stride(3) == 1 && t.stride(2) == t.extent(3); };
+  if (!contiguous(queries) || !contiguous(keys) || !contiguous(values))
+    throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
 
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t group = Hq / Hkv;
@@ -177,11 +188,12 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
   // and V, and a 16-bit block widened to float only when it is read). A prefill has many rows and
   // uses matrix-matrix products over the visible range.
   constexpr std::int64_t tile = 64, decode_rows = 16, block = 64;
-  detail::row_matrix<A> kbuf, vbuf, qbuf, scores, ctx;
+  row_matrix<A> kbuf, vbuf, qbuf, scores, ctx;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t hk = 0; hk < Hkv; ++hk) {
-      const T* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
-      const T* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
+      const KV* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
+      const KV* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
+      const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
       for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
         const std::int64_t rows_per_head = std::min(tile, q - i0);
         // Visible key range of this tile: [lo, hi) covers every visible key of its queries.
@@ -203,14 +215,14 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
           scores.resize(rows, width);
           for (std::int64_t j0 = 0; j0 < width; j0 += block) {
             const std::int64_t n = std::min(block, width - j0);
-            const auto Kb = detail::as_accum<A>(kp + (lo + j0) * D, n, D, D, kbuf);
+            const auto Kb = as_accum<A>(kp + (lo + j0) * D, n, D, D, kbuf);
             for (std::int64_t r = 0; r < rows; ++r)
               scores.row(r).segment(j0, n).noalias() = qbuf.row(r) * Kb.transpose();
           }
-          scores *= s;
+          scores *= sk;
         } else {
-          const auto K = detail::as_accum<A>(kp + lo * D, width, D, D, kbuf);
-          scores.noalias() = (qbuf * K.transpose()) * s;
+          const auto K = as_accum<A>(kp + lo * D, width, D, D, kbuf);
+          scores.noalias() = (qbuf * K.transpose()) * sk;
         }
         // Each row's visible keys are one contiguous range [jlo, jhi) of the tile's columns (the
         // same rule as AttentionMask::visible), so the softmax runs vectorised on that segment.
@@ -245,13 +257,14 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
           ctx.setZero(rows, Dv);
           for (std::int64_t j0 = 0; j0 < width; j0 += block) {
             const std::int64_t n = std::min(block, width - j0);
-            const auto Vb = detail::as_accum<A>(vp + (lo + j0) * Dv, n, Dv, Dv, vbuf);
+            const auto Vb = as_accum<A>(vp + (lo + j0) * Dv, n, Dv, Dv, vbuf);
             for (std::int64_t r = 0; r < rows; ++r) ctx.row(r).noalias() += scores.row(r).segment(j0, n) * Vb;
           }
         } else {
-          const auto V = detail::as_accum<A>(vp + lo * Dv, width, Dv, Dv, vbuf);
+          const auto V = as_accum<A>(vp + lo * Dv, width, Dv, Dv, vbuf);
           ctx.noalias() = scores * V;
         }
+        if (sv != A(1)) ctx *= sv;
         for (std::int64_t g = 0; g < group; ++g) {
           const std::int64_t h = hk * group + g;
           for (std::int64_t r = 0; r < rows_per_head; ++r)
@@ -261,6 +274,18 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
     }
   }
   return out;
+}
+
+}  // namespace detail
+
+// out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
+// queries: [B, Hq, q, D]; keys: [B, Hkv, kv_length, D]; values: [B, Hkv, kv_length, Dv]; Hq a
+// multiple of Hkv. `scale` defaults to 1 / sqrt(D). Returns [B, Hq, q, Dv].
+template <class T>
+HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
+                                           const TensorView<T>& values, const AttentionMask& mask,
+                                           std::optional<double> scale = std::nullopt) {
+  return detail::attention_impl(queries, keys, values, mask, scale, detail::unit_scales{});
 }
 
 // Accepts what Cache::update accepts (HostTensor, TensorMap, TensorView) for the queries.
@@ -288,13 +313,13 @@ struct AttendOptions {
   std::span<const std::uint8_t> key_padding_mask = {};
 };
 
-// One attention layer's step through a cache: asks the mask sizes and the position, stores the
-// new keys/values in layer `layer_idx`, and attends over what the layer returns.
-// Queries that attention would refuse (their shape against the new keys, or a bad option) are
-// refused before the update, so a throwing attend leaves the cache as it was.
-template <class Cache, class Q, class KT, class VT>
-auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
-            const AttendOptions& options = {}) {
+namespace detail {
+
+// attend's steps, with `finish(kv, mask)` attending over what the update returned (kvc::attend:
+// scaled_dot_product_attention; kvc::attend_fp8: with its scales).
+template <class Cache, class Q, class KT, class VT, class Finish>
+auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
+                 const AttendOptions& options, Finish&& finish) {
   const auto qv = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries);
   const std::int64_t q = qv.extent(2);
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
@@ -323,7 +348,22 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   const auto kv = cache.update(new_keys, new_values, layer_idx);
   if (!options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
     mask.sliding_window = cache.get_max_length(layer_idx);
-  return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
+  return finish(kv, mask);
+}
+
+}  // namespace detail
+
+// One attention layer's step through a cache: asks the mask sizes and the position, stores the
+// new keys/values in layer `layer_idx`, and attends over what the layer returns.
+// Queries that attention would refuse (their shape against the new keys, or a bad option) are
+// refused before the update, so a throwing attend leaves the cache as it was.
+template <class Cache, class Q, class KT, class VT>
+auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
+            const AttendOptions& options = {}) {
+  return detail::attend_impl(cache, layer_idx, queries, new_keys, new_values, options,
+                             [&](const auto& kv, const AttentionMask& mask) {
+                               return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
+                             });
 }
 
 }  // namespace kvc

@@ -14,10 +14,15 @@
 // (E4M3, which has no infinity). NaN converts to NaN (0x7F with the input's sign) in both. Every
 // one of the 256 codes of each format decodes exactly to a float.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+#include <emmintrin.h>
+#endif
 
 namespace kvc {
 
@@ -117,6 +122,49 @@ struct float8 {
     return f;
   }
   explicit operator float() const noexcept { return Format::decode(bits); }
+  explicit operator double() const noexcept { return Format::decode(bits); }
+  // The values of all 256 codes, by code.
+  static const float* values_table() noexcept {
+    static const auto table = [] {
+      std::array<float, 256> t{};
+      for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = Format::decode(static_cast<std::uint8_t>(c));
+      return t;
+    }();
+    return table.data();
+  }
+
+  // dst[i] = float(src[i]) for i < n: what attention widens stored codes with. Four at a time with
+  // SSE2: the code's exponent and mantissa bits placed in a float's, times 2^(127 - bias) (exact,
+  // and right for subnormal codes too), the infinity and NaN codes set apart, then the sign.
+  static void widen(const float8* src, float* dst, std::int64_t n) noexcept {
+    std::int64_t i = 0;
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+    constexpr int shift = 23 - Format::mantissa_bits;  // mantissa's top bit to the float's
+    const __m128 rebias = _mm_castsi128_ps(_mm_set1_epi32((127 + 127 - Format::bias) << 23));  // 2^(127 - bias)
+    const __m128i zero = _mm_setzero_si128(), magnitude = _mm_set1_epi32(0x7F);
+    const __m128i special = _mm_set1_epi32(Format::has_infinity ? Format::exponent_mask : 0x7F);
+    for (; i + 4 <= n; i += 4) {
+      std::int32_t word;
+      std::memcpy(&word, src + i, 4);
+      const __m128i b = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(word), zero), zero);
+      const __m128i m = _mm_and_si128(b, magnitude);
+      __m128 v = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(m, shift)), rebias);
+      // E4M3: 0x7F is NaN; E5M2: an all-ones exponent is infinity (mantissa 0) or NaN.
+      const __m128i is_special =
+          Format::has_infinity ? _mm_cmpeq_epi32(_mm_and_si128(m, special), special) : _mm_cmpeq_epi32(m, special);
+      const __m128 inf_nan = _mm_castsi128_ps(
+          Format::has_infinity
+              ? _mm_or_si128(_mm_set1_epi32(0x7F800000),
+                             _mm_slli_epi32(_mm_and_si128(m, _mm_set1_epi32(Format::mantissa_mask)), shift))
+              : _mm_set1_epi32(0x7FC00000));
+      v = _mm_or_ps(_mm_and_ps(_mm_castsi128_ps(is_special), inf_nan), _mm_andnot_ps(_mm_castsi128_ps(is_special), v));
+      const __m128i sign = _mm_slli_epi32(_mm_and_si128(b, _mm_set1_epi32(0x80)), 24);
+      _mm_storeu_ps(dst + i, _mm_or_ps(v, _mm_castsi128_ps(sign)));
+    }
+#endif
+    const float* table = values_table();
+    for (; i < n; ++i) dst[i] = table[src[i].bits];
+  }
   float to_float() const noexcept { return Format::decode(bits); }
   bool is_nan() const noexcept { return Format::is_nan(bits); }
 

@@ -4,6 +4,7 @@
 // the even code, overflow past the largest finite value) on every code's value, every midpoint
 // between neighbours and just either side of it, and random floats over the whole range.
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -159,4 +160,27 @@ TEST_CASE("float8 E5M2: the spec's values, all 256 codes, and rounding against a
   CHECK(F(std::numeric_limits<float>::infinity(), kvc::fp8_overflow::non_saturating).bits == 0x7C);
   CHECK(F(-std::numeric_limits<float>::quiet_NaN()).bits == 0xFF);
   check_format<F>(2);
+}
+
+TEST_CASE_TEMPLATE("widen (attention's conversion of stored codes) gives to_float for all 256 codes, at any offset", F8,
+                   kvc::float8_e4m3, kvc::float8_e5m2) {
+  std::vector<F8> codes;
+  for (int rep = 0; rep < 2; ++rep)
+    for (int c = 0; c < 256; ++c) codes.push_back(F8::from_bits(static_cast<std::uint8_t>((c * 37 + rep) & 0xFF)));
+  for (const std::int64_t offset : {0, 1, 3}) {
+    const auto n = static_cast<std::int64_t>(codes.size()) - offset;
+    std::vector<float> out(static_cast<std::size_t>(n), -1.0f);
+    F8::widen(codes.data() + offset, out.data(), n);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const F8 code = codes[static_cast<std::size_t>(offset + i)];
+      const float want = code.to_float(), got = out[static_cast<std::size_t>(i)];
+      CAPTURE(static_cast<int>(code.bits));
+      if (std::isnan(want)) {
+        CHECK(std::isnan(got));
+        CHECK(std::signbit(got) == std::signbit(want));
+      } else {
+        CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));  // -0 included
+      }
+    }
+  }
 }

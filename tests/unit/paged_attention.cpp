@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <kvc/fp8_attention.hpp>
 #include <kvc/paged/paged_attention.hpp>
 
 #include "../support/kvc_test.hpp"
@@ -60,11 +61,13 @@ kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
 }
 
 // Random steps over `requests` requests of a model with these layer types: every output of every
-// layer against the reference. Returns the largest difference seen.
-template <class T>
+// layer against the reference. Returns the largest difference seen. With an fp8 Pool, the pool
+// holds the codes of K and V made with `scales`, and the reference reads what they stand for.
+template <class T, class Pool = T>
 double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads, std::int64_t window,
-                  std::int64_t block_size, unsigned seed) {
-  using Cache = kvc::PagedCache<kvc::HostStorage<T>>;
+                  std::int64_t block_size, unsigned seed, const kvc::Fp8Scales& scales = {}) {
+  using Cache = kvc::PagedCache<kvc::HostStorage<Pool>>;
+  constexpr bool fp8 = kvc::is_float8_v<Pool>;
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = block_size;
   cb.num_blocks = 400;
@@ -100,7 +103,17 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
       const auto q = kvc_test::random_tensor<T>(1, heads, tokens, D, rng);
       const auto k = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
       const auto v = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
-      const auto out = kvc::paged_attention(cache, layer, layout, view(q), view(k), view(v));
+      kvc::HostTensor<Pool> kp, vp;  // what the pool holds
+      kvc::HostTensor<T> out;
+      if constexpr (fp8) {
+        kp = kvc::to_fp8<Pool>(view(k), scales.keys);
+        vp = kvc::to_fp8<Pool>(view(v), scales.values);
+        out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), scales);
+      } else {
+        kp = k;
+        vp = v;
+        out = kvc::paged_attention(cache, layer, layout, view(q), view(k), view(v));
+      }
       const bool sliding = types[static_cast<std::size_t>(layer)] == "sliding_attention";
       for (std::size_t r = 0; r < reqs.size(); ++r) {
         auto& [hk_hist, hv_hist] = kv[reqs[r]][static_cast<std::size_t>(layer)];
@@ -109,8 +122,10 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
           std::vector<std::vector<double>> kr(static_cast<std::size_t>(kv_heads)), vr(kr.size());
           for (std::int64_t h = 0; h < kv_heads; ++h)
             for (std::int64_t d = 0; d < D; ++d) {
-              kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(k(0, h, t, d)));
-              vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(v(0, h, t, d)));
+              kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(kp(0, h, t, d)) *
+                                                        (fp8 ? scales.key_scale(h) : 1.0));
+              vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(vp(0, h, t, d)) *
+                                                        (fp8 ? scales.value_scale(h) : 1.0));
             }
           keys.push_back(kr);
           values.push_back(vr);
@@ -128,7 +143,7 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
         hk_hist = std::move(keys);
         hv_hist = std::move(values);
       }
-      cache.update(view(k), view(v), layer, none, writes);  // the write-only path
+      cache.update(view(kp), view(vp), layer, none, writes);  // the write-only path
     }
     for (std::size_t r = 0; r < reqs.size(); ++r) past[reqs[r]] += cu[r + 1] - cu[r];
   }
@@ -154,6 +169,13 @@ TEST_CASE("paged_attention: half and bfloat16 pools, float accumulation") {
   // of the output, at most half an ulp of each type at |x| < 8.
   CHECK(run_stream<Eigen::half>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 5) < 8.0 / 1024);
   CHECK(run_stream<Eigen::bfloat16>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 6) < 8.0 / 128);
+}
+
+TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads what the codes stand for") {
+  const kvc::Fp8Scales per_tensor{{0.03f}, {0.02f}}, per_head{{0.02f, 0.05f}, {0.01f, 0.04f}};
+  CHECK(run_stream<float, kvc::float8_e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 7, per_tensor) < 1e-5);
+  CHECK(run_stream<float, kvc::float8_e4m3>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 8, per_head) < 1e-5);
+  CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, per_head) < 1e-12);
 }
 
 TEST_CASE("paged_attention refuses a step it cannot read, before computing anything") {

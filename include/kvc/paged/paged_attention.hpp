@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -78,18 +79,18 @@ inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t blo
 
 }  // namespace detail
 
-// Attention of layer `layer_idx` for the step: queries [1, Hq, T, head_dim], keys and values
-// [1, Hkv, T, head_dim] (the step's new tokens, packed as the queries), Hkv the cache's KV heads
-// and Hq a multiple of it. Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim).
-template <class S>
-HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
-                                                     const PagedAttentionStep& step,
-                                                     const TensorView<typename S::element_type>& queries,
-                                                     const TensorView<typename S::element_type>& keys,
-                                                     const TensorView<typename S::element_type>& values,
-                                                     std::optional<double> scale = std::nullopt) {
-  using T = typename S::element_type;
-  using A = detail::accum_t<T>;
+namespace detail {
+
+// paged_attention with queries of type T over a pool of S::element_type (T, or fp8 codes) whose
+// KV head hk's keys and values stand for scales.key_scale(hk) and value_scale(hk) times their
+// values (detail::unit_scales: themselves).
+template <class S, class T, class Scales>
+HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                                   const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
+                                   const TensorView<typename S::element_type>& values, std::optional<double> scale,
+                                   const Scales& scales) {
+  using KV = typename S::element_type;
+  using A = accum_t<T>;
   const auto [group, pool] = cache.layer_group(layer_idx);
   const std::int64_t Hkv = cache.num_key_value_heads(), D = cache.head_dim(), bs = cache.block_size();
   const std::int64_t Hq = queries.extent(1), T_ = queries.extent(2);
@@ -99,13 +100,13 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
   if (queries.extent(0) != 1 || queries.extent(3) != D || Hq < 1 || Hq % Hkv != 0)
     throw ValueError("kvc::paged_attention: queries must be [1, a multiple of " + std::to_string(Hkv) +
                      " heads, tokens, " + std::to_string(D) + "], got " + shape_string(queries.extents));
-  for (const TensorView<T>* x : {&keys, &values})
+  for (const TensorView<KV>* x : {&keys, &values})
     if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, D})
       throw ValueError("kvc::paged_attention: keys and values must be [1, " + std::to_string(Hkv) + ", " +
                        std::to_string(T_) + ", " + std::to_string(D) + "] like the queries' tokens, got " +
                        shape_string(x->extents));
-  for (const TensorView<T>* x : {&queries, &keys, &values})
-    if (x->stride(3) != 1) throw ValueError("kvc::paged_attention: tensors must have contiguous head_dim rows");
+  if (queries.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1)
+    throw ValueError("kvc::paged_attention: tensors must have contiguous head_dim rows");
   const auto cu = step.cu_seqlens_q;
   bool layout_ok = static_cast<std::int64_t>(cu.size()) == R + 1 && static_cast<std::int64_t>(step.past.size()) == R &&
                    !cu.empty() && cu.front() == 0 && cu.back() == T_;
@@ -121,13 +122,13 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
   const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(alloc);
   const std::int64_t window = sliding ? cache.sliding_window() : 0;
   const std::int64_t pool_rows = (cache.num_blocks() + 2) * bs;
-  const T* kpool = cache.key_pool(pool);
-  const T* vpool = cache.value_pool(pool);
+  const KV* kpool = cache.key_pool(pool);
+  const KV* vpool = cache.value_pool(pool);
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t heads_per_kv = Hq / Hkv;
 
   // The runs of every request first: a table too short is refused before anything is computed.
-  std::vector<std::vector<detail::pool_run>> runs(static_cast<std::size_t>(R));
+  std::vector<std::vector<pool_run>> runs(static_cast<std::size_t>(R));
   for (std::int64_t r = 0; r < R; ++r) {
     const std::string& id = step.requests[static_cast<std::size_t>(r)];
     const std::int64_t past = step.past[static_cast<std::size_t>(r)];
@@ -137,7 +138,7 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
     if (q > 0) {
       const auto& table =
           std::visit([&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(id); }, alloc);
-      detail::cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
+      cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
     }
   }
 
@@ -153,20 +154,21 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();
   const std::int64_t head_pitch = pool_rows * D;
   struct chunk {
-    const T* k;
-    const T* v;
+    const KV* k;
+    const KV* v;
     std::int64_t kpitch, vpitch, position, count;
   };
   std::vector<chunk> chunks;
-  detail::row_matrix<A> qbuf, kbuf, vbuf, scores, acc;
+  row_matrix<A> qbuf, kbuf, vbuf, scores, acc;
   Eigen::Matrix<A, Eigen::Dynamic, 1> m, l, corr;
   for (std::int64_t r = 0; r < R; ++r) {
     const std::int64_t past = step.past[static_cast<std::size_t>(r)];
     const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = cu[static_cast<std::size_t>(r + 1)] - t0;
     for (std::int64_t hk = 0; hk < Hkv; ++hk) {
+      const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
       // The keys of this request and head in position order: the cached runs, then the step's own.
       chunks.clear();
-      for (const detail::pool_run& run : runs[static_cast<std::size_t>(r)])
+      for (const pool_run& run : runs[static_cast<std::size_t>(r)])
         chunks.push_back({kpool + hk * head_pitch + run.row * D, vpool + hk * head_pitch + run.row * D, D, D,
                           run.position, run.count});
       chunks.push_back({keys.data() + hk * keys.stride(1) + t0 * keys.stride(2),
@@ -198,10 +200,10 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
           for (const chunk& c : chunks) {
             const std::int64_t p0 = std::max(c.position, lo), p1 = std::min(c.position + c.count, last_q + 1);
             if (p1 <= p0) continue;
-            const T* kp = c.k + (p0 - c.position) * c.kpitch;
-            const T* vp = c.v + (p0 - c.position) * c.vpitch;
-            fn([&, kp, c, p0, p1] { return detail::as_accum<A>(kp, p1 - p0, D, c.kpitch, kbuf); },
-               [&, vp, c, p0, p1] { return detail::as_accum<A>(vp, p1 - p0, D, c.vpitch, vbuf); }, p0, p1 - p0);
+            const KV* kp = c.k + (p0 - c.position) * c.kpitch;
+            const KV* vp = c.v + (p0 - c.position) * c.vpitch;
+            fn([&, kp, c, p0, p1] { return as_accum<A>(kp, p1 - p0, D, c.kpitch, kbuf); },
+               [&, vp, c, p0, p1] { return as_accum<A>(vp, p1 - p0, D, c.vpitch, vbuf); }, p0, p1 - p0);
           }
         };
         if (rows <= decode_rows) {
@@ -214,7 +216,7 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
               for (std::int64_t row = 0; row < rows; ++row) scores(row, p0 - lo + j) = qbuf.row(row).dot(key);
             }
           });
-          scores *= s;
+          scores *= sk;
           for (std::int64_t row = 0; row < rows; ++row) {
             const auto [jlo, jhi] = visible(row, lo, width);
             auto sr = scores.row(row);
@@ -241,7 +243,7 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
           l.setZero(rows);
           corr.resize(rows);
           for_each_chunk([&](auto keys_of, auto values_of, std::int64_t p0, std::int64_t n) {
-            scores.noalias() = (qbuf * keys_of().transpose()) * s;
+            scores.noalias() = (qbuf * keys_of().transpose()) * sk;
             for (std::int64_t row = 0; row < rows; ++row) {
               const auto [jlo, jhi] = visible(row, p0, n);
               auto sr = scores.row(row);
@@ -266,7 +268,7 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
           const std::int64_t h = hk * heads_per_kv + g;
           for (std::int64_t i = 0; i < per_head; ++i) {
             const std::int64_t row = g * per_head + i;
-            const A inv = l(row) > A(0) ? A(1) / l(row) : A(0);
+            const A inv = l(row) > A(0) ? sv / l(row) : A(0);
             for (std::int64_t d = 0; d < D; ++d) out(0, h, t0 + i0 + i, d) = static_cast<T>(acc(row, d) * inv);
           }
         }
@@ -274,6 +276,37 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
     }
   }
   return out;
+}
+
+}  // namespace detail
+
+// Attention of layer `layer_idx` for the step: queries [1, Hq, T, head_dim], keys and values
+// [1, Hkv, T, head_dim] (the step's new tokens, packed as the queries), Hkv the cache's KV heads
+// and Hq a multiple of it. Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim).
+template <class S>
+HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
+                                                     const PagedAttentionStep& step,
+                                                     const TensorView<typename S::element_type>& queries,
+                                                     const TensorView<typename S::element_type>& keys,
+                                                     const TensorView<typename S::element_type>& values,
+                                                     std::optional<double> scale = std::nullopt) {
+  return detail::paged_attention_impl(cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{});
+}
+
+// The same over a pool of fp8 codes (PagedCache<HostStorage<float8_e4m3>> or <float8_e5m2>,
+// <kvc/fp8_attention.hpp>): queries of the model's type T; keys and values the step's tokens as
+// the codes kvc::to_fp8 made with `scales` (kvc::Fp8Scales: per tensor or per KV head), which the
+// pool's codes share. Returns [1, Hq, T, head_dim] in T.
+template <class S, class T, class Scales>
+  requires requires(const Scales& sc) {
+    { sc.key_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+    { sc.value_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+  }
+HostTensor<T> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                              const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
+                              const TensorView<typename S::element_type>& values, const Scales& scales,
+                              std::optional<double> scale = std::nullopt) {
+  return detail::paged_attention_impl(cache, layer_idx, step, queries, keys, values, scale, scales);
 }
 
 }  // namespace kvc

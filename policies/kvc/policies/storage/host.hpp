@@ -1,6 +1,6 @@
 #pragma once
 // kvc::HostStorage<T>: K/V tensors in host memory, 64-byte aligned, for T in
-// {float, double, Eigen::half, Eigen::bfloat16}. A storage policy owns allocation, copies and
+// {float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2}. A storage policy owns allocation, copies and
 // element kernels; layer kinds only call the static members below (docs/policies/storage.md).
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
@@ -78,7 +79,9 @@ struct HostStorage {
   static constexpr memory_space space = memory_space::host;
   // Checked by kvc::Cache with a readable message instead of here, so that naming
   // HostStorage<int> in a concept check stays SFINAE-friendly.
-  static constexpr bool element_supported = detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16>;
+  // The 8-bit floats hold fp8 KV (<kvc/fp8_attention.hpp>): layers copy them as they are.
+  static constexpr bool element_supported =
+      detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2>;
 
   using buffer_type = detail::host_buffer<T>;
   using view_type = TensorView<T>;

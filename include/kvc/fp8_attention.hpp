@@ -1,0 +1,143 @@
+#pragma once
+// fp8 KV: caches that store keys and values as 8-bit floats (kvc::float8_e4m3, float8_e5m2) with a
+// dequantization scale per tensor or per KV head, as vLLM's and FlashInfer's fp8 KV caches do.
+//
+// The storage is any host cache whose element type is an 8-bit float: DynamicCache<float8_e4m3>,
+// StaticCache<float8_e5m2>, make_dynamic_cache<float8_e4m3>(config), a PagedCache over
+// HostStorage<float8_e4m3>, ... Every layer kind that copies its elements holds them (the
+// quantized and linear-attention layers do not take them). The model keeps computing in its own
+// type T (float, double, Eigen::half, Eigen::bfloat16):
+//   - kvc::to_fp8<F8>(x, scales) encodes K or V [batch, heads, seq, head_dim] as x / scale(head),
+//     rounded to nearest even and saturated (OFP8);
+//   - kvc::attend_fp8(cache, layer, q, k, v, scales) encodes the step's keys and values, stores
+//     them with the cache's update, and attends over the stored codes, each widened through a
+//     table of the 256 values and multiplied by its head's scale (the key scale joins the softmax
+//     scale, the value scale multiplies the output), in float (double for double);
+//   - kvc::fp8_scales_for<F8>(k, v, granularity) calibrates scales from sample K/V: the largest
+//     magnitude per tensor or per head mapped to F8's largest finite value.
+// Scales belong to the model's layer (vLLM's k_scale / v_scale), so the caller passes them with
+// every step; per tensor, one scale each for K and V (1 by default), per head, one per KV head.
+// docs/quantized.md, "fp8 KV".
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <kvc/attention.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/float8.hpp>
+#include <kvc/tensor.hpp>
+
+namespace kvc {
+
+template <class T>
+inline constexpr bool is_float8_v = false;
+template <class Format>
+inline constexpr bool is_float8_v<detail::float8<Format>> = true;
+
+// The dequantization scales of one layer's K and V: x ~ scale * code. One entry: the whole tensor
+// (per tensor); Hkv entries: one per KV head (per head).
+struct Fp8Scales {
+  std::vector<float> keys{1.0f};
+  std::vector<float> values{1.0f};
+
+  float key_scale(std::int64_t head) const noexcept {
+    return keys.size() == 1 ? keys[0] : keys[static_cast<std::size_t>(head)];
+  }
+  float value_scale(std::int64_t head) const noexcept {
+    return values.size() == 1 ? values[0] : values[static_cast<std::size_t>(head)];
+  }
+};
+
+enum class Fp8ScaleGranularity { per_tensor, per_head };
+
+namespace detail {
+
+// ValueError unless every scale is positive and finite and there is one, or one per head.
+inline void check_fp8_scales(std::span<const float> scales, std::int64_t heads, const char* what) {
+  const auto n = static_cast<std::int64_t>(scales.size());
+  if (n != 1 && n != heads)
+    throw ValueError(std::string("kvc fp8: ") + what + " scales: " + std::to_string(n) +
+                     " given; one per tensor or one per KV head (" + std::to_string(heads) + ") expected");
+  for (const float s : scales)
+    if (!(s > 0.0f) || !std::isfinite(s))
+      throw ValueError(std::string("kvc fp8: ") + what + " scales must be positive and finite, got " +
+                       std::to_string(s));
+}
+
+// The largest finite value of F8 (448 for E4M3, 57344 for E5M2).
+template <class F8>
+float fp8_max() noexcept {
+  if constexpr (is_float8_v<F8>)
+    return F8::from_bits(F8::format::max_finite).to_float();
+  else
+    return 1.0f;  // (after fp8_scales_for's assertion, no second error)
+}
+
+}  // namespace detail
+
+// x [batch, heads, seq, head_dim] as F8 codes of x / scale(head); scales: one, or one per head.
+template <class F8, class T>
+HostTensor<F8> to_fp8(const TensorView<T>& x, std::span<const float> scales) {
+  static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
+  detail::check_fp8_scales(scales, x.extent(1), "the");
+  HostTensor<F8> out(x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+  F8* o = out.data();
+  for (std::int64_t b = 0; b < x.extent(0); ++b)
+    for (std::int64_t h = 0; h < x.extent(1); ++h) {
+      const float inv = 1.0f / scales[scales.size() == 1 ? 0 : static_cast<std::size_t>(h)];
+      for (std::int64_t s = 0; s < x.extent(2); ++s)
+        for (std::int64_t d = 0; d < x.extent(3); ++d) *o++ = F8(static_cast<float>(x(b, h, s, d)) * inv);
+    }
+  return out;
+}
+
+// Scales that map the largest |x| of keys and values (per tensor, or per KV head) to F8's largest
+// finite value; an all-zero tensor or head gets 1.
+template <class F8, class T>
+Fp8Scales fp8_scales_for(const TensorView<T>& keys, const TensorView<T>& values, Fp8ScaleGranularity granularity) {
+  static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
+  const auto amax = [&](const TensorView<T>& x) {
+    std::vector<float> m(granularity == Fp8ScaleGranularity::per_head ? static_cast<std::size_t>(x.extent(1)) : 1, 0.f);
+    for (std::int64_t b = 0; b < x.extent(0); ++b)
+      for (std::int64_t h = 0; h < x.extent(1); ++h) {
+        float& slot = m[m.size() == 1 ? 0 : static_cast<std::size_t>(h)];
+        for (std::int64_t s = 0; s < x.extent(2); ++s)
+          for (std::int64_t d = 0; d < x.extent(3); ++d)
+            slot = std::max(slot, std::abs(static_cast<float>(x(b, h, s, d))));
+      }
+    for (float& v : m) v = v > 0.f && std::isfinite(v) ? v / detail::fp8_max<F8>() : 1.0f;
+    return m;
+  };
+  return {amax(keys), amax(values)};
+}
+
+// One attention layer's step through an fp8 cache (see the header comment): as kvc::attend, with
+// the step's keys and values encoded with `scales` before they are stored. Everything that can be
+// refused is refused before the cache changes.
+template <class Cache, class T>
+HostTensor<T> attend_fp8(Cache& cache, std::int64_t layer_idx, const TensorView<T>& queries, const TensorView<T>& keys,
+                         const TensorView<T>& values, const Fp8Scales& scales, const AttendOptions& options = {}) {
+  using F8 = typename Cache::storage_policy::element_type;
+  static_assert(is_float8_v<F8>,
+                "kvc::attend_fp8: the cache's element type must be kvc::float8_e4m3 or kvc::float8_e5m2 (e.g. "
+                "kvc::DynamicCache<kvc::float8_e4m3>); use kvc::attend for other caches");
+  if constexpr (is_float8_v<F8>) {  // (only the assertion above, not a cascade, when it fails)
+    detail::check_fp8_scales(scales.keys, keys.extent(1), "key");
+    detail::check_fp8_scales(scales.values, values.extent(1), "value");
+    const HostTensor<F8> k8 = to_fp8<F8>(keys, scales.keys), v8 = to_fp8<F8>(values, scales.values);
+    return detail::attend_impl(cache, layer_idx, queries, k8, v8, options,
+                               [&](const auto& kv, const AttentionMask& mask) {
+                                 return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale,
+                                                               scales);
+                               });
+  } else {
+    return HostTensor<T>();
+  }
+}
+
+}  // namespace kvc

@@ -1,0 +1,207 @@
+// fp8 KV (<kvc/fp8_attention.hpp>): caches whose element type is kvc::float8_e4m3 or float8_e5m2,
+// written by kvc::to_fp8 / kvc::attend_fp8 with per-tensor or per-head scales. The codes are the
+// OFP8 conversions of x / scale; attention over them equals attention in double over the values the
+// codes stand for (scale * code) to float rounding, for dynamic, sliding and static layers; the
+// bytes held are half of fp16's.
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <kvc/fp8_attention.hpp>
+#include <kvc/kvc.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+template <class T>
+kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
+  return kvc::HostStorage<T>::input_view(t);
+}
+
+kvc::HostTensor<float> gaussian(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng,
+                                float sigma) {
+  std::normal_distribution<float> dist(0.f, sigma);
+  kvc::HostTensor<float> t(b, h, s, d);
+  for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = dist(rng) * (1.f + static_cast<float>(i / (s * d) % 2));
+  return t;
+}
+
+// What codes stand for: scale(head) * value(code), in double.
+template <class F8>
+kvc::HostTensor<double> dequantized(const kvc::HostTensor<F8>& c, std::span<const float> scales) {
+  kvc::HostTensor<double> out(c.dimension(0), c.dimension(1), c.dimension(2), c.dimension(3));
+  for (std::int64_t b = 0; b < c.dimension(0); ++b)
+    for (std::int64_t h = 0; h < c.dimension(1); ++h)
+      for (std::int64_t s = 0; s < c.dimension(2); ++s)
+        for (std::int64_t d = 0; d < c.dimension(3); ++d)
+          out(b, h, s, d) = static_cast<double>(scales[scales.size() == 1 ? 0 : static_cast<std::size_t>(h)]) *
+                            static_cast<double>(c(b, h, s, d).to_float());
+  return out;
+}
+
+kvc::ModelConfig config(std::int64_t layers) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.hidden_size = 64;
+  c.sliding_window = 6;
+  c.layer_types = std::vector<std::string>{"sliding_attention", "full_attention"};
+  return c;
+}
+
+// attend_fp8 through `cache` against kvc::attend in double through a DynamicCache<double> fed the
+// dequantized codes, over prefills, decode steps and a multi-token step, on every layer.
+template <class F8, class Cache>
+void check_against_double(Cache& cache, const kvc::Fp8Scales& scales, unsigned seed) {
+  kvc::DynamicCache<double> ref;
+  std::mt19937 rng(seed);
+  const std::int64_t layers = cache.size();
+  double worst = 0;
+  for (const std::int64_t q : {9, 1, 1, 3, 1, 1, 1, 1, 2}) {
+    for (std::int64_t layer = 0; layer < layers; ++layer) {
+      const auto qs = gaussian(1, 4, q, 16, rng, 1.f), ks = gaussian(1, 2, q, 16, rng, 3.f),
+                 vs = gaussian(1, 2, q, 16, rng, 0.5f);
+      const auto got =
+          kvc::attend_fp8(cache, layer, view(qs), view(ks), view(vs), scales,
+                          {.sliding_window = layer % 2 == 0 ? std::optional<std::int64_t>(6) : std::nullopt});
+      // The reference: the same codes, as doubles.
+      const auto k8 = kvc::to_fp8<F8>(view(ks), scales.keys), v8 = kvc::to_fp8<F8>(view(vs), scales.values);
+      kvc::HostTensor<double> qd = qs.template cast<double>();
+      const auto want = kvc::attend(ref, layer, qd, dequantized(k8, scales.keys), dequantized(v8, scales.values),
+                                    {.sliding_window = layer % 2 == 0 ? std::optional<std::int64_t>(6) : std::nullopt});
+      for (std::int64_t i = 0; i < got.size(); ++i)
+        worst = std::max(
+            worst, std::abs(static_cast<double>(got.data()[i]) - want.data()[i]) / (1.0 + std::abs(want.data()[i])));
+      CHECK(cache.get_seq_length(layer) == ref.get_seq_length(layer));
+    }
+  }
+  CAPTURE(worst);
+  CHECK(worst < 2e-6);
+}
+
+}  // namespace
+
+TEST_CASE("to_fp8: the OFP8 code of x / scale, per tensor and per head, saturating") {
+  std::mt19937 rng(1);
+  const auto x = gaussian(2, 3, 5, 8, rng, 100.f);
+  const std::vector<float> per_tensor{0.5f}, per_head{0.25f, 2.f, 0.125f};
+  for (const auto& scales : {per_tensor, per_head}) {
+    const auto c = kvc::to_fp8<kvc::float8_e4m3>(view(x), scales);
+    const auto c5 = kvc::to_fp8<kvc::float8_e5m2>(view(x), scales);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 3; ++h)
+        for (std::int64_t s = 0; s < 5; ++s)
+          for (std::int64_t d = 0; d < 8; ++d) {
+            const float scaled = x(b, h, s, d) / scales[scales.size() == 1 ? 0 : static_cast<std::size_t>(h)];
+            CHECK(c(b, h, s, d).bits == kvc::float8_e4m3(scaled).bits);
+            CHECK(c5(b, h, s, d).bits == kvc::float8_e5m2(scaled).bits);
+          }
+  }
+  // Saturation: far beyond 448 * scale is the largest finite code of its sign.
+  kvc::HostTensor<float> big(1, 1, 1, 2);
+  big(0, 0, 0, 0) = 1e6f;
+  big(0, 0, 0, 1) = -1e6f;
+  const auto sat = kvc::to_fp8<kvc::float8_e4m3>(view(big), std::vector<float>{1.f});
+  CHECK(sat(0, 0, 0, 0).to_float() == 448.f);
+  CHECK(sat(0, 0, 0, 1).to_float() == -448.f);
+}
+
+TEST_CASE("fp8_scales_for: the largest magnitude per tensor or per head maps to the format's largest value") {
+  kvc::HostTensor<float> k(1, 2, 3, 2), v(1, 2, 3, 2);
+  k.setZero();
+  v.setZero();
+  k(0, 0, 1, 1) = -8.96f;
+  k(0, 1, 2, 0) = 4.48f;
+  v(0, 1, 0, 0) = 57344.f;
+  const auto head = kvc::fp8_scales_for<kvc::float8_e4m3>(view(k), view(v), kvc::Fp8ScaleGranularity::per_head);
+  CHECK(head.keys == std::vector<float>{8.96f / 448.f, 4.48f / 448.f});
+  CHECK(head.values == std::vector<float>{1.f, 57344.f / 448.f});  // an all-zero head keeps 1
+  const auto tensor = kvc::fp8_scales_for<kvc::float8_e5m2>(view(k), view(v), kvc::Fp8ScaleGranularity::per_tensor);
+  CHECK(tensor.keys == std::vector<float>{8.96f / 57344.f});
+  CHECK(tensor.values == std::vector<float>{1.f});
+}
+
+TEST_CASE_TEMPLATE("attend_fp8 equals attention in double over the codes' values: dynamic, sliding, static", F8,
+                   kvc::float8_e4m3, kvc::float8_e5m2) {
+  const kvc::Fp8Scales per_tensor{{0.02f}, {0.004f}};
+  const kvc::Fp8Scales per_head{{0.01f, 0.03f}, {0.002f, 0.005f}};
+  for (const auto* scales : {&per_tensor, &per_head}) {
+    kvc::DynamicCache<F8> dynamic;
+    check_against_double<F8>(dynamic, *scales, 3);
+    auto sliding = kvc::make_dynamic_cache<F8>(config(2));  // a DynamicSlidingWindowLayer, a DynamicLayer
+    check_against_double<F8>(sliding, *scales, 4);
+    kvc::StaticCache<F8> fixed(config(2), 32);  // a StaticSlidingWindowLayer, a StaticLayer
+    check_against_double<F8>(fixed, *scales, 5);
+    CHECK(std::string(fixed.layer_name(0)) == "StaticSlidingWindowLayer");
+  }
+}
+
+TEST_CASE("fp8 KV holds half of fp16's bytes: a static cache and a dynamic one at 4096 tokens") {
+  const double fp16 = 4096.0 * 2 * 8 * 128 * 2;  // K and V of 4096 tokens, 8 heads of 128, 2 bytes each
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.hidden_size = 4096;
+  kvc::StaticCache<kvc::float8_e4m3> fixed(c, 4096);
+  std::mt19937 rng(7);
+  const auto x = gaussian(1, 8, 4096, 128, rng, 1.f);
+  const auto q = gaussian(1, 32, 1, 128, rng, 1.f);
+  kvc::DynamicCache<kvc::float8_e4m3> dynamic;
+  const auto prefill_queries = gaussian(1, 32, 4096, 128, rng, 1.f);
+  (void)kvc::attend_fp8(dynamic, 0, view(prefill_queries), view(x), view(x), {});
+  const auto one = gaussian(1, 8, 1, 128, rng, 1.f);
+  (void)kvc::attend_fp8(fixed, 0, view(q), view(one), view(one), {});
+  const double static_fraction = static_cast<double>(fixed.bytes()) / fp16;
+  const double dynamic_fraction = static_cast<double>(dynamic.bytes()) / fp16;
+  CAPTURE(static_fraction);
+  CAPTURE(dynamic_fraction);
+  CHECK(static_fraction == 0.5);  // one byte per element, nothing else
+  CHECK(dynamic_fraction <= 0.52);
+}
+
+TEST_CASE("attend_fp8 refuses bad scales before the cache changes") {
+  kvc::DynamicCache<kvc::float8_e4m3> cache;
+  std::mt19937 rng(9);
+  const auto q = gaussian(1, 4, 2, 16, rng, 1.f), k = gaussian(1, 2, 2, 16, rng, 1.f);
+  (void)kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {});
+  const auto snapshot = kvc_test::take_snapshot(cache);
+  CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{1.f, 1.f, 1.f}, {1.f}}),
+                       "kvc fp8: key scales: 3 given; one per tensor or one per KV head (2) expected", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{1.f}, {0.f}}),
+                       "kvc fp8: value scales must be positive and finite, got 0.000000", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::to_fp8<kvc::float8_e5m2>(view(k), std::vector<float>{-1.f}),
+                       "kvc fp8: the scales must be positive and finite, got -1.000000", kvc::ValueError);
+  CHECK(kvc_test::take_snapshot(cache) == snapshot);
+  CHECK(cache.get_seq_length() == 2);
+}
+
+TEST_CASE("fp8 reconstruction error on gaussian K/V with per-head scales (the formats table's figures)") {
+  std::mt19937 rng(13);
+  const auto x = gaussian(1, 8, 1024, 128, rng, 1.f);
+  const auto rel_rms = [&](auto tag) {
+    using F8 = decltype(tag);
+    const auto s = kvc::fp8_scales_for<F8>(view(x), view(x), kvc::Fp8ScaleGranularity::per_head);
+    const auto back = dequantized(kvc::to_fp8<F8>(view(x), s.keys), s.keys);
+    double num = 0, den = 0;
+    for (std::int64_t i = 0; i < x.size(); ++i) {
+      num += (back.data()[i] - x.data()[i]) * (back.data()[i] - x.data()[i]);
+      den += static_cast<double>(x.data()[i]) * x.data()[i];
+    }
+    return std::sqrt(num / den);
+  };
+  const double e4m3 = rel_rms(kvc::float8_e4m3{}), e5m2 = rel_rms(kvc::float8_e5m2{});
+  MESSAGE("relative RMS error: E4M3 " << e4m3 << ", E5M2 " << e5m2);
+  // Half an ulp is at most 2^-4 of the value with 3 mantissa bits (E4M3), 2^-3 with 2 (E5M2); the
+  // RMS of a rounding spread evenly over half an ulp is about 0.6 of that at its largest, less on
+  // average over a binade: 0.026 and 0.053 measured.
+  CHECK(e4m3 < 0.03);
+  CHECK(e5m2 < 0.06);
+  CHECK(e4m3 < e5m2);
+}
