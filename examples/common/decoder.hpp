@@ -15,6 +15,8 @@
 // Both forward modes share every step but the attention call, so their difference measures the
 // cache (and the rounding of different GEMM shapes), nothing else.
 #include <kvc/kvc.hpp>
+#include <kvc/fp8_attention.hpp>
+#include <kvc/quantized_attention.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -166,6 +168,11 @@ inline void parallel_for(std::int64_t count, const std::function<void(std::int64
 // Logits, one row per token: [tokens, vocab_size].
 using Logits = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+// How Decoder::forward attends: through the cache's update (kvc::attend), from a quantized
+// layer's codes (kvc::attend_quantized), or through an fp8 cache (kvc::attend_fp8, scales of 1:
+// vLLM's default k_scale and v_scale).
+enum class Attention { update, codes, fp8 };
+
 template <class T>
 class Decoder {
  public:
@@ -236,11 +243,23 @@ class Decoder {
 
   // Runs `tokens` through the model, storing their keys and values in `cache`; their positions
   // continue from cache.get_seq_length(). Returns the logits of the last token, or of every token.
-  template <class Cache>
+  // Attention::codes reads a quantized cache's codes (kvc::attend_quantized: no dequantized
+  // workspace) instead of what its update returns. The mask's window comes from the model's layer
+  // type, as in transformers (the model builds the mask, the cache only holds K/V): a
+  // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
+  template <Attention How = Attention::update, class Cache>
   Logits forward(std::span<const std::int32_t> tokens, Cache& cache, bool all_logits = false) const {
-    const Matrix x = run(tokens, positions_from(cache.get_seq_length(0), tokens.size()),
-                         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
-                             const kvc::HostTensor<T>& v) { return attend(cache, layer, q, k, v); });
+    const Matrix x = run(
+        tokens, positions_from(cache.get_seq_length(0), tokens.size()),
+        [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
+          const kvc::AttendOptions opts{.sliding_window = config_.window(layer)};
+          if constexpr (How == Attention::codes)
+            return kvc::attend_quantized(cache, layer, view(q), view(k), view(v), opts);
+          else if constexpr (How == Attention::fp8)
+            return kvc::attend_fp8(cache, layer, view(q), view(k), view(v), kvc::Fp8Scales{}, opts);
+          else
+            return kvc::attend(cache, layer, q, k, v, opts);
+        });
     return logits(all_logits ? x : Matrix(x.bottomRows(1)));
   }
 
@@ -284,15 +303,6 @@ class Decoder {
     Eigen::RowVectorXf attn_norm, mlp_norm;
     Weight wq, wk, wv, wo, w_gate, w_up, w_down;
   };
-
-  // One attention layer's step through the cache. The mask's window comes from the model's layer
-  // type, as in transformers (the model builds the mask, the cache only holds K/V): a
-  // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
-  template <class Cache>
-  kvc::HostTensor<T> attend(Cache& cache, std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
-                            const kvc::HostTensor<T>& v) const {
-    return kvc::attend(cache, layer, q, k, v, kvc::AttendOptions{.sliding_window = config_.window(layer)});
-  }
 
   static std::vector<std::int64_t> positions_from(std::int64_t first, std::size_t n) {
     std::vector<std::int64_t> out(n);
