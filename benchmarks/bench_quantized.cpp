@@ -18,8 +18,10 @@
 //   attend/<cache>   a decode step with attention at 4096 tokens, Eigen::half, one layer of
 //        [1, 8, S, 128] K/V and 32 query heads: a 4032-token prefill, then 64 steps of kvc::attend
 //        (DynamicCache<half>; quanto int4 through update, transformers' path) or
-//        kvc::attend_quantized (quanto int4 from the codes, no workspace). Counters: steps_per_s,
-//        held (the cache's bytes after the steps, as a fraction of fp16 K/V of 4096 tokens).
+//        kvc::attend_quantized (quanto int4 from the codes, no workspace; KIVI int2,
+//        kvc::kivi_options()), or kvc::attend_fp8 (DynamicCache<float8_e4m3> / <float8_e5m2>, per-head
+//        scales calibrated on the prefill). Counters: steps_per_s, held (the cache's bytes after the
+//        steps, as a fraction of fp16 K/V of 4096 tokens).
 //
 // All times are the benchmark thread's CPU time.
 
@@ -35,6 +37,7 @@
 
 #include <kvc/attention.hpp>
 #include <kvc/caches.hpp>
+#include <kvc/fp8_attention.hpp>
 #include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
 
@@ -129,7 +132,7 @@ kvc::QuantizedCache<float> make_quantized() {
 
 // ---- decode with attention at 4k tokens ----------------------------------------------------------
 
-enum class AttendMode { dynamic, quantized_update, quantized_fused };
+enum class AttendMode { dynamic, quantized_update, quantized_fused, kivi_fused, fp8_e4m3, fp8_e5m2 };
 
 void BM_Attend(benchmark::State& state, AttendMode mode) {
   using H = Eigen::half;
@@ -139,31 +142,60 @@ void BM_Attend(benchmark::State& state, AttendMode mode) {
   kvc::HostTensor<H> queries(1, query_heads, 1, kHeadDim);
   queries.setConstant(H(0.01f));
   const kvc::HostTensor<H> prefill_queries = make_input<H>(prefill_len, 8);  // 8 heads: reused below
+  const auto view = [](const kvc::HostTensor<H>& t) { return kvc::HostStorage<H>::input_view(t); };
+  // fp8: per-head scales calibrated on the prefill (its largest magnitude per head -> 448 / 57344).
+  const kvc::Fp8Scales e4m3 =
+      kvc::fp8_scales_for<kvc::float8_e4m3>(view(prefill), view(prefill), kvc::Fp8ScaleGranularity::per_head);
+  const kvc::Fp8Scales e5m2 =
+      kvc::fp8_scales_for<kvc::float8_e5m2>(view(prefill), view(prefill), kvc::Fp8ScaleGranularity::per_head);
   std::int64_t held = 0;
   for (auto _ : state) {
     state.PauseTiming();
     kvc::DynamicCache<H> dynamic;
-    kvc::QuantizedCache<H> quantized("quanto", config(1), {4, 0, 0, 64, 128});
-    if (mode == AttendMode::dynamic) {
-      dynamic.update(prefill, prefill, 0);
-    } else if (mode == AttendMode::quantized_update) {
-      quantized.update(prefill, prefill, 0);
-    } else {
-      const auto view = [](const kvc::HostTensor<H>& t) { return kvc::HostStorage<H>::input_view(t); };
-      (void)kvc::attend_quantized(quantized, 0, view(prefill_queries), view(prefill), view(prefill));
+    kvc::DynamicCache<kvc::float8_e4m3> fp8;
+    kvc::DynamicCache<kvc::float8_e5m2> fp8_e5;
+    kvc::QuantizedCache<H> quantized(
+        "quanto", config(1),
+        mode == AttendMode::kivi_fused ? kvc::kivi_options(2) : kvc::QuantizedOptions{4, 0, 0, 64, 128});
+    switch (mode) {
+      case AttendMode::dynamic:
+        dynamic.update(prefill, prefill, 0);
+        break;
+      case AttendMode::quantized_update:
+        quantized.update(prefill, prefill, 0);
+        break;
+      case AttendMode::fp8_e4m3:
+        (void)kvc::attend_fp8(fp8, 0, view(prefill_queries), view(prefill), view(prefill), e4m3);
+        break;
+      case AttendMode::fp8_e5m2:
+        (void)kvc::attend_fp8(fp8_e5, 0, view(prefill_queries), view(prefill), view(prefill), e5m2);
+        break;
+      default:
+        (void)kvc::attend_quantized(quantized, 0, view(prefill_queries), view(prefill), view(prefill));
     }
     state.ResumeTiming();
     for (std::int64_t i = 0; i < steps; ++i) {
-      if (mode == AttendMode::dynamic) {
-        benchmark::DoNotOptimize(kvc::attend(dynamic, 0, queries, tok, tok).data());
-      } else if (mode == AttendMode::quantized_update) {
-        benchmark::DoNotOptimize(kvc::attend(quantized, 0, queries, tok, tok).data());
-      } else {
-        const auto view = [](const kvc::HostTensor<H>& t) { return kvc::HostStorage<H>::input_view(t); };
-        benchmark::DoNotOptimize(kvc::attend_quantized(quantized, 0, view(queries), view(tok), view(tok)).data());
+      switch (mode) {
+        case AttendMode::dynamic:
+          benchmark::DoNotOptimize(kvc::attend(dynamic, 0, queries, tok, tok).data());
+          break;
+        case AttendMode::quantized_update:
+          benchmark::DoNotOptimize(kvc::attend(quantized, 0, queries, tok, tok).data());
+          break;
+        case AttendMode::fp8_e4m3:
+          benchmark::DoNotOptimize(kvc::attend_fp8(fp8, 0, view(queries), view(tok), view(tok), e4m3).data());
+          break;
+        case AttendMode::fp8_e5m2:
+          benchmark::DoNotOptimize(kvc::attend_fp8(fp8_e5, 0, view(queries), view(tok), view(tok), e5m2).data());
+          break;
+        default:
+          benchmark::DoNotOptimize(kvc::attend_quantized(quantized, 0, view(queries), view(tok), view(tok)).data());
       }
     }
-    held = mode == AttendMode::dynamic ? dynamic.bytes() : quantized.bytes();
+    held = mode == AttendMode::dynamic    ? dynamic.bytes()
+           : mode == AttendMode::fp8_e4m3 ? fp8.bytes()
+           : mode == AttendMode::fp8_e5m2 ? fp8_e5.bytes()
+                                          : quantized.bytes();
   }
   state.counters["steps_per_s"] =
       benchmark::Counter(static_cast<double>(state.iterations() * steps), benchmark::Counter::kIsRate);
@@ -244,6 +276,10 @@ int main(int argc, char** argv) {
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused", BM_Attend, AttendMode::quantized_fused)
       ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/kivi/nbits:2/fused", BM_Attend, AttendMode::kivi_fused)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/fp8/e4m3", BM_Attend, AttendMode::fp8_e4m3)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/fp8/e5m2", BM_Attend, AttendMode::fp8_e5m2)->Unit(benchmark::kMillisecond);
 
   for (const Codec& c :
        {Codec{false, 2, 0}, Codec{false, 4, 0}, Codec{true, 2, 1}, Codec{true, 4, 1}, Codec{true, 8, 1}}) {
@@ -280,7 +316,8 @@ int main(int argc, char** argv) {
   const auto* dyn_attend = reporter.find("attend/DynamicCache<half>");
   std::printf("\n%-30s %12s %12s %10s   (Eigen::half, 4096 tokens, 8 KV / 32 query heads x 128)\n",
               "decode step with attention", "steps/s", "vs Dynamic", "held");
-  for (const char* n : {"attend/DynamicCache<half>", "attend/quanto/nbits:4/update", "attend/quanto/nbits:4/fused"}) {
+  for (const char* n : {"attend/DynamicCache<half>", "attend/quanto/nbits:4/update", "attend/quanto/nbits:4/fused",
+                        "attend/kivi/nbits:2/fused", "attend/fp8/e4m3", "attend/fp8/e5m2"}) {
     const auto* r = reporter.find(n);
     if (!r) continue;
     const double sps = r->counters.at("steps_per_s");
