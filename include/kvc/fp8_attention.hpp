@@ -10,9 +10,9 @@
 //   - kvc::to_fp8<F8>(x, scales) encodes K or V [batch, heads, seq, head_dim] as x / scale(head),
 //     rounded to nearest even and saturated (OFP8);
 //   - kvc::attend_fp8(cache, layer, q, k, v, scales) encodes the step's keys and values, stores
-//     them with the cache's update, and attends over the stored codes, each widened through a
-//     table of the 256 values and multiplied by its head's scale (the key scale joins the softmax
-//     scale, the value scale multiplies the output), in float (double for double);
+//     them with the cache's update, and attends over the stored codes, widened to float
+//     (float8::widen) and multiplied by their head's scale (the key scale joins the softmax scale,
+//     the value scale multiplies the output), in float (double for double);
 //   - kvc::fp8_scales_for<F8>(k, v, granularity) calibrates scales from sample K/V: the largest
 //     magnitude per tensor or per head mapped to F8's largest finite value.
 // Scales belong to the model's layer (vLLM's k_scale / v_scale), so the caller passes them with
@@ -130,11 +130,10 @@ HostTensor<T> attend_fp8(Cache& cache, std::int64_t layer_idx, const TensorView<
     detail::check_fp8_scales(scales.keys, keys.extent(1), "key");
     detail::check_fp8_scales(scales.values, values.extent(1), "value");
     const HostTensor<F8> k8 = to_fp8<F8>(keys, scales.keys), v8 = to_fp8<F8>(values, scales.values);
-    return detail::attend_impl(cache, layer_idx, queries, k8, v8, options,
-                               [&](const auto& kv, const AttentionMask& mask) {
-                                 return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale,
-                                                               scales);
-                               });
+    return detail::attend_impl(
+        cache, layer_idx, queries, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
+          return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale, scales);
+        });
   } else {
     return HostTensor<T>();
   }

@@ -82,18 +82,22 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
       s.noalias() = qm * kf.template cast<A>().transpose();
     }
     for (std::int64_t r = 0; r < rows; ++r) {
+      // The row's visible keys are one range [jlo, jhi) of the tile (AttentionMask::visible:
+      // causal, then the window or chunk), so the mask costs two bounds, not a test per key.
       const std::int64_t qp = past + r % fresh;
-      for (std::int64_t j = 0; j < n; ++j)
-        if (!mask.visible(qp, p0 + j)) s(r, j) = minus_inf;
-      const A best = s.row(r).maxCoeff();
-      if (best == minus_inf) {
+      const std::int64_t jhi = std::clamp<std::int64_t>(qp - p0 + 1, 0, n);
+      const std::int64_t jlo = std::clamp<std::int64_t>(mask.first_visible(qp) - p0, 0, n);
+      if (jhi <= jlo) {
         s.row(r).setZero();
         continue;
       }
-      const A new_m = std::max(m(r), best);
+      auto seg = s.row(r).segment(jlo, jhi - jlo);
+      const A new_m = std::max(m(r), seg.maxCoeff());
       const A shrink = m(r) == minus_inf ? A(0) : std::exp(m(r) - new_m);
-      s.row(r) = (s.row(r).array() - new_m).exp().matrix();  // exp(-inf) = 0 for masked keys
-      l(r) = l(r) * shrink + s.row(r).sum();
+      seg = (seg.array() - new_m).exp().matrix();
+      s.row(r).head(jlo).setZero();
+      s.row(r).tail(n - jhi).setZero();
+      l(r) = l(r) * shrink + seg.sum();
       acc.row(r) *= shrink;
       m(r) = new_m;
     }

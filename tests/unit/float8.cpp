@@ -167,20 +167,27 @@ TEST_CASE_TEMPLATE("widen (attention's conversion of stored codes) gives to_floa
   std::vector<F8> codes;
   for (int rep = 0; rep < 2; ++rep)
     for (int c = 0; c < 256; ++c) codes.push_back(F8::from_bits(static_cast<std::uint8_t>((c * 37 + rep) & 0xFF)));
-  for (const std::int64_t offset : {0, 1, 3}) {
-    const auto n = static_cast<std::int64_t>(codes.size()) - offset;
-    std::vector<float> out(static_cast<std::size_t>(n), -1.0f);
-    F8::widen(codes.data() + offset, out.data(), n);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const F8 code = codes[static_cast<std::size_t>(offset + i)];
-      const float want = code.to_float(), got = out[static_cast<std::size_t>(i)];
-      CAPTURE(static_cast<int>(code.bits));
-      if (std::isnan(want)) {
-        CHECK(std::isnan(got));
-        CHECK(std::signbit(got) == std::signbit(want));
-      } else {
-        CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));  // -0 included
+  // Every form: AVX2 where the CPU has it, then SSE2 (and the scalar tail) with AVX2 off.
+  const bool had_avx2 = kvc::detail::avx2_enabled();
+  for (const bool avx2 : {true, false})
+    for (const std::int64_t offset : {0, 1, 3}) {
+      if (avx2 && !had_avx2) continue;
+      kvc::detail::avx2_enabled() = avx2;
+      CAPTURE(avx2);
+      const auto n = static_cast<std::int64_t>(codes.size()) - offset;
+      std::vector<float> out(static_cast<std::size_t>(n), -1.0f);
+      F8::widen(codes.data() + offset, out.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const F8 code = codes[static_cast<std::size_t>(offset + i)];
+        const float want = code.to_float(), got = out[static_cast<std::size_t>(i)];
+        CAPTURE(static_cast<int>(code.bits));
+        if (std::isnan(want)) {
+          CHECK(std::isnan(got));
+          CHECK(std::signbit(got) == std::signbit(want));
+        } else {
+          CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));  // -0 included
+        }
       }
     }
-  }
+  kvc::detail::avx2_enabled() = had_avx2;
 }

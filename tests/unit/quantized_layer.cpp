@@ -881,12 +881,19 @@ TEST_CASE("decode_rows (attention's tiles) gives decode()'s values: every width,
           CAPTURE(nbits);
           CAPTURE(dim);
           CAPTURE(group);
-          for (std::int64_t blk = 0; blk < B * H; ++blk)
-            for (const auto& [t0, n] : {std::pair<std::int64_t, std::int64_t>{0, S}, {3, 17}, {40, 1}, {32, 9}}) {
-              std::vector<float> rows(static_cast<std::size_t>(n * dim), -99.f);
-              t.decode_rows(blk, t0, n, rows.data());
-              const auto from = all.begin() + blk * S * dim + t0 * dim;
-              CHECK(std::equal(rows.begin(), rows.end(), from));
-            }
+          // Every form: AVX2 where the CPU has it, then SSE2 (and the scalar tail) with AVX2 off.
+          const bool had_avx2 = kvc::detail::avx2_enabled();
+          for (const bool avx2 : {true, false}) {
+            if (avx2 && !had_avx2) continue;
+            kvc::detail::avx2_enabled() = avx2;
+            for (std::int64_t blk = 0; blk < B * H; ++blk)
+              for (const auto& [t0, n] : {std::pair<std::int64_t, std::int64_t>{0, S}, {3, 17}, {40, 1}, {32, 9}}) {
+                std::vector<float> rows(static_cast<std::size_t>(n * dim), -99.f);
+                t.decode_rows(blk, t0, n, rows.data());
+                const auto from = all.begin() + blk * S * dim + t0 * dim;
+                CHECK(std::equal(rows.begin(), rows.end(), from));
+              }
+          }
+          kvc::detail::avx2_enabled() = had_avx2;
         }
 }

@@ -64,6 +64,7 @@
 
 #include <Eigen/Core>
 
+#include <kvc/detail/simd.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>  // KVC_HOST_DEVICE, memory_space
@@ -226,15 +227,58 @@ inline void unpack_codes(const std::uint8_t* in, std::int64_t first, std::int64_
   for (std::int64_t i = 0; i < count; ++i) codes[i] = static_cast<std::uint8_t>(code_at(in, first + i, nbits));
 }
 
+#if defined(KVC_X86_AVX2_DISPATCH)
+// Eight codes (the low 8 bytes of `codes`, one a byte) dequantized to to[0, 8).
+KVC_TARGET_AVX2 inline void dequant8_avx2(float* to, __m128i codes, float offset, float scale) noexcept {
+  const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  _mm256_storeu_ps(to, _mm256_add_ps(_mm256_set1_ps(offset), _mm256_mul_ps(_mm256_set1_ps(scale), c)));
+}
+
+// dequant_packed's AVX2 form, 32 codes at a time; returns how many it did (a multiple of 32).
+template <int Bits>
+KVC_TARGET_AVX2 inline std::int64_t dequant_packed_avx2(const std::uint8_t* p, std::int64_t count, float offset,
+                                                        float scale, float* out) noexcept {
+  constexpr int per = 8 / Bits;
+  const __m128i m = _mm_set1_epi8(static_cast<char>((1 << Bits) - 1));
+  std::int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const std::uint8_t* b = p + i / per;
+    __m128i c0, c1;  // codes 0..15 and 16..31, one a byte, in order
+    if constexpr (Bits == 4) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+      const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+      c0 = _mm_unpacklo_epi8(lo, hi);
+      c1 = _mm_unpackhi_epi8(lo, hi);
+    } else {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+      const __m128i a0 = _mm_and_si128(x, m), a1 = _mm_and_si128(_mm_srli_epi16(x, 2), m);
+      const __m128i a2 = _mm_and_si128(_mm_srli_epi16(x, 4), m), a3 = _mm_and_si128(_mm_srli_epi16(x, 6), m);
+      const __m128i l01 = _mm_unpacklo_epi8(a0, a1), l23 = _mm_unpacklo_epi8(a2, a3);
+      c0 = _mm_unpacklo_epi16(l01, l23);
+      c1 = _mm_unpackhi_epi16(l01, l23);
+    }
+    dequant8_avx2(out + i, c0, offset, scale);
+    dequant8_avx2(out + i + 8, _mm_srli_si128(c0, 8), offset, scale);
+    dequant8_avx2(out + i + 16, c1, offset, scale);
+    dequant8_avx2(out + i + 24, _mm_srli_si128(c1, 8), offset, scale);
+  }
+  return i;
+}
+#endif
+
 // `count` codes of Bits = 4 or 2 bits packed from bit 0 of p (pack_codes' order: the first in
-// the lowest bits), dequantized with one scale and offset to out[0, count). Sixteen at a time with
-// SSE2 (every x86-64), products and sums rounded separately as dequant does.
+// the lowest bits), dequantized with one scale and offset to out[0, count). Thirty-two at a time
+// with AVX2 where the CPU has it (detail::avx2_enabled), then sixteen at a time with SSE2 (every
+// x86-64); products and sums rounded separately as dequant does, so every form gives its bits.
 template <int Bits>
 inline void dequant_packed(const std::uint8_t* p, std::int64_t count, float offset, float scale, float* out) noexcept {
   static_assert(Bits == 4 || Bits == 2);
   constexpr int per = 8 / Bits;
   constexpr unsigned mask = (1u << Bits) - 1u;
   std::int64_t i = 0;
+#if defined(KVC_X86_AVX2_DISPATCH)
+  if (avx2_enabled()) i = dequant_packed_avx2<Bits>(p, count, offset, scale, out);
+#endif
 #if defined(__SSE2__) && !defined(__CUDA_ARCH__)
   const __m128 vo = _mm_set1_ps(offset), vs = _mm_set1_ps(scale);
   const __m128i m = _mm_set1_epi8(static_cast<char>(mask)), zero = _mm_setzero_si128();
