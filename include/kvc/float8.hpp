@@ -82,25 +82,28 @@ struct fp8_format {
       return static_cast<std::uint8_t>(sign | (has_infinity ? infinity : nan));
     };
     if (std::isinf(x)) return overflow();
-    const double a = std::fabs(static_cast<double>(x));
-    if (a == 0.0) return sign;
-    // The exponent of the result before rounding: subnormals share the smallest normal's.
-    int e = std::ilogb(a);
-    e = e < 1 - bias ? 1 - bias : e;
-    // a in units of the last mantissa bit at that exponent; exact (a power-of-two scaling of a float).
-    const double units = std::ldexp(a, MantissaBits - e);
-    double r = std::floor(units);
-    const double rest = units - r;
-    if (rest > 0.5 || (rest == 0.5 && std::fmod(r, 2.0) != 0.0)) r += 1.0;
-    auto n = static_cast<std::uint32_t>(r);                 // < 2^(M + 2)
-    int biased = n >= (1u << MantissaBits) ? e + bias : 0;  // a subnormal that did not round up
-    if (n == (2u << MantissaBits)) {                        // rounded up to the next binade
-      n >>= 1;
-      ++biased;
+    // Integer steps on the float's bits (no libm): |x| shifted to the code's last mantissa bit,
+    // rounded to nearest even; a carry moves into the exponent by itself.
+    const std::uint32_t a = bits & 0x7FFFFFFFu;
+    const int e = static_cast<int>(a >> 23) - 127;  // the float's exponent (-127: a float subnormal)
+    std::uint32_t code = 0;
+    if (e < 1 - bias) {
+      // A subnormal code, or zero: units of 2^(1 - bias - M). Float subnormals, and every float
+      // below half the smallest unit, round to zero.
+      const int shift = 23 + (1 - bias - MantissaBits) - e;
+      if (a < 0x00800000u || shift >= 25) return sign;
+      code = round_shift((a & 0x007FFFFFu) | 0x00800000u, shift);
+    } else {
+      code = round_shift(a - (static_cast<std::uint32_t>(127 - bias) << 23), 23 - MantissaBits);
     }
-    const std::uint32_t code = (static_cast<std::uint32_t>(biased) << MantissaBits) | (n & mantissa_mask);
     if (code > max_finite) return overflow();
     return static_cast<std::uint8_t>(sign | code);
+  }
+
+  // v >> shift (0 < shift < 32), rounded to nearest even.
+  static constexpr std::uint32_t round_shift(std::uint32_t v, int shift) noexcept {
+    const std::uint32_t r = v >> shift, rest = v & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    return rest > half || (rest == half && (r & 1u) != 0) ? r + 1 : r;
   }
 };
 

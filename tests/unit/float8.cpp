@@ -2,7 +2,8 @@
 // rev. 1.0): the spec's table values, every one of the 256 codes of each format decoded, and
 // float -> code checked against a brute-force encoder (the nearest representable value, ties to
 // the even code, overflow past the largest finite value) on every code's value, every midpoint
-// between neighbours and just either side of it, and random floats over the whole range.
+// between neighbours and just either side of it, random floats over the whole range, and a sweep
+// over the float bit patterns.
 
 #include <bit>
 #include <cmath>
@@ -117,6 +118,9 @@ void check_format(unsigned seed) {
     const float x = std::ldexp(mantissa(rng), exponent(rng));
     inputs.push_back(i % 2 ? -x : x);
   }
+  // And a sweep over the float bit patterns (float subnormals, huge values and NaNs included).
+  for (std::uint64_t b = 0; b <= 0xFFFFFFFFu; b += 65537)
+    inputs.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(b)));
   for (const float x : inputs) check_encoding<F>(x);
 }
 
