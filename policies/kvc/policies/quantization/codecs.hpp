@@ -200,6 +200,25 @@ inline void pack_codes(const std::uint8_t* codes, std::int64_t count, int nbits,
 }
 
 // Reads codes [first, first + count) of a bit stream written by pack_codes.
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+// Sixteen codes of Bits = 4 or 2 bits packed from bit 0 of b (8 or 4 bytes), one a byte, in order.
+template <int Bits>
+inline __m128i codes16_sse2(const std::uint8_t* b) noexcept {
+  const __m128i m = _mm_set1_epi8(static_cast<char>((1 << Bits) - 1));
+  if constexpr (Bits == 4) {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+    return _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+  } else {
+    std::int32_t word;
+    std::memcpy(&word, b, 4);
+    const __m128i x = _mm_cvtsi32_si128(word);
+    const __m128i c0 = _mm_and_si128(x, m), c1 = _mm_and_si128(_mm_srli_epi16(x, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(x, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(x, 6), m);
+    return _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
+  }
+}
+#endif
+
 inline void unpack_codes(const std::uint8_t* in, std::int64_t first, std::int64_t count, int nbits,
                          std::uint8_t* codes) noexcept {
   const auto bit0 = static_cast<std::uint64_t>(first) * static_cast<std::uint64_t>(nbits);
@@ -212,6 +231,12 @@ inline void unpack_codes(const std::uint8_t* in, std::int64_t first, std::int64_
       std::copy(p, p + count, codes);
       return;
     }
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+    if (nbits == 4 || nbits == 2) {  // sixteen at a time
+      for (; i + 16 <= count; i += 16, p += 16 / per)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), nbits == 4 ? codes16_sse2<4>(p) : codes16_sse2<2>(p));
+    }
+#endif
     if (nbits == 4) {
       for (; i + 2 <= count; i += 2, ++p) {
         codes[i] = static_cast<std::uint8_t>(*p & 0xF);
@@ -281,24 +306,12 @@ inline void dequant_packed(const std::uint8_t* p, std::int64_t count, float offs
 #endif
 #if defined(__SSE2__) && !defined(__CUDA_ARCH__)
   const __m128 vo = _mm_set1_ps(offset), vs = _mm_set1_ps(scale);
-  const __m128i m = _mm_set1_epi8(static_cast<char>(mask)), zero = _mm_setzero_si128();
+  const __m128i zero = _mm_setzero_si128();
   const auto store4 = [&](float* to, __m128i codes32) {
     _mm_storeu_ps(to, _mm_add_ps(vo, _mm_mul_ps(vs, _mm_cvtepi32_ps(codes32))));
   };
   for (; i + 16 <= count; i += 16) {
-    const std::uint8_t* b = p + i / per;
-    __m128i codes;  // the 16 codes, one a byte, in order
-    if constexpr (Bits == 4) {
-      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
-      codes = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
-    } else {
-      std::int32_t word;
-      std::memcpy(&word, b, 4);
-      const __m128i x = _mm_cvtsi32_si128(word);
-      const __m128i c0 = _mm_and_si128(x, m), c1 = _mm_and_si128(_mm_srli_epi16(x, 2), m);
-      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(x, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(x, 6), m);
-      codes = _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
-    }
+    const __m128i codes = codes16_sse2<Bits>(p + i / per);  // the 16 codes, one a byte, in order
     const __m128i lo = _mm_unpacklo_epi8(codes, zero), hi = _mm_unpackhi_epi8(codes, zero);
     store4(out + i, _mm_unpacklo_epi16(lo, zero));
     store4(out + i + 4, _mm_unpackhi_epi16(lo, zero));
