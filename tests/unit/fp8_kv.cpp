@@ -153,9 +153,9 @@ TEST_CASE("fp8 KV holds half of fp16's bytes: a static cache and a dynamic one a
   std::mt19937 rng(7);
   const auto x = gaussian(1, 8, 4096, 128, rng, 1.f);
   const auto q = gaussian(1, 32, 1, 128, rng, 1.f);
-  kvc::DynamicCache<kvc::float8_e4m3> dynamic;
-  const auto prefill_queries = gaussian(1, 32, 4096, 128, rng, 1.f);
-  (void)kvc::attend_fp8(dynamic, 0, view(prefill_queries), view(x), view(x), {});
+  kvc::DynamicCache<kvc::float8_e4m3> dynamic;  // stored as attend_fp8 stores (no 4096-query prefill)
+  const auto codes = kvc::to_fp8<kvc::float8_e4m3>(view(x), std::vector<float>{1.f});
+  (void)dynamic.update(codes, codes, 0);
   const auto one = gaussian(1, 8, 1, 128, rng, 1.f);
   (void)kvc::attend_fp8(fixed, 0, view(q), view(one), view(one), {});
   const double static_fraction = static_cast<double>(fixed.bytes()) / fp16;
