@@ -39,18 +39,21 @@ inline constexpr bool is_float8_v = false;
 template <class Format>
 inline constexpr bool is_float8_v<detail::float8<Format>> = true;
 
+namespace detail {
+// The scale of head h in a list of one (per tensor) or one per head.
+inline float scale_at(std::span<const float> scales, std::int64_t h) noexcept {
+  return scales[scales.size() == 1 ? 0 : static_cast<std::size_t>(h)];
+}
+}  // namespace detail
+
 // The dequantization scales of one layer's K and V: x ~ scale * code. One entry: the whole tensor
 // (per tensor); Hkv entries: one per KV head (per head).
 struct Fp8Scales {
   std::vector<float> keys{1.0f};
   std::vector<float> values{1.0f};
 
-  float key_scale(std::int64_t head) const noexcept {
-    return keys.size() == 1 ? keys[0] : keys[static_cast<std::size_t>(head)];
-  }
-  float value_scale(std::int64_t head) const noexcept {
-    return values.size() == 1 ? values[0] : values[static_cast<std::size_t>(head)];
-  }
+  float key_scale(std::int64_t head) const noexcept { return detail::scale_at(keys, head); }
+  float value_scale(std::int64_t head) const noexcept { return detail::scale_at(values, head); }
 };
 
 enum class Fp8ScaleGranularity { per_tensor, per_head };
@@ -89,7 +92,7 @@ HostTensor<F8> to_fp8(const TensorView<T>& x, std::span<const float> scales) {
   F8* o = out.data();
   for (std::int64_t b = 0; b < x.extent(0); ++b)
     for (std::int64_t h = 0; h < x.extent(1); ++h) {
-      const float inv = 1.0f / scales[scales.size() == 1 ? 0 : static_cast<std::size_t>(h)];
+      const float inv = 1.0f / detail::scale_at(scales, h);
       for (std::int64_t s = 0; s < x.extent(2); ++s)
         for (std::int64_t d = 0; d < x.extent(3); ++d) *o++ = F8(static_cast<float>(x(b, h, s, d)) * inv);
     }

@@ -106,13 +106,13 @@ class quantized_history {
     chunks_.push_back(std::move(c));
   }
 
-  // Writes tokens [from, tokens()) dequantized: token t of block (b, h) to dst + b * stride_b +
-  // h * stride_h + t * dim. `from` is where a chunk starts.
+  // Writes every token dequantized: token t of block (b, h) to dst + b * stride_b + h * stride_h +
+  // t * dim.
   template <class T>
-  void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h, std::int64_t dim, std::int64_t from = 0) const {
+  void decode(T* dst, std::int64_t stride_b, std::int64_t stride_h, std::int64_t dim) const {
     std::int64_t start = 0;
     for (const QT& c : chunks_) {
-      if (start >= from) c.decode(dst + start * dim, stride_b, stride_h);
+      c.decode(dst + start * dim, stride_b, stride_h);
       start += c.tokens();
     }
   }
