@@ -33,6 +33,17 @@
 
 namespace kvc {
 
+namespace detail {
+// The first absolute key position a query at qp sees with a sliding window (0: none) and an
+// attention chunk size (0: none); host and device code (the device kernels take the mask as ints).
+KVC_HOST_DEVICE constexpr std::int64_t first_visible_position(std::int64_t qp, std::int64_t window,
+                                                              std::int64_t chunk) noexcept {
+  std::int64_t first = window > 0 ? qp - window + 1 : std::int64_t{0};
+  if (chunk > 0 && qp / chunk * chunk > first) first = qp / chunk * chunk;
+  return first;
+}
+}  // namespace detail
+
 // How queries see keys (see the header comment).
 struct AttentionMask {
   std::int64_t kv_length = 0;       // from get_mask_sizes(q), asked before the update
@@ -51,9 +62,7 @@ struct AttentionMask {
 
   // The first absolute key position the query at qp may see.
   constexpr std::int64_t first_visible(std::int64_t qp) const noexcept {
-    std::int64_t first = sliding_window ? qp - *sliding_window + 1 : std::int64_t{0};
-    if (attention_chunk_size) first = std::max(first, qp / *attention_chunk_size * *attention_chunk_size);
-    return first;
+    return detail::first_visible_position(qp, sliding_window.value_or(0), attention_chunk_size.value_or(0));
   }
   // Whether the query at absolute position qp sees the key at absolute position kp.
   constexpr bool visible(std::int64_t qp, std::int64_t kp) const noexcept {
@@ -151,6 +160,15 @@ inline void check_attention(const std::array<std::int64_t, 4>& q, const std::arr
   }
 }
 
+// check_attention, and the layout attention reads (host or device views): ValueError.
+template <class QView, class KVView>
+void check_attention_views(const QView& queries, const KVView& keys, const KVView& values, const AttentionMask& mask) {
+  check_attention(queries.extents, keys.extents, values.extents, mask);
+  const auto contiguous = [](const auto& t) { return t.stride(3) == 1 && t.stride(2) == t.extent(3); };
+  if (!contiguous(queries) || !contiguous(keys) || !contiguous(values))
+    throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -171,10 +189,7 @@ HostTensor<T> attention_impl(const TensorView<T>& queries, const TensorView<KV>&
   using A = accum_t<T>;
   const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
   const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3);
-  check_attention(queries.extents, keys.extents, values.extents, mask);
-  const auto contiguous = [](const auto& t) { return t.stride(3) == 1 && t.stride(2) == t.extent(3); };
-  if (!contiguous(queries) || !contiguous(keys) || !contiguous(values))
-    throw ValueError("scaled_dot_product_attention: tensors must have contiguous [seq, head_dim] blocks");
+  check_attention_views(queries, keys, values, mask);
 
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t group = Hq / Hkv;
@@ -315,13 +330,21 @@ struct AttendOptions {
 
 namespace detail {
 
+// The [batch, heads, seq, head_dim] shape of an input attend takes: host inputs (tensor_input) here,
+// device tensors and views in <kvc/detail/cuda_attention.cuh>.
+template <class X>
+struct input_extents {
+  static constexpr bool valid = tensor_input<X>::valid;
+  static std::array<std::int64_t, 4> of(const X& x) { return tensor_input<X>::view(x).extents; }
+};
+
 // attend's steps, with `finish(kv, mask)` attending over what the update returned (kvc::attend:
 // scaled_dot_product_attention; kvc::attend_fp8: with its scales).
 template <class Cache, class Q, class KT, class VT, class Finish>
 auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
                  const AttendOptions& options, Finish&& finish) {
-  const auto qv = detail::tensor_input<std::remove_cvref_t<Q>>::view(queries);
-  const std::int64_t q = qv.extent(2);
+  const std::array<std::int64_t, 4> qe = input_extents<std::remove_cvref_t<Q>>::of(queries);
+  const std::int64_t q = qe[2];
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
   AttentionMask mask{kv_length,
                      kv_offset,
@@ -330,20 +353,19 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
                      true,
                      options.attention_chunk_size,
                      options.key_padding_mask};
-  if constexpr (detail::tensor_input<std::remove_cvref_t<KT>>::valid &&
-                detail::tensor_input<std::remove_cvref_t<VT>>::valid) {
-    const auto kv_in = detail::tensor_input<std::remove_cvref_t<KT>>::view(new_keys);
-    if (kv_in.extent(2) != q)  // the mask sizes were asked for q new tokens
-      throw ValueError("attend: queries of shape " + shape_string(qv.extents) + " and new keys of shape " +
-                       shape_string(kv_in.extents) + " must have the same seq length");
+  if constexpr (input_extents<std::remove_cvref_t<KT>>::valid && input_extents<std::remove_cvref_t<VT>>::valid) {
+    const std::array<std::int64_t, 4> kv_in = input_extents<std::remove_cvref_t<KT>>::of(new_keys);
+    if (kv_in[2] != q)  // the mask sizes were asked for q new tokens
+      throw ValueError("attend: queries of shape " + shape_string(qe) + " and new keys of shape " +
+                       shape_string(kv_in) + " must have the same seq length");
     // What the update will return: [batch, kv heads, kv_length, head_dim] of the new keys/values.
     // (A copy of kv_length: clang 14 lambdas cannot capture a structured binding.)
     auto returned = [length = mask.kv_length](const auto& x) {
-      auto e = detail::tensor_input<std::remove_cvref_t<decltype(x)>>::view(x).extents;
+      auto e = input_extents<std::remove_cvref_t<decltype(x)>>::of(x);
       e[2] = length;
       return e;
     };
-    detail::check_attention(qv.extents, returned(new_keys), returned(new_values), mask);
+    detail::check_attention(qe, returned(new_keys), returned(new_values), mask);
   }
   const auto kv = cache.update(new_keys, new_values, layer_idx);
   if (!options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))

@@ -37,6 +37,7 @@
 #include <Eigen/Core>
 
 #include <kvc/attention.hpp>
+#include <kvc/detail/attention_rows.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/tensor.hpp>
@@ -77,30 +78,24 @@ inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t blo
   }
 }
 
-}  // namespace detail
+// The checked geometry of one paged_attention call (host or device views): the layer's group and
+// pool tensor, sizes, and the group's window (0: full attention).
+struct paged_call {
+  std::int64_t group, pool, Hkv, D, block_size, Hq, T, R, window, pool_rows;
+};
 
-namespace detail {
-
-// paged_attention with queries of type T over a pool of S::element_type (T, or fp8 codes) whose
-// KV head hk's keys and values stand for scales.key_scale(hk) and value_scale(hk) times their
-// values (detail::unit_scales: themselves).
-template <class S, class T, class Scales>
-HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
-                                   const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
-                                   const TensorView<typename S::element_type>& values, std::optional<double> scale,
-                                   const Scales& scales) {
-  using KV = typename S::element_type;
-  using A = accum_t<T>;
+// Every check of paged_attention on shapes and the step's layout: ValueError.
+template <class S, class QView, class KVView>
+paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                                 const QView& queries, const KVView& keys, const KVView& values) {
   const auto [group, pool] = cache.layer_group(layer_idx);
   const std::int64_t Hkv = cache.num_key_value_heads(), D = cache.head_dim(), bs = cache.block_size();
   const std::int64_t Hq = queries.extent(1), T_ = queries.extent(2);
   const auto R = static_cast<std::int64_t>(step.requests.size());
-
-  // ---- checks ------------------------------------------------------------------------------
   if (queries.extent(0) != 1 || queries.extent(3) != D || Hq < 1 || Hq % Hkv != 0)
     throw ValueError("kvc::paged_attention: queries must be [1, a multiple of " + std::to_string(Hkv) +
                      " heads, tokens, " + std::to_string(D) + "], got " + shape_string(queries.extents));
-  for (const TensorView<KV>* x : {&keys, &values})
+  for (const KVView* x : {&keys, &values})
     if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, D})
       throw ValueError("kvc::paged_attention: keys and values must be [1, " + std::to_string(Hkv) + ", " +
                        std::to_string(T_) + ", " + std::to_string(D) + "] like the queries' tokens, got " +
@@ -117,13 +112,94 @@ HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t laye
     throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests needs " +
                      std::to_string(R + 1) + " non-decreasing cu_seqlens_q from 0 to the " + std::to_string(T_) +
                      " query tokens, and " + std::to_string(R) + " cached lengths >= 0");
+  const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache.group_allocator(group));
+  return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs};
+}
 
-  const auto& alloc = cache.group_allocator(group);
-  const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(alloc);
-  const std::int64_t window = sliding ? cache.sliding_window() : 0;
-  const std::int64_t pool_rows = (cache.num_blocks() + 2) * bs;
-  const KV* kpool = cache.key_pool(pool);
-  const KV* vpool = cache.value_pool(pool);
+// The block tables of a step's requests for a kernel: [R, width] (row r: request r's table, padded
+// with block 0), checked to cover every cached key a query sees (cached_runs' error otherwise).
+// Requests without query tokens get a padding row only.
+template <class S>
+std::vector<std::int64_t> paged_tables(const PagedCache<S>& cache, const paged_call& call,
+                                       const PagedAttentionStep& step, std::int64_t& width) {
+  std::vector<const std::vector<std::int64_t>*> tables(static_cast<std::size_t>(call.R), nullptr);
+  std::vector<pool_run> runs;
+  width = 1;
+  for (std::int64_t r = 0; r < call.R; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    if (step.cu_seqlens_q[i + 1] == step.cu_seqlens_q[i]) continue;
+    const std::int64_t past = step.past[i];
+    const auto& table =
+        std::visit([&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(step.requests[i]); },
+                   cache.group_allocator(call.group));
+    cached_runs(table, call.block_size, call.window,
+                call.window > 0 ? std::max<std::int64_t>(past - call.window + 1, 0) : 0, past, step.requests[i], runs);
+    tables[i] = &table;
+    width = std::max(width, static_cast<std::int64_t>(table.size()));
+  }
+  std::vector<std::int64_t> out(static_cast<std::size_t>(call.R * width), 0);
+  for (std::int64_t r = 0; r < call.R; ++r)
+    if (tables[static_cast<std::size_t>(r)])
+      std::copy(tables[static_cast<std::size_t>(r)]->begin(), tables[static_cast<std::size_t>(r)]->end(),
+                out.begin() + r * width);
+  return out;
+}
+
+// The device kernels' problem for a checked call: q, k, v the step's views, out a dense
+// [1, Hq, T, D]; cu, past and tables (paged_tables, `width` wide) in the memory the kernels read.
+template <class S, class QView, class KVView, class T = typename QView::element_type,
+          class KV = typename KVView::element_type>
+paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_problem(
+    const PagedCache<S>& cache, const paged_call& call, const QView& q, const KVView& k, const KVView& v,
+    std::remove_const_t<T>* out, const std::int64_t* cu, const std::int64_t* past, const std::int64_t* tables,
+    std::int64_t width, std::optional<double> scale, head_scales key_scales, head_scales value_scales) {
+  paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> p{};
+  static_cast<problem_base&>(p) = problem_base::of(call.Hq, call.Hkv, call.D, call.D, scale, key_scales, value_scales);
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.out = out;
+  p.kpool = cache.key_pool(call.pool);
+  p.vpool = cache.value_pool(call.pool);
+  p.Tq = call.T;
+  p.R = call.R;
+  p.pool_rows = call.pool_rows;
+  p.block_size = call.block_size;
+  p.window = call.window;
+  p.qs[0] = q.stride(1);
+  p.qs[1] = q.stride(2);
+  p.ks[0] = k.stride(1);
+  p.ks[1] = k.stride(2);
+  p.vs[0] = v.stride(1);
+  p.vs[1] = v.stride(2);
+  p.cu = cu;
+  p.past = past;
+  p.tables = tables;
+  p.table_width = width;
+  return p;
+}
+}  // namespace detail
+
+namespace detail {
+
+// paged_attention with queries of type T over a pool of S::element_type (T, or fp8 codes) whose
+// KV head hk's keys and values stand for scales.key_scale(hk) and value_scale(hk) times their
+// values (detail::unit_scales: themselves).
+template <class S, class T, class Scales>
+HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                                   const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
+                                   const TensorView<typename S::element_type>& values, std::optional<double> scale,
+                                   const Scales& scales) {
+  using KV = typename S::element_type;
+  using A = accum_t<T>;
+  const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
+  const std::int64_t Hkv = call.Hkv, D = call.D, bs = call.block_size, Hq = call.Hq, R = call.R, T_ = call.T;
+  const bool sliding = call.window > 0;
+  const std::int64_t window = call.window, pool_rows = call.pool_rows;
+  const auto cu = step.cu_seqlens_q;
+  const auto& alloc = cache.group_allocator(call.group);
+  const KV* kpool = cache.key_pool(call.pool);
+  const KV* vpool = cache.value_pool(call.pool);
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const std::int64_t heads_per_kv = Hq / Hkv;
 
