@@ -224,6 +224,34 @@ TEST_CASE("PagedCache::update refuses bad input before it writes anything") {
   CHECK(table[1] == -1);
 }
 
+TEST_CASE("PagedCache::write_all_layers writes what update writes, and checks every layer first") {
+  const std::int64_t heads = 2, dim = 3;
+  Cache a(model("fs", heads, dim, 5), cb(4, 8)), b = a;
+  for (Cache* c : {&a, &b}) REQUIRE(c->allocate_blocks(2, "r", 0));
+  kvc::PagedIndices none(2), writes(2);
+  a.extend_read_and_write_indices("r", 0, 7, nullptr, writes);
+  const auto k0 = step_tensor({{1, 0}, {2, 1}, {3, 2}, {4, 3}, {5, 4}, {6, 5}, {7, 6}}, 0, heads, dim, false);
+  const auto k1 = step_tensor({{1, 0}, {2, 1}, {3, 2}, {4, 3}, {5, 4}, {6, 5}, {7, 6}}, 1, heads, dim, true);
+  const std::vector<kvc::TensorView<float>> keys = {view(k0), view(k1)}, values = {view(k1), view(k0)};
+  for (std::int64_t layer = 0; layer < 2; ++layer)
+    b.update(keys[static_cast<std::size_t>(layer)], values[static_cast<std::size_t>(layer)], layer, none, writes);
+  const std::vector<float> before(a.key_pool(0), a.key_pool(0) + 10 * 4 * heads * dim);
+  const std::vector<kvc::TensorView<float>> one = {view(k0)};
+  CHECK_THROWS_WITH_AS(a.write_all_layers(one, one, writes),
+                       "kvc::PagedCache::write_all_layers: 1 keys and 1 values for 2 layers, and 2 write lists for 2 "
+                       "layer groups",
+                       kvc::ValueError);
+  kvc::PagedIndices bad = writes;
+  bad[1].pop_back();  // layer 1's group: 6 rows for 7 tokens, found after layer 0 passed its checks
+  CHECK_THROWS_WITH_AS(a.write_all_layers(keys, values, bad),
+                       "kvc::PagedCache::update: 7 new tokens but 6 write rows for group 1", kvc::ValueError);
+  CHECK(std::equal(before.begin(), before.end(), a.key_pool(0)));  // nothing written
+  a.write_all_layers(keys, values, writes);
+  const std::int64_t n = 10 * 4 * heads * dim;  // (blocks + 2) * block_size rows of every head
+  CHECK(std::equal(a.key_pool(0), a.key_pool(0) + n, b.key_pool(0)));
+  CHECK(std::equal(a.value_pool(0), a.value_pool(0) + n, b.value_pool(0)));
+}
+
 TEST_CASE("PagedCache: random batches of requests read exactly their own tokens") {
   // A model keeps each request's tokens; each step picks some requests and a query length for each
   // (a prefill chunk or one decode token), allocates the blocks the step needs as transformers'

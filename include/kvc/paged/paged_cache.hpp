@@ -38,6 +38,7 @@
 #include <kvc/paged/continuous_batching_config.hpp>
 #include <kvc/paged/layer_groups.hpp>
 #include <kvc/paged/memory_planner.hpp>
+#include <kvc/policies/storage/host.hpp>  // detail::scatter_job
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>
 
@@ -697,6 +698,37 @@ class PagedCache {
 
   // ---- update -----------------------------------------------------------------------------------
 
+  // The write half of update for every layer at once (vLLM's reshape_and_cache with a slot
+  // mapping): layer l's new keys and values, keys[l] and values[l] ([1, kv_heads, T_g, head_dim],
+  // T_g the write rows of its group), go to their group's write rows. One storage call for the
+  // whole model: on a CUDA device, one kernel launch. Every layer is checked before anything is
+  // written; nothing is read or returned (attention reads the pools: paged_attention).
+  void write_all_layers(std::span<const view_type> keys, std::span<const view_type> values,
+                        const PagedIndices& write_index) {
+    const auto layers = layer_map_.size();
+    if (keys.size() != layers || values.size() != layers || write_index.size() != allocators_.size())
+      throw ValueError("kvc::PagedCache::write_all_layers: " + std::to_string(keys.size()) + " keys and " +
+                       std::to_string(values.size()) + " values for " + std::to_string(layers) + " layers, and " +
+                       std::to_string(write_index.size()) + " write lists for " + std::to_string(allocators_.size()) +
+                       " layer groups");
+    const PagedIndices no_reads(allocators_.size());
+    std::vector<std::int64_t> rows;  // every group's write rows, one list after the other
+    std::vector<std::size_t> first(allocators_.size());
+    for (std::size_t g = 0; g < allocators_.size(); ++g) {
+      first[g] = rows.size();
+      rows.insert(rows.end(), write_index[g].begin(), write_index[g].end());
+    }
+    std::vector<detail::scatter_job<T>> jobs;
+    jobs.reserve(2 * layers);
+    for (std::size_t l = 0; l < layers; ++l) {
+      const step s = check_step(keys[l], values[l], static_cast<std::int64_t>(l), no_reads, write_index);
+      const std::size_t n = write_index[s.group].size();
+      jobs.push_back(job(keys_[s.pool].data(), keys[l], first[s.group], n));
+      jobs.push_back(job(values_[s.pool].data(), values[l], first[s.group], n));
+    }
+    S::scatter_rows(jobs, rows, kv_heads_, head_dim_, pool_rows() * head_dim_);
+  }
+
   // Stores the step's keys and values of layer `layer_idx` ([1, kv_heads, T, head_dim], the T query
   // tokens of every request of the batch one after the other) at the group's write rows, and
   // returns what attention reads: the group's read rows in order, [1, kv_heads, R, head_dim],
@@ -785,8 +817,8 @@ class PagedCache {
       gather(out_k, kp, reads, &k);
       gather(out_v, vp, reads, &v);
     }
-    scatter(kp, k, writes);
-    scatter(vp, v, writes);
+    const detail::scatter_job<T> jobs[2] = {job(kp, k, 0, writes.size()), job(vp, v, 0, writes.size())};
+    S::scatter_rows(jobs, writes, kv_heads_, head_dim_, pool_rows() * head_dim_);
     if (!s.sliding && out_k) {  // write, then read: the read rows include the new tokens
       gather(out_k, kp, reads, nullptr);
       gather(out_v, vp, reads, nullptr);
@@ -934,11 +966,14 @@ class PagedCache {
 
   std::int64_t pool_rows() const noexcept { return (num_blocks_ + 2) * block_size_; }
 
-  // Token t of x (every head) to pool row rows[t].
-  void scatter(T* pool, const view_type& x, const std::vector<std::int64_t>& rows) const {
-    for (std::size_t t = 0; t < rows.size(); ++t)
-      S::copy_2d(pool + rows[t] * head_dim_, pool_rows() * head_dim_,
-                 x.data() + static_cast<std::int64_t>(t) * x.stride(2), x.stride(1), head_dim_, kv_heads_);
+  // The write of x's tokens to a pool at rows first_row .. first_row + tokens - 1 of a rows list.
+  static detail::scatter_job<T> job(T* pool, const view_type& x, std::size_t first_row, std::size_t tokens) {
+    return {pool,
+            x.data(),
+            x.stride(2),
+            x.stride(1),
+            static_cast<std::int64_t>(first_row),
+            static_cast<std::int64_t>(tokens)};
   }
   // out[h, i, :] = pool[h, rows[i], :]; the i-th sentinel row takes token i of `fresh`. The pools
   // are head-major, so a run of consecutive rows (the tokens of one block) is one contiguous piece

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -71,6 +72,17 @@ class host_buffer {
 template <class T, class... Ts>
 inline constexpr bool is_any_of = (std::is_same_v<T, Ts> || ...);
 
+// One tensor of a paged write (kvc::PagedCache, the storages' scatter_rows): token t's rows of
+// every head go from src + t * src_token + h * src_head to dst at row rows[first_row + t].
+template <class T>
+struct scatter_job {
+  T* dst;
+  const T* src;
+  std::int64_t src_token, src_head;
+  std::int64_t first_row;  // into the rows list
+  std::int64_t tokens;
+};
+
 }  // namespace detail
 
 template <class T>
@@ -104,6 +116,21 @@ struct HostStorage {
     if (width <= 0) return;
     for (std::int64_t i = 0; i < height; ++i)
       std::memset(static_cast<void*>(dst + i * dpitch), 0, sizeof(T) * static_cast<std::size_t>(width));
+  }
+
+  // Paged writes: for every job and token t, its `heads` rows of `width` elements go to
+  // job.dst + rows[job.first_row + t] * width + h * dst_head_pitch (one destination row per token,
+  // [heads, rows, width] pools). Rows of one job repeat only where a paged cache sends tokens to
+  // its write-trash row, which nothing reads; on a device those writes race harmlessly.
+  static void scatter_rows(std::span<const detail::scatter_job<T>> jobs, std::span<const std::int64_t> rows,
+                           std::int64_t heads, std::int64_t width, std::int64_t dst_head_pitch) noexcept {
+    const auto bytes = sizeof(T) * static_cast<std::size_t>(width);
+    for (const auto& job : jobs)
+      for (std::int64_t t = 0; t < job.tokens; ++t) {
+        T* dst = job.dst + rows[static_cast<std::size_t>(job.first_row + t)] * width;
+        for (std::int64_t h = 0; h < heads; ++h)
+          std::memcpy(dst + h * dst_head_pitch, job.src + t * job.src_token + h * job.src_head, bytes);
+      }
   }
 
   // A view of data already in this storage's memory space.
