@@ -3,7 +3,11 @@
 # conformance tests (twice: as they are, and with PyTorch's __CUDA_NO_HALF_* macros) and the CUDA
 # benchmark (Release, nvcc, sm_90 + PTX), runs them, and prints a summary. Estimated 3-4 minutes on
 # 16 cores (never timed on the GPU machine yet); every step has a time limit so that the whole run
-# stays under 8 minutes.
+# stays under 8 minutes. What the summary holds, for the issue note: the test counts of every gpu
+# test (the storage scenarios, device attention and the paged cache on the device among them) and
+# the benchmark's SUMMARY lines: append vs device-to-device copy, decode attention bytes/s vs copy
+# bandwidth at 8k and 32k tokens (contiguous and paged), paged append (write_all_layers) vs copy,
+# the offload step vs no offload, and the quantized codecs.
 #
 #   bash tools/device-check.sh            build-device/, -j$(nproc)
 #   BUILD=dir JOBS=n bash tools/device-check.sh

@@ -13,7 +13,9 @@
 // standing for each layer's compute (goal <= 1.2x). "bytes" counts K and V bytes written once; cudaMemcpy rows count
 // the bytes copied, so both are the same measure. Last, the device codecs of QuantizedLayer:
 // quantize and dequantize throughput (int4, group 64) and a quantized decode step against a
-// DynamicLayer's. Exit code 77 (skipped) without a CUDA device.
+// DynamicLayer's. Then attention: a decode step at 8k and 32k tokens (contiguous and paged), as K/V
+// bytes read per second against the memcpy's bytes copied per second, and a paged append of every
+// layer of a prefill chunk (write_all_layers). Exit code 77 (skipped) without a CUDA device.
 
 #include <kvc/cuda.hpp>
 
@@ -150,6 +152,83 @@ void append_rows(const char* type) {
     const double bytes = 2.0 * sizeof(T) * static_cast<double>(batch * heads * dim);
     report({std::string("dynamic growth ") + type + " b1 q1 to " + std::to_string(n), bytes, s,
             memcpy_seconds(static_cast<std::size_t>(bytes), true, 100)});
+  }
+}
+
+// ---- attention and paged writes ---------------------------------------------------------------------
+
+double attention_fraction_8k = 0, attention_fraction_32k = 0, paged_attention_fraction_32k = 0,
+       paged_append_fraction = 0;
+
+// A device paged cache of full-attention layers, blocks of 16.
+template <class T>
+kvc::PagedCache<kvc::CudaStorage<T>> paged_cache(std::int64_t layers, std::int64_t heads, std::int64_t kv_heads,
+                                                 std::int64_t dim, std::int64_t blocks) {
+  kvc::ModelConfig config;
+  config.num_hidden_layers = layers;
+  config.num_attention_heads = heads;
+  config.num_key_value_heads = kv_heads;
+  config.head_dim = dim;
+  config.hidden_size = heads * dim;
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 16;
+  cb.num_blocks = blocks;
+  return kvc::PagedCache<kvc::CudaStorage<T>>(config, cb);
+}
+
+// A decode step's attention (one query token, 32 query heads on 8 KV heads of 128, half K/V):
+// the K/V bytes it reads per second, against the large memcpy's bytes copied per second.
+void attention_rows() {
+  using T = __half;
+  constexpr std::int64_t kv_heads = 8, heads = 32, dim = 128;
+  const int iters = quick ? 2 : 50;
+  for (const std::int64_t seq : {std::int64_t{8192}, std::int64_t{32768}}) {
+    const std::int64_t s = quick ? seq / 16 : seq;
+    const auto k = filled<T>(1, kv_heads, s, dim);
+    const auto q = filled<T>(1, heads, 1, dim);
+    const kvc::AttentionMask mask{s, 0, s - 1};
+    const double t =
+        seconds_per_call(iters, [&] { (void)kvc::scaled_dot_product_attention(q, k.view(), k.view(), mask); });
+    const double bytes = 2.0 * sizeof(T) * static_cast<double>(kv_heads * s * dim);
+    report({"decode attention half b1 kv" + std::to_string(s), bytes, t,
+            memcpy_seconds(static_cast<std::size_t>(bytes), false, iters)});
+    (seq == 8192 ? attention_fraction_8k : attention_fraction_32k) = bytes / t * 1e-9 / peak_memcpy_gbs;
+  }
+  // The same over a paged pool (blocks of 16 tokens): one request of 32768 tokens.
+  {
+    const std::int64_t s = quick ? 2048 : 32768;
+    kvc::PagedCache<kvc::CudaStorage<T>> cache = paged_cache<T>(1, heads, kv_heads, dim, s / 16 + 4);
+    const std::string id = "r";
+    (void)cache.allocate_blocks(s / 16 + 1, id, 0).value();
+    const auto q = filled<T>(1, heads, 1, dim);
+    const auto k = filled<T>(1, kv_heads, 1, dim);
+    const std::vector<std::string> reqs = {id};
+    const std::vector<std::int64_t> cu = {0, 1}, past = {s - 1};
+    const kvc::PagedAttentionStep step{reqs, cu, past};
+    const double t =
+        seconds_per_call(iters, [&] { (void)kvc::paged_attention(cache, 0, step, q.view(), k.view(), k.view()); });
+    const double bytes = 2.0 * sizeof(T) * static_cast<double>(kv_heads * s * dim);
+    report({"paged decode attention half b1 kv" + std::to_string(s), bytes, t,
+            memcpy_seconds(static_cast<std::size_t>(bytes), false, iters)});
+    paged_attention_fraction_32k = bytes / t * 1e-9 / peak_memcpy_gbs;
+  }
+  // Paged append: a prefill chunk of 2048 tokens of every layer of an 8-layer model in one
+  // write_all_layers (one kernel), into blocks of 16.
+  {
+    constexpr std::int64_t layers = 8, tokens = 2048;
+    kvc::PagedCache<kvc::CudaStorage<T>> cache = paged_cache<T>(layers, heads, kv_heads, dim, tokens / 16 + 4);
+    (void)cache.allocate_blocks(tokens / 16, "r", 0).value();
+    kvc::PagedIndices writes(1);
+    cache.extend_read_and_write_indices("r", 0, tokens, nullptr, writes);
+    std::vector<kvc::DeviceTensor<T>> data;
+    std::vector<kvc::DeviceTensorView<T>> views;
+    for (std::int64_t l = 0; l < layers; ++l) data.push_back(filled<T>(1, kv_heads, tokens, dim));
+    for (const auto& d : data) views.push_back(d.view());
+    const double t = seconds_per_call(iters, [&] { cache.write_all_layers(views, views, writes); });
+    const double bytes = 2.0 * sizeof(T) * static_cast<double>(layers * kv_heads * tokens * dim);
+    report(
+        {"paged append half 8 layers q2048", bytes, t, memcpy_seconds(static_cast<std::size_t>(bytes), true, iters)});
+    paged_append_fraction = bytes / t * 1e-9 / peak_memcpy_gbs;
   }
 }
 
@@ -315,6 +394,15 @@ int main(int argc, char** argv) {
       if (r.name.rfind("prefill", 0) == 0) best = std::max(best, r.bytes / r.seconds * 1e-9 / peak_memcpy_gbs);
     std::printf("\nSUMMARY: prefill append reaches %.0f%% of device-to-device cudaMemcpy bandwidth (goal >= 70%%)\n",
                 100.0 * best);
+    attention_rows();
+    std::printf(
+        "SUMMARY: decode attention reads K/V at %.0f%% (8k tokens) and %.0f%% (32k) of device-to-device cudaMemcpy "
+        "bandwidth, paged at %.0f%% (32k) (goal >= 70%%)\n",
+        100.0 * attention_fraction_8k, 100.0 * attention_fraction_32k, 100.0 * paged_attention_fraction_32k);
+    std::printf(
+        "SUMMARY: paged append (write_all_layers) reaches %.0f%% of device-to-device cudaMemcpy bandwidth "
+        "(goal >= 70%%)\n",
+        100.0 * paged_append_fraction);
     offload_rows();
     std::printf("SUMMARY: offload decode step %.2fx the resident one with OffloadToHost (goal <= 1.2x)\n",
                 offload_ratio);

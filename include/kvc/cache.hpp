@@ -163,8 +163,8 @@ class Cache {
                 "or see docs/concepts/storage_policy.md");
   static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::supports_its_element_type<StoragePolicy>,
                 "kvc::Cache: the StoragePolicy does not support this element type. Use float, double, Eigen::half, "
-                "Eigen::bfloat16 or an 8-bit float (kvc::float8_e4m3, float8_e5m2) with HostStorage; float, __half "
-                "or __nv_bfloat16 with CudaStorage");
+                "Eigen::bfloat16 or an 8-bit float (kvc::float8_e4m3, float8_e5m2) with HostStorage; float, __half, "
+                "__nv_bfloat16 or an 8-bit float with CudaStorage");
   static_assert(!concepts::StoragePolicy<StoragePolicy> || concepts::OffloadPolicy<OffloadPolicy, StoragePolicy>,
                 "kvc::Cache: the OffloadPolicy does not model kvc::concepts::OffloadPolicy. Use kvc::NoOffload or see "
                 "docs/concepts/offload_policy.md");

@@ -1,6 +1,8 @@
 #pragma once
 // The CUDA umbrella header: everything in <kvc/kvc.hpp> plus device storage (kvc::CudaStorage,
-// kvc::DeviceTensorView, kvc::DeviceStateView, kvc::DeviceTensor, kvc::to_device, kvc::to_host) and the engine of kvc::OffloadToHost.
+// kvc::DeviceTensorView, kvc::DeviceStateView, kvc::DeviceTensor, kvc::to_device, kvc::to_host), the engine of kvc::OffloadToHost, and attention
+// on the device (scaled_dot_product_attention over device views, paged_attention over a
+// PagedCache<CudaStorage<T>>).
 // Compile the including file with nvcc (-std=c++20); see docs/cuda.md.
 
 #if !defined(__CUDACC__)
@@ -10,5 +12,6 @@
 #include <kvc/kvc.hpp>
 #include <kvc/policies/storage/cuda.cuh>
 #include <kvc/policies/offload/host_engine.cuh>  // kvc::OffloadToHost's engine for CudaStorage
+#include <kvc/detail/cuda_attention.cuh>         // attention and paged attention on the device
 
 #endif  // __CUDACC__

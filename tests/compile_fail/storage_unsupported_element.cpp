@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc::Cache: the StoragePolicy does not support this element type. Use float, double, Eigen::half, Eigen::bfloat16 or an 8-bit float (kvc::float8_e4m3, float8_e5m2) with HostStorage; float, __half or __nv_bfloat16 with CudaStorage
+// EXPECT-ERROR: kvc::Cache: the StoragePolicy does not support this element type. Use float, double, Eigen::half, Eigen::bfloat16 or an 8-bit float (kvc::float8_e4m3, float8_e5m2) with HostStorage; float, __half, __nv_bfloat16 or an 8-bit float with CudaStorage
 // kvc::HostStorage<int> is a storage policy, but int is not an element type it can hold.
 // docs/errors.md lists the fix.
 #include <kvc/cache.hpp>

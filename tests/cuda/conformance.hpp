@@ -17,12 +17,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <span>
+#include <type_traits>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include <doctest/doctest.h>
 
+#include <kvc/detail/attention_rows.hpp>
 #include <kvc/kvc.hpp>
+#include <kvc/paged/paged_attention.hpp>
 
 namespace kvc_conformance {
 
@@ -155,6 +161,32 @@ struct HostBackend {
     return t;
   }
   static kvc::HostTensor<T> fetch(const kvc::TensorView<T>& v) { return v.to_tensor(); }
+  // Attention over a cache's views by the device kernels' per-row steps on the host, with splits of
+  // `chunk` keys (the device picks its own split: the merge is exercised here with small chunks).
+  template <class View>
+  static Ref attention(const Ref& q, const View& k, const View& v, const kvc::AttentionMask& mask, double scale,
+                       std::int64_t chunk) {
+    const kvc::HostTensor<T> hq = cast_to<T>(q);
+    kvc::HostTensor<T> out(q.dimension(0), q.dimension(1), q.dimension(2), v.extent(3));
+    const auto p = kvc::detail::make_dense_problem(kvc::HostStorage<T>::input_view(hq), k, v, mask, scale, out.data(),
+                                                   {}, {}, mask.key_padding_mask.data());
+    kvc::detail::attention_rows_host(p, chunk);
+    return to_float(out);
+  }
+  template <class Cache, class View>
+  static Ref paged_attention(const Cache& cache, std::int64_t layer, const kvc::PagedAttentionStep& step, const Ref& q,
+                             const View& k, const View& v, std::int64_t chunk) {
+    const kvc::HostTensor<T> hq = cast_to<T>(q);
+    const auto qv = kvc::HostStorage<T>::input_view(hq);
+    const auto call = kvc::detail::check_paged_attention(cache, layer, step, qv, k, v);
+    std::int64_t width = 0;
+    const auto tables = kvc::detail::paged_tables(cache, call, step, width);
+    kvc::HostTensor<T> out(1, call.Hq, call.T, call.D);
+    const auto p = kvc::detail::make_paged_problem(cache, call, qv, k, v, out.data(), step.cu_seqlens_q.data(),
+                                                   step.past.data(), tables.data(), width, std::nullopt, {}, {});
+    kvc::detail::attention_rows_host(p, chunk);
+    return to_float(out);
+  }
   // Not StateView::to_tensor: it sizes the tensor with a std::array, which nvcc's Eigen rejects.
   template <int N>
   static Eigen::Tensor<T, N, Eigen::RowMajor> fetch_state(const kvc::StateView<T>& v) {
@@ -740,6 +772,173 @@ void quantized(Record& rec) {
   quantized_kind<B>(rec, kvc::HQQQuantizedLayer{3, 1, 0, 8, 4}, "hqq3", 9.5f, 9.5f);
 }
 
+// ---- I. attention over a cache's views (the device kernels) ---------------------------------------
+
+// One unit in the last place of E at 16..32, the largest |output| here: how far two computations
+// rounded to E from nearly equal floats may land apart.
+template <class E>
+float output_tolerance() {
+  if constexpr (std::is_same_v<E, float>)
+    return 1e-4f;
+  else
+    return static_cast<float>(std::ldexp(1.0, 4 - std::numeric_limits<E>::digits + 1));
+}
+
+// Queries of small values, so that the softmax spreads over many keys.
+inline Ref queries(int run, std::int64_t batch, std::int64_t heads, std::int64_t t0, std::int64_t q, std::int64_t dim) {
+  Ref out = tokens(run, batch, heads, t0, q, dim);
+  for (Eigen::Index i = 0; i < out.size(); ++i) out.data()[i] *= 0.004f;
+  return out;
+}
+
+// A DynamicCache over the storage: prefill, decode steps and a long decode (several splits on a
+// device), each attended with GQA (4 query heads on 2 KV heads), full causal, a sliding window, a
+// chunk mask and a padded batch row, against kvc::scaled_dot_product_attention over the same keys.
+template <class B>
+void attention(Record& rec) {
+  using E = typename B::element;
+  using S = typename B::storage;
+  constexpr std::int64_t batch = 2, kv_heads = 2, heads = 4, dim = 16;
+  const float tol = output_tolerance<E>();
+  kvc::Cache<kvc::Replicate<kvc::DynamicLayer>, S> cache;
+  std::vector<std::uint8_t> padding(static_cast<std::size_t>(batch * 700), 1);
+  for (std::int64_t p = 0; p < 5; ++p) padding[static_cast<std::size_t>(700 + p)] = 0;  // row 1: 5 pads in front
+  std::int64_t past = 0;
+  for (const std::int64_t q : {12, 1, 3, 600, 1}) {
+    const Ref k = tokens(40, batch, kv_heads, past, q, dim), v = tokens(41, batch, kv_heads, past, q, dim);
+    const kvc::HostTensor<E> hk = cast_to<E>(k), hv = cast_to<E>(v);
+    auto&& dk = B::input(hk);
+    auto&& dv = B::input(hv);
+    const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, 0);
+    const auto kv = cache.update(dk, dv, 0);
+    if (q == 600) {  // a long prefill is stored, not attended (the host path would be slow)
+      past += q;
+      continue;
+    }
+    const kvc::HostTensor<E> keys = B::fetch(kv.keys), values = B::fetch(kv.values);
+    const Ref qr = queries(42 + static_cast<int>(q), batch, heads, past, q, dim);
+    const kvc::HostTensor<E> hq = cast_to<E>(qr);
+    struct variant {
+      const char* name;
+      std::optional<std::int64_t> window, chunk;
+      bool pad;
+    };
+    for (const variant& m : {variant{"causal", {}, {}, false}, variant{"sliding", 5, {}, false},
+                             variant{"chunked", {}, 8, false}, variant{"padded", {}, {}, true}}) {
+      kvc::AttentionMask mask{kv_length, kv_offset, past, m.window, true, m.chunk, {}};
+      if (m.pad) mask.key_padding_mask = std::span<const std::uint8_t>(padding);
+      const std::string label = "attention.q" + std::to_string(q) + "." + m.name;
+      const Ref got = B::attention(qr, kv.keys, kv.values, mask, 0.25, 7);
+      const Ref want = to_float(kvc::scaled_dot_product_attention(kvc::HostStorage<E>::input_view(hq),
+                                                                  kvc::HostStorage<E>::input_view(keys),
+                                                                  kvc::HostStorage<E>::input_view(values), mask, 0.25));
+      CHECK(same(got, want, label, tol));
+      rec.tensor(label, got, tol);
+    }
+    past += q;
+  }
+  rec.number("attention.tokens", past);
+}
+
+// ---- J. the paged cache over the storage: writes of every layer, paged attention -----------------
+
+// Three requests through steps of prefill chunks and decodes over a full and a sliding layer,
+// written with write_all_layers and attended with the kernels' steps, against a
+// PagedCache<HostStorage> written layer by layer with update and read by kvc::paged_attention.
+template <class B>
+void paged(Record& rec) {
+  using E = typename B::element;
+  using S = typename B::storage;
+  constexpr std::int64_t kv_heads = 2, heads = 4, dim = 16, window = 6;
+  kvc::ModelConfig config;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = heads;
+  config.num_key_value_heads = kv_heads;
+  config.head_dim = dim;
+  config.hidden_size = heads * dim;
+  config.sliding_window = window;
+  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 48;
+  kvc::PagedCache<S> cache(config, cb);
+  kvc::PagedCache<kvc::HostStorage<E>> reference(config, cb);
+  const std::vector<std::string> ids = {"a", "b", "c"};
+  std::vector<std::int64_t> past(3, 0), held(3, 0);
+  const std::vector<std::vector<std::int64_t>> plan = {{5, 9, 3}, {1, 1, 7}, {1, 0, 1}, {2, 1, 1}};
+  const float tol = output_tolerance<E>();
+  int run = 50;
+  for (const auto& sizes : plan) {
+    std::vector<std::string> reqs;
+    std::vector<std::int64_t> cu = {0}, pasts;
+    kvc::PagedIndices none(2), writes(2), ref_writes(2);
+    for (std::size_t r = 0; r < ids.size(); ++r) {
+      if (sizes[r] == 0) continue;
+      const std::int64_t need = (past[r] + sizes[r] + cb.block_size - 1) / cb.block_size - held[r];
+      if (need > 0) {
+        REQUIRE(cache.allocate_blocks(need, ids[r], held[r]).has_value());
+        REQUIRE(reference.allocate_blocks(need, ids[r], held[r]).has_value());
+        held[r] += need;
+      }
+      cache.extend_read_and_write_indices(ids[r], past[r], sizes[r], nullptr, writes);
+      reference.extend_read_and_write_indices(ids[r], past[r], sizes[r], nullptr, ref_writes);
+      reqs.push_back(ids[r]);
+      pasts.push_back(past[r]);
+      cu.push_back(cu.back() + sizes[r]);
+    }
+    CHECK(writes == ref_writes);
+    const kvc::PagedAttentionStep step{reqs, cu, pasts};
+    const std::int64_t T = cu.back();
+    std::vector<kvc::HostTensor<E>> hk, hv;
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      hk.push_back(cast_to<E>(tokens(run++, 1, kv_heads, 0, T, dim)));
+      hv.push_back(cast_to<E>(tokens(run++, 1, kv_heads, 0, T, dim)));
+    }
+    using Input = std::remove_cvref_t<decltype(B::input(hk[0]))>;
+    std::vector<Input> dk, dv;  // what the views below point into
+    std::vector<typename S::view_type> kviews, vviews;
+    for (std::size_t l = 0; l < 2; ++l) {
+      dk.push_back(B::input(hk[l]));
+      dv.push_back(B::input(hv[l]));
+    }
+    for (std::size_t l = 0; l < 2; ++l) {
+      kviews.push_back(S::input_view(dk[l]));
+      vviews.push_back(S::input_view(dv[l]));
+    }
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto l = static_cast<std::size_t>(layer);
+      const Ref q = queries(run++, 1, heads, 0, T, dim);
+      const kvc::HostTensor<E> hq = cast_to<E>(q);
+      const std::string label = "paged.T" + std::to_string(T) + ".layer" + std::to_string(layer);
+      const Ref got = B::paged_attention(cache, layer, step, q, kviews[l], vviews[l], 3);
+      const Ref want = to_float(kvc::paged_attention(reference, layer, step, kvc::HostStorage<E>::input_view(hq),
+                                                     kvc::HostStorage<E>::input_view(hk[l]),
+                                                     kvc::HostStorage<E>::input_view(hv[l])));
+      CHECK(same(got, want, label, tol));
+      rec.tensor(label, got, tol);
+      reference.update(kvc::HostStorage<E>::input_view(hk[l]), kvc::HostStorage<E>::input_view(hv[l]), layer, none,
+                       ref_writes);
+    }
+    cache.write_all_layers(kviews, vviews, writes);
+    for (std::size_t r = 0, i = 0; r < ids.size(); ++r)
+      if (sizes[r] > 0) past[r] += cu[i + 1] - cu[i], ++i;
+  }
+  // The pools after the writes, every block (not the trash rows past them), exactly.
+  const std::int64_t rows = (cb.num_blocks.value() + 2) * cb.block_size, pages = cache.num_pages();
+  for (std::int64_t j = 0; j < cache.group_size(); ++j) {
+    const std::array<std::int64_t, 4> e{1, kv_heads, pages, dim}, st{kv_heads * rows * dim, rows * dim, dim, 1};
+    const Ref got = to_float(B::fetch(S::make_view(cache.key_pool(j), e, st)));
+    const Ref want = to_float(kvc::HostStorage<E>::make_view(reference.key_pool(j), e, st).to_tensor());
+    CHECK(same(got, want, "paged.key_pool" + std::to_string(j)));
+    rec.tensor("paged.key_pool" + std::to_string(j), got);
+    const Ref vgot = to_float(B::fetch(S::make_view(cache.value_pool(j), e, st)));
+    const Ref vwant = to_float(kvc::HostStorage<E>::make_view(reference.value_pool(j), e, st).to_tensor());
+    CHECK(same(vgot, vwant, "paged.value_pool" + std::to_string(j)));
+    rec.tensor("paged.value_pool" + std::to_string(j), vgot);
+  }
+  rec.number("paged.blocks_free", cache.manager().num_free_blocks());
+}
+
 // Every scenario, in order, into one record each.
 template <class B>
 std::vector<std::pair<const char*, Record>> run_all() {
@@ -758,6 +957,8 @@ std::vector<std::pair<const char*, Record>> run_all() {
   run("linear_states", &linear_states<B>);
   run("indexed", &indexed<B>);
   run("quantized", &quantized<B>);
+  run("attention", &attention<B>);
+  run("paged", &paged<B>);
   return out;
 }
 

@@ -58,6 +58,10 @@ template class kvc::Cache<kvc::Layers<kvc::HQQQuantizedLayer>, kvc::CudaStorage<
 static_assert(std::is_same_v<kvc::detail::quantized_tensor_t<kvc::CudaStorage<__half>, __half>,
                              kvc::detail::device_quantized_tensor<__half, kvc::DefaultCudaStream>>);
 static_assert(std::is_same_v<kvc::detail::quant_meta_t<__nv_bfloat16>, __nv_bfloat16>);
+// The paged cache over device memory: every member (pools, swap pool, forks, offload) compiles.
+template class kvc::PagedCache<kvc::CudaStorage<__half>>;
+template class kvc::PagedCache<kvc::CudaStorage<kvc::float8_e4m3>>;
+static_assert(kvc::concepts::supports_its_element_type<kvc::CudaStorage<kvc::float8_e5m2>>);
 
 namespace {
 
@@ -73,6 +77,19 @@ struct CudaBackend {
     return kvc::to_device(t);
   }
   static kvc::HostTensor<element> fetch(const kvc::DeviceTensorView<T>& v) { return kvc::to_host(v); }
+  // Attention by the device kernels (they choose their own split; `chunk` is the host path's).
+  static kc::Ref attention(const kc::Ref& q, const kvc::DeviceTensorView<T>& k, const kvc::DeviceTensorView<T>& v,
+                           const kvc::AttentionMask& mask, double scale, std::int64_t) {
+    const auto dq = kvc::to_device(kc::cast_to<element>(q));
+    return kc::to_float(kvc::to_host(kvc::scaled_dot_product_attention(dq, k, v, mask, scale).view()));
+  }
+  template <class Cache>
+  static kc::Ref paged_attention(const Cache& cache, std::int64_t layer, const kvc::PagedAttentionStep& step,
+                                 const kc::Ref& q, const kvc::DeviceTensorView<T>& k, const kvc::DeviceTensorView<T>& v,
+                                 std::int64_t) {
+    const auto dq = kvc::to_device(kc::cast_to<element>(q));
+    return kc::to_float(kvc::to_host(kvc::paged_attention(cache, layer, step, dq.view(), k, v).view()));
+  }
   template <int N>
   static Eigen::Tensor<element, N, Eigen::RowMajor> fetch_state(const kvc::DeviceStateView<T>& v) {
     return kvc::to_host<N>(v);
@@ -539,4 +556,174 @@ TEST_CASE("StaticCache with OffloadToHost<true>: sliding layers stay on the devi
   ref.reset();
   host.reset();
   same_stored(off, ref, host, "static reset");
+}
+
+// ---- attention on the device, beyond the conformance scenarios --------------------------------------
+
+namespace {
+
+template <class H>
+kvc::HostTensor<H> random_host(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  kvc::HostTensor<H> t(b, h, s, d);
+  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<H>(u(rng));
+  return t;
+}
+
+template <class H>
+float largest_difference(const kvc::HostTensor<H>& a, const kvc::HostTensor<H>& b) {
+  REQUIRE(a.dimensions() == b.dimensions());
+  float worst = 0;
+  for (Eigen::Index i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(static_cast<float>(a.data()[i]) - static_cast<float>(b.data()[i])));
+  return worst;
+}
+
+// A long context (several splits of the keys, then the merge), head_dim 128 and 256, a decode
+// step and a prefill chunk, against the host's attention over the same keys.
+template <class T>
+void long_context_matches_host(float tolerance) {
+  using H = kvc::detail::host_element_t<T>;
+  std::mt19937 rng(7);
+  for (const std::int64_t dim : {128, 256}) {
+    for (const std::int64_t q : {1, 33}) {
+      const std::int64_t seq = 5000;
+      const auto k = random_host<H>(2, 2, seq, dim, rng), v = random_host<H>(2, 2, seq, dim, rng);
+      const auto queries = random_host<H>(2, 8, q, dim, rng);
+      const auto dk = kvc::to_device(k), dv = kvc::to_device(v), dq = kvc::to_device(queries);
+      for (const std::optional<std::int64_t> window :
+           {std::optional<std::int64_t>{}, std::optional<std::int64_t>{700}}) {
+        INFO("head_dim " << dim << ", " << q << " queries, window " << window.value_or(0));
+        const kvc::AttentionMask mask{seq, 0, seq - q, window};
+        const auto got = kvc::to_host(kvc::scaled_dot_product_attention(dq, dk.view(), dv.view(), mask).view());
+        const auto want = kvc::scaled_dot_product_attention(kvc::HostStorage<H>::input_view(queries),
+                                                            kvc::HostStorage<H>::input_view(k),
+                                                            kvc::HostStorage<H>::input_view(v), mask);
+        CHECK(largest_difference(got, want) <= tolerance);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device attention: long contexts split over the keys, head_dim 128 and 256") {
+  long_context_matches_host<float>(2e-5f);
+  long_context_matches_host<__half>(2e-3f);           // an ulp of half below 1
+  long_context_matches_host<__nv_bfloat16>(1.6e-2f);  // an ulp of bfloat16 below 1
+}
+
+TEST_CASE("device attention over fp8 codes (per-head scales, both formats) matches the host's") {
+  std::mt19937 rng(8);
+  const auto k = random_host<float>(1, 2, 300, 64, rng), v = random_host<float>(1, 2, 300, 64, rng);
+  const auto q = random_host<float>(1, 4, 2, 64, rng);
+  const auto check = [&](auto code) {
+    using F8 = decltype(code);
+    const kvc::Fp8Scales scales =
+        kvc::fp8_scales_for<F8>(kvc::HostStorage<float>::input_view(k), kvc::HostStorage<float>::input_view(v),
+                                kvc::Fp8ScaleGranularity::per_head);
+    const auto k8 = kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(k), scales.keys);
+    const auto v8 = kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(v), scales.values);
+    const kvc::AttentionMask mask{300, 0, 298};
+    const auto dk = kvc::to_device(k8), dv = kvc::to_device(v8);
+    const auto dq = kvc::to_device(q);
+    const auto got = kvc::to_host(kvc::scaled_dot_product_attention(dq, dk.view(), dv.view(), mask, scales).view());
+    const auto want =
+        kvc::detail::attention_impl(kvc::HostStorage<float>::input_view(q), kvc::HostStorage<F8>::input_view(k8),
+                                    kvc::HostStorage<F8>::input_view(v8), mask, std::nullopt, scales);
+    CHECK(largest_difference(got, want) <= 1e-5f);
+    const kvc::Fp8Scales wrong{{1.f, 1.f, 1.f}, {1.f}};
+    CHECK_THROWS_AS(kvc::scaled_dot_product_attention(dq, dk.view(), dv.view(), mask, wrong), kvc::ValueError);
+  };
+  check(kvc::float8_e4m3{});
+  check(kvc::float8_e5m2{});
+}
+
+TEST_CASE("paged attention over an fp8 device pool matches the host's") {
+  kvc::ModelConfig config;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = 4;
+  config.num_key_value_heads = 2;
+  config.head_dim = 32;
+  config.hidden_size = 128;
+  config.sliding_window = 7;
+  config.layer_types = std::vector<std::string>{"sliding_attention", "full_attention"};
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 32;
+  using F8 = kvc::float8_e4m3;
+  kvc::PagedCache<kvc::CudaStorage<F8>> device(config, cb);
+  kvc::PagedCache<kvc::HostStorage<F8>> host(config, cb);
+  const kvc::Fp8Scales scales{{0.01f, 0.02f}, {0.015f}};
+  std::mt19937 rng(9);
+  std::int64_t past = 0, held = 0;
+  for (const std::int64_t q : {13, 1, 1, 6}) {
+    const std::int64_t need = (past + q + 3) / 4 - held;
+    if (need > 0) {
+      REQUIRE(device.allocate_blocks(need, "r", held).has_value());
+      REQUIRE(host.allocate_blocks(need, "r", held).has_value());
+      held += need;
+    }
+    kvc::PagedIndices none(2), writes(2);
+    host.extend_read_and_write_indices("r", past, q, nullptr, writes);
+    const std::vector<std::string> reqs = {"r"};
+    const std::vector<std::int64_t> cu = {0, q}, pasts = {past};
+    const kvc::PagedAttentionStep step{reqs, cu, pasts};
+    std::vector<kvc::HostTensor<F8>> k8, v8;
+    std::vector<kvc::DeviceTensor<F8>> dk, dv;
+    std::vector<kvc::DeviceTensorView<F8>> kviews, vviews;
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      k8.push_back(
+          kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(random_host<float>(1, 2, q, 32, rng)), scales.keys));
+      v8.push_back(
+          kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(random_host<float>(1, 2, q, 32, rng)), scales.values));
+      dk.push_back(kvc::to_device(k8.back()));
+      dv.push_back(kvc::to_device(v8.back()));
+    }
+    for (std::size_t l = 0; l < 2; ++l) {
+      kviews.push_back(dk[l].view());
+      vviews.push_back(dv[l].view());
+    }
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto l = static_cast<std::size_t>(layer);
+      const auto queries = random_host<float>(1, 4, q, 32, rng);
+      const auto dq = kvc::to_device(queries);
+      const auto got =
+          kvc::to_host(kvc::paged_attention(device, layer, step, dq.view(), kviews[l], vviews[l], scales).view());
+      const auto want = kvc::paged_attention(host, layer, step, kvc::HostStorage<float>::input_view(queries),
+                                             kvc::HostStorage<F8>::input_view(k8[l]),
+                                             kvc::HostStorage<F8>::input_view(v8[l]), scales);
+      INFO("step at " << past << ", layer " << layer);
+      CHECK(largest_difference(got, want) <= 1e-5f);
+      host.update(kvc::HostStorage<F8>::input_view(k8[l]), kvc::HostStorage<F8>::input_view(v8[l]), layer, none,
+                  writes);
+    }
+    device.write_all_layers(kviews, vviews, writes);
+    past += q;
+  }
+}
+
+TEST_CASE("kvc::attend over a device cache: the host's results, and its checks before the update") {
+  kvc::DynamicCache<float, kvc::CudaStorage<float>> device;
+  kvc::DynamicCache<float> host;
+  std::mt19937 rng(10);
+  for (const std::int64_t q : {9, 1, 1}) {
+    const auto queries = random_host<float>(1, 4, q, 64, rng);
+    const auto k = random_host<float>(1, 2, q, 64, rng), v = random_host<float>(1, 2, q, 64, rng);
+    const auto got =
+        kvc::to_host(kvc::attend(device, 0, kvc::to_device(queries), kvc::to_device(k), kvc::to_device(v), {4}).view());
+    const auto want = kvc::attend(host, 0, queries, k, v, {4});
+    CHECK(largest_difference(got, want) <= 1e-5f);
+  }
+  const auto bad_queries = kvc::to_device(random_host<float>(1, 3, 1, 64, rng));
+  const auto k = kvc::to_device(random_host<float>(1, 2, 1, 64, rng));
+  CHECK_THROWS_WITH_AS(kvc::attend(device, 0, bad_queries, k, k),
+                       "scaled_dot_product_attention: 3 query heads are not a multiple of 2 key/value heads",
+                       kvc::ValueError);
+  CHECK(device.get_seq_length(0) == 11);  // unchanged
+  const auto wide = kvc::to_device(random_host<float>(1, 2, 1, 512, rng));
+  CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(wide, wide.view(), wide.view(), kvc::AttentionMask{1, 0, 0}),
+                       "kvc::scaled_dot_product_attention on a device: head_dim 512 is above the device kernels' "
+                       "limit of 256",
+                       kvc::ValueError);
 }

@@ -6,7 +6,7 @@ namespace kc = kvc_conformance;
 
 TEST_CASE("conformance: HostStorage<float> passes every scenario") {
   const auto records = kc::run_all<kc::HostBackend<float>>();
-  CHECK(records.size() == 8);
+  CHECK(records.size() == 10);
   for (const auto& scenario : records) {  // no structured binding: clang 14 cannot capture one in INFO
     INFO("scenario " << scenario.first);
     CHECK_FALSE(scenario.second.labels.empty());
@@ -26,8 +26,11 @@ TEST_CASE("conformance: HostStorage<Eigen::bfloat16> gives the float results, ro
   REQUIRE(f.size() == h.size());
   for (std::size_t i = 0; i < f.size(); ++i) {
     // bytes differ with the element size; everything else (shapes, lengths, elements) is equal,
-    // except what the quantized layers return (their metadata is rounded to bfloat16)
+    // except what the quantized layers return (their metadata is rounded to bfloat16) and attention
+    // outputs (rounded to bfloat16)
     CHECK(f[i].second.labels == h[i].second.labels);
-    if (std::string(f[i].first) != "quantized") CHECK(f[i].second.tensors == h[i].second.tensors);
+    const std::string name = f[i].first;
+    if (name != "quantized" && name != "attention" && name != "paged")
+      CHECK(f[i].second.tensors == h[i].second.tensors);
   }
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime.h>
 
@@ -30,7 +31,9 @@ __global__ void copy_rows_kernel(V* __restrict__ dst, std::int64_t dpitch, const
 
 inline constexpr std::size_t vector_bytes = 16;
 
-inline bool vector_aligned(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % vector_bytes == 0; }
+__host__ __device__ inline bool vector_aligned(const void* p) noexcept {
+  return reinterpret_cast<std::uintptr_t>(p) % vector_bytes == 0;
+}
 
 // Launch shape for `height` rows of `width` vectors: 256 threads a block, as many of them along
 // a row as the row has vectors (rounded up to a power of two; a warp may span several short rows,
@@ -83,5 +86,38 @@ inline void zero_rows_bytes(void* dst, std::size_t dpitch, std::size_t width, st
   }
   cuda_check(cudaMemset2DAsync(dst, dpitch, 0, width, height, stream), "cudaMemset2DAsync");
 }
+
+// Scratch device memory that lives in stream order on `stream` (cudaMallocAsync / cudaFreeAsync);
+// where the device has no stream-ordered memory pools, plain cudaMalloc / cudaFree.
+class stream_scratch {
+ public:
+  // `what` names the memory in errors ("cudaMallocAsync of <what> failed: ...").
+  stream_scratch(std::size_t bytes, cudaStream_t stream, const char* what = "kvc's quantization scratch")
+      : stream_(stream) {
+    if (bytes == 0) return;
+    const cudaError_t status = cudaMallocAsync(&ptr_, bytes, stream);
+    if (status == cudaErrorNotSupported) {
+      (void)cudaGetLastError();
+      ordered_ = false;
+      cuda_check(cudaMalloc(&ptr_, bytes), (std::string("cudaMalloc of ") + what).c_str());
+      return;
+    }
+    cuda_check(status, (std::string("cudaMallocAsync of ") + what).c_str());
+  }
+  stream_scratch(const stream_scratch&) = delete;
+  stream_scratch& operator=(const stream_scratch&) = delete;
+  ~stream_scratch() {
+    if (!ptr_) return;
+    // A broken context reports at the next checked call; the last error is cleared so that it is
+    // not blamed on the next launch.
+    if ((ordered_ ? cudaFreeAsync(ptr_, stream_) : cudaFree(ptr_)) != cudaSuccess) (void)cudaGetLastError();
+  }
+  void* get() const noexcept { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+  bool ordered_ = true;
+};
 
 }  // namespace kvc::detail

@@ -16,6 +16,7 @@
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
 
 namespace kvc {
@@ -151,6 +152,14 @@ struct element_map<__nv_bfloat16> {
 };
 template <>
 struct element_map<Eigen::bfloat16> : element_map<__nv_bfloat16> {};
+
+// fp8 codes are one byte on both sides: kvc's own float8 types, copied as they are.
+template <class Format>
+struct element_map<float8<Format>> {
+  static constexpr bool valid = true;
+  using host = float8<Format>;
+  using device = float8<Format>;
+};
 
 template <class T>
 using host_element_t = typename element_map<std::remove_const_t<T>>::host;

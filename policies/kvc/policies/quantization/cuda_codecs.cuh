@@ -95,37 +95,6 @@ __global__ void quant_decode_vec_kernel(T* __restrict__ dst, std::int64_t stride
   }
 }
 
-// Scratch device memory that lives in stream order on `stream` (cudaMallocAsync / cudaFreeAsync);
-// where the device has no stream-ordered memory pools, plain cudaMalloc / cudaFree.
-class stream_scratch {
- public:
-  stream_scratch(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes == 0) return;
-    const cudaError_t status = cudaMallocAsync(&ptr_, bytes, stream);
-    if (status == cudaErrorNotSupported) {
-      (void)cudaGetLastError();
-      ordered_ = false;
-      cuda_check(cudaMalloc(&ptr_, bytes), "cudaMalloc of kvc's quantization scratch");
-      return;
-    }
-    cuda_check(status, "cudaMallocAsync of kvc's quantization scratch");
-  }
-  stream_scratch(const stream_scratch&) = delete;
-  stream_scratch& operator=(const stream_scratch&) = delete;
-  ~stream_scratch() {
-    if (!ptr_) return;
-    // A broken context reports at the next checked call; the last error is cleared so that it is
-    // not blamed on the next launch.
-    if ((ordered_ ? cudaFreeAsync(ptr_, stream_) : cudaFree(ptr_)) != cudaSuccess) (void)cudaGetLastError();
-  }
-  void* get() const noexcept { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-  bool ordered_ = true;
-};
-
 // One quantized K or V tensor in device memory: the host quantized_tensor's layout and numbers.
 template <class M, class Stream>
 class device_quantized_tensor {

@@ -8,9 +8,11 @@
 // carries a device pointer and can be passed by value to a kernel. Host data enters and leaves
 // only through the explicit copies kvc::to_device and kvc::to_host below.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
 
@@ -126,6 +128,59 @@ struct device_input<DeviceTensor<T>> {
 
 // ---- the storage policy ---------------------------------------------------------------------------
 
+namespace detail {
+
+// The paged-write kernel: blockIdx.y walks the jobs, the warps of the x blocks walk a job's
+// (token, head) rows, and a warp copies one row, 16 bytes per lane where the row allows it.
+template <class T>
+__global__ void scatter_rows_kernel(const scatter_job<T>* __restrict__ jobs, std::int64_t njobs,
+                                    const std::int64_t* __restrict__ rows, std::int64_t heads, std::int64_t width,
+                                    std::int64_t dst_head_pitch) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t warps = std::int64_t{gridDim.x} * (blockDim.x / 32);
+  for (std::int64_t j = blockIdx.y; j < njobs; j += gridDim.y) {
+    const scatter_job<T> job = jobs[j];
+    for (std::int64_t r = std::int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32; r < job.tokens * heads;
+         r += warps) {
+      const std::int64_t t = r / heads, h = r % heads;
+      T* dst = job.dst + rows[job.first_row + t] * width + h * dst_head_pitch;
+      const T* src = job.src + t * job.src_token + h * job.src_head;
+      const std::int64_t bytes = width * static_cast<std::int64_t>(sizeof(T));
+      if (bytes % 16 == 0 && vector_aligned(dst) && vector_aligned(src)) {
+        for (std::int64_t c = lane; c < bytes / 16; c += 32)
+          reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
+      } else {
+        for (std::int64_t c = lane; c < width; c += 32) dst[c] = src[c];
+      }
+    }
+  }
+}
+
+template <class T>
+void scatter_rows_bytes(std::span<const scatter_job<T>> jobs, std::span<const std::int64_t> rows, std::int64_t heads,
+                        std::int64_t width, std::int64_t dst_head_pitch, cudaStream_t stream) {
+  std::int64_t most = 0;
+  for (const auto& job : jobs) most = std::max(most, job.tokens);
+  if (jobs.empty() || most == 0 || heads == 0 || width == 0) return;
+  const std::size_t job_bytes = sizeof(scatter_job<T>) * jobs.size(), row_offset = (job_bytes + 15) / 16 * 16;
+  stream_scratch scratch(row_offset + sizeof(std::int64_t) * rows.size(), stream, "kvc's paged write list");
+  auto* base = static_cast<unsigned char*>(scratch.get());
+  cuda_check(cudaMemcpyAsync(base, jobs.data(), job_bytes, cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync (host to device) of kvc's paged write list");
+  cuda_check(cudaMemcpyAsync(base + row_offset, rows.data(), sizeof(std::int64_t) * rows.size(), cudaMemcpyHostToDevice,
+                             stream),
+             "cudaMemcpyAsync (host to device) of kvc's paged write rows");
+  constexpr unsigned threads = 256;
+  const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((most * heads + 7) / 8, 4096)),
+                  static_cast<unsigned>(std::min<std::size_t>(jobs.size(), 65535)));
+  scatter_rows_kernel<T><<<grid, threads, 0, stream>>>(
+      reinterpret_cast<const scatter_job<T>*>(base), static_cast<std::int64_t>(jobs.size()),
+      reinterpret_cast<const std::int64_t*>(base + row_offset), heads, width, dst_head_pitch);
+  cuda_check(cudaGetLastError(), "launching kvc's paged write kernel");
+}
+
+}  // namespace detail
+
 // Stream: where every operation of this storage is queued (a type with `static cudaStream_t get()`;
 // the default is the legacy default stream, see DefaultCudaStream). All operations are asynchronous
 // with respect to the host; views returned by `update` are ready for work queued afterwards on the
@@ -136,7 +191,8 @@ struct CudaStorage {
   using stream_policy = Stream;
   static constexpr memory_space space = memory_space::device;
   // Checked by kvc::Cache with a readable message, as for HostStorage.
-  static constexpr bool element_supported = detail::is_any_of<T, float, __half, __nv_bfloat16>;
+  static constexpr bool element_supported =
+      detail::is_any_of<T, float, __half, __nv_bfloat16, float8_e4m3, float8_e5m2>;
 
   using buffer_type = detail::device_buffer<T, Stream>;
   using view_type = DeviceTensorView<T>;
@@ -158,6 +214,13 @@ struct CudaStorage {
   static void zero_2d(T* dst, std::int64_t dpitch, std::int64_t width, std::int64_t height) {
     if (width <= 0 || height <= 0) return;
     detail::zero_rows_bytes(dst, bytes(dpitch), bytes(width), static_cast<std::size_t>(height), stream());
+  }
+
+  // Paged writes (HostStorage::scatter_rows' contract): one kernel for every job, a warp per
+  // (job, token, head) row; the job list and rows go to the device first, in stream order.
+  static void scatter_rows(std::span<const detail::scatter_job<T>> jobs, std::span<const std::int64_t> rows,
+                           std::int64_t heads, std::int64_t width, std::int64_t dst_head_pitch) {
+    detail::scatter_rows_bytes(jobs, rows, heads, width, dst_head_pitch, stream());
   }
 
   static view_type make_view(const T* ptr, std::array<std::int64_t, 4> extents,
