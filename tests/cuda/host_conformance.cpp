@@ -1,5 +1,10 @@
 // The storage conformance scenarios (conformance.hpp) over HostStorage<float>, built by the host
-// compiler in every configuration: the semantics the CUDA storage is compared against.
+// compiler in every configuration: the semantics the CUDA storage is compared against; and the
+// device attention kernels' bodies run on 32 emulated lanes.
+#include <barrier>
+#include <random>
+#include <thread>
+
 #include "conformance.hpp"
 
 namespace kc = kvc_conformance;
@@ -32,5 +37,134 @@ TEST_CASE("conformance: HostStorage<Eigen::bfloat16> gives the float results, ro
     const std::string name = f[i].first;
     if (name != "quantized" && name != "attention" && name != "paged")
       CHECK(f[i].second.tensors == h[i].second.tensors);
+  }
+}
+
+// ---- the attention kernels' bodies with 32 emulated lanes ------------------------------------------
+
+namespace {
+
+// 32 host threads standing for the lanes of a warp, running the kernels' bodies
+// (attention_row_split, attention_row_merge) as the device runs them: each lane holds dims lane,
+// lane + 32, ..., and sum() is the device's butterfly of five __shfl_xor_sync steps, each step a
+// barrier. So the lane split of the dims, the cross-lane sums and the partials' layout are checked
+// here, on every CI stage, without a GPU.
+struct emulated_warp {
+  static constexpr int count = 32;
+  struct shared {
+    std::barrier<> barrier{count};
+    float slots[count] = {};
+  };
+  int lane;
+  shared* sh;
+  int index() const noexcept { return lane; }
+  float sum(float x) const {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sh->slots[lane] = x;
+      sh->barrier.arrive_and_wait();
+      const float other = sh->slots[lane ^ offset];
+      sh->barrier.arrive_and_wait();
+      x += other;
+    }
+    return x;
+  }
+  void sync() const { sh->barrier.arrive_and_wait(); }
+};
+
+template <int PerLane, class Problem>
+void run_on_emulated_warp(const Problem& p, std::int64_t chunk) {
+  emulated_warp::shared sh;
+  const std::int64_t splits = kvc::detail::split_count(kvc::detail::max_row_width(p), chunk);
+  std::vector<float> partials(static_cast<std::size_t>(splits * (2 + p.Dv)));
+  std::vector<std::thread> lanes;
+  for (int l = 0; l < emulated_warp::count; ++l)
+    lanes.emplace_back([&, l] {
+      kvc::detail::attention_rows_host<PerLane>(p, chunk, emulated_warp{l, &sh}, partials.data());
+    });
+  for (auto& t : lanes) t.join();
+}
+
+float largest_difference(const kvc::HostTensor<float>& a, const kvc::HostTensor<float>& b) {
+  REQUIRE(a.dimensions() == b.dimensions());
+  float worst = 0;
+  for (Eigen::Index i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a.data()[i] - b.data()[i]));
+  return worst;
+}
+
+kvc::HostTensor<float> random_tensor(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d,
+                                     std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  kvc::HostTensor<float> t(b, h, s, d);
+  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = u(rng);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("attention kernels' bodies on 32 emulated lanes: dense problems, splits and masks") {
+  // head_dim 40 and value head_dim 36: lanes 0-7 hold two key dims, the others one; GQA 4 on 2.
+  // (Small: every key costs ten barriers of 32 threads.)
+  std::mt19937 rng(21);
+  const auto q = random_tensor(2, 4, 2, 40, rng), k = random_tensor(2, 2, 14, 40, rng),
+             v = random_tensor(2, 2, 14, 36, rng);
+  std::vector<std::uint8_t> pad(2 * 14, 1);
+  pad[14 + 2] = pad[14 + 11] = 0;
+  const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
+  for (const bool sliding : {false, true}) {
+    CAPTURE(sliding);
+    kvc::AttentionMask mask{14, 0, 12, sliding ? std::optional<std::int64_t>{6} : std::nullopt};
+    mask.key_padding_mask = pad;
+    kvc::HostTensor<float> out(2, 4, 2, 36);
+    out.setConstant(-99.f);
+    const auto p =
+        kvc::detail::make_dense_problem(view(q), view(k), view(v), mask, std::nullopt, out.data(), {}, {}, pad.data());
+    // Causal: three splits of at most 5 keys, then the merge; sliding: one split, the output
+    // written directly.
+    run_on_emulated_warp<4>(p, sliding ? 64 : 5);
+    CHECK(largest_difference(out, kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask)) <= 1e-5f);
+  }
+}
+
+TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through block tables") {
+  kvc::ModelConfig config;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = 4;
+  config.num_key_value_heads = 2;
+  config.head_dim = 40;
+  config.hidden_size = 160;
+  config.sliding_window = 6;
+  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 16;
+  kvc::PagedCache<kvc::HostStorage<float>> cache(config, cb);
+  std::mt19937 rng(22);
+  const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
+  const std::vector<std::string> reqs = {"a", "b"};
+  REQUIRE(cache.allocate_blocks(4, "a", 0));
+  REQUIRE(cache.allocate_blocks(4, "b", 0));
+  // A prefill of 9 and 5 tokens, stored; then a step of 1 and 3 tokens, attended.
+  kvc::PagedIndices none(2), writes(2);
+  cache.extend_read_and_write_indices("a", 0, 9, nullptr, writes);
+  cache.extend_read_and_write_indices("b", 0, 5, nullptr, writes);
+  for (std::int64_t layer = 0; layer < 2; ++layer) {
+    const auto k = random_tensor(1, 2, 14, 40, rng), v = random_tensor(1, 2, 14, 40, rng);
+    cache.update(view(k), view(v), layer, none, writes);
+  }
+  const std::vector<std::int64_t> cu = {0, 1, 4}, past = {9, 5};
+  const kvc::PagedAttentionStep step{reqs, cu, past};
+  for (std::int64_t layer = 0; layer < 2; ++layer) {
+    CAPTURE(layer);
+    const auto q = random_tensor(1, 4, 4, 40, rng), k = random_tensor(1, 2, 4, 40, rng),
+               v = random_tensor(1, 2, 4, 40, rng);
+    const auto call = kvc::detail::check_paged_attention(cache, layer, step, view(q), view(k), view(v));
+    std::int64_t width = 0;
+    const auto tables = kvc::detail::paged_tables(cache, call, step, width);
+    kvc::HostTensor<float> out(1, 4, 4, 40);
+    out.setConstant(-99.f);
+    const auto p = kvc::detail::make_paged_problem(cache, call, view(q), view(k), view(v), out.data(), cu.data(),
+                                                   past.data(), tables.data(), width, std::nullopt, {}, {});
+    run_on_emulated_warp<4>(p, 3);
+    CHECK(largest_difference(out, kvc::paged_attention(cache, layer, step, view(q), view(k), view(v))) <= 1e-5f);
   }
 }

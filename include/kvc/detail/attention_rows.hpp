@@ -5,7 +5,8 @@
 // row's dims are spread over the 32 lanes of a warp (lane i holds dims i, i + 32, ...) and each
 // key's score is summed across the lanes; on the host one lane holds every dim. The kernels in
 // <kvc/detail/cuda_attention.cuh> and attention_rows_host below run exactly these functions, so the
-// host unit tests check the device's arithmetic, addressing and masks (tests/unit/attention_rows.cpp).
+// host tests check the device's arithmetic, addressing and masks (tests/cuda/conformance.hpp, and
+// host_conformance.cpp with 32 emulated lanes).
 //
 // Long contexts are split over the keys (split-KV, FlashDecoding): split s of a row covers keys
 // [lo + s * chunk, lo + (s + 1) * chunk) of its visible range [lo, hi), gives a partial (m, l, acc),
@@ -69,11 +70,13 @@ struct float_conversion<float8<Format>> {
 // The largest head_dim the device kernels take: 32 lanes of 8 dims.
 inline constexpr std::int64_t max_device_head_dim = 256;
 
-// The host's single lane (the device's warp lanes are in cuda_attention.cuh).
+// The host's single lane (the device's warp lanes are in cuda_attention.cuh). Lanes: `count`,
+// index(), sum(x) over the lanes, and sync() (host runners: all lanes reached this point).
 struct one_lane {
   static constexpr int count = 1;
   KVC_HOST_DEVICE static constexpr int index() noexcept { return 0; }
   KVC_HOST_DEVICE static constexpr float sum(float x) noexcept { return x; }
+  static constexpr void sync() noexcept {}
 };
 
 // One row's running softmax over the keys seen so far: maximum score m (-inf before any), sum
@@ -335,33 +338,87 @@ std::int64_t max_row_width(const Problem& p) {
   return w;
 }
 
-// The problem computed on the host by the kernels' steps, one lane, split as the device would
-// split it (chunk keys per split): what tests/unit/attention_rows.cpp checks against kvc's
-// attention. Rows with no visible key get zeros.
-template <class Problem>
-void attention_rows_host(const Problem& p, std::int64_t chunk) {
-  constexpr int PerLane = static_cast<int>(max_device_head_dim);
-  const std::int64_t splits = std::max<std::int64_t>(1, (max_row_width(p) + chunk - 1) / chunk);
-  std::vector<row_partial<PerLane>> parts(static_cast<std::size_t>(splits));
+// The kernels' bodies. attention_row_split: this lane's part of row i's split s; with one split it
+// writes the output row, else the partial (m, l, acc) at row_partials + s * (2 + Dv).
+template <int PerLane, class Problem, class Lanes>
+KVC_HOST_DEVICE void attention_row_split(const Problem& p, std::int64_t i, std::int64_t s, std::int64_t chunk,
+                                         std::int64_t splits, float* row_partials, const Lanes& lanes) {
+  const auto row = p.row(i);
+  const int lane = lanes.index();
   float q[PerLane];
-  for (std::int64_t i = 0; i < p.rows(); ++i) {
-    const auto row = p.row(i);
-    for (std::int64_t d = 0; d < PerLane; ++d) q[d] = d < p.D ? to_float(row.q[d]) * row.sk : 0.0f;
-    float top = -std::numeric_limits<float>::infinity();
-    for (std::int64_t s = 0; s < splits; ++s) {
-      std::int64_t first = 0, last = 0;
-      split_range(row.lo, row.hi, chunk, s, first, last);
-      attend_range(row, q, p.D, p.Dv, first, last, one_lane{}, parts[static_cast<std::size_t>(s)]);
-      top = std::max(top, parts[static_cast<std::size_t>(s)].m);
+  for (int k = 0; k < PerLane; ++k) {
+    const std::int64_t d = lane + std::int64_t{k} * Lanes::count;
+    q[k] = d < p.D ? to_float(row.q[d]) * row.sk : 0.0f;
+  }
+  std::int64_t first = 0, last = 0;
+  split_range(row.lo, row.hi, chunk, s, first, last);
+  row_partial<PerLane> part;
+  attend_range(row, q, p.D, p.Dv, first, last, lanes, part);
+  if (splits == 1) {
+    for (int k = 0; k < PerLane; ++k) {
+      const std::int64_t d = lane + std::int64_t{k} * Lanes::count;
+      if (d < p.Dv)
+        row.out[d] = from_float<typename Problem::value_type>(part.l > 0.0f ? part.acc[k] / part.l * row.sv : 0.0f);
     }
-    float l = 0.0f;
-    for (const auto& part : parts) l += part.l * partial_weight(part.m, top);
-    for (std::int64_t d = 0; d < p.Dv; ++d) {
-      float acc = 0.0f;
-      for (const auto& part : parts) acc += part.acc[d] * partial_weight(part.m, top);
-      row.out[d] = from_float<typename Problem::value_type>(l > 0.0f ? acc / l * row.sv : 0.0f);
+    return;
+  }
+  float* slot = row_partials + s * (2 + p.Dv);
+  if (lane == 0) {
+    slot[0] = part.m;
+    slot[1] = part.l;
+  }
+  for (int k = 0; k < PerLane; ++k) {
+    const std::int64_t d = lane + std::int64_t{k} * Lanes::count;
+    if (d < p.Dv) slot[2 + d] = part.acc[k];
+  }
+}
+
+// attention_row_merge: row i's partials (row_partials, `splits` of them) merged into its output
+// row; this lane writes dims lane, lane + count, ...
+template <class Problem, class Lanes>
+KVC_HOST_DEVICE void attention_row_merge(const Problem& p, std::int64_t i, std::int64_t splits,
+                                         const float* row_partials, const Lanes& lanes) {
+  const auto row = p.row(i);
+  const std::int64_t pitch = 2 + p.Dv;
+  float top = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  for (std::int64_t s = 0; s < splits; ++s) top = row_partials[s * pitch] > top ? row_partials[s * pitch] : top;
+  for (std::int64_t s = 0; s < splits; ++s)
+    l += row_partials[s * pitch + 1] * partial_weight(row_partials[s * pitch], top);
+  for (std::int64_t d = lanes.index(); d < p.Dv; d += Lanes::count) {
+    float acc = 0.0f;
+    for (std::int64_t s = 0; s < splits; ++s)
+      acc += row_partials[s * pitch + 2 + d] * partial_weight(row_partials[s * pitch], top);
+    row.out[d] = from_float<typename Problem::value_type>(l > 0.0f ? acc / l * row.sv : 0.0f);
+  }
+}
+
+// The number of splits of `chunk` keys a problem whose widest row sees max_width keys takes.
+inline std::int64_t split_count(std::int64_t max_width, std::int64_t chunk) noexcept {
+  return max_width > chunk ? (max_width + chunk - 1) / chunk : 1;
+}
+
+// The problem computed on the host by the kernels' bodies with `lanes` (one_lane: PerLane must
+// cover head_dim; emulated warp lanes in the tests, which share `partials`), split as the device
+// would split it with `chunk` keys per split: split_count(max_row_width(p), chunk) splits, whose
+// partials (2 + Dv floats each) one row at a time uses. Rows with no visible key get zeros.
+template <int PerLane, class Problem, class Lanes>
+void attention_rows_host(const Problem& p, std::int64_t chunk, const Lanes& lanes, float* partials) {
+  const std::int64_t splits = split_count(max_row_width(p), chunk);
+  for (std::int64_t i = 0; i < p.rows(); ++i) {
+    for (std::int64_t s = 0; s < splits; ++s) attention_row_split<PerLane>(p, i, s, chunk, splits, partials, lanes);
+    if (splits > 1) {
+      lanes.sync();  // every lane's partial is written before any lane merges
+      attention_row_merge(p, i, splits, partials, lanes);
+      lanes.sync();  // and read before the next row overwrites them
     }
   }
+}
+
+// The same with one lane holding every dim.
+template <class Problem>
+void attention_rows_host(const Problem& p, std::int64_t chunk) {
+  std::vector<float> partials(static_cast<std::size_t>(split_count(max_row_width(p), chunk) * (2 + p.Dv)));
+  attention_rows_host<static_cast<int>(max_device_head_dim)>(p, chunk, one_lane{}, partials.data());
 }
 
 }  // namespace kvc::detail

@@ -47,61 +47,25 @@ struct warp_lanes {
 
 inline constexpr int attention_warps = 4;  // warps (rows) per block
 
-// Split s (blockIdx.y) of row blockIdx.x * 4 + warp: with one split the output row, else the
-// partial (m, l, acc) at partials[(row * splits + s) * (2 + Dv)].
+// Split s (blockIdx.y) of row blockIdx.x * 4 + warp (attention_row_split); partials hold
+// `splits` partials of 2 + Dv floats per row.
 template <int PerLane, class Problem>
 __global__ void __launch_bounds__(attention_warps * 32)
     attention_rows_kernel(Problem p, std::int64_t chunk, std::int64_t splits, float* __restrict__ partials) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t i = std::int64_t{blockIdx.x} * attention_warps + threadIdx.x / 32;
   if (i >= p.rows()) return;  // the whole warp
-  const auto row = p.row(i);
-  float q[PerLane];
-  for (int k = 0; k < PerLane; ++k) {
-    const std::int64_t d = lane + std::int64_t{k} * 32;
-    q[k] = d < p.D ? to_float(row.q[d]) * row.sk : 0.0f;
-  }
-  std::int64_t first = 0, last = 0;
-  split_range(row.lo, row.hi, chunk, blockIdx.y, first, last);
-  row_partial<PerLane> part;
-  attend_range(row, q, p.D, p.Dv, first, last, warp_lanes{lane}, part);
-  if (splits == 1) {
-    for (int k = 0; k < PerLane; ++k) {
-      const std::int64_t d = lane + std::int64_t{k} * 32;
-      if (d < p.Dv)
-        row.out[d] = from_float<typename Problem::value_type>(part.l > 0.0f ? part.acc[k] / part.l * row.sv : 0.0f);
-    }
-    return;
-  }
-  float* slot = partials + (i * splits + blockIdx.y) * (2 + p.Dv);
-  if (lane == 0) {
-    slot[0] = part.m;
-    slot[1] = part.l;
-  }
-  for (int k = 0; k < PerLane; ++k) {
-    const std::int64_t d = lane + std::int64_t{k} * 32;
-    if (d < p.Dv) slot[2 + d] = part.acc[k];
-  }
+  attention_row_split<PerLane>(p, i, blockIdx.y, chunk, splits,
+                               splits > 1 ? partials + i * splits * (2 + p.Dv) : nullptr,
+                               warp_lanes{static_cast<int>(threadIdx.x % 32)});
 }
 
-// A warp per row: its partials merged into the output row (attention_rows_host's merge).
+// A warp per row: its partials merged into the output row (attention_row_merge).
 template <class Problem>
 __global__ void __launch_bounds__(attention_warps * 32)
     attention_merge_kernel(Problem p, std::int64_t splits, const float* __restrict__ partials) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
   const std::int64_t i = std::int64_t{blockIdx.x} * attention_warps + threadIdx.x / 32;
   if (i >= p.rows()) return;
-  const auto row = p.row(i);
-  const float* parts = partials + i * splits * (2 + p.Dv);
-  float top = -INFINITY, l = 0.0f;
-  for (std::int64_t s = 0; s < splits; ++s) top = fmaxf(top, parts[s * (2 + p.Dv)]);
-  for (std::int64_t s = 0; s < splits; ++s) l += parts[s * (2 + p.Dv) + 1] * partial_weight(parts[s * (2 + p.Dv)], top);
-  for (std::int64_t d = lane; d < p.Dv; d += 32) {
-    float acc = 0.0f;
-    for (std::int64_t s = 0; s < splits; ++s)
-      acc += parts[s * (2 + p.Dv) + 2 + d] * partial_weight(parts[s * (2 + p.Dv)], top);
-    row.out[d] = from_float<typename Problem::value_type>(l > 0.0f ? acc / l * row.sv : 0.0f);
-  }
+  attention_row_merge(p, i, splits, partials + i * splits * (2 + p.Dv), warp_lanes{static_cast<int>(threadIdx.x % 32)});
 }
 
 // Runs a problem whose widest row sees max_width keys: split-KV sized for the device, then the
@@ -117,7 +81,7 @@ void launch_attention_rows(const Problem& p, std::int64_t max_width, cudaStream_
   // About 16 warps per SM in flight: enough to hide memory latency.
   std::int64_t chunk = split_chunk(rows, max_width, std::int64_t{sms} * 16);
   chunk = std::max(chunk, (max_width + 65534) / 65535);  // gridDim.y <= 65535
-  const std::int64_t splits = std::max<std::int64_t>(1, (max_width + chunk - 1) / chunk);
+  const std::int64_t splits = split_count(max_width, chunk);
   const dim3 grid(static_cast<unsigned>((rows + attention_warps - 1) / attention_warps), static_cast<unsigned>(splits));
   const dim3 block(attention_warps * 32);
   const std::size_t partial_bytes =
