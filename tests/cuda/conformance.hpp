@@ -21,7 +21,9 @@
 #include <span>
 #include <type_traits>
 #include <limits>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -772,6 +774,40 @@ void quantized(Record& rec) {
   quantized_kind<B>(rec, kvc::HQQQuantizedLayer{3, 1, 0, 8, 4}, "hqq3", 9.5f, 9.5f);
 }
 
+// A model of two layers (types[0], types[1]) of `heads` query heads on `kv_heads` KV heads of `dim`,
+// with a sliding window (for a "sliding_attention" layer), for the paged scenarios and tests.
+inline kvc::ModelConfig paged_model(std::vector<std::string> types, std::int64_t kv_heads, std::int64_t heads,
+                                    std::int64_t dim, std::int64_t window) {
+  kvc::ModelConfig config;
+  config.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  config.num_attention_heads = heads;
+  config.num_key_value_heads = kv_heads;
+  config.head_dim = dim;
+  config.hidden_size = heads * dim;
+  config.sliding_window = window;
+  config.layer_types = std::move(types);
+  return config;
+}
+
+// Uniform values in [-1, 1], of element type H.
+template <class H>
+kvc::HostTensor<H> random_tensor(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  kvc::HostTensor<H> t(b, h, s, d);
+  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<H>(u(rng));
+  return t;
+}
+
+// The largest |a - b| over two tensors of one shape.
+template <class H>
+float largest_difference(const kvc::HostTensor<H>& a, const kvc::HostTensor<H>& b) {
+  REQUIRE(a.dimensions() == b.dimensions());
+  float worst = 0;
+  for (Eigen::Index i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(static_cast<float>(a.data()[i]) - static_cast<float>(b.data()[i])));
+  return worst;
+}
+
 // ---- I. attention over a cache's views (the device kernels) ---------------------------------------
 
 // One unit in the last place of E at 16..32, the largest |output| here: how far two computations
@@ -850,14 +886,7 @@ void paged(Record& rec) {
   using E = typename B::element;
   using S = typename B::storage;
   constexpr std::int64_t kv_heads = 2, heads = 4, dim = 16, window = 6;
-  kvc::ModelConfig config;
-  config.num_hidden_layers = 2;
-  config.num_attention_heads = heads;
-  config.num_key_value_heads = kv_heads;
-  config.head_dim = dim;
-  config.hidden_size = heads * dim;
-  config.sliding_window = window;
-  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  const kvc::ModelConfig config = paged_model({"full_attention", "sliding_attention"}, kv_heads, heads, dim, window);
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 48;

@@ -562,23 +562,6 @@ TEST_CASE("StaticCache with OffloadToHost<true>: sliding layers stay on the devi
 
 namespace {
 
-template <class H>
-kvc::HostTensor<H> random_host(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d, std::mt19937& rng) {
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  kvc::HostTensor<H> t(b, h, s, d);
-  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<H>(u(rng));
-  return t;
-}
-
-template <class H>
-float largest_difference(const kvc::HostTensor<H>& a, const kvc::HostTensor<H>& b) {
-  REQUIRE(a.dimensions() == b.dimensions());
-  float worst = 0;
-  for (Eigen::Index i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(static_cast<float>(a.data()[i]) - static_cast<float>(b.data()[i])));
-  return worst;
-}
-
 // A long context (several splits of the keys, then the merge), head_dim 128 and 256, a decode
 // step and a prefill chunk, against the host's attention over the same keys.
 template <class T>
@@ -588,8 +571,8 @@ void long_context_matches_host(float tolerance) {
   for (const std::int64_t dim : {128, 256}) {
     for (const std::int64_t q : {1, 33}) {
       const std::int64_t seq = 5000;
-      const auto k = random_host<H>(2, 2, seq, dim, rng), v = random_host<H>(2, 2, seq, dim, rng);
-      const auto queries = random_host<H>(2, 8, q, dim, rng);
+      const auto k = kc::random_tensor<H>(2, 2, seq, dim, rng), v = kc::random_tensor<H>(2, 2, seq, dim, rng);
+      const auto queries = kc::random_tensor<H>(2, 8, q, dim, rng);
       const auto dk = kvc::to_device(k), dv = kvc::to_device(v), dq = kvc::to_device(queries);
       for (const std::optional<std::int64_t> window :
            {std::optional<std::int64_t>{}, std::optional<std::int64_t>{700}}) {
@@ -599,7 +582,7 @@ void long_context_matches_host(float tolerance) {
         const auto want = kvc::scaled_dot_product_attention(kvc::HostStorage<H>::input_view(queries),
                                                             kvc::HostStorage<H>::input_view(k),
                                                             kvc::HostStorage<H>::input_view(v), mask);
-        CHECK(largest_difference(got, want) <= tolerance);
+        CHECK(kc::largest_difference(got, want) <= tolerance);
       }
     }
   }
@@ -615,8 +598,8 @@ TEST_CASE("device attention: long contexts split over the keys, head_dim 128 and
 
 TEST_CASE("device attention over fp8 codes (per-head scales, both formats) matches the host's") {
   std::mt19937 rng(8);
-  const auto k = random_host<float>(1, 2, 300, 64, rng), v = random_host<float>(1, 2, 300, 64, rng);
-  const auto q = random_host<float>(1, 4, 2, 64, rng);
+  const auto k = kc::random_tensor<float>(1, 2, 300, 64, rng), v = kc::random_tensor<float>(1, 2, 300, 64, rng);
+  const auto q = kc::random_tensor<float>(1, 4, 2, 64, rng);
   const auto check = [&](auto code) {
     using F8 = decltype(code);
     const kvc::Fp8Scales scales =
@@ -631,7 +614,7 @@ TEST_CASE("device attention over fp8 codes (per-head scales, both formats) match
     const auto want =
         kvc::detail::attention_impl(kvc::HostStorage<float>::input_view(q), kvc::HostStorage<F8>::input_view(k8),
                                     kvc::HostStorage<F8>::input_view(v8), mask, std::nullopt, scales);
-    CHECK(largest_difference(got, want) <= 1e-5f);
+    CHECK(kc::largest_difference(got, want) <= 1e-5f);
     const kvc::Fp8Scales wrong{{1.f, 1.f, 1.f}, {1.f}};
     CHECK_THROWS_AS(kvc::scaled_dot_product_attention(dq, dk.view(), dv.view(), mask, wrong), kvc::ValueError);
   };
@@ -640,14 +623,7 @@ TEST_CASE("device attention over fp8 codes (per-head scales, both formats) match
 }
 
 TEST_CASE("paged attention over an fp8 device pool matches the host's") {
-  kvc::ModelConfig config;
-  config.num_hidden_layers = 2;
-  config.num_attention_heads = 4;
-  config.num_key_value_heads = 2;
-  config.head_dim = 32;
-  config.hidden_size = 128;
-  config.sliding_window = 7;
-  config.layer_types = std::vector<std::string>{"sliding_attention", "full_attention"};
+  const kvc::ModelConfig config = kc::paged_model({"sliding_attention", "full_attention"}, 2, 4, 32, 7);
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 32;
@@ -673,10 +649,10 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
     std::vector<kvc::DeviceTensor<F8>> dk, dv;
     std::vector<kvc::DeviceTensorView<F8>> kviews, vviews;
     for (std::int64_t layer = 0; layer < 2; ++layer) {
-      k8.push_back(
-          kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(random_host<float>(1, 2, q, 32, rng)), scales.keys));
-      v8.push_back(
-          kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(random_host<float>(1, 2, q, 32, rng)), scales.values));
+      k8.push_back(kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(kc::random_tensor<float>(1, 2, q, 32, rng)),
+                                   scales.keys));
+      v8.push_back(kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(kc::random_tensor<float>(1, 2, q, 32, rng)),
+                                   scales.values));
       dk.push_back(kvc::to_device(k8.back()));
       dv.push_back(kvc::to_device(v8.back()));
     }
@@ -686,7 +662,7 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
     }
     for (std::int64_t layer = 0; layer < 2; ++layer) {
       const auto l = static_cast<std::size_t>(layer);
-      const auto queries = random_host<float>(1, 4, q, 32, rng);
+      const auto queries = kc::random_tensor<float>(1, 4, q, 32, rng);
       const auto dq = kvc::to_device(queries);
       const auto got =
           kvc::to_host(kvc::paged_attention(device, layer, step, dq.view(), kviews[l], vviews[l], scales).view());
@@ -694,7 +670,7 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
                                              kvc::HostStorage<F8>::input_view(k8[l]),
                                              kvc::HostStorage<F8>::input_view(v8[l]), scales);
       INFO("step at " << past << ", layer " << layer);
-      CHECK(largest_difference(got, want) <= 1e-5f);
+      CHECK(kc::largest_difference(got, want) <= 1e-5f);
       host.update(kvc::HostStorage<F8>::input_view(k8[l]), kvc::HostStorage<F8>::input_view(v8[l]), layer, none,
                   writes);
     }
@@ -708,20 +684,20 @@ TEST_CASE("kvc::attend over a device cache: the host's results, and its checks b
   kvc::DynamicCache<float> host;
   std::mt19937 rng(10);
   for (const std::int64_t q : {9, 1, 1}) {
-    const auto queries = random_host<float>(1, 4, q, 64, rng);
-    const auto k = random_host<float>(1, 2, q, 64, rng), v = random_host<float>(1, 2, q, 64, rng);
+    const auto queries = kc::random_tensor<float>(1, 4, q, 64, rng);
+    const auto k = kc::random_tensor<float>(1, 2, q, 64, rng), v = kc::random_tensor<float>(1, 2, q, 64, rng);
     const auto got =
         kvc::to_host(kvc::attend(device, 0, kvc::to_device(queries), kvc::to_device(k), kvc::to_device(v), {4}).view());
     const auto want = kvc::attend(host, 0, queries, k, v, {4});
-    CHECK(largest_difference(got, want) <= 1e-5f);
+    CHECK(kc::largest_difference(got, want) <= 1e-5f);
   }
-  const auto bad_queries = kvc::to_device(random_host<float>(1, 3, 1, 64, rng));
-  const auto k = kvc::to_device(random_host<float>(1, 2, 1, 64, rng));
+  const auto bad_queries = kvc::to_device(kc::random_tensor<float>(1, 3, 1, 64, rng));
+  const auto k = kvc::to_device(kc::random_tensor<float>(1, 2, 1, 64, rng));
   CHECK_THROWS_WITH_AS(kvc::attend(device, 0, bad_queries, k, k),
                        "scaled_dot_product_attention: 3 query heads are not a multiple of 2 key/value heads",
                        kvc::ValueError);
   CHECK(device.get_seq_length(0) == 11);  // unchanged
-  const auto wide = kvc::to_device(random_host<float>(1, 2, 1, 512, rng));
+  const auto wide = kvc::to_device(kc::random_tensor<float>(1, 2, 1, 512, rng));
   CHECK_THROWS_WITH_AS(kvc::scaled_dot_product_attention(wide, wide.view(), wide.view(), kvc::AttentionMask{1, 0, 0}),
                        "kvc::scaled_dot_product_attention on a device: head_dim 512 is above the device kernels' "
                        "limit of 256",

@@ -84,29 +84,14 @@ void run_on_emulated_warp(const Problem& p, std::int64_t chunk) {
   for (auto& t : lanes) t.join();
 }
 
-float largest_difference(const kvc::HostTensor<float>& a, const kvc::HostTensor<float>& b) {
-  REQUIRE(a.dimensions() == b.dimensions());
-  float worst = 0;
-  for (Eigen::Index i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a.data()[i] - b.data()[i]));
-  return worst;
-}
-
-kvc::HostTensor<float> random_tensor(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d,
-                                     std::mt19937& rng) {
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  kvc::HostTensor<float> t(b, h, s, d);
-  for (Eigen::Index i = 0; i < t.size(); ++i) t.data()[i] = u(rng);
-  return t;
-}
-
 }  // namespace
 
 TEST_CASE("attention kernels' bodies on 32 emulated lanes: dense problems, splits and masks") {
   // head_dim 40 and value head_dim 36: lanes 0-7 hold two key dims, the others one; GQA 4 on 2.
   // (Small: every key costs ten barriers of 32 threads.)
   std::mt19937 rng(21);
-  const auto q = random_tensor(2, 4, 2, 40, rng), k = random_tensor(2, 2, 14, 40, rng),
-             v = random_tensor(2, 2, 14, 36, rng);
+  const auto q = kc::random_tensor<float>(2, 4, 2, 40, rng), k = kc::random_tensor<float>(2, 2, 14, 40, rng),
+             v = kc::random_tensor<float>(2, 2, 14, 36, rng);
   std::vector<std::uint8_t> pad(2 * 14, 1);
   pad[14 + 2] = pad[14 + 11] = 0;
   const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
@@ -121,19 +106,12 @@ TEST_CASE("attention kernels' bodies on 32 emulated lanes: dense problems, split
     // Causal: three splits of at most 5 keys, then the merge; sliding: one split, the output
     // written directly.
     run_on_emulated_warp<4>(p, sliding ? 64 : 5);
-    CHECK(largest_difference(out, kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask)) <= 1e-5f);
+    CHECK(kc::largest_difference(out, kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask)) <= 1e-5f);
   }
 }
 
 TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through block tables") {
-  kvc::ModelConfig config;
-  config.num_hidden_layers = 2;
-  config.num_attention_heads = 4;
-  config.num_key_value_heads = 2;
-  config.head_dim = 40;
-  config.hidden_size = 160;
-  config.sliding_window = 6;
-  config.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  const kvc::ModelConfig config = kc::paged_model({"full_attention", "sliding_attention"}, 2, 4, 40, 6);
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 16;
@@ -148,15 +126,15 @@ TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through 
   cache.extend_read_and_write_indices("a", 0, 9, nullptr, writes);
   cache.extend_read_and_write_indices("b", 0, 5, nullptr, writes);
   for (std::int64_t layer = 0; layer < 2; ++layer) {
-    const auto k = random_tensor(1, 2, 14, 40, rng), v = random_tensor(1, 2, 14, 40, rng);
+    const auto k = kc::random_tensor<float>(1, 2, 14, 40, rng), v = kc::random_tensor<float>(1, 2, 14, 40, rng);
     cache.update(view(k), view(v), layer, none, writes);
   }
   const std::vector<std::int64_t> cu = {0, 1, 4}, past = {9, 5};
   const kvc::PagedAttentionStep step{reqs, cu, past};
   for (std::int64_t layer = 0; layer < 2; ++layer) {
     CAPTURE(layer);
-    const auto q = random_tensor(1, 4, 4, 40, rng), k = random_tensor(1, 2, 4, 40, rng),
-               v = random_tensor(1, 2, 4, 40, rng);
+    const auto q = kc::random_tensor<float>(1, 4, 4, 40, rng), k = kc::random_tensor<float>(1, 2, 4, 40, rng),
+               v = kc::random_tensor<float>(1, 2, 4, 40, rng);
     const auto call = kvc::detail::check_paged_attention(cache, layer, step, view(q), view(k), view(v));
     std::int64_t width = 0;
     const auto tables = kvc::detail::paged_tables(cache, call, step, width);
@@ -165,6 +143,6 @@ TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through 
     const auto p = kvc::detail::make_paged_problem(cache, call, view(q), view(k), view(v), out.data(), cu.data(),
                                                    past.data(), tables.data(), width, std::nullopt, {}, {});
     run_on_emulated_warp<4>(p, 3);
-    CHECK(largest_difference(out, kvc::paged_attention(cache, layer, step, view(q), view(k), view(v))) <= 1e-5f);
+    CHECK(kc::largest_difference(out, kvc::paged_attention(cache, layer, step, view(q), view(k), view(v))) <= 1e-5f);
   }
 }

@@ -115,6 +115,11 @@ class device_upload {
     used_ += sizeof(U) * n;
     return reinterpret_cast<const U*>(dst);
   }
+  // One scale, or one per head, uploaded (none: unit scales).
+  head_scales scales(const std::vector<float>* host) {
+    if (!host) return {};
+    return {put(host->data(), host->size()), host->size() > 1};
+  }
   static std::size_t size_of(std::size_t bytes) { return (bytes + 7) / 8 * 8; }
 
  private:
@@ -142,8 +147,8 @@ DeviceTensor<T> device_attention(const DeviceTensorView<T>& q, const DeviceTenso
   const std::size_t ks = key_scales ? key_scales->size() : 0, vs = value_scales ? value_scales->size() : 0;
   device_upload up(device_upload::size_of(mask.key_padding_mask.size()) + 8 * (ks + vs) + 64, stream);
   p.pad = up.put(mask.key_padding_mask.data(), mask.key_padding_mask.size());
-  if (key_scales) p.key_scales = {up.put(key_scales->data(), ks), ks > 1};
-  if (value_scales) p.value_scales = {up.put(value_scales->data(), vs), vs > 1};
+  p.key_scales = up.scales(key_scales);
+  p.value_scales = up.scales(value_scales);
   std::int64_t width = 0;  // the widest visible range: rows of one (batch, head) differ only by token
   for (std::int64_t t = 0; t < p.Q; ++t) {
     const auto r = p.row(t * p.group());  // reads no element: pointers and the mask's ints only
@@ -178,9 +183,7 @@ DeviceTensor<T> device_paged_attention(const PagedCache<CudaStorage<KV, Stream>>
   const std::int64_t* cu = up.put(step.cu_seqlens_q.data(), step.cu_seqlens_q.size());
   const std::int64_t* past = up.put(step.past.data(), step.past.size());
   const std::int64_t* tab = up.put(tables.data(), tables.size());
-  head_scales kscales, vscales;
-  if (key_scales) kscales = {up.put(key_scales->data(), ks), ks > 1};
-  if (value_scales) vscales = {up.put(value_scales->data(), vs), vs > 1};
+  const head_scales kscales = up.scales(key_scales), vscales = up.scales(value_scales);
   const auto p = make_paged_problem(cache, call, q, k, v, out.data(), cu, past, tab, width, scale, kscales, vscales);
   launch_attention_rows(p, widest, stream);
   return out;
