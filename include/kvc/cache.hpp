@@ -37,6 +37,7 @@
 
 namespace kvc {
 namespace detail {
+struct state_access;  // kvc::save / kvc::load (<kvc/state.hpp>)
 
 template <class List, class S>
 struct all_cache_layers : std::false_type {};
@@ -951,6 +952,8 @@ class Cache<L, S, O> {
     }
     layers_.swap(next);
   }
+
+  friend struct detail::state_access;
 
   // mutable only for before_access: an offload engine brings layers back from a const method.
   mutable std::vector<layer_variant> layers_;

@@ -328,6 +328,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
     }
   }
 
+  friend struct detail::state_access;
+
   SelfCache self_;
   CrossCache cross_;
   std::map<std::int64_t, bool> is_updated_;

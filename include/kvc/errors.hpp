@@ -41,6 +41,11 @@ struct KeyError : std::out_of_range {
 struct AssertionError : std::logic_error {
   using std::logic_error::logic_error;
 };
+// kvc's own: a saved state (kvc::load, kvc::mpi) that cannot be loaded into the given cache: not
+// kvc's format, another version, a type or shape that differs, a truncated or corrupted file.
+struct StateError : RuntimeError {
+  using RuntimeError::RuntimeError;
+};
 
 namespace detail {
 

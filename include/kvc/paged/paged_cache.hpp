@@ -76,6 +76,10 @@ struct PagedSeqlensK {
 };
 
 namespace detail {
+struct state_access;  // kvc::save_request / kvc::load_request (<kvc/state.hpp>)
+}  // namespace detail
+
+namespace detail {
 
 // printf("%.*f"): what Python's format(value, ".Nf") prints for the values messages use.
 inline std::string format_fixed(double value, int digits) {
@@ -761,7 +765,9 @@ class PagedCache {
 
  private:
   template <class>
-  friend class PagedBatchCache;  // runs a dense batch's rows through check_step and write_and_read
+  friend class PagedBatchCache;
+  friend struct detail::
+      state_access;  // kvc::save_request / kvc::load_request  // runs a dense batch's rows through check_step and write_and_read
 
   // One layer's step, checked: its group, its pool tensor, and whether the group is sliding.
   struct step {

@@ -116,6 +116,17 @@ class DynamicLayer::state {
     return out;
   }
 
+  // Saved state (docs/state.md): the kind's parameters, the counters and the tokens held. A loaded
+  // layer holds them in a buffer of exactly that many slots.
+  DynamicLayer kind() const noexcept { return {}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.value(initialized_);
+    ar.value(len_);
+    ar.check(len_ >= 0 && len_ <= max_extent && (initialized_ || len_ == 0), "the token count");
+    ar.kv(store_, 0, len_, len_);
+  }
+
  private:
   state(const state& other, int) : len_(other.len_), initialized_(other.initialized_) {}
 
@@ -245,6 +256,22 @@ class DynamicSlidingWindowLayer::state {
     state out(*this, 0);
     if (initialized_) out.store_ = store_.gathered(batch_indices);
     return out;
+  }
+
+  // Saved state (docs/state.md); a loaded layer holds its tokens at the front of its buffer.
+  DynamicSlidingWindowLayer kind() const noexcept { return {window_}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.param("sliding_window", window_);
+    ar.value(initialized_);
+    ar.value(record_past_);
+    ar.value(len_);
+    ar.value(cumulative_);
+    ar.check(len_ >= 0 && len_ <= cumulative_ && cumulative_ <= max_extent && (initialized_ || cumulative_ == 0),
+             "the token counts");
+    ar.check(record_past_ || len_ <= window_ - 1, "more tokens than the window keeps");
+    ar.kv(store_, start_, len_, len_);
+    if constexpr (A::loading) start_ = 0;
   }
 
  private:

@@ -149,6 +149,26 @@ class dynamic_indexer_keys {
     f(spare_);
   }
 
+  // Saved state (docs/state.md): the [batch, length, dim] keys; a loaded buffer has no spare room.
+  template <class A>
+  void transfer(A& ar) {
+    ar.value(initialized_);
+    ar.value(batch_);
+    ar.value(len_);
+    ar.value(dim_);
+    std::int64_t n = 0;
+    if constexpr (A::loading) {
+      for (std::int64_t x : {batch_, len_, dim_}) ar.check(x >= 0 && x <= max_extent, "the indexer keys' extents");
+      ar.check(initialized_ || (batch_ == 0 && len_ == 0 && dim_ == 0), "the indexer keys' extents");
+    }
+    if (initialized_) n = checked_elements({batch_, len_, dim_}, sizeof(T));
+    ar.buffer(data_, n);
+    if constexpr (A::loading) {
+      spare_ = buffer(batch_ > 1 ? n : 0);
+      cap_ = len_;
+    }
+  }
+
  private:
   // Writes the current rows followed by x's rows to dst, with rows of `next` tokens.
   void respace(T* dst, std::int64_t next, const state_view& x) const {
@@ -233,6 +253,23 @@ class static_indexer_keys {
     f(data_);
   }
 
+  // Saved state (docs/state.md): the counter and the whole [batch, slots, dim] buffer.
+  template <class A>
+  void transfer(A& ar) {
+    ar.value(initialized_);
+    ar.value(batch_);
+    ar.value(dim_);
+    ar.value(pos_);
+    std::int64_t n = 0;
+    if constexpr (A::loading) {
+      for (std::int64_t x : {batch_, dim_}) ar.check(x >= 0 && x <= max_extent, "the indexer keys' extents");
+      ar.check(pos_ >= 0 && pos_ <= slots_ && (initialized_ || (batch_ == 0 && dim_ == 0)),
+               "the indexer keys' counter");
+    }
+    if (initialized_) n = checked_elements({batch_, slots_, dim_}, sizeof(T));
+    ar.buffer(data_, n);
+  }
+
  private:
   buffer data_;
   std::int64_t slots_ = 0;
@@ -312,6 +349,15 @@ class indexed_state : public with_attention_part<A> {
     indexer_.for_each_buffer(f);
   }
 
+  // Saved state (docs/state.md): both parts.
+  template <class Ar>
+  void transfer(Ar& ar) {
+    this->attn_.transfer(ar);
+    indexer_.transfer(ar);
+    ar.check(!this->attn_.is_initialized() || !indexer_.initialized() || indexer_.batch() == this->attn_.shape().batch,
+             "the indexer keys' batch size differs from the keys'");
+  }
+
  protected:
   indexed_state(A attn, I indexer) : with_attention_part<A>(std::move(attn)), indexer_(std::move(indexer)) {}
 
@@ -354,6 +400,7 @@ class DynamicIndexedLayer::state
   explicit state(const DynamicIndexedLayer&) : base(DynamicLayer::state<S>(DynamicLayer{}), {}) {}
 
   std::int64_t indexer_seq_length() const noexcept { return indexer_.length(); }
+  DynamicIndexedLayer kind() const noexcept { return {}; }
 
   // Appends x ([batch, q, index_head_dim]) and returns every indexer key the layer holds.
   state_view update_indexer(const state_view& x) {
@@ -416,6 +463,7 @@ class StaticIndexedLayer::state
       : base(StaticLayer::state<S>(checked(kind)), detail::static_indexer_keys<S>(kind.max_cache_len)) {}
 
   std::int64_t max_cache_len() const noexcept { return attn_.max_cache_len(); }
+  StaticIndexedLayer kind() const noexcept { return {attn_.max_cache_len()}; }
 
   // Sets where the next update *and* the next update_indexer write: both count the same tokens
   // (transformers' export wrapper moves only the K/V counter; docs/indexed.md).

@@ -59,6 +59,24 @@ struct dense_state {
   typename S::state_view_type view() const noexcept { return S::make_state_view(data.data(), rank, extents); }
   std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data.size(); }
 
+  // Saved state (docs/state.md): rank, extents, then the elements.
+  template <class A>
+  void transfer(A& ar) {
+    ar.value(initialized);
+    ar.value(rank);
+    for (std::int64_t& e : extents) ar.value(e);
+    std::int64_t n = 0;
+    if constexpr (A::loading) {
+      ar.check(rank >= 0 && rank <= 4 && (initialized || rank == 0), "a state's rank");
+      for (int r = 0; r < 4; ++r) ar.check(extents[r] >= 0 && extents[r] <= max_extent, "a state's extents");
+    }
+    if (initialized) {
+      n = 1;
+      for (int r = 0; r < rank; ++r) n = checked_elements({n, extents[r]}, sizeof(T));
+    }
+    ar.buffer(data, n);
+  }
+
   // A copy whose batch entry i (axis 0) is entry indices[i] of this one.
   dense_state gathered(std::span<const std::int64_t> indices) const {
     dense_state out = *this;
@@ -257,6 +275,33 @@ class LinearAttentionLayer::state {
     }
   }
 
+  // Saved state (docs/state.md): every slot's conv and recurrent states. What the last
+  // update_conv_state returned is not state (the next call builds it afresh) and is not saved.
+  LinearAttentionLayer kind() const noexcept { return {n_}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.param("number_of_states", n_);
+    ar.value(record_past_);
+    for (slot& s : slots_) {
+      ar.value(s.kernel);
+      ar.value(s.has_previous_state);
+      s.conv.transfer(ar);
+      s.rec.transfer(ar);
+      if constexpr (A::loading) {
+        s.full = detail::dense_state<S>();
+        ar.check(s.kernel >= 0 && s.kernel <= max_extent && (!s.conv.initialized || s.conv.rank == 3) &&
+                     (!s.rec.initialized || s.rec.rank >= 1),
+                 "a linear-attention state's shape");
+      }
+    }
+    if constexpr (A::loading) {
+      const std::int64_t b = batch();
+      for (const slot& s : slots_)
+        ar.check((!s.conv.initialized || s.conv.extents[0] == b) && (!s.rec.initialized || s.rec.extents[0] == b),
+                 "the states' batch sizes differ");
+    }
+  }
+
  private:
   struct slot {
     detail::dense_state<S> conv, rec;
@@ -448,6 +493,16 @@ class LinearAttentionHybrid<Attention>::state
   void for_each_buffer(F&& f) {
     attn_.for_each_buffer(f);
     linear_.for_each_buffer(f);
+  }
+
+  // Saved state (docs/state.md): both parts.
+  LinearAttentionHybrid kind() const noexcept { return {attn_.kind(), linear_.number_of_states()}; }
+  template <class A>
+  void transfer(A& ar) {
+    attn_.transfer(ar);
+    linear_.transfer(ar);
+    ar.check(!attn_.is_initialized() || linear_.batch() < 0 || linear_.batch() == attn_.shape().batch,
+             "the two parts' batch sizes differ");
   }
 
  private:

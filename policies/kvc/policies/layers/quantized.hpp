@@ -133,6 +133,29 @@ class quantized_history {
     for (const QT& c : chunks_) tokens_ += c.tokens();
   }
 
+  // Saved state (docs/state.md): the chunks one after the other.
+  template <class A>
+  void transfer(A& ar) {
+    auto n = static_cast<std::int64_t>(chunks_.size());
+    ar.value(n);
+    if constexpr (A::loading) {
+      ar.check(n >= 0 && n <= max_extent, "the chunk count");
+      ar.reserve(static_cast<std::uint64_t>(n) * 80, "the quantized chunks");  // a chunk takes >= 80 bytes
+      chunks_.assign(static_cast<std::size_t>(n), QT{});
+    }
+    for (QT& c : chunks_) c.transfer(ar);
+    if constexpr (A::loading) {
+      tokens_ = 0;
+      for (const QT& c : chunks_) tokens_ += c.tokens();
+    }
+  }
+  // Whether every chunk has this batch, head count and head_dim.
+  bool fits(std::int64_t batch, std::int64_t heads, std::int64_t dim) const noexcept {
+    return std::all_of(chunks_.begin(), chunks_.end(), [&](const QT& c) {
+      return c.layout().batch == batch && c.layout().heads == heads && c.layout().dim == dim;
+    });
+  }
+
   // Batch entry i of the copy is entry indices[i] of this history (packed bytes copied as they are).
   quantized_history gathered(std::span<const std::int64_t> indices) const {
     quantized_history out;
@@ -429,6 +452,43 @@ struct QuantizedLayer {
       if (ws_fresh_) out.ws_ = ws_.gathered(batch_indices, qk_.tokens() + rlen_);
       out.ws_fresh_ = ws_fresh_;
       return out;
+    }
+
+    // Saved state (docs/state.md): the options, the counters, the quantized history and the
+    // residual. The workspace is not saved: a loaded layer dequantizes its history again at its
+    // next update, which gives what the workspace held.
+    QuantizedLayer kind() const noexcept { return opts_; }
+    template <class A>
+    void transfer(A& ar) {
+      ar.param("nbits", opts_.nbits);
+      ar.param("axis_key", opts_.axis_key);
+      ar.param("axis_value", opts_.axis_value);
+      ar.param("q_group_size", opts_.q_group_size);
+      ar.param("residual_length", opts_.residual_length);
+      ar.param("append_only", opts_.append_only);
+      ar.value(initialized_);
+      ar.value(shape_.batch);
+      ar.value(shape_.heads);
+      ar.value(shape_.key_head_dim);
+      ar.value(shape_.value_head_dim);
+      ar.value(rlen_);
+      ar.value(cumulative_);
+      qk_.transfer(ar);
+      qv_.transfer(ar);
+      ar.kv(residual_, 0, rlen_, rlen_);
+      if constexpr (A::loading) {
+        const LayerShape s = shape_;
+        const auto in_range = [](std::int64_t x) { return x >= 0 && x <= max_extent; };
+        ar.check(in_range(s.batch) && in_range(s.heads) && in_range(s.key_head_dim) && in_range(s.value_head_dim) &&
+                     in_range(rlen_) && (initialized_ || cumulative_ == 0),
+                 "the layer's shape and counters");
+        ar.check(qk_.tokens() == qv_.tokens() && cumulative_ == qk_.tokens() + rlen_, "the token counts");
+        ar.check(qk_.fits(s.batch, s.heads, s.key_head_dim) && qv_.fits(s.batch, s.heads, s.value_head_dim) &&
+                     (!initialized_ || residual_.shape() == s),
+                 "the quantized tensors' shapes");
+        ws_ = detail::kv_store<S>();
+        ws_fresh_ = false;
+      }
     }
 
    private:

@@ -109,6 +109,18 @@ class StaticLayer::state {
     return out;
   }
 
+  // Saved state (docs/state.md): every slot, as the layer returns them all.
+  StaticLayer kind() const noexcept { return {max_cache_len_}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.param("max_cache_len", max_cache_len_);
+    ar.value(initialized_);
+    ar.value(position_);
+    ar.check(position_ >= 0 && position_ <= max_cache_len_, "the write position");
+    const std::int64_t n = initialized_ ? max_cache_len_ : 0;
+    ar.kv(store_, 0, n, n);
+  }
+
  private:
   state(const state& o, int) : max_cache_len_(o.max_cache_len_), position_(o.position_), initialized_(o.initialized_) {}
 
@@ -210,6 +222,20 @@ class StaticSlidingWindowLayer::state {
     state out(*this, 0);
     if (initialized_) out.store_ = store_.gathered(batch_indices);
     return out;
+  }
+
+  // Saved state (docs/state.md): the window's W slots; a loaded layer holds them at the front of
+  // a buffer of 2W (start_ 0), which every later update treats as it treats the original.
+  StaticSlidingWindowLayer kind() const noexcept { return {window_, window_}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.param("window", window_);
+    ar.value(initialized_);
+    ar.value(cumulative_);
+    ar.check(cumulative_ >= 0 && cumulative_ <= max_extent, "the token count");
+    const std::int64_t n = initialized_ ? window_ : 0;
+    ar.kv(store_, start_, n, 2 * n);
+    if constexpr (A::loading) start_ = 0;
   }
 
  private:

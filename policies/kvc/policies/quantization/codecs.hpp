@@ -743,6 +743,39 @@ class quantized_tensor {
   std::int64_t code_bytes() const noexcept { return static_cast<std::int64_t>(codes_.size()); }
   std::int64_t groups_per_block() const noexcept { return layout_.groups; }
   const std::vector<std::uint8_t>& packed() const noexcept { return codes_; }
+  const quant_layout& layout() const noexcept { return layout_; }
+
+  // Saved state (docs/state.md): the layout, then the packed codes, scales and offsets, each
+  // checked against the layout on load.
+  template <class A>
+  void transfer(A& ar) {
+    quant_layout& l = layout_;
+    ar.value(l.nbits);
+    ar.value(l.grouping);
+    ar.value(l.group_size);
+    ar.value(l.batch);
+    ar.value(l.heads);
+    ar.value(l.tokens);
+    ar.value(l.dim);
+    if constexpr (A::loading) {
+      const auto in_range = [](std::int64_t x, std::int64_t lo) { return x >= lo && x <= max_extent; };
+      ar.check(l.nbits >= 1 && l.nbits <= 8, "a code width outside [1, 8]");
+      ar.check(l.grouping == quant_grouping::along_head_dim || l.grouping == quant_grouping::along_seq,
+               "an unknown grouping");
+      ar.check(in_range(l.group_size, 1) && in_range(l.batch, 0) && in_range(l.heads, 0) && in_range(l.tokens, 0) &&
+                   in_range(l.dim, 0),
+               "a quantized tensor's extents");
+      (void)checked_elements({l.batch, l.heads, l.tokens, l.dim}, 1);
+      l = quant_layout(l.nbits, l.grouping, l.group_size, l.batch, l.heads, l.tokens, l.dim);
+    }
+    ar.array(codes_);
+    ar.array(scale_);
+    ar.array(offset_);
+    const auto n = [](std::int64_t a, std::int64_t b) { return static_cast<std::size_t>(a * b); };
+    ar.check(codes_.size() == n(l.blocks(), l.block_bytes) && scale_.size() == n(l.blocks(), l.groups) &&
+                 offset_.size() == n(l.blocks(), l.groups),
+             "a quantized tensor's sizes do not match its layout");
+  }
 
  private:
   explicit quantized_tensor(const quant_layout& layout)
