@@ -103,6 +103,16 @@ inline std::int64_t checked_elements(std::initializer_list<std::int64_t> extents
   return n;
 }
 
+// Whether the extents are non-negative and every product of them, with the zeros counted as ones,
+// fits 64 bits 16 times over: what a loaded state's strides and loops multiply (checked_elements
+// alone lets a zero hide the overflow of the others' product).
+inline bool products_fit(std::initializer_list<std::int64_t> extents) noexcept {
+  std::int64_t n = 1;
+  for (const std::int64_t e : extents)
+    if (e < 0 || !mul_fits(n, std::max<std::int64_t>(e, 1), n)) return false;
+  return mul_fits(n, 16, n);
+}
+
 // Allocates `bytes` (> 0) aligned to `alignment` with operator new; MemoryError when refused.
 inline void* allocate_bytes(std::int64_t bytes, std::size_t alignment) {
   try {

@@ -15,7 +15,13 @@
 // or another exception type. The target lowers kvc::set_allocation_limit to 16 MiB per buffer,
 // as a service reading untrusted files would, and updates at most 4 layers of at most 16, so that
 // a valid but huge cache is refused by kvc (ValueError) rather than by the fuzzer's memory limit.
-// One binary for both (the heavy instantiations compile once); built with clang only.
+//   byte 'S' (then a cache kind byte) and 'P': a saved state (the seeds in tests/fuzz/corpus_state;
+//     the fuzz.state test), loaded by kvc::load into a fresh cache of that kind (tests/fuzz/
+//     state_targets.hpp), or by kvc::load_request into a paged cache; and its payload alone through
+//     kvc::StateLoader (kvc::read_request), which has no checksum, so that the fuzzer's changes
+//     reach every check of the layer kinds. A state that loads must save back to the same bytes,
+//     and take one more token in every K/V layer.
+// One binary for all (the heavy instantiations compile once); built with clang only.
 
 #include <cstddef>
 #include <cstdint>
@@ -26,8 +32,14 @@
 #include <string_view>
 #include <vector>
 
+#include <cstring>
+#include <sstream>
+#include <string>
+
 #include <kvc/cache_description.hpp>
 #include <kvc/runtime.hpp>
+
+#include "state_targets.hpp"
 
 namespace {
 
@@ -175,6 +187,82 @@ void end_to_end(std::string_view input) {
     });
 }
 
+// ---- saved states ----------------------------------------------------------------------------------
+
+struct memory_source {
+  std::string_view bytes;
+  void get(void* p, std::size_t n) {
+    if (n > bytes.size()) throw kvc::StateError("kvc::load: the state is truncated");
+    std::memcpy(p, bytes.data(), n);
+    bytes.remove_prefix(n);
+  }
+  std::uint64_t available() const noexcept { return bytes.size(); }
+};
+
+// One more token in each of the first K/V layers that hold some, in their own shape.
+template <class C>
+void one_more_token(C& cache) {
+  const std::vector<bool> linear = cache.is_linear();
+  for (std::int64_t i = 0; i < cache.size() && i < layers_updated; ++i) {
+    if (linear[static_cast<std::size_t>(i)]) continue;
+    guarded([&] {
+      const auto kv = cache.stored(i);
+      const std::int64_t b = kv.keys.extent(0), h = kv.keys.extent(1), dk = kv.keys.extent(3), dv = kv.values.extent(3);
+      if (b < 1 || h < 1 || b * h * (dk + dv) > max_width) return;
+      kvc::HostTensor<float> k(b, h, 1, dk), v(b, h, 1, dv);
+      fill(k, 5);
+      fill(v, 6);
+      cache.update(k, v, i);
+    });
+  }
+}
+
+void load_state(std::uint8_t which, std::string_view bytes) {
+  kvc_fuzz::with_cache(which, [&](auto& cache) {
+    bool loaded = false;
+    guarded([&] {
+      std::istringstream is{std::string(bytes), std::ios::binary};
+      kvc::load(cache, is);
+      loaded = true;
+    });
+    if (!loaded) return;
+    std::ostringstream os(std::ios::binary);
+    kvc::save(cache, os);
+    if (bytes.substr(0, os.str().size()) != os.str()) std::abort();  // what loads saves back the same
+    if constexpr (requires { cache.self_attention_cache(); }) {
+      one_more_token(cache.self_attention_cache());
+      one_more_token(cache.cross_attention_cache());
+    } else {
+      one_more_token(cache);
+    }
+  });
+  constexpr std::size_t header = 24;  // magic, version, length
+  if (bytes.size() <= header) return;
+  kvc_fuzz::with_cache(which, [&](auto& cache) {
+    if constexpr (!requires { cache.self_attention_cache(); }) {
+      memory_source payload{bytes.substr(header)};
+      guarded([&] {
+        kvc::StateLoader loader(cache, payload);
+        loader.load_all();
+      });
+      one_more_token(cache);
+    }
+  });
+}
+
+void load_paged_request(std::string_view bytes) {
+  kvc_fuzz::Paged cache = kvc_fuzz::paged();
+  guarded([&] {
+    std::istringstream is{std::string(bytes), std::ios::binary};
+    kvc::load_request(cache, "r", is);
+  });
+  if (cache.get_num_free_blocks() != 8 - cache.blocks_in_use("r")) std::abort();
+  if (bytes.size() > 24) {
+    memory_source payload{bytes.substr(24)};
+    guarded([&] { kvc::read_request(cache, "s", payload); });
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -186,7 +274,11 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
-  if (data[0] % 4 == 3)
+  if (data[0] == 'S') {
+    if (!rest.empty()) load_state(static_cast<std::uint8_t>(rest[0]), rest.substr(1));
+  } else if (data[0] == 'P') {
+    load_paged_request(rest);
+  } else if (data[0] % 4 == 3)
     end_to_end(rest);
   else
     read_one(static_cast<std::uint8_t>(data[0] % 4), rest);

@@ -450,3 +450,193 @@ TEST_CASE("save_request/load_request: a paged request moves to another cache bit
   CHECK(load_message(small, "q", bytes) == "kvc::load: request q: the request needs 6 free blocks and the cache has " +
                                                std::to_string(small.get_num_free_blocks()));
 }
+
+namespace {
+
+// A payload written value by value in the format of docs/state.md, for the loader's checks.
+struct string_sink {
+  std::string bytes;
+  void put(const void* p, std::size_t n) { bytes.append(static_cast<const char*>(p), n); }
+};
+struct string_source {
+  std::string bytes;
+  std::size_t at = 0;
+  void get(void* p, std::size_t n) {
+    if (n > bytes.size() - at) throw kvc::StateError("kvc::load: the state is truncated");
+    std::memcpy(p, bytes.data() + at, n);
+    at += n;
+  }
+  std::uint64_t available() const { return bytes.size() - at; }
+};
+struct crafted {
+  string_sink sink;
+  kvc::detail::state_writer<string_sink> w{sink};
+  // The header of a float Cache with n layers, and the kind name of the first.
+  crafted(std::int64_t layers, std::string_view kind) {
+    w.text("Cache");
+    w.text("float");
+    w.param("element_size", 4);
+    w.value(layers);
+    w.text(kind);
+  }
+};
+template <class C>
+std::string loader_error(C& cache, const std::string& payload) {
+  const auto before = take_snapshot(cache);
+  string_source src{payload};
+  std::string message = "(no exception)";
+  try {
+    kvc::StateLoader loader(cache, src);
+    loader.load_all();
+  } catch (const kvc::StateError& e) {
+    message = e.what();
+  }
+  CHECK(take_snapshot(cache) == before);
+  return message;
+}
+
+}  // namespace
+
+TEST_CASE("kvc::load checks every value of a payload it reads") {
+  kvc::DynamicCache<float> dyn;
+  {
+    crafted c(1, "DynamicLayer");
+    c.w.value(2);  // initialized
+    CHECK(loader_error(dyn, c.sink.bytes) == "kvc::load: layer 0 (DynamicLayer): a flag is 2, not 0 or 1");
+  }
+  {
+    crafted c(1, "DynamicLayer");
+    c.w.value(false);
+    c.w.value(5);  // tokens in an uninitialized layer
+    CHECK(loader_error(dyn, c.sink.bytes) ==
+          "kvc::load: layer 0 (DynamicLayer): the saved state is inconsistent (the token count)");
+  }
+  {
+    crafted c(1, "DynamicLayer");
+    c.w.value(true);
+    c.w.value(1000);
+    for (const std::int64_t x : {1, 1, 4, 4}) c.w.value(x);  // the shape, and no rows after it
+    CHECK(loader_error(dyn, c.sink.bytes) ==
+          "kvc::load: layer 0 (DynamicLayer): the layer's keys and values would "
+          "need 32000 bytes, and only 0 remain");
+  }
+  {
+    crafted c(1, "DynamicLayer");
+    c.w.value(true);
+    c.w.value(0);
+    c.w.value(-1);  // batch
+    CHECK(loader_error(dyn, c.sink.bytes) ==
+          "kvc::load: layer 0 (DynamicLayer): the batch size is -1, outside [0, 1099511627776]");
+  }
+  {
+    crafted c(kvc::max_layers + 1, "DynamicLayer");
+    CHECK(loader_error(dyn, c.sink.bytes) == "kvc::load: the state: the file has " +
+                                                 std::to_string(kvc::max_layers + 1) +
+                                                 " layers, above kvc's limit of " + std::to_string(kvc::max_layers));
+  }
+  {
+    string_sink s;
+    kvc::detail::state_writer<string_sink> w{s};
+    w.text("Cache");
+    w.text("float");
+    w.param("element_size", 4);
+    w.value(1);
+    w.value(std::int64_t{5000});
+    CHECK(loader_error(dyn, s.bytes) == "kvc::load: layer 0: a name of 5000 bytes is longer than any kvc writes");
+  }
+  using Sliding = kvc::Cache<kvc::Layers<kvc::DynamicSlidingWindowLayer>>;
+  Sliding sliding(kvc::DynamicSlidingWindowLayer{4});
+  {
+    string_sink s;
+    kvc::detail::state_writer<string_sink> w{s};
+    w.text("Cache");
+    w.text("float");
+    w.param("element_size", 4);
+    w.value(1);
+    w.text("DynamicSlidingWindowLayer");
+    w.param("window", 4);
+    CHECK(loader_error(sliding, s.bytes) ==
+          "kvc::load: layer 0 (DynamicSlidingWindowLayer): the file has a "
+          "parameter 'window' where kvc expects 'sliding_window'");
+  }
+  {
+    // A quantized tensor whose arrays do not match its layout.
+    auto q =
+        kvc::QuantizedCache<float>("quanto", config(1, 1, 4), {.nbits = 4, .q_group_size = 4, .residual_length = 2});
+    std::mt19937 rng(2);
+    fill(q, 1, 1, 4, 3, 1, rng);  // three tokens: two quantized
+    std::string payload;
+    {
+      string_sink s;
+      kvc::write_state(q, s);
+      payload = s.bytes;
+    }
+    kvc::DynamicCache<float> d;
+    CHECK(loader_error(d, payload) ==
+          "kvc::load: layer 0: the file holds a QuantoQuantizedLayer and the cache a DynamicLayer");
+    auto fresh =
+        kvc::QuantizedCache<float>("quanto", config(1, 1, 4), {.nbits = 4, .q_group_size = 4, .residual_length = 2});
+    string_source ok{payload};
+    kvc::StateLoader(fresh, ok).load_all();
+    CHECK(observed(fresh) == observed(q));
+  }
+  {
+    string_source src{""};
+    kvc::DynamicCache<float> d;
+    CHECK_THROWS_WITH_AS(kvc::StateLoader(d, src), "kvc::load: the state is truncated", kvc::StateError);
+  }
+}
+
+TEST_CASE("kvc::load: the lengths a file announces") {
+  std::mt19937 rng(37);
+  kvc::DynamicCache<float> a, b;
+  fill(a, 1, 1, 2, 1, 2, rng);
+  const std::string bytes = saved(a);
+  std::int64_t length = 0;
+  std::memcpy(&length, bytes.data() + 16, 8);
+  std::string longer = bytes;
+  const std::int64_t more = length + 8;
+  std::memcpy(longer.data() + 16, &more, 8);
+  longer.insert(24 + static_cast<std::size_t>(length), 8, '\0');
+  CHECK(load_error(b, longer) ==
+        "kvc::load: the state announces " + std::to_string(more) + " bytes and its contents end 8 bytes earlier");
+  std::string negative = bytes;
+  const std::int64_t minus = -1;
+  std::memcpy(negative.data() + 16, &minus, 8);
+  CHECK(load_error(b, negative) == "kvc::load: the state announces a negative length");
+  std::string shorter = bytes;
+  const std::int64_t less = length - 8;
+  std::memcpy(shorter.data() + 16, &less, 8);
+  CHECK(load_error(b, shorter) ==
+        "kvc::load: layer 2 (DynamicLayer): the layer's keys and values would need 32 "
+        "bytes, and only 24 remain");
+  const std::int64_t ten = 10;  // inside the first text, "Cache"
+  std::memcpy(shorter.data() + 16, &ten, 8);
+  CHECK(load_error(b, shorter) == "kvc::load: the state is truncated: its contents run past the announced length");
+}
+
+TEST_CASE("StateLoader and save_request refuse what they cannot do") {
+  kvc::DynamicCache<float> a, b;
+  std::mt19937 rng(41);
+  fill(a, 1, 1, 2, 1, 1, rng);
+  string_sink s;
+  kvc::write_state(a, s);
+  string_source src{s.bytes};
+  kvc::StateLoader loader(b, src);
+  CHECK_THROWS_WITH_AS(loader.load_through(3), "kvc::StateLoader: layer 3 is not one of the 3 layers of the state",
+                       kvc::IndexError);
+  loader.load_all();
+  CHECK_THROWS_WITH_AS(loader.load_next(), "kvc::StateLoader: every layer is loaded already", kvc::StateError);
+
+  using Paged = kvc::PagedCache<kvc::HostStorage<float>>;
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 8;
+  Paged p(config(1, 1, 2), cb);
+  REQUIRE(p.allocate_blocks(1, "r", 0));
+  p.reserve_swap_space(2);
+  REQUIRE(p.offload_request("r"));
+  std::ostringstream os;
+  CHECK_THROWS_WITH_AS(kvc::save_request(p, "r", os),
+                       "kvc::save_request: request r is offloaded: restore_request it first", kvc::ValueError);
+}

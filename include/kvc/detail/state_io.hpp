@@ -142,7 +142,10 @@ class state_writer : public archive_context {
   explicit state_writer(Sink& sink) noexcept : sink_(sink) {}
   Sink& sink() noexcept { return sink_; }
 
-  void raw(const void* p, std::size_t n) { sink_.put(p, n); }
+  // Empty pieces never reach the sink (their pointer may be null), nor the source below.
+  void raw(const void* p, std::size_t n) {
+    if (n > 0) sink_.put(p, n);
+  }
   // An integer, bool or enum, as 8 bytes.
   template <class V>
   void value(const V& v) {
@@ -197,6 +200,7 @@ class state_writer : public archive_context {
   void rows(const T* data, const LayerShape& s, std::int64_t stride_h, std::int64_t d, std::int64_t from,
             std::int64_t len) {
     const auto row = static_cast<std::size_t>(len * d) * sizeof(T);
+    if (row == 0) return;
     for (std::int64_t i = 0; i < s.batch * s.heads; ++i) raw(data + i * stride_h + from * d, row);
   }
 
@@ -214,7 +218,9 @@ class state_reader : public archive_context {
     throw StateError(join_message({"kvc::load: ", where(), ": ", what}));
   }
 
-  void raw(void* p, std::size_t n) { source_.get(p, n); }
+  void raw(void* p, std::size_t n) {
+    if (n > 0) source_.get(p, n);
+  }
   template <class V>
   void value(V& v) {
     std::int64_t x;
@@ -274,7 +280,9 @@ class state_reader : public archive_context {
     s.value_head_dim = size("the value head_dim");
     // The layer's capacity on load is at most twice what the file holds (a static sliding layer's
     // window in its buffer of 2W), so the allocation stays within twice the file's bytes.
-    check(len >= 0 && len <= capacity && capacity <= 2 * len, "more tokens than the layer has room for");
+    check(len >= 0 && len <= max_extent && len <= capacity && capacity <= 2 * len,
+          "more tokens than the layer has room for");
+    check(products_fit({s.batch, s.heads, capacity, s.key_head_dim, s.value_head_dim}), "the shape's size");
     using T = typename Store::T;
     const std::int64_t elems = checked_elements({s.batch, s.heads, len, s.key_head_dim + s.value_head_dim}, sizeof(T));
     reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "the layer's keys and values");
@@ -310,6 +318,7 @@ class state_reader : public archive_context {
   template <class T>
   void rows(T* data, const LayerShape& s, std::int64_t stride_h, std::int64_t d, std::int64_t len) {
     const auto row = static_cast<std::size_t>(len * d) * sizeof(T);
+    if (row == 0) return;  // (else the reserve above bounds batch * heads by the bytes left)
     for (std::int64_t i = 0; i < s.batch * s.heads; ++i) raw(data + i * stride_h, row);
   }
 

@@ -158,7 +158,7 @@ class dynamic_indexer_keys {
     ar.value(dim_);
     std::int64_t n = 0;
     if constexpr (A::loading) {
-      for (std::int64_t x : {batch_, len_, dim_}) ar.check(x >= 0 && x <= max_extent, "the indexer keys' extents");
+      ar.check(products_fit({batch_, len_, dim_}), "the indexer keys' extents");
       ar.check(initialized_ || (batch_ == 0 && len_ == 0 && dim_ == 0), "the indexer keys' extents");
     }
     if (initialized_) n = checked_elements({batch_, len_, dim_}, sizeof(T));
@@ -262,7 +262,7 @@ class static_indexer_keys {
     ar.value(pos_);
     std::int64_t n = 0;
     if constexpr (A::loading) {
-      for (std::int64_t x : {batch_, dim_}) ar.check(x >= 0 && x <= max_extent, "the indexer keys' extents");
+      ar.check(products_fit({batch_, slots_, dim_}), "the indexer keys' extents");
       ar.check(pos_ >= 0 && pos_ <= slots_ && (initialized_ || (batch_ == 0 && dim_ == 0)),
                "the indexer keys' counter");
     }

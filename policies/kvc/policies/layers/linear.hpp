@@ -69,6 +69,7 @@ struct dense_state {
     if constexpr (A::loading) {
       ar.check(rank >= 0 && rank <= 4 && (initialized || rank == 0), "a state's rank");
       for (int r = 0; r < 4; ++r) ar.check(extents[r] >= 0 && extents[r] <= max_extent, "a state's extents");
+      ar.check(products_fit({extents[0], extents[1], extents[2], extents[3]}), "a state's size");
     }
     if (initialized) {
       n = 1;

@@ -765,7 +765,7 @@ class quantized_tensor {
       ar.check(in_range(l.group_size, 1) && in_range(l.batch, 0) && in_range(l.heads, 0) && in_range(l.tokens, 0) &&
                    in_range(l.dim, 0),
                "a quantized tensor's extents");
-      (void)checked_elements({l.batch, l.heads, l.tokens, l.dim}, 1);
+      ar.check(products_fit({l.batch, l.heads, l.tokens, l.dim, 8}), "a quantized tensor's size");
       l = quant_layout(l.nbits, l.grouping, l.group_size, l.batch, l.heads, l.tokens, l.dim);
     }
     ar.array(codes_);

@@ -1,0 +1,93 @@
+#pragma once
+// The caches the fuzz target loads saved states into (tests/fuzz/fuzz_kvc.cpp, mode 'S' and 'P'),
+// and the seeds it starts from (tests/fuzz/make_state_seeds.cpp writes tests/fuzz/corpus_state):
+// one cache of each kind family, small, with fixed parameters.
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <kvc/kvc.hpp>
+#include <kvc/state.hpp>
+
+namespace kvc_fuzz {
+
+using Dyn = kvc::DynamicCache<float>;
+using Mixed = kvc::Cache<
+    kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer, kvc::StaticLayer, kvc::StaticSlidingWindowLayer>>;
+using Linear =
+    kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer, kvc::LinearAttentionAndFullAttentionLayer>>;
+using Indexed = kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer, kvc::StaticIndexedLayer>>;
+using EncDec = kvc::EncoderDecoderCache<Dyn, Dyn>;
+using Paged = kvc::PagedCache<kvc::HostStorage<float>>;
+
+inline kvc::ModelConfig model(std::int64_t layers) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.head_dim = 4;
+  c.hidden_size = 8;
+  return c;
+}
+inline Mixed mixed() {
+  return Mixed(kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{5}, kvc::StaticLayer{12},
+               kvc::StaticSlidingWindowLayer{12, 5});
+}
+inline kvc::QuantizedCache<float> quantized() {
+  return kvc::QuantizedCache<float>("quanto", model(2), {.nbits = 4, .q_group_size = 8, .residual_length = 3});
+}
+inline Linear linear() {
+  return Linear(kvc::LinearAttentionLayer{2}, kvc::DynamicLayer{}, kvc::LinearAttentionAndFullAttentionLayer{});
+}
+inline Indexed indexed() { return Indexed(kvc::DynamicIndexedLayer{}, kvc::StaticIndexedLayer{12}); }
+inline Paged paged() {
+  kvc::ModelConfig m = model(2);
+  m.sliding_window = 6;
+  m.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 8;
+  cb.allow_block_sharing = false;
+  return Paged(m, cb);
+}
+
+// Calls f(cache) with a fresh cache of kind `which` (0..5: Dyn, Mixed, quantized, Linear, Indexed,
+// EncDec).
+template <class F>
+void with_cache(int which, F&& f) {
+  switch (which % 6) {
+    case 0: {
+      Dyn c;
+      f(c);
+      break;
+    }
+    case 1: {
+      Mixed c = mixed();
+      f(c);
+      break;
+    }
+    case 2: {
+      auto c = quantized();
+      f(c);
+      break;
+    }
+    case 3: {
+      Linear c = linear();
+      f(c);
+      break;
+    }
+    case 4: {
+      Indexed c = indexed();
+      f(c);
+      break;
+    }
+    default: {
+      EncDec c{Dyn(), Dyn()};
+      f(c);
+    }
+  }
+}
+
+}  // namespace kvc_fuzz
