@@ -506,6 +506,7 @@ class StateLoader {
  public:
   StateLoader(C& cache, Source& source) : cache_(cache), ar_(source) {
     layers_ = detail::state_access::read_cache_header(cache_, ar_);
+    if (layers_ == 0) detail::state_access::truncate(cache_, 0);  // an empty state empties the cache
   }
 
   std::int64_t layers() const noexcept { return layers_; }

@@ -627,6 +627,13 @@ TEST_CASE("StateLoader and save_request refuse what they cannot do") {
                        kvc::IndexError);
   loader.load_all();
   CHECK_THROWS_WITH_AS(loader.load_next(), "kvc::StateLoader: every layer is loaded already", kvc::StateError);
+  // A state without layers empties a replicated cache.
+  string_sink empty;
+  kvc::write_state(kvc::DynamicCache<float>(), empty);
+  string_source from_empty{empty.bytes};
+  kvc::StateLoader none(b, from_empty);
+  CHECK(none.done());
+  CHECK(b.size() == 0);
 
   using Paged = kvc::PagedCache<kvc::HostStorage<float>>;
   kvc::ContinuousBatchingConfig cb;
