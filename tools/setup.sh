@@ -6,7 +6,8 @@ packages=(cmake make g++ clang libclang-rt-14-dev
           libeigen3-dev libboost-dev doctest-dev libbenchmark-dev nlohmann-json3-dev
           valgrind      # the memcheck stage of tools/test-all.sh
           clang-format-16  # tools/check-format.sh, the first stage of tools/test-all.sh
-          gnuplot-nox)  # gnuplot: tools/plot_benchmarks.sh
+          gnuplot-nox   # gnuplot: tools/plot_benchmarks.sh
+          openmpi-bin libopenmpi-dev)  # kvc::mpi: examples/07_distributed, kvc_bench_mpi (docs/distributed.md)
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "setup.sh: no dpkg-query; not a Debian system, install by hand: ${packages[*]}" >&2

@@ -13,7 +13,8 @@
 //          computes scores and softmax in float for the 16-bit types. The attention output is
 //          converted back to float before the output projection.
 // Both forward modes share every step but the attention call, so their difference measures the
-// cache (and the rounding of different GEMM shapes), nothing else.
+// cache (and the rounding of different GEMM shapes), nothing else. `shard` and
+// `set_attention_reduce` split the attention over tensor-parallel ranks (examples/07_distributed).
 #include <kvc/kvc.hpp>
 #include <kvc/fp8_attention.hpp>
 #include <kvc/quantized_attention.hpp>
@@ -241,6 +242,40 @@ class Decoder {
 
   const DecoderConfig& config() const noexcept { return config_; }
 
+  // Tensor parallelism (examples/07_distributed): rank `rank` of `ranks`' shard of the model. Its
+  // attention has heads [rank * H / ranks, (rank + 1) * H / ranks) of the H query heads and the
+  // matching slice of the KV heads: the columns of wq, wk and wv that produce them and the rows of
+  // wo that read them (a column split, then a row split); everything else (embedding, norms, MLP,
+  // LM head) is a full copy. Its config has H / ranks query heads and KV / ranks KV heads, so a
+  // cache built from it holds 1 / ranks of the K/V. The shard's output projection gives a partial
+  // sum: set_attention_reduce must add the partial sums of all the ranks (an all-reduce).
+  Decoder shard(std::int64_t rank, std::int64_t ranks) const {
+    const std::int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+    if (ranks < 1 || rank < 0 || rank >= ranks || heads % ranks != 0 || kv_heads % ranks != 0)
+      throw std::invalid_argument("Decoder::shard: rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                                  ": the ranks must divide the " + std::to_string(heads) + " heads and the " +
+                                  std::to_string(kv_heads) + " KV heads");
+    const std::int64_t d = config_.head_dim, q_cols = heads / ranks * d, kv_cols = kv_heads / ranks * d;
+    Decoder out = *this;
+    out.config_.num_attention_heads = heads / ranks;
+    out.config_.num_key_value_heads = kv_heads / ranks;
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& full = layers_[l];
+      Layer& part = out.layers_[l];
+      part.wq = full.wq.middleCols(rank * q_cols, q_cols);
+      part.wk = full.wk.middleCols(rank * kv_cols, kv_cols);
+      part.wv = full.wv.middleCols(rank * kv_cols, kv_cols);
+      part.wo = full.wo.middleRows(rank * q_cols, q_cols);
+    }
+    out.reduce_ = {};
+    return out;
+  }
+
+  // Called once per layer with the attention's output projection, [tokens, hidden], before it is
+  // added to the residual stream; a shard's reduce replaces its partial sum by the sum over the
+  // ranks. Unset (the default), nothing runs there.
+  void set_attention_reduce(std::function<void(Matrix&)> reduce) { reduce_ = std::move(reduce); }
+
   // Runs `tokens` through the model, storing their keys and values in `cache`; their positions
   // continue from cache.get_seq_length(). Returns the logits of the last token, or of every token.
   // Attention::codes reads a quantized cache's codes (kvc::attend_quantized: no dequantized
@@ -335,7 +370,13 @@ class Decoder {
       rotate(k, hkv, cos, sin);
       const kvc::HostTensor<T> out =
           attend_fn(static_cast<std::int64_t>(l), to_heads(q, hq), to_heads(k, hkv), to_heads(v, hkv));
-      x.noalias() += times(from_heads(out), w.wo);
+      if (reduce_) {
+        Matrix projected = times(from_heads(out), w.wo);
+        reduce_(projected);
+        x.noalias() += projected;
+      } else {
+        x.noalias() += times(from_heads(out), w.wo);
+      }
       a = rms_norm(x, w.mlp_norm);
       Matrix gate = times(a, w.w_gate);
       const Matrix up = times(a, w.w_up);
@@ -457,6 +498,7 @@ class Decoder {
   std::vector<Layer> layers_;
   Eigen::RowVectorXf final_norm_;
   std::vector<double> inv_freq_;
+  std::function<void(Matrix&)> reduce_;  // set_attention_reduce
 };
 
 }  // namespace examples
