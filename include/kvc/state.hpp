@@ -85,13 +85,20 @@ struct state_access {
     return c.layers_;
   }
 
-  template <class L, class S, class O, class A>
-  static void write_cache(const Cache<L, S, O>& c, A& ar) {
+  // What a payload starts with, both directions: its type and the storage's element type.
+  template <class S, class A>
+  static void type_header(A& ar, std::string_view type) {
     check_host_storage<S>();
-    same_text(ar, "the cache type", "Cache");
+    ar.set_context("");
+    same_text(ar, "the cache type", type);
     same_text(ar, "the element type", state_element_name<typename S::element_type>());
     ar.param("element_size", static_cast<std::int64_t>(sizeof(typename S::element_type)));
+  }
+
+  template <class L, class S, class O, class A>
+  static void write_cache(const Cache<L, S, O>& c, A& ar) {
     const auto& ls = layers(c);
+    type_header<S>(ar, "Cache");
     ar.value(static_cast<std::int64_t>(ls.size()));
     for (std::size_t i = 0; i < ls.size(); ++i) write_layer(c, static_cast<std::int64_t>(i), ar);
   }
@@ -108,11 +115,7 @@ struct state_access {
   // Reads the header; returns the number of layers that follow (checked against the cache).
   template <class L, class S, class O, class A>
   static std::int64_t read_cache_header(const Cache<L, S, O>& c, A& ar) {
-    check_host_storage<S>();
-    ar.set_context("");
-    same_text(ar, "the cache type", "Cache");
-    same_text(ar, "the element type", state_element_name<typename S::element_type>());
-    ar.param("element_size", static_cast<std::int64_t>(sizeof(typename S::element_type)));
+    type_header<S>(ar, "Cache");
     const std::int64_t n = ar.size("the layer count");
     if (n > max_layers)
       ar.fail("the file has " + std::to_string(n) + " layers, above kvc's limit of " + std::to_string(max_layers));
@@ -242,11 +245,9 @@ struct state_access {
   // ---- PagedCache requests ---------------------------------------------------------------------
 
   template <class S, class A>
-  static void paged_header(const PagedCache<S>& c, A& ar) {
-    check_host_storage<S>();
-    same_text(ar, "the cache type", "PagedRequest");
-    same_text(ar, "the element type", state_element_name<typename S::element_type>());
-    ar.param("element_size", static_cast<std::int64_t>(sizeof(typename S::element_type)));
+  static void paged_header(const PagedCache<S>& c, const std::string& id, A& ar) {
+    type_header<S>(ar, "PagedRequest");
+    ar.set_context("request " + id);
     ar.param("block_size", c.block_size_);
     ar.param("kv_heads", c.kv_heads_);
     ar.param("head_dim", c.head_dim_);
@@ -286,7 +287,7 @@ struct state_access {
   static void write_request(const PagedCache<S>& c, const std::string& id, A& ar) {
     if (c.is_offloaded(id))
       throw ValueError("kvc::save_request: request " + id + " is offloaded: restore_request it first");
-    paged_header(c, ar);
+    paged_header(c, id, ar);
     std::vector<std::int64_t> counts;
     const std::vector<std::int64_t> blocks = request_blocks(c, id, &counts);
     for (const std::int64_t n : counts) ar.value(n);
@@ -312,7 +313,7 @@ struct state_access {
     ar.set_context("request " + id);
     if (c.is_offloaded(id) || c.blocks_in_use(id) > 0)
       ar.fail("the cache already holds this request; free_blocks it first");
-    paged_header(c, ar);
+    paged_header(c, id, ar);
     std::vector<std::int64_t> counts(c.allocators_.size());
     std::int64_t most = 0, total = 0;
     for (std::int64_t& n : counts) {
