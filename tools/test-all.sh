@@ -8,8 +8,9 @@
 #                so the device code is compiled as for a GPU run, and nothing runs it)
 #   memcheck     valgrind over build/gcc's unit tests (tools/valgrind.supp)
 #   build/asan   clang++ -O0 -gline-tables-only + ASan/UBSan: the compile_fail .ko cases, the unit
-#                tests, and the fuzz target (-O1) from two seed sets (fuzz.json: the JSON readers;
-#                fuzz.e2e: model files to caches and attention), KVC_FUZZ_SECONDS (default 60)
+#                tests, and the fuzz target (-O1) from three seed sets (fuzz.json: the JSON readers;
+#                fuzz.e2e: model files to caches and attention; fuzz.state: saved cache states through
+#                kvc::load), KVC_FUZZ_SECONDS (default 60)
 #                seconds each, side by side
 # Each stage prints its elapsed time.
 # Ends with "N passed, N failed" summed over the format check, the two ctest runs and the
@@ -149,7 +150,7 @@ else
   total_fail=$((total_fail + 1))
 fi
 
-stage "clang++ -O0 + ASan/UBSan: compile_fail, unit, fuzz (json, e2e)"
+stage "clang++ -O0 + ASan/UBSan: compile_fail, unit, fuzz (json, e2e, state)"
 # One clang build for the three: -O0 with line tables compiles in 40% of the time of -O2 -g and
 # still gives file:line in every report (the fuzz target alone is built at -O1, KVC_FUZZ_OPTIMIZE).
 # The compile_fail suite builds its .ko cases here, so clang's diagnostics are checked as g++'s are;
