@@ -61,10 +61,7 @@ Cache make_cache(std::int64_t mib) {
 
 // The bytes write_state produces for `cache`.
 std::uint64_t state_bytes(const Cache& cache) {
-  struct Counter {
-    std::uint64_t bytes = 0;
-    void put(const void*, std::size_t n) { bytes += n; }
-  } counter;
+  kvc::detail::counting_sink counter;  // what kvc::save counts a file's payload with
   kvc::write_state(cache, counter);
   return counter.bytes;
 }

@@ -370,13 +370,9 @@ class Decoder {
       rotate(k, hkv, cos, sin);
       const kvc::HostTensor<T> out =
           attend_fn(static_cast<std::int64_t>(l), to_heads(q, hq), to_heads(k, hkv), to_heads(v, hkv));
-      if (reduce_) {
-        Matrix projected = times(from_heads(out), w.wo);
-        reduce_(projected);
-        x.noalias() += projected;
-      } else {
-        x.noalias() += times(from_heads(out), w.wo);
-      }
+      Matrix projected = times(from_heads(out), w.wo);
+      if (reduce_) reduce_(projected);  // a tensor-parallel shard's partial sum, summed over the ranks
+      x.noalias() += projected;
       a = rms_norm(x, w.mlp_norm);
       Matrix gate = times(a, w.w_gate);
       const Matrix up = times(a, w.w_up);

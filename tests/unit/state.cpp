@@ -17,6 +17,22 @@ namespace {
 using kvc_test::random_tensor;
 using kvc_test::take_snapshot;
 
+// A sink and a source in memory: write_state's payload without the file around it.
+struct string_sink {
+  std::string bytes;
+  void put(const void* p, std::size_t n) { bytes.append(static_cast<const char*>(p), n); }
+};
+struct string_source {
+  std::string bytes;
+  std::size_t at = 0;
+  void get(void* p, std::size_t n) {
+    if (n > bytes.size() - at) throw kvc::StateError("kvc::load: the state is truncated");
+    std::memcpy(p, bytes.data() + at, n);
+    at += n;
+  }
+  std::uint64_t available() const { return bytes.size() - at; }
+};
+
 std::string saved(const auto& cache) {
   std::ostringstream os(std::ios::binary);
   kvc::save(cache, os);
@@ -338,23 +354,10 @@ TEST_CASE("StateLoader: layer by layer, each usable as soon as it is loaded") {
   std::mt19937 rng(29);
   kvc::DynamicCache<float> a, b;
   fill(a, 1, 2, 4, 2, 3, rng);
-  std::ostringstream os(std::ios::binary);
-  struct sink {
-    std::ostream& os;
-    void put(const void* p, std::size_t n) { os.write(static_cast<const char*>(p), static_cast<std::streamsize>(n)); }
-  } s{os};
+  string_sink s;
   kvc::write_state(a, s);
-  const std::string payload = os.str();
-  struct source {
-    const std::string& bytes;
-    std::size_t at = 0;
-    void get(void* p, std::size_t n) {
-      if (n > bytes.size() - at) throw kvc::StateError("short");
-      std::memcpy(p, bytes.data() + at, n);
-      at += n;
-    }
-    std::uint64_t available() const { return bytes.size() - at; }
-  } src{payload};
+  const std::string payload = s.bytes;
+  string_source src{payload};
   kvc::StateLoader loader(b, src);
   CHECK(loader.layers() == a.size());
   loader.load_through(0);
@@ -454,20 +457,6 @@ TEST_CASE("save_request/load_request: a paged request moves to another cache bit
 namespace {
 
 // A payload written value by value in the format of docs/state.md, for the loader's checks.
-struct string_sink {
-  std::string bytes;
-  void put(const void* p, std::size_t n) { bytes.append(static_cast<const char*>(p), n); }
-};
-struct string_source {
-  std::string bytes;
-  std::size_t at = 0;
-  void get(void* p, std::size_t n) {
-    if (n > bytes.size() - at) throw kvc::StateError("kvc::load: the state is truncated");
-    std::memcpy(p, bytes.data() + at, n);
-    at += n;
-  }
-  std::uint64_t available() const { return bytes.size() - at; }
-};
 struct crafted {
   string_sink sink;
   kvc::detail::state_writer<string_sink> w{sink};
