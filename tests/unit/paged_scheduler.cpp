@@ -617,3 +617,60 @@ TEST_CASE("sequence operations: refusals, and removing a whole request") {
   CHECK_THROWS_WITH_AS(cache.truncate_request("b", -1),
                        "kvc::PagedCache::truncate_request: tokens must be >= 0, got -1", kvc::ValueError);
 }
+
+TEST_CASE("scheduler: a parent's id is refused while its children are still known") {
+  kvc::ContinuousBatchingConfig cb = small(20, 1);  // one token a step: the child waits for "a"
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  const std::int64_t eos = alone({5}, 1, std::nullopt)[0];
+  s.add_request(
+      {.request_id = "a", .prompt = {5}, .max_new_tokens = 4, .eos_token_id = eos, .num_return_sequences = 2});
+  Run run;
+  while (!run.ended.count("a")) REQUIRE(step(cache, s, 1, run));  // step() takes what finished
+  REQUIRE(s.request("a__child#0").status == kvc::RequestStatus::pending);
+  const std::string refused =
+      "request 'a' still has child sequences (a__child#...) in the scheduler; the id can be "
+      "used again once take_finished() has returned them";
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "a", .prompt = {5}}),
+                       ("kvc::ContinuousBatchingScheduler::add_request: " + refused).c_str(), kvc::ValueError);
+  CHECK(s.num_waiting() + s.num_active() == 1);
+  while (step(cache, s, 1, run)) {
+  }
+  CHECK(run.ended.at("a__child#0").generated().size() == 1);
+  // Every child returned: the id is free again, and the new "a" forks children of its own.
+  s.add_request({.request_id = "a", .prompt = {5, 6, 7}, .max_new_tokens = 3, .num_return_sequences = 2});
+  run.ended.clear();
+  while (step(cache, s, 1, run)) {
+  }
+  const auto expected = extend({5, 6, 7}, 3, 3);
+  CHECK(run.ended.at("a").tokens == expected);
+  CHECK(run.ended.at("a__child#0").tokens == expected);
+  CHECK(s.stats().forks == 1);
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+}
+
+TEST_CASE("scheduler: a forked parent's id is refused until its child is taken, in add_request and seq_cp") {
+  kvc::ContinuousBatchingConfig cb = small(20, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({.request_id = "a", .prompt = {1, 2, 3, 4, 5}, .max_new_tokens = 6, .num_return_sequences = 2});
+  s.add_request({.request_id = "b", .prompt = {9, 9}, .max_new_tokens = 6});
+  Run run;
+  run_until(cache, s, 1, run, "a", 5);  // forked after 4
+  s.cancel_request("a");
+  CHECK(s.take_finished().size() == 1);
+  CHECK_THROWS_WITH_AS(s.add_request({.request_id = "a", .prompt = {1, 2, 3, 4, 5}, .num_return_sequences = 2}),
+                       "kvc::ContinuousBatchingScheduler::add_request: request 'a' still has child sequences "
+                       "(a__child#...) in the scheduler; the id can be used again once take_finished() has returned "
+                       "them",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(s.seq_cp("b", "a", 0, -1),
+                       "kvc::ContinuousBatchingScheduler::seq_cp: request 'a' still has child sequences "
+                       "(a__child#...) in the scheduler; the id can be used again once take_finished() has returned "
+                       "them",
+                       kvc::ValueError);
+  while (step(cache, s, 1, run)) {
+  }
+  CHECK(run.ended.at("a__child#0").tokens == extend({1, 2, 3, 4, 5}, 5, 6));
+  CHECK(run.ended.at("b").tokens == extend({9, 9}, 2, 6));
+}

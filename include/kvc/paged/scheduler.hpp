@@ -184,8 +184,9 @@ class ContinuousBatchingScheduler {
   const PagedCache<S>& cache() const noexcept { return *cache_; }
 
   // Queues a request (at the back). Refused, with nothing queued: an empty prompt, a token outside
-  // [0, 2^31), max_new_tokens or num_return_sequences below 1, an id already known or one that
-  // names a child (`__child#`).
+  // [0, 2^31), max_new_tokens or num_return_sequences below 1, an id already known, one that
+  // names a child (`__child#`), or the id of a parent whose children the scheduler still holds
+  // (until take_finished() has returned them).
   void add_request(GenerationRequest request) {
     const std::string where = "kvc::ContinuousBatchingScheduler::add_request: request '" + request.request_id + "' ";
     if (request.prompt.empty()) throw ValueError(where + "has an empty prompt");
@@ -195,8 +196,7 @@ class ContinuousBatchingScheduler {
     if (request.max_new_tokens < 1 || request.num_return_sequences < 1)
       throw ValueError(where + "needs max_new_tokens >= 1 and num_return_sequences >= 1, got " +
                        std::to_string(request.max_new_tokens) + " and " + std::to_string(request.num_return_sequences));
-    if (states_.count(request.request_id) != 0 || request.request_id.find(child_mark) != std::string::npos)
-      throw ValueError(where + "is already known, or names a child sequence (" + child_mark + ")");
+    check_new_id(request.request_id, where);
     RequestState st;
     st.request_id = request.request_id;
     st.prompt_length = static_cast<std::int64_t>(request.prompt.size());
@@ -230,6 +230,10 @@ class ContinuousBatchingScheduler {
       const auto it = states_.find(id);
       out.push_back(std::move(it->second));
       states_.erase(it);
+      if (const auto mark = id.find(child_mark); mark != std::string::npos) {
+        const auto parent = live_children_.find(id.substr(0, mark));
+        if (--parent->second == 0) live_children_.erase(parent);
+      }
     }
     ended_.clear();
     return out;
@@ -300,9 +304,7 @@ class ContinuousBatchingScheduler {
   // generates on its own from then on, with src's max_new_tokens and eos_token_id.
   bool seq_cp(const std::string& src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
     RequestState& st = live_state(src, "seq_cp");
-    if (states_.count(dst) != 0 || dst.find(child_mark) != std::string::npos)
-      throw ValueError("kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst +
-                       "' is already known, or names a child sequence (" + child_mark + ")");
+    check_new_id(dst, "kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst + "' ");
     if (p0 > 0) return false;
     const auto n = static_cast<std::int64_t>(st.tokens.size());
     if (p1 < 0 || p1 > n) p1 = n;
@@ -434,6 +436,24 @@ class ContinuousBatchingScheduler {
     std::optional<std::string> first_failed;
     std::int64_t first_failed_need = 0, first_failed_tokens = 0;
   };
+
+  // Refuses an id for a new request: one the scheduler knows, one that names a child, or the id
+  // of a parent whose children the scheduler still holds (a new request under it would fork
+  // children of the same names).
+  void check_new_id(const std::string& id, const std::string& where) const {
+    if (states_.count(id) != 0 || id.find(child_mark) != std::string::npos)
+      throw ValueError(where + "is already known, or names a child sequence (" + child_mark + ")");
+    if (live_children_.count(id) != 0)
+      throw ValueError(where + "still has child sequences (" + id + child_mark +
+                       "...) in the scheduler; the id can be used again once take_finished() has returned them");
+  }
+
+  // Records a child sequence's state.
+  void add_child(RequestState child) {
+    const std::string& id = child.request_id;
+    ++live_children_[id.substr(0, id.find(child_mark))];
+    states_.emplace(id, std::move(child));
+  }
 
   static std::string in_flight_message(const char* call) {
     return std::string("kvc::ContinuousBatchingScheduler::") + call +
@@ -715,7 +735,7 @@ class ContinuousBatchingScheduler {
       child.request_id = ids[i];
       child.num_children = 0;
       at = active_.insert(at, child.request_id) + 1;
-      states_.emplace(ids[i], std::move(child));
+      add_child(std::move(child));
       ++stats_.forks;
     }
     requeue_children(parent, static_cast<std::int64_t>(forks));
@@ -734,7 +754,7 @@ class ContinuousBatchingScheduler {
       child.max_new_tokens = parent.max_new_tokens;
       child.eos_token_id = parent.eos_token_id;
       waiting_.push_back(child.request_id);
-      states_.emplace(child.request_id, std::move(child));
+      add_child(std::move(child));
       ++stats_.forks_requeued;
     }
   }
@@ -745,8 +765,9 @@ class ContinuousBatchingScheduler {
   double safety_margin_ = 0.15;
   std::int64_t max_batch_tokens_ = 0, max_requests_per_batch_ = 0, fast_path_blocks_ = 0;
   std::unordered_map<std::string, RequestState> states_;
-  std::vector<std::string> active_;   // prefilling and decoding, in the order they started
-  std::vector<std::string> waiting_;  // pending, in arrival order
+  std::unordered_map<std::string, std::int64_t> live_children_;  // parent id -> its children in states_
+  std::vector<std::string> active_;                              // prefilling and decoding, in the order they started
+  std::vector<std::string> waiting_;                             // pending, in arrival order
   std::vector<std::string> ended_;
   bool sharing_ = false;  // some group hashes its complete blocks
   bool block_new_requests_ = false;
