@@ -674,3 +674,32 @@ TEST_CASE("scheduler: a forked parent's id is refused until its child is taken, 
   CHECK(run.ended.at("a__child#0").tokens == extend({1, 2, 3, 4, 5}, 5, 6));
   CHECK(run.ended.at("b").tokens == extend({9, 9}, 2, 6));
 }
+
+TEST_CASE("sequence operations: seq_rm before the fork keeps the sequences still to fork") {
+  kvc::ContinuousBatchingConfig cb = small(20, 2);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler s(cache, cb);
+  s.add_request({"p", {1, 2, 3, 4, 5, 6}, 3, std::nullopt, 3});
+  Run run;
+  REQUIRE(step(cache, s, 1, run));
+  REQUIRE(s.request("p").position_offset == 2);
+  CHECK(s.seq_rm("p", 1, -1));  // a one-token prompt: nothing cached to fork from
+  while (step(cache, s, 1, run)) {
+  }
+  const auto expected = extend({1}, 1, 3);
+  for (const std::string id : {"p", "p__child#0", "p__child#1"}) CHECK(run.ended.at(id).tokens == expected);
+
+  // Cut to three tokens: the children fork from the two cached ones.
+  Scheduler s2(cache, cb);
+  s2.add_request({"q", {1, 2, 3, 4, 5, 6}, 3, std::nullopt, 3});
+  Run run2;
+  REQUIRE(step(cache, s2, 1, run2));
+  REQUIRE(step(cache, s2, 1, run2));
+  CHECK(s2.seq_rm("q", 3, -1));
+  while (step(cache, s2, 1, run2)) {
+  }
+  const auto expected2 = extend({1, 2, 3}, 3, 3);
+  for (const std::string id : {"q", "q__child#0", "q__child#1"}) CHECK(run2.ended.at(id).tokens == expected2);
+  CHECK(s2.stats().forks == 2);
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+}

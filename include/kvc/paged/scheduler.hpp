@@ -294,6 +294,10 @@ class ContinuousBatchingScheduler {
     st.allocated_blocks = table_length(st.request_id);
     st.remaining_prefill_tokens.assign(st.tokens.begin() + cached, st.tokens.end());
     if (st.is_active()) st.status = RequestStatus::prefilling;
+    // Sequences not yet forked fork once all but the last token of the kept prompt is cached; a
+    // one-token prompt caches nothing before that token, so they queue on their own, as
+    // add_request queues them.
+    if (st.num_children > 0 && st.prompt_length == 1) requeue_children(st);
     return true;
   }
 
