@@ -150,7 +150,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
 
 // Attention of layer `layer_idx` for queries [batch, Hq, q, head_dim] over the layer's quantized
 // history, its residual and the step's keys and values [batch, Hkv, q, head_dim], which are then
-// stored (append). Returns [batch, Hq, q, head_dim].
+// stored (append). Returns [batch, Hq, q, head_dim] (empty for a step of q = 0 tokens).
 template <class Cache>
 HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
     Cache& cache, std::int64_t layer_idx, const TensorView<typename Cache::storage_policy::element_type>& queries,
@@ -180,7 +180,10 @@ HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
       const AttentionMask mask{past + q, 0, past, options.sliding_window, true, options.attention_chunk_size, {}};
       const A scale = static_cast<A>(options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(D)));
       HostTensor<T> out(B, Hq, q, D);
-      if (past > 0) {
+      if (q == 0) {
+        // A step of no tokens: kvc::attend's empty [B, Hq, 0, D] (the loop below would take the
+        // address of row 0 of empty tensors). The append still runs, as update would.
+      } else if (past > 0) {
         // Contiguous copies of the step's inputs (views may be strided).
         const HostTensor<T> qc = queries.to_tensor(), kc = keys.to_tensor(), vc = values.to_tensor();
         const auto r = st.residual_kv();

@@ -181,6 +181,36 @@ TEST_CASE("attend_quantized: what it refuses, before anything is stored") {
                        "kvc::attend_quantized: layer 0 is a DynamicLayer, not a quantized layer", kvc::ValueError);
 }
 
+TEST_CASE("attend_quantized: a step of no query tokens gives an empty output and stores as update does") {
+  // kvc::attend accepts a step of zero tokens and returns [batch, Hq, 0, head_dim]; attend_quantized
+  // must too, on an empty layer and on one that holds a quantized history and a residual, and store
+  // the step as update does (a zero-token step on a full residual flushes it).
+  using Cache = kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>>;
+  const kvc::QuantoQuantizedLayer kind{
+      .nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 16, .residual_length = 3};
+  Cache exact(kind), fused(kind);
+  std::mt19937 rng(7);
+  const std::int64_t B = 2, Hq = 4, Hkv = 2, D = 16;
+  for (const std::int64_t q : {0, 6, 0, 1, 0, 1, 0, 1, 0, 0}) {
+    CAPTURE(q);
+    const auto qs = kvc_test::random_tensor<float>(B, Hq, q, D, rng);
+    const auto ks = kvc_test::random_tensor<float>(B, Hkv, q, D, rng);
+    const auto vs = kvc_test::random_tensor<float>(B, Hkv, q, D, rng);
+    const auto want = kvc::attend(exact, 0, qs, ks, vs);
+    const auto got = kvc::attend_quantized(fused, 0, view(qs), view(ks), view(vs));
+    CHECK(got.dimensions() == want.dimensions());
+    if (q == 0) {
+      CHECK(got.dimension(0) == B);
+      CHECK(got.dimension(1) == Hq);
+      CHECK(got.dimension(2) == 0);
+      CHECK(got.dimension(3) == D);
+    }
+    CHECK(fused.get_seq_length(0) == exact.get_seq_length(0));
+    CHECK(layer_state(fused).second == layer_state(exact).second);
+  }
+  CHECK(fused.get_seq_length(0) == 9);
+}
+
 TEST_CASE(
     "attend_quantized's store: int4 under 0.30 and int2 under 0.17 of fp16 bytes at 4096 tokens (update: over 1)") {
   using H = Eigen::half;
