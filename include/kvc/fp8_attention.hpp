@@ -20,6 +20,7 @@
 // docs/quantized.md, "fp8 KV".
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -60,16 +61,26 @@ enum class Fp8ScaleGranularity { per_tensor, per_head };
 
 namespace detail {
 
-// ValueError unless every scale is positive and finite and there is one, or one per head.
+// ValueError unless there is one scale, or one per head, and every scale is positive and finite
+// with a finite reciprocal (to_fp8 multiplies by 1 / scale: below about 2.9e-39, a denormal, that
+// is infinite, and a zero would encode as NaN).
 inline void check_fp8_scales(std::span<const float> scales, std::int64_t heads, const char* what) {
   const auto n = static_cast<std::int64_t>(scales.size());
   if (n != 1 && n != heads)
     throw ValueError(std::string("kvc fp8: ") + what + " scales: " + std::to_string(n) +
                      " given; one per tensor or one per KV head (" + std::to_string(heads) + ") expected");
-  for (const float s : scales)
+  for (const float s : scales) {
     if (!(s > 0.0f) || !std::isfinite(s))
       throw ValueError(std::string("kvc fp8: ") + what + " scales must be positive and finite, got " +
                        std::to_string(s));
+    if (!std::isfinite(1.0f / s)) {
+      // The shortest digits that give s back: std::to_string would print 0.000000.
+      char digits[32];
+      const auto end = std::to_chars(digits, digits + sizeof digits, s).ptr;
+      throw ValueError(std::string("kvc fp8: ") + what + " scales must have a finite reciprocal, got " +
+                       std::string(digits, end));
+    }
+  }
 }
 
 // The largest finite value of F8 (448 for E4M3, 57344 for E5M2).

@@ -182,6 +182,63 @@ TEST_CASE("attend_fp8 refuses bad scales before the cache changes") {
   CHECK(cache.get_seq_length() == 2);
 }
 
+TEST_CASE("attend_fp8 refuses scales whose reciprocal overflows, per tensor and per head, before the cache changes") {
+  // 1e-40 and 1.4e-45 (the smallest denormal) are positive and finite, but 1 / scale is infinite:
+  // a zero would encode as 0 * inf, NaN.
+  kvc::DynamicCache<kvc::float8_e4m3> cache;
+  std::mt19937 rng(17);
+  const auto q = gaussian(1, 4, 2, 16, rng, 1.f), k = gaussian(1, 2, 2, 16, rng, 1.f);
+  (void)kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {});
+  const auto snapshot = kvc_test::take_snapshot(cache);
+  // (No structured binding: clang 14's CAPTURE, a lambda, cannot capture one.)
+  for (const auto& tiny_printed :
+       {std::pair{1e-40f, std::string("1e-40")}, std::pair{1.4e-45f, std::string("1e-45")}}) {
+    const float tiny = tiny_printed.first;
+    const std::string& printed = tiny_printed.second;
+    CAPTURE(printed);
+    const std::string key = "kvc fp8: key scales must have a finite reciprocal, got " + printed;
+    const std::string value = "kvc fp8: value scales must have a finite reciprocal, got " + printed;
+    CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{tiny}, {1.f}}), key.c_str(),
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{1.f}, {tiny}}), value.c_str(),
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{1.f, tiny}, {1.f, 1.f}}), key.c_str(),
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(kvc::attend_fp8(cache, 0, view(q), view(k), view(k), {{1.f, 1.f}, {tiny, 1.f}}), value.c_str(),
+                         kvc::ValueError);
+    CHECK(kvc_test::take_snapshot(cache) == snapshot);
+    const std::string the = "kvc fp8: the scales must have a finite reciprocal, got " + printed;
+    CHECK_THROWS_WITH_AS(kvc::to_fp8<kvc::float8_e5m2>(view(k), std::vector<float>{tiny}), the.c_str(),
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(kvc::to_fp8<kvc::float8_e4m3>(view(k), std::vector<float>{2.f, tiny}), the.c_str(),
+                         kvc::ValueError);
+  }
+  CHECK(kvc_test::take_snapshot(cache) == snapshot);
+  CHECK(cache.get_seq_length() == 2);
+  // A denormal scale whose reciprocal is finite is still taken: zero encodes as zero.
+  kvc::HostTensor<float> zeros(1, 2, 2, 16);
+  zeros.setZero();
+  const auto codes = kvc::to_fp8<kvc::float8_e4m3>(view(zeros), std::vector<float>{1e-38f});
+  for (std::int64_t i = 0; i < codes.size(); ++i) CHECK(codes.data()[i].to_float() == 0.f);
+}
+
+TEST_CASE("attend_fp8: a step of no query tokens gives an empty output, as kvc::attend does") {
+  kvc::DynamicCache<kvc::float8_e4m3> cache;
+  std::mt19937 rng(19);
+  const auto q = gaussian(1, 4, 3, 16, rng, 1.f), k = gaussian(1, 2, 3, 16, rng, 1.f);
+  const auto q0 = gaussian(1, 4, 0, 16, rng, 1.f), k0 = gaussian(1, 2, 0, 16, rng, 1.f);
+  const kvc::Fp8Scales per_head{{0.5f, 2.f}, {1.f, 0.25f}};
+  for (int step = 0; step < 2; ++step) {  // on an empty layer, then on one that holds tokens
+    const auto out = kvc::attend_fp8(cache, 0, view(q0), view(k0), view(k0), per_head);
+    CHECK(out.dimension(0) == 1);
+    CHECK(out.dimension(1) == 4);
+    CHECK(out.dimension(2) == 0);
+    CHECK(out.dimension(3) == 16);
+    CHECK(cache.get_seq_length() == 3 * step);
+    (void)kvc::attend_fp8(cache, 0, view(q), view(k), view(k), per_head);
+  }
+}
+
 TEST_CASE("fp8 reconstruction error on gaussian K/V with per-head scales (the formats table's figures)") {
   std::mt19937 rng(13);
   const auto x = gaussian(1, 8, 1024, 128, rng, 1.f);
