@@ -14,6 +14,7 @@
 //
 // Host storages only: a device cache is saved by copying it to a host cache of the same kinds.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -166,7 +167,7 @@ struct state_access {
     const auto idx = static_cast<std::size_t>(i);
     if (idx >= c.layers_.size()) {
       if constexpr (Cache<L, S, O>::replicated) {
-        c.layers_.reserve(idx + 1);
+        if (c.layers_.capacity() <= idx) c.layers_.reserve(std::max(idx + 1, 2 * c.layers_.capacity()));
         while (c.layers_.size() < idx) c.layers_.emplace_back(std::in_place_index<0>, c.prototype_);
         c.layers_.push_back(std::move(layer));
         return;

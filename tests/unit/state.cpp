@@ -636,3 +636,26 @@ TEST_CASE("StateLoader and save_request refuse what they cannot do") {
   CHECK_THROWS_WITH_AS(kvc::save_request(p, "r", os),
                        "kvc::save_request: request r is offloaded: restore_request it first", kvc::ValueError);
 }
+
+TEST_CASE("StateLoader into a replicated cache grows its layer list geometrically") {
+  std::mt19937 rng(61);
+  kvc::DynamicCache<float> a, b;
+  for (std::int64_t l = 0; l < 2048; ++l)
+    a.update(random_tensor<float>(1, 1, 1, 2, rng), random_tensor<float>(1, 1, 1, 2, rng), l);
+  string_sink s;
+  kvc::write_state(a, s);
+  string_source src{s.bytes};
+  kvc::StateLoader loader(b, src);
+  // Layer 0 moves each time the list grows: log2 of 2048 times, not once per layer.
+  const auto home = [&] { return b.visit_layer(0, [](const auto& l) -> const void* { return &l; }); };
+  loader.load_next();
+  const void* last = home();
+  int moves = 0;
+  while (!loader.done()) {
+    loader.load_next();
+    moves += home() != last;
+    last = home();
+  }
+  CHECK(moves <= 12);
+  CHECK(observed(b) == observed(a));
+}
