@@ -187,8 +187,7 @@ struct state_access {
     using C = Cache<L, S, O>;
     c.before_access(-1);  // before the swap: the offload engine then holds nothing away
     const std::int64_t n = read_cache_header(c, ar);
-    std::vector<typename C::layer_variant> next;
-    next.reserve(static_cast<std::size_t>(n));
+    std::vector<typename C::layer_variant> next;  // grows as layers arrive: n is the file's word
     for (std::int64_t i = 0; i < n; ++i) next.push_back(read_layer(c, i, ar));
     return pending_layers<C>{&c, std::move(next)};
   }
@@ -355,16 +354,50 @@ struct ostream_sink {
     if (!os) throw StateError("kvc::save: writing the state failed");
   }
 };
+// The payload of a stream. A stream of unknown length (a pipe, a FIFO, standard input) can announce
+// more than it holds; for it, prefetch reads a buffer's bytes ahead before the reader allocates the
+// buffer, into a read-ahead that grows only as bytes arrive.
 struct istream_source {
   std::istream& is;
-  std::uint64_t left;
+  std::uint64_t left;       // announced and not yet taken
+  bool measured = true;     // the stream's length was checked against `left`
+  std::vector<char> ahead;  // read ahead, from `next` on
+  std::size_t next = 0;
+
+  istream_source(std::istream& stream, std::uint64_t announced, bool length_checked)
+      : is(stream), left(announced), measured(length_checked) {}
+
   void get(void* p, std::size_t n) {
     if (n > left) throw StateError("kvc::load: the state is truncated: its contents run past the announced length");
-    is.read(static_cast<char*>(p), static_cast<std::streamsize>(n));
-    if (static_cast<std::size_t>(is.gcount()) != n) throw StateError("kvc::load: the file is truncated");
+    const std::size_t from_ahead = std::min(n, ahead.size() - next);
+    if (from_ahead > 0) std::memcpy(p, ahead.data() + next, from_ahead);
+    next += from_ahead;
+    read(static_cast<char*>(p) + from_ahead, n - from_ahead);
     left -= n;
   }
   std::uint64_t available() const noexcept { return left; }
+  void prefetch(std::uint64_t bytes) {
+    if (measured) return;
+    std::size_t have = ahead.size() - next;
+    if (have >= bytes) return;
+    ahead.erase(ahead.begin(), ahead.begin() + static_cast<std::ptrdiff_t>(next));
+    next = 0;
+    // Doubles at most what has arrived (64 KiB to start): the read-ahead never holds more than
+    // twice the bytes the stream really delivered.
+    while (have < bytes) {
+      const std::uint64_t step = std::min<std::uint64_t>(bytes - have, std::max<std::size_t>(have, 65536));
+      ahead.resize(have + static_cast<std::size_t>(step));
+      read(ahead.data() + have, static_cast<std::size_t>(step));
+      have += static_cast<std::size_t>(step);
+    }
+  }
+
+ private:
+  void read(char* p, std::size_t n) {
+    if (n == 0) return;
+    is.read(p, static_cast<std::streamsize>(n));
+    if (static_cast<std::size_t>(is.gcount()) != n) throw StateError("kvc::load: the file is truncated");
+  }
 };
 
 template <class Write>
@@ -417,10 +450,11 @@ void load_stream(std::istream& is, Read&& read) {
                      ", and this kvc reads version " + std::to_string(state_format_version));
   const auto payload = static_cast<std::uint64_t>(head[1]);
   if (head[1] < 0) throw StateError("kvc::load: the state announces a negative length");
-  if (const auto left = bytes_left(is); left && *left < payload + sizeof(std::uint64_t))
+  const auto left = bytes_left(is);
+  if (left && *left < payload + sizeof(std::uint64_t))
     throw StateError("kvc::load: the file is truncated: it announces " + std::to_string(payload) +
                      " bytes of state and a checksum, and " + std::to_string(*left) + " bytes follow");
-  istream_source in{is, payload};
+  istream_source in(is, payload, left.has_value());
   hashing_source<istream_source> hashed{in};
   state_reader<hashing_source<istream_source>> ar(hashed);
   auto pending = read(ar);
@@ -428,8 +462,8 @@ void load_stream(std::istream& is, Read&& read) {
     throw StateError("kvc::load: the state announces " + std::to_string(payload) + " bytes and its contents end " +
                      std::to_string(in.left) + " bytes earlier");
   std::uint64_t stored = 0;
-  is.read(reinterpret_cast<char*>(&stored), sizeof stored);
-  if (static_cast<std::size_t>(is.gcount()) != sizeof stored) throw StateError("kvc::load: the file is truncated");
+  in.left = sizeof stored;
+  in.get(&stored, sizeof stored);
   if (stored != hashed.hash)
     throw StateError("kvc::load: the checksum does not match: the state is corrupted (stored " + hex(stored) +
                      ", computed " + hex(hashed.hash) + ")");

@@ -1,9 +1,12 @@
 // kvc::save / kvc::load and the paged cache's save_request / load_request (docs/state.md): bit-exact
 // round trips for every layer kind, the fingerprint's messages, truncated and corrupted files, and
 // the strong guarantee (the target unchanged after every failure).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <istream>
 #include <random>
+#include <streambuf>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -635,6 +638,67 @@ TEST_CASE("StateLoader and save_request refuse what they cannot do") {
   std::ostringstream os;
   CHECK_THROWS_WITH_AS(kvc::save_request(p, "r", os),
                        "kvc::save_request: request r is offloaded: restore_request it first", kvc::ValueError);
+}
+
+namespace {
+
+// A stream that cannot seek (a pipe's), handing out `chunk` bytes at a time.
+struct pipe_buf : std::streambuf {
+  std::string data;
+  std::size_t chunk, at = 0;
+  std::vector<char> window;
+  pipe_buf(std::string d, std::size_t c) : data(std::move(d)), chunk(c), window(c) {}
+  int_type underflow() override {
+    if (at == data.size()) return traits_type::eof();
+    const std::size_t n = std::min(chunk, data.size() - at);
+    std::memcpy(window.data(), data.data() + at, n);
+    at += n;
+    setg(window.data(), window.data(), window.data() + n);
+    return traits_type::to_int_type(window[0]);
+  }
+};
+
+// A file around `payload`, announcing `length` bytes of it (no checksum: a stream that ends early).
+std::string file_around(const std::string& payload, std::int64_t length) {
+  std::string f = "KVCSTATE";
+  const std::int64_t head[2] = {1, length};
+  f.append(reinterpret_cast<const char*>(head), sizeof head);
+  return f + payload;
+}
+
+}  // namespace
+
+TEST_CASE("kvc::load through a stream of unknown length allocates only what has arrived") {
+  // Valid states arrive whole, in chunks of any size: layers above the 64 KiB first read-ahead.
+  std::mt19937 rng(53);
+  kvc::DynamicCache<float> a;
+  fill(a, 1, 2, 16, 3, 700, rng);  // 3 layers of 2100 tokens: 537600 bytes each
+  const std::string bytes = saved(a);
+  for (const std::size_t chunk : {std::size_t{7}, std::size_t{4093}}) {
+    kvc::DynamicCache<float> b;
+    pipe_buf buf(bytes, chunk);
+    std::istream is(&buf);
+    REQUIRE(is.tellg() == std::istream::pos_type(-1));  // it cannot be measured
+    is.clear();
+    kvc::load(b, is);
+    CHECK(observed(b) == observed(a));
+    CHECK(saved(b) == bytes);
+  }
+  // 154 bytes announcing 2^40 of state and a layer of 2^27 tokens x 8 heads x 64 dims (256 GiB
+  // each for keys and values): the stream ends long before a buffer that size would be allocated.
+  crafted c(1, "DynamicLayer");
+  c.w.value(true);
+  c.w.value(std::int64_t{1} << 27);
+  for (const std::int64_t x : {1, 8, 64, 64}) c.w.value(x);
+  const std::string hostile = file_around(c.sink.bytes, std::int64_t{1} << 40);
+  CHECK(hostile.size() == 154);
+  kvc::DynamicCache<float> b;
+  fill(b, 1, 2, 4, 1, 2, rng);
+  const auto before = take_snapshot(b);
+  pipe_buf buf(hostile, 7);
+  std::istream is(&buf);
+  CHECK_THROWS_WITH_AS(kvc::load(b, is), "kvc::load: the file is truncated", kvc::StateError);
+  CHECK(take_snapshot(b) == before);
 }
 
 TEST_CASE("StateLoader into a replicated cache grows its layer list geometrically") {

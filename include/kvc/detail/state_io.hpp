@@ -13,9 +13,13 @@
 //   Sink:   void put(const void* data, std::size_t bytes);
 //   Source: void get(void* data, std::size_t bytes);   throws StateError if it cannot
 //           std::uint64_t available() const;            an upper bound on the bytes still to come
+//           void prefetch(std::uint64_t bytes);         optional: makes sure `bytes` more can be
+//                                                       read (reading them ahead), or throws
 //
 // The reader never allocates more than the source can still deliver, so a hostile file cannot
-// make it allocate more than the file's own size.
+// make it allocate more than the file's own size. A source that cannot know its length (a pipe)
+// offers prefetch: the reader reads a buffer's bytes ahead before allocating it, so what it
+// allocates is bounded by the bytes that really arrived.
 
 #include <algorithm>
 #include <bit>
@@ -120,6 +124,11 @@ struct hashing_source {
     hash = xxh64(p, n, hash);
   }
   std::uint64_t available() const { return inner.available(); }
+  void prefetch(std::uint64_t bytes)
+    requires requires(Source& s, std::uint64_t n) { s.prefetch(n); }
+  {
+    inner.prefetch(bytes);
+  }
 };
 
 // ---- archives ------------------------------------------------------------------------------------
@@ -263,11 +272,13 @@ class state_reader : public archive_context {
   void check(bool ok, std::string_view what) const {
     if (!ok) fail(join_message({"the saved state is inconsistent (", what, ")"}));
   }
-  // Refuses an allocation of `bytes` that the rest of the source cannot fill.
+  // Refuses an allocation of `bytes` that the rest of the source cannot fill (a source of unknown
+  // length reads them ahead first).
   void reserve(std::uint64_t bytes, std::string_view what) const {
     if (bytes > source_.available())
       fail(join_message({what, " would need ", std::to_string(bytes), " bytes, and only ",
                          std::to_string(source_.available()), " remain"}));
+    if constexpr (requires { source_.prefetch(bytes); }) source_.prefetch(bytes);
   }
 
   // A new store of `capacity` slots whose slots [0, len) come from the source.
