@@ -493,6 +493,11 @@ void save_file(const std::filesystem::path& path, Write&& write) {
 }
 template <class Read>
 void load_file(const std::filesystem::path& path, Read&& read) {
+  // Not a FIFO or a device: opening one can wait for a writer forever, and its length is unknown.
+  std::error_code ec;
+  const auto type = std::filesystem::status(path, ec).type();
+  if (!ec && type != std::filesystem::file_type::regular)
+    throw StateError("kvc::load: " + path.string() + " is not a regular file");
   std::ifstream is(path, std::ios::binary);
   if (!is) throw StateError("kvc::load: cannot open " + path.string());
   load_stream(is, read);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <istream>
 #include <random>
 #include <streambuf>
@@ -14,6 +15,9 @@
 #include "../support/kvc_test.hpp"
 
 #include <kvc/state.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace {
 
@@ -699,6 +703,21 @@ TEST_CASE("kvc::load through a stream of unknown length allocates only what has 
   std::istream is(&buf);
   CHECK_THROWS_WITH_AS(kvc::load(b, is), "kvc::load: the file is truncated", kvc::StateError);
   CHECK(take_snapshot(b) == before);
+}
+
+TEST_CASE("kvc::load refuses a path that is not a regular file") {
+  const auto dir = std::filesystem::temp_directory_path() / ("kvc_state_fifo_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto fifo = dir / "state.fifo";
+  std::filesystem::remove(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  kvc::DynamicCache<float> c;
+  // No writer: opening it would wait for one forever.
+  CHECK_THROWS_WITH_AS(kvc::load(c, fifo), ("kvc::load: " + fifo.string() + " is not a regular file").c_str(),
+                       kvc::StateError);
+  CHECK_THROWS_WITH_AS(kvc::load(c, dir), ("kvc::load: " + dir.string() + " is not a regular file").c_str(),
+                       kvc::StateError);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("StateLoader into a replicated cache grows its layer list geometrically") {
