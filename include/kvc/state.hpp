@@ -137,7 +137,11 @@ struct state_access {
       if (name != St::name) ar.fail(join_message({"the file holds a ", name, " and the cache a ", St::name}));
       ar.set_context(join_message({"layer ", std::to_string(i), " (", St::name, ")"}));
       St fresh(target.kind());
-      fresh.transfer(ar);
+      try {
+        fresh.transfer(ar);
+      } catch (const ValueError& e) {  // a layer kind's own size checks: the file is at fault
+        ar.fail(e.what());
+      }
       if constexpr (requires { target.shape(); }) {
         if (target.is_initialized() && fresh.is_initialized() && !(target.shape() == fresh.shape()))
           ar.fail(join_message(

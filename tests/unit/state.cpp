@@ -720,6 +720,71 @@ TEST_CASE("kvc::load refuses a path that is not a regular file") {
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("kvc::load: a corrupted shape or count is a StateError naming the layer, never another exception") {
+  std::mt19937 rng(59);
+  kvc::DynamicCache<float> a, b;
+  fill(a, 1, 2, 4, 1, 3, rng);
+  fill(b, 1, 2, 4, 1, 1, rng);
+  std::string bytes = saved(a);
+  const std::int64_t batch = (std::int64_t{1} << 38) + 1;
+  std::memcpy(bytes.data() + 122, &batch, 8);  // layer 0's batch
+  CHECK(load_error(b, bytes) ==
+        "kvc::load: layer 0 (DynamicLayer): a layer of batch 274877906945, 2 heads, 3 tokens, key head_dim 4 and "
+        "value head_dim 4 is larger than kvc's allocation limit of 1099511627776 bytes");
+
+  // Bit flips over every byte of six kinds' payloads, loaded without the checksum.
+  const auto sweep = [&](auto make, auto fill_it) {
+    auto src = make();
+    fill_it(src);
+    string_sink s;
+    kvc::write_state(src, s);
+    std::int64_t refused = 0;
+    for (std::size_t i = 0; i < s.bytes.size(); ++i)
+      for (const int bit : {1, 5, 6}) {
+        std::string flipped = s.bytes;
+        flipped[i] = static_cast<char>(flipped[i] ^ (1 << bit));
+        auto target = make();
+        string_source in{flipped};
+        try {
+          kvc::StateLoader(target, in).load_all();
+        } catch (const kvc::StateError&) {
+          ++refused;
+        } catch (const std::exception& e) {
+          FAIL("byte " << i << " bit " << bit << ": " << std::string(e.what()));
+        }
+      }
+    CHECK(refused > 0);
+  };
+  const auto kv = [&](auto& c) { fill(c, 1, 2, 4, 2, 3, rng); };
+  sweep([] { return kvc::DynamicCache<float>(); }, kv);
+  sweep([] { return mixed(); }, kv);
+  for (const char* backend : {"quanto", "hqq"})
+    sweep(
+        [&] {
+          return kvc::QuantizedCache<float>(backend, config(2, 2, 4),
+                                            {.nbits = 4, .q_group_size = 4, .residual_length = 2});
+        },
+        kv);
+  using Linear = kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer>>;
+  sweep([] { return Linear(kvc::LinearAttentionLayer{2}, kvc::DynamicLayer{}); },
+        [&](Linear& c) {
+          Eigen::Tensor<float, 3, Eigen::RowMajor> conv(1, 3, 2), rec(1, 2, 2);
+          conv.setRandom();
+          rec.setRandom();
+          c.update_conv_state(conv, 0, 0, 2);
+          c.update_recurrent_state(rec, 0, 1);
+          fill(c, 1, 2, 4, 1, 2, rng);
+        });
+  using Indexed = kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer>>;
+  sweep([] { return Indexed(kvc::DynamicIndexedLayer{}); },
+        [&](Indexed& c) {
+          fill(c, 1, 2, 4, 1, 2, rng);
+          Eigen::Tensor<float, 3, Eigen::RowMajor> keys(1, 2, 3);
+          keys.setRandom();
+          c.update_indexer(keys, 0);
+        });
+}
+
 TEST_CASE("StateLoader into a replicated cache grows its layer list geometrically") {
   std::mt19937 rng(61);
   kvc::DynamicCache<float> a, b;

@@ -293,10 +293,18 @@ class state_reader : public archive_context {
     // window in its buffer of 2W), so the allocation stays within twice the file's bytes.
     check(len >= 0 && len <= max_extent && len <= capacity && capacity <= 2 * len,
           "more tokens than the layer has room for");
-    check(products_fit({s.batch, s.heads, capacity, s.key_head_dim, s.value_head_dim}), "the shape's size");
     using T = typename Store::T;
-    const std::int64_t elems = checked_elements({s.batch, s.heads, len, s.key_head_dim + s.value_head_dim}, sizeof(T));
-    reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "the layer's keys and values");
+    // The buffers the store allocates (capacity tokens of both head_dims) within the allocation limit.
+    std::int64_t elements = 0, bytes = 0;
+    if (!products_fit({s.batch, s.heads, capacity, s.key_head_dim, s.value_head_dim}) ||
+        !mul_fits(s.batch * s.heads * capacity, s.key_head_dim + s.value_head_dim, elements) ||
+        !mul_fits(elements, static_cast<std::int64_t>(sizeof(T)), bytes) || bytes > allocation_limit())
+      fail(join_message({"a layer of batch ", std::to_string(s.batch), ", ", std::to_string(s.heads), " heads, ",
+                         std::to_string(capacity), " tokens, key head_dim ", std::to_string(s.key_head_dim),
+                         " and value head_dim ", std::to_string(s.value_head_dim),
+                         " is larger than kvc's allocation limit of ", std::to_string(allocation_limit()), " bytes"}));
+    reserve(static_cast<std::uint64_t>(s.batch * s.heads * len * (s.key_head_dim + s.value_head_dim)) * sizeof(T),
+            "the layer's keys and values");
     Store fresh(s, capacity, len < capacity);
     if (len > 0) {
       auto kb = fresh.key_blocks(), vb = fresh.value_blocks();
