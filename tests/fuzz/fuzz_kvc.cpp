@@ -21,6 +21,11 @@
 //     kvc::StateLoader (kvc::read_request), which has no checksum, so that the fuzzer's changes
 //     reach every check of the layer kinds. A state that loads must save back to the same bytes,
 //     and take one more token in every K/V layer.
+//   byte 'F' and 'N' (then a cache kind byte): a saved state loaded by kvc::load into a cache of
+//     that kind that already holds tokens, through a stream that can be measured ('F') or through
+//     one that cannot seek, as a pipe ('N'; the loader must not allocate what has not arrived).
+//     Only kvc::StateError may come out, and a refused load must leave the cache saving the same
+//     bytes as before it.
 // One binary for all (the heavy instantiations compile once); built with clang only.
 
 #include <cstddef>
@@ -32,8 +37,12 @@
 #include <string_view>
 #include <vector>
 
+#include <algorithm>
 #include <cstring>
+#include <istream>
+#include <random>
 #include <sstream>
+#include <streambuf>
 #include <string>
 
 #include <kvc/cache_description.hpp>
@@ -250,6 +259,56 @@ void load_state(std::uint8_t which, std::string_view bytes) {
   });
 }
 
+// A stream that cannot seek (a pipe's), handing out 61 bytes at a time.
+struct pipe_buf : std::streambuf {
+  std::string_view data;
+  char window[61] = {};
+  explicit pipe_buf(std::string_view d) : data(d) {}
+  int_type underflow() override {
+    if (data.empty()) return traits_type::eof();
+    const std::size_t n = std::min(sizeof window, data.size());
+    std::memcpy(window, data.data(), n);
+    data.remove_prefix(n);
+    setg(window, window, window + n);
+    return traits_type::to_int_type(window[0]);
+  }
+};
+
+template <class C>
+std::string saved(const C& cache) {
+  std::ostringstream os(std::ios::binary);
+  kvc::save(cache, os);
+  return os.str();
+}
+
+void load_into_filled(std::uint8_t which, std::string_view bytes, bool pipe) {
+  kvc_fuzz::with_cache(which, [&](auto& cache) {
+    std::mt19937 rng(which);
+    if constexpr (requires { cache.self_attention_cache(); }) {
+      kvc_fuzz::fill(cache.self_attention_cache(), 2, rng);
+      kvc_fuzz::fill(cache.cross_attention_cache(), 3, rng);
+    } else {
+      kvc_fuzz::fill(cache, 2, rng);
+    }
+    const std::string before = saved(cache);
+    try {
+      if (pipe) {
+        pipe_buf buf(bytes);
+        std::istream is(&buf);
+        kvc::load(cache, is);
+      } else {
+        std::istringstream is{std::string(bytes), std::ios::binary};
+        kvc::load(cache, is);
+      }
+    } catch (const kvc::StateError&) {
+      if (saved(cache) != before) std::abort();  // a refused load changes nothing
+      return;
+    }
+    const std::string after = saved(cache);
+    if (bytes.substr(0, after.size()) != after) std::abort();
+  });
+}
+
 void load_paged_request(std::string_view bytes) {
   kvc_fuzz::Paged cache = kvc_fuzz::paged();
   guarded([&] {
@@ -276,6 +335,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   if (data[0] == 'S') {
     if (!rest.empty()) load_state(static_cast<std::uint8_t>(rest[0]), rest.substr(1));
+  } else if (data[0] == 'F' || data[0] == 'N') {
+    if (!rest.empty()) load_into_filled(static_cast<std::uint8_t>(rest[0]), rest.substr(1), data[0] == 'N');
   } else if (data[0] == 'P') {
     load_paged_request(rest);
   } else if (data[0] % 4 == 3)

@@ -1,5 +1,6 @@
 // Writes the seeds of the fuzz target's saved-state modes to a directory (tests/fuzz/corpus_state):
-// 'S' + the cache kind byte + a saved state of that kind, and 'P' + a saved paged request.
+// 'S', 'F' and 'N' (the three modes that load a contiguous cache's state) + the cache kind byte +
+// a saved state of that kind, and 'P' + a saved paged request.
 //   c++ -std=c++20 -O1 -Iinclude -Iconcepts -Ipolicies -isystem /usr/include/eigen3 \
 //       tests/fuzz/make_state_seeds.cpp -o /tmp/make_state_seeds && /tmp/make_state_seeds tests/fuzz/corpus_state
 #include <fstream>
@@ -9,21 +10,6 @@
 #include "state_targets.hpp"
 
 namespace {
-
-template <class C>
-void fill(C& c, std::int64_t tokens, std::mt19937& rng) {
-  std::uniform_int_distribution<int> dist(-8, 8);
-  const std::int64_t layers = c.size() == 0 ? 2 : c.size();
-  for (std::int64_t l = 0; l < layers; ++l) {
-    if (l < c.size() && c.is_linear()[static_cast<std::size_t>(l)]) continue;
-    kvc::HostTensor<float> k(1, 2, tokens, 4), v(1, 2, tokens, 4);
-    for (std::int64_t i = 0; i < k.size(); ++i) {
-      k.data()[i] = static_cast<float>(dist(rng)) / 4;
-      v.data()[i] = static_cast<float>(dist(rng)) / 4;
-    }
-    c.update(k, v, l);
-  }
-}
 
 void write(const std::string& dir, const std::string& name, const std::string& prefix, const std::string& bytes) {
   std::ofstream(dir + "/" + name, std::ios::binary) << prefix << bytes;
@@ -42,12 +28,12 @@ int main(int argc, char** argv) {
   for (int which = 0; which < 6; ++which)
     kvc_fuzz::with_cache(which, [&](auto& c) {
       if constexpr (requires { c.self_attention_cache(); }) {
-        fill(c.self_attention_cache(), 3, rng);
-        fill(c.cross_attention_cache(), 5, rng);
+        kvc_fuzz::fill(c.self_attention_cache(), 3, rng);
+        kvc_fuzz::fill(c.cross_attention_cache(), 5, rng);
         c.set_is_updated(0);
       } else {
-        fill(c, 6, rng);
-        fill(c, 1, rng);
+        kvc_fuzz::fill(c, 6, rng);
+        kvc_fuzz::fill(c, 1, rng);
         if (which == 3) {
           Eigen::Tensor<float, 3, Eigen::RowMajor> conv(1, 2, 3);
           conv.setConstant(0.25f);
@@ -63,7 +49,8 @@ int main(int argc, char** argv) {
       }
       std::ostringstream os(std::ios::binary);
       kvc::save(c, os);
-      write(dir, std::string("state_") + names[which], std::string("S") + static_cast<char>(which), os.str());
+      for (const auto& [mode, name] : {std::pair{'S', "state_"}, {'F', "filled_state_"}, {'N', "pipe_state_"}})
+        write(dir, name + std::string(names[which]), std::string(1, mode) + static_cast<char>(which), os.str());
     });
   kvc_fuzz::Paged p = kvc_fuzz::paged();
   p.allocate_blocks(2, "r", 0);

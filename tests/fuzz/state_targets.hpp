@@ -1,5 +1,5 @@
 #pragma once
-// The caches the fuzz target loads saved states into (tests/fuzz/fuzz_kvc.cpp, mode 'S' and 'P'),
+// The caches the fuzz target loads saved states into (tests/fuzz/fuzz_kvc.cpp, modes 'S', 'F', 'N', 'P'),
 // and the seeds it starts from (tests/fuzz/make_state_seeds.cpp writes tests/fuzz/corpus_state):
 // one cache of each kind family, small, with fixed parameters.
 
@@ -51,6 +51,23 @@ inline Paged paged() {
   cb.num_blocks = 8;
   cb.allow_block_sharing = false;
   return Paged(m, cb);
+}
+
+// `tokens` more tokens of small values in every K/V layer of `c` (two layers of a replicated
+// cache without any).
+template <class C>
+void fill(C& c, std::int64_t tokens, std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(-8, 8);
+  const std::int64_t layers = c.size() == 0 ? 2 : c.size();
+  for (std::int64_t l = 0; l < layers; ++l) {
+    if (l < c.size() && c.is_linear()[static_cast<std::size_t>(l)]) continue;
+    kvc::HostTensor<float> k(1, 2, tokens, 4), v(1, 2, tokens, 4);
+    for (std::int64_t i = 0; i < k.size(); ++i) {
+      k.data()[i] = static_cast<float>(dist(rng)) / 4;
+      v.data()[i] = static_cast<float>(dist(rng)) / 4;
+    }
+    c.update(k, v, l);
+  }
 }
 
 // Calls f(cache) with a fresh cache of kind `which` (0..5: Dyn, Mixed, quantized, Linear, Indexed,
