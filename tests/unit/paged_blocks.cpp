@@ -514,3 +514,33 @@ TEST_CASE("block bookkeeping messages, each word for word") {
   CHECK(!bm.block(0)->is_complete());
   CHECK(bm.num_free_blocks() == 3);
 }
+
+TEST_CASE("BlockManager: a block replaced by a registered one hands its id to the next block's parent_id") {
+  // A and B: the same 9 prompt tokens on blocks of 4, 3 blocks each, marked complete A then B.
+  // B's first two blocks are replaced by A's 0 and 1; its third block (5) is not hashed, but its
+  // parent is now 1, as transformers re-points it before it stops (4 has gone back to the FIFO).
+  BlockManager bm(6, 4);
+  FullAttentionCacheAllocator full(0, 4, true);
+  const ids prompt = iota(1, 10);
+  REQUIRE(full.allocate_blocks(3, "A", bm) == 3);
+  REQUIRE(full.allocate_blocks(3, "B", bm) == 3);
+  CHECK(bm.mark_shareable_blocks_as_complete(2, full.mutable_table("A"), prompt) == 0);
+  CHECK(bm.mark_shareable_blocks_as_complete(2, full.mutable_table("B"), prompt) == 2);
+  CHECK(full.table("B") == ids{0, 1, 5});
+  REQUIRE(bm.block(5) != nullptr);
+  CHECK(bm.block(5)->parent_id == 1);
+  CHECK(!bm.block(5)->is_complete());
+  CHECK(bm.block(4) == nullptr);
+  // One block at a time: the block after a replaced one is re-pointed when it is its turn.
+  BlockManager bm2(6, 4);
+  FullAttentionCacheAllocator full2(0, 4, true);
+  REQUIRE(full2.allocate_blocks(3, "A", bm2) == 3);
+  REQUIRE(full2.allocate_blocks(3, "B", bm2) == 3);
+  bm2.mark_shareable_blocks_as_complete(2, full2.mutable_table("A"), prompt);
+  CHECK(bm2.mark_shareable_blocks_as_complete(1, full2.mutable_table("B"), prompt) == 1);
+  CHECK(full2.table("B") == ids{0, 4, 5});
+  CHECK(bm2.block(4)->parent_id == 0);
+  CHECK(bm2.mark_shareable_blocks_as_complete(1, full2.mutable_table("B"), prompt) == 1);
+  CHECK(full2.table("B") == ids{0, 1, 5});
+  CHECK(bm2.block(5)->parent_id == 1);
+}

@@ -280,11 +280,13 @@ class BlockManager {
     std::int64_t done = 0, replaced = 0;
     std::optional<std::int64_t> replacement;  // the id the previous block was replaced by
     for (const std::size_t i : todo) {
-      if (done >= num_complete) break;
       const auto from = static_cast<std::int64_t>(i) * block_size_;
       Block& b = *slots_[static_cast<std::size_t>(allocated_blocks[i])];  // checked above
+      // The block after a replaced one takes the replacement as its parent, before the loop may
+      // stop: the first block left incomplete is re-pointed too, as in transformers.
       if (replacement) b.parent_id = replacement;
       replacement.reset();
+      if (done >= num_complete) break;
       const std::uint64_t h = compute_block_hash(
           parent_hash, prompt_ids.subspan(static_cast<std::size_t>(from), static_cast<std::size_t>(block_size_)),
           b.group_id);
