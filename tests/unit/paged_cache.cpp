@@ -456,7 +456,7 @@ TEST_CASE("PagedAttentionMemoryHandler: transformers' worked examples (a Llama-3
     CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, gib20) ==
           std::pair<std::int64_t, std::int64_t>{8192, 512});
   }
-  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, 0, 1),
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1.0, 0.0, 1.0),
                        "No real solution (discriminant = -4.0)", kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, 3, 2), "No positive solution (root = -1.0)",
                        kvc::ValueError);
@@ -863,4 +863,57 @@ TEST_CASE("PagedCache messages, each word for word") {
   CHECK(malformed ==
         "ContinuousBatchingConfig: malformed JSON: [json.exception.parse_error.101] parse error at line 1, column 2: "
         "syntax error while parsing object key - unexpected end of input; expected string literal");
+}
+
+TEST_CASE("PagedAttentionMemoryHandler: the 10%-fill bound squares 0.1 as transformers does (0.1 ** 2)") {
+  // A one-layer toy model, bf16, SDPA: cm, cn, cmn, cmm = (54, 12, 2, 2) and (56, 16, 2, 2).
+  kvc::PagedMemoryModel toy;
+  toy.hidden_size = 1;
+  toy.vocab_size = 1;
+  toy.num_attention_heads = 1;
+  toy.num_key_value_heads = 1;
+  toy.head_dim = 1;
+  toy.dtype_bytes = 2;
+  toy.max_blocks_per_request = 0;
+  toy.block_size = 4;
+  const kvc::PagedAttentionMemoryHandler h(toy);
+  REQUIRE(h.lm_head().cm == 54);
+  REQUIRE(h.attention().cn == 16);
+  // transformers' plan for 1,638,016 bytes (with 0.01 for 0.1 ** 2 it is (268, 670)).
+  CHECK(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, 1638016) ==
+        std::pair<std::int64_t, std::int64_t>{267, 672});
+  // Its messages, digit for digit (with 0.01: -577.24 and -0.5789505997312943).
+  CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, -1000),
+                       "No real solution (discriminant = -577.2400000000002)", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, std::nullopt, -10),
+                       "No positive solution (root = -0.5789505997312941)", kvc::ValueError);
+}
+
+TEST_CASE("PagedAttentionMemoryHandler: a discriminant of integers prints as a Python int") {
+  // transformers' _solve_quadratic(1, 1, 1) computes b**2 - 4*a*c on ints; with floats it prints -3.0.
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, 1, 1),
+                       "No real solution (discriminant = -3)", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(1.0, 1.0, 1.0),
+                       "No real solution (discriminant = -3.0)", kvc::ValueError);
+  // Exact, where doubles would print -1.0606877842382992e+20.
+  CHECK_THROWS_WITH_AS(kvc::PagedAttentionMemoryHandler::solve_quadratic(std::int64_t{3}, std::int64_t{1} << 31,
+                                                                         std::int64_t{INT64_MAX}),
+                       "No real solution (discriminant = -106068778423829921780)", kvc::ValueError);
+  CHECK(kvc::PagedAttentionMemoryHandler::solve_quadratic(1, -5, 6) == 3);
+  CHECK(kvc::PagedAttentionMemoryHandler::solve_quadratic(0, 4, -9) == 2);
+  // With num_blocks given, transformers' coefficients are ints (N = num_blocks * block_size). A
+  // negative vocabulary is only a way to get past the logits peak to the attention one.
+  kvc::PagedMemoryModel odd;
+  odd.hidden_size = 1;
+  odd.vocab_size = -500;
+  odd.num_attention_heads = 1;
+  odd.num_key_value_heads = 1;
+  odd.head_dim = 1;
+  odd.dtype_bytes = 2;
+  odd.group_size = 100;
+  odd.max_blocks_per_request = 0;
+  odd.block_size = 4;
+  const kvc::PagedAttentionMemoryHandler h(odd);
+  CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, 96, 1000),
+                       "No real solution (discriminant = -578688)", kvc::ValueError);
 }

@@ -1,7 +1,12 @@
 #pragma once
 // kvc::PagedAttentionMemoryHandler: how many blocks and query tokens per batch fit a memory
 // budget, transformers' PagedAttentionMemoryHandler (generation/continuous_batching/cache.py at
-// a597f974), its arithmetic kept exactly (doubles, floored like Python's int()).
+// a597f974), its arithmetic kept exactly: Python's floats are doubles, computed in the same order
+// (the 10%-fill bound squares 0.1 as 0.1 ** 2, 0.010000000000000002), floored like Python's int().
+// Python's ints are exact; kvc keeps them exact in 128 bits where they decide a printed value (the
+// quadratic on ints, when num_blocks is given: its discriminant prints as an int) and in doubles
+// elsewhere, which are exact below 2^53 bytes. Values far beyond any model (a product of operands
+// of 2^63 or more) fall back to doubles.
 //
 // With M = max_batch_tokens and N = num_blocks * block_size (pages), the memory at each activation
 // peak is   cm * M + cn * N + cmn * M * N + cmm * M^2,   for two peaks:
@@ -19,7 +24,9 @@
 // IO shapes. docs/paged.md works an example through.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,6 +37,63 @@
 #include <kvc/limits.hpp>
 
 namespace kvc {
+
+namespace detail {
+
+__extension__ using planner_int128 = __int128;
+
+// A Python int of the planner's integer arithmetic, in 128 bits: `exact` turns false (and stays
+// false) once an operand is too large for the result to be certain to fit (a factor of 2^63 or
+// more, a term of 2^125 or more); the planner then computes that value in doubles.
+struct py_int {
+  planner_int128 v = 0;
+  bool exact = true;
+  py_int() = default;
+  template <std::integral I>
+  explicit py_int(I x) : v(static_cast<planner_int128>(x)) {}
+  static bool below(planner_int128 x, int bits) noexcept {
+    const planner_int128 limit = planner_int128{1} << bits;
+    return -limit < x && x < limit;
+  }
+  friend py_int operator*(py_int x, py_int y) noexcept {
+    py_int out;
+    out.exact = x.exact && y.exact && below(x.v, 63) && below(y.v, 63);
+    out.v = out.exact ? x.v * y.v : 0;
+    return out;
+  }
+  friend py_int operator+(py_int x, py_int y) noexcept {
+    py_int out;
+    out.exact = x.exact && y.exact && below(x.v, 125) && below(y.v, 125);
+    out.v = out.exact ? x.v + y.v : 0;
+    return out;
+  }
+  friend py_int operator-(py_int x, py_int y) noexcept {
+    py_int out;
+    out.exact = x.exact && y.exact && below(x.v, 125) && below(y.v, 125);
+    out.v = out.exact ? x.v - y.v : 0;
+    return out;
+  }
+};
+
+// float(x) of a Python int: the nearest double (the 128-bit conversion rounds to nearest, as
+// Python does).
+inline double py_int_float(planner_int128 x) noexcept { return static_cast<double>(x); }
+
+// str(x) of a Python int.
+inline std::string py_int_str(planner_int128 x) {
+  __extension__ using magnitude = unsigned __int128;
+  magnitude m = x < 0 ? magnitude{0} - static_cast<magnitude>(x) : static_cast<magnitude>(x);
+  char buf[48];
+  char* p = buf + sizeof buf;
+  do {
+    *--p = static_cast<char>('0' + static_cast<int>(m % 10));
+    m /= 10;
+  } while (m != 0);
+  if (x < 0) *--p = '-';
+  return std::string(p, buf + sizeof buf);
+}
+
+}  // namespace detail
 
 // What the planner needs to know of the model and of the way it will run.
 struct PagedMemoryModel {
@@ -54,32 +118,15 @@ class PagedAttentionMemoryHandler {
   static constexpr std::int64_t default_max_batch_tokens = 8192;
   static constexpr std::int64_t min_max_batch_tokens = 256;
 
-  // The polynomial's coefficients at one activation peak.
-  struct coefficients {
-    double cm = 0, cn = 0, cmn = 0, cmm = 0;
+  // The polynomial's coefficients at one activation peak (transformers computes them on ints).
+  template <class N>
+  struct basic_coefficients {
+    N cm{}, cn{}, cmn{}, cmm{};
   };
+  using coefficients = basic_coefficients<double>;
 
-  explicit PagedAttentionMemoryHandler(const PagedMemoryModel& m) : m_(m) {
-    const double a = static_cast<double>(m.dtype_bytes);
-    const double page = static_cast<double>(m.head_dim * m.num_key_value_heads);
-    const double k = m.async_batching ? 2 : 1, rows = m.return_logprobs ? 2 : 1;
-    const double g = static_cast<double>(m.num_groups), s = static_cast<double>(m.group_size);
-    const double mbpr = static_cast<double>(m.max_blocks_per_request);
-    const double masks = m.flash_attention ? 0 : m.has_sliding_groups ? 2 : 1;
-    const double i = 4;
-    auto make = [&](double delta_m, double delta_n) {
-      coefficients c;
-      c.cn = delta_n + 2 * s * page * a + k * g * 8;
-      c.cm = delta_m + k * 7 * i + k * rows * i + k * g * mbpr * i + k * g * 8 + k * g * 8;
-      c.cmn = k * masks * a;
-      c.cmm = k * masks * a;
-      return c;
-    };
-    const double hidden = static_cast<double>(m.hidden_size);
-    peaks_[0] = make(hidden * a + static_cast<double>(m.vocab_size) * 4, 0);  // lm_head
-    peaks_[1] = make(a * (hidden + static_cast<double>(m.num_attention_heads * m.head_dim) + 2 * page),
-                     2 * page * a);  // attention
-  }
+  explicit PagedAttentionMemoryHandler(const PagedMemoryModel& m)
+      : m_(m), peaks_(peaks_of<double>(m)), exact_peaks_(peaks_of<detail::py_int>(m)) {}
 
   const coefficients& lm_head() const noexcept { return peaks_[0]; }
   const coefficients& attention() const noexcept { return peaks_[1]; }
@@ -102,18 +149,33 @@ class PagedAttentionMemoryHandler {
       m = *max_batch_tokens;
       nb = *num_blocks;
     } else if (num_blocks) {
+      // transformers' coefficients, N and the budget are ints here: the quadratic is solved on ints.
       nb = *num_blocks;
-      const double n = static_cast<double>(nb) * static_cast<double>(m_.block_size);
+      const detail::py_int n = detail::py_int(nb) * detail::py_int(m_.block_size);
       m = INT64_MAX;
-      for (const coefficients& c : peaks_) m = std::min(m, solve_quadratic(c.cmm, c.cm + c.cmn * n, c.cn * n - avail));
+      for (std::size_t p = 0; p < peaks_.size(); ++p) {
+        const basic_coefficients<detail::py_int>& e = exact_peaks_[p];
+        const detail::py_int b = e.cm + e.cmn * n, c = e.cn * n - detail::py_int(available_memory);
+        if (e.cmm.exact && b.exact && c.exact) {
+          m = std::min(m, solve_int(e.cmm, b, c));
+        } else {
+          const coefficients& d = peaks_[p];
+          const double nn = static_cast<double>(nb) * static_cast<double>(m_.block_size);
+          m = std::min(m, solve_quadratic(d.cmm, d.cm + d.cmn * nn, d.cn * nn - avail));
+        }
+      }
     } else {
       if (max_batch_tokens) {
         m = *max_batch_tokens;
       } else {
-        std::int64_t upper = INT64_MAX;  // the cache filling 10% of itself per batch: M = 0.1 N
+        // The cache filling 10% of itself per batch: M = fill * N, and transformers' quadratic
+        // coefficient cmn * fill + cmm * fill ** 2, where fill ** 2 is 0.010000000000000002.
+        constexpr double fill = 0.1;
+        constexpr double fill_squared = fill * fill;
+        std::int64_t upper = INT64_MAX;
         for (const coefficients& c : peaks_) {
-          const std::int64_t pages = solve_quadratic(c.cmn * 0.1 + c.cmm * 0.01, c.cn + c.cm * 0.1, -avail);
-          upper = std::min(upper, saturate(static_cast<double>(pages) * 0.1));
+          const std::int64_t pages = solve_quadratic(c.cmn * fill + c.cmm * fill_squared, c.cn + c.cm * fill, -avail);
+          upper = std::min(upper, saturate(static_cast<double>(pages) * fill));
         }
         m = std::max(std::min(default_max_batch_tokens, upper), min_max_batch_tokens);
       }
@@ -134,18 +196,58 @@ class PagedAttentionMemoryHandler {
   }
 
   // The largest root of a x^2 + b x + c, floored (x = -c / b when a is 0), as transformers'
-  // _solve_quadratic; its errors in its words.
+  // _solve_quadratic on floats; its errors in its words (the values as Python prints a float).
   static std::int64_t solve_quadratic(double a, double b, double c) {
     if (a == 0) return saturate(-c / b);
     const double discriminant = b * b - 4 * a * c;
     if (discriminant < 0)
       throw ValueError("No real solution (discriminant = " + detail::py_float_repr(discriminant) + ")");
-    const double root = (-b + std::sqrt(discriminant)) / (2 * a);
-    if (root < 0) throw ValueError("No positive solution (root = " + detail::py_float_repr(root) + ")");
-    return saturate(std::floor(root));
+    return root_of(b, discriminant, 2 * a);
+  }
+  // The same on ints, as Python computes it: the discriminant exactly, printed as an int (-3 where
+  // floats give -3.0), then float(-b) + sqrt(float(discriminant)) over float(2 * a).
+  template <std::integral I>
+    requires(!std::same_as<I, bool>)
+  static std::int64_t solve_quadratic(I a, I b, I c) {
+    return solve_int(detail::py_int(a), detail::py_int(b), detail::py_int(c));
   }
 
  private:
+  template <class N>
+  static std::array<basic_coefficients<N>, 2> peaks_of(const PagedMemoryModel& m) {
+    const N a(m.dtype_bytes), page = N(m.head_dim) * N(m.num_key_value_heads);
+    const N k(m.async_batching ? 2 : 1), rows(m.return_logprobs ? 2 : 1);
+    const N g(m.num_groups), s(m.group_size), mbpr(m.max_blocks_per_request);
+    const N masks(m.flash_attention ? 0 : m.has_sliding_groups ? 2 : 1);
+    const N i(4), two(2), seven(7), eight(8);
+    const auto make = [&](N delta_m, N delta_n) {
+      basic_coefficients<N> c;
+      c.cn = delta_n + two * s * page * a + k * g * eight;
+      c.cm = delta_m + k * seven * i + k * rows * i + k * g * mbpr * i + k * g * eight + k * g * eight;
+      c.cmn = k * masks * a;
+      c.cmm = k * masks * a;
+      return c;
+    };
+    const N hidden(m.hidden_size);
+    return {make(hidden * a + N(m.vocab_size) * i, N(0)),                                                 // lm_head
+            make(a * (hidden + N(m.num_attention_heads) * N(m.head_dim) + two * page), two * page * a)};  // attention
+  }
+
+  // (-b + sqrt(discriminant)) / two_a, refused when negative, floored.
+  static std::int64_t root_of(double b, double discriminant, double two_a) {
+    const double root = (-b + std::sqrt(discriminant)) / two_a;
+    if (root < 0) throw ValueError("No positive solution (root = " + detail::py_float_repr(root) + ")");
+    return saturate(std::floor(root));
+  }
+  static std::int64_t solve_int(detail::py_int a, detail::py_int b, detail::py_int c) {
+    using detail::py_int_float;
+    if (a.v == 0) return saturate(py_int_float(-c.v) / py_int_float(b.v));  // int(-c / b)
+    const detail::py_int d = b * b - detail::py_int(4) * a * c;
+    if (!d.exact) return solve_quadratic(py_int_float(a.v), py_int_float(b.v), py_int_float(c.v));
+    if (d.v < 0) throw ValueError("No real solution (discriminant = " + detail::py_int_str(d.v) + ")");
+    return root_of(py_int_float(b.v), py_int_float(d.v), py_int_float(2 * a.v));
+  }
+
   double footprint(std::int64_t max_batch_tokens, std::int64_t num_blocks) const noexcept {
     const double mm = static_cast<double>(max_batch_tokens);
     const double n = static_cast<double>(num_blocks) * static_cast<double>(m_.block_size);
@@ -167,7 +269,8 @@ class PagedAttentionMemoryHandler {
   }
 
   PagedMemoryModel m_;
-  coefficients peaks_[2];
+  std::array<coefficients, 2> peaks_;                              // lm_head, attention
+  std::array<basic_coefficients<detail::py_int>, 2> exact_peaks_;  // the same as Python's ints
 };
 
 }  // namespace kvc
