@@ -917,3 +917,28 @@ TEST_CASE("PagedAttentionMemoryHandler: a discriminant of integers prints as a P
   CHECK_THROWS_WITH_AS(h.infer_max_batch_tokens_and_num_blocks(std::nullopt, 96, 1000),
                        "No real solution (discriminant = -578688)", kvc::ValueError);
 }
+
+TEST_CASE("the swap-pool warnings come every time, as transformers' logger.warning") {
+  const Cache c(model("f", 2, 4), cb(4, 8));
+  kvc_test::captured_warnings w;
+  kvc::ContinuousBatchingConfig o;
+  const std::int64_t gib = std::int64_t{1} << 30;
+  for (int i = 0; i < 2; ++i) {
+    o.cpu_offload_space = 2.0;
+    (void)c.plan_swap_blocks(o, gib);
+    o.cpu_offload_space.reset();
+    (void)c.plan_swap_blocks(o, gib);
+    o.cpu_offload_space = 1e-7;
+    (void)c.plan_swap_blocks(o, gib);
+    o.cpu_offload_space = 1.0 / 1024;
+    (void)c.plan_swap_blocks(o, -1);
+  }
+  const std::vector<std::string> once = {
+      "cpu_offload_space=2.0 GiB exceeds 80% of total RAM (1.0 GiB). Clamping to 0.8 GiB.",
+      "Auto-sizing CPU swap pool from safety threshold: 0.80 GiB.",
+      "cpu_offload_space=0.0 GiB is too small for even one block. No CPU offloading.",
+      "kvc::PagedCache: the available RAM is unknown, so cpu_offload_space_safety_threshold cannot be enforced"};
+  std::vector<std::string> twice = once;
+  twice.insert(twice.end(), once.begin(), once.end());
+  CHECK(w.messages == twice);
+}

@@ -597,7 +597,8 @@ class PagedCache {
   }
   // The swap pool transformers' offloading manager would make: cpu_offload_space GiB (unset: the
   // whole cap) capped at cpu_offload_space_safety_threshold of the available RAM, in whole blocks,
-  // with its warnings. available_ram: the bytes free now (unset: /proc/meminfo's MemAvailable,
+  // with its warnings (at each call, as transformers' logger.warning: not once per process).
+  // available_ram: the bytes free now (unset: /proc/meminfo's MemAvailable,
   // psutil.virtual_memory().available's source; a negative value: unknown, as where there is none).
   std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb,
                                 std::optional<std::int64_t> available_ram = std::nullopt) const {
@@ -616,13 +617,13 @@ class PagedCache {
       cap = static_cast<std::int64_t>(static_cast<double>(*available_ram) * cb.cpu_offload_space_safety_threshold);
     const auto gib = [](double bytes, int digits) { return detail::format_fixed(bytes / 1073741824.0, digits); };
     if (offload && cap && *offload > *cap) {
-      warn_once("cpu_offload_space=" + gib(static_cast<double>(*offload), 1) + " GiB exceeds " +
-                detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" +
-                gib(static_cast<double>(*available_ram), 1) + " GiB). Clamping to " +
-                gib(static_cast<double>(*cap), 1) + " GiB.");
+      warn("cpu_offload_space=" + gib(static_cast<double>(*offload), 1) + " GiB exceeds " +
+           detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" +
+           gib(static_cast<double>(*available_ram), 1) + " GiB). Clamping to " + gib(static_cast<double>(*cap), 1) +
+           " GiB.");
       offload = cap;
     } else if (offload && !cap) {
-      warn_once(
+      warn(
           "kvc::PagedCache: the available RAM is unknown, so cpu_offload_space_safety_threshold cannot be "
           "enforced");
     } else if (!offload) {
@@ -630,13 +631,13 @@ class PagedCache {
         throw ValueError(
             "kvc::PagedCache: cpu_offload_space is None, which sizes the swap pool from the available RAM, and the "
             "available RAM is unknown: pass it, or an explicit cpu_offload_space in GiB");
-      warn_once("Auto-sizing CPU swap pool from safety threshold: " + gib(static_cast<double>(*cap), 2) + " GiB.");
+      warn("Auto-sizing CPU swap pool from safety threshold: " + gib(static_cast<double>(*cap), 2) + " GiB.");
       offload = cap;
     }
     const std::int64_t blocks = *offload / per_block;
     if (blocks == 0 && cb.cpu_offload_space && *cb.cpu_offload_space > 0)
-      warn_once("cpu_offload_space=" + detail::format_fixed(*cb.cpu_offload_space, 1) +
-                " GiB is too small for even one block. No CPU offloading.");
+      warn("cpu_offload_space=" + detail::format_fixed(*cb.cpu_offload_space, 1) +
+           " GiB is too small for even one block. No CPU offloading.");
     return blocks;
   }
   std::int64_t swap_blocks() const noexcept { return swap_blocks_; }
