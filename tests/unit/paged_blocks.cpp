@@ -544,3 +544,44 @@ TEST_CASE("BlockManager: a block replaced by a registered one hands its id to th
   CHECK(full2.table("B") == ids{0, 1, 5});
   CHECK(bm2.block(5)->parent_id == 1);
 }
+
+TEST_CASE("allocators: lengths at the int64 extremes are ValueErrors naming the call") {
+  constexpr std::int64_t big = INT64_MAX;
+  BlockManager bm(8, 4);
+  FullAttentionCacheAllocator full(0, 4, false);
+  SlidingAttentionCacheAllocator ring(1, 4, 6, 33, 36);
+  REQUIRE(full.allocate_blocks(1, "r", bm));
+  REQUIRE(ring.allocate_blocks(1, "r", bm) == 1);
+  // A count of blocks past any ring takes what the ring lacks, without overflowing.
+  CHECK(ring.allocate_blocks(big, "r", bm) == 1);
+  CHECK(ring.table("r").size() == 2);
+  CHECK(ring.allocate_blocks(big, "r", bm) == 0);
+  ids out, row(4);
+  const std::string limit = ", above kvc's limit of 1099511627776";
+  CHECK_THROWS_WITH_AS(
+      full.get_read_indices("r", big, 1, out),
+      ("kvc::paged::FullAttentionCacheAllocator::get_read_indices: past is 9223372036854775807" + limit).c_str(),
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      full.get_write_indices("r", 1, big, out),
+      ("kvc::paged::FullAttentionCacheAllocator::get_write_indices: q is 9223372036854775807" + limit).c_str(),
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      full.fill_block_table("r", big, 1, row),
+      ("kvc::paged::FullAttentionCacheAllocator::fill_block_table: past is 9223372036854775807" + limit).c_str(),
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      ring.get_read_indices("r", big, 1, out),
+      ("kvc::paged::SlidingAttentionCacheAllocator::get_read_indices: past is 9223372036854775807" + limit).c_str(),
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      ring.get_write_indices("r", big, 1, out),
+      ("kvc::paged::SlidingAttentionCacheAllocator::get_write_indices: past is 9223372036854775807" + limit).c_str(),
+      kvc::ValueError);
+  // Negative lengths keep their message.
+  CHECK_THROWS_WITH_AS(ring.get_write_indices("r", -1, big, out),
+                       "kvc::paged: past and query lengths must be >= 0, got past -1 and q 9223372036854775807",
+                       kvc::ValueError);
+  CHECK(out.empty());
+  CHECK(row == ids(4));
+}

@@ -865,6 +865,104 @@ TEST_CASE("PagedCache messages, each word for word") {
         "syntax error while parsing object key - unexpected end of input; expected string literal");
 }
 
+TEST_CASE("a sliding group refuses a step too large for memory before it makes a row") {
+  const std::int64_t q = std::int64_t{1} << 40;
+  // A whole ring (window 4, one block): the rows of the kept tokens are fine, and the 2^40 - 4 rows
+  // of write trash in front of them are over kvc's allocation limit (8 TiB of int64).
+  Cache whole(model("s", 1, 2, 4), cb(4, 8));
+  REQUIRE(whole.allocate_blocks(1, "r", 0));
+  kvc::PagedIndices reads(1), writes(1);
+  CHECK_THROWS_WITH_AS(whole.extend_read_and_write_indices("r", 0, q, &reads, writes),
+                       "kvc: a buffer of [1099511627776] elements of 8 bytes is larger than kvc's allocation limit of "
+                       "1099511627776 bytes (kvc::set_allocation_limit)",
+                       kvc::ValueError);
+  CHECK(writes[0].empty());
+  CHECK(reads[0].empty());
+  // The step's reads, q sentinels, are checked the same way.
+  const auto& ring = std::get<kvc::paged::SlidingAttentionCacheAllocator>(whole.group_allocator(0));
+  std::vector<std::int64_t> out;
+  CHECK_THROWS_WITH_AS(ring.get_read_indices("r", 0, q, out),
+                       "kvc: a buffer of [1099511627776] elements of 8 bytes is larger than kvc's allocation limit of "
+                       "1099511627776 bytes (kvc::set_allocation_limit)",
+                       kvc::ValueError);
+  CHECK(out.empty());
+  // A ring missing a block (window 6 on blocks of 4, one held): the table is checked first, as
+  // a full group's is.
+  Cache partial(model("s", 1, 2, 6), cb(4, 8));
+  REQUIRE(partial.allocate_blocks(1, "r", 0) == 1);
+  CHECK_THROWS_WITH_AS(partial.extend_read_and_write_indices("r", 0, q, nullptr, writes),
+                       "kvc::paged: request r has 1 blocks in group 0, too few for slot 4", kvc::ValueError);
+  CHECK(writes[0].empty());
+  // A long prefill that fits still writes its oldest tokens to the trash, then the ring.
+  partial.extend_read_and_write_indices("r", 0, 3, nullptr, writes);
+  CHECK(writes[0] == ids{0, 1, 2});
+  REQUIRE(partial.allocate_blocks(1, "r", 1) == 1);
+  writes[0].clear();
+  partial.extend_read_and_write_indices("r", 0, 8, nullptr, writes);
+  const std::int64_t trash = partial.write_trash_index();
+  CHECK(writes[0] == ids{trash, trash, 2, 3, 4, 5, 0, 1});
+}
+
+TEST_CASE("PagedCache: lengths and counts at the int64 extremes are ValueErrors naming the call; nothing changes") {
+  constexpr std::int64_t big = INT64_MAX;
+  for (const std::string_view letters : {"f", "fs"}) {
+    CAPTURE(letters);
+    Cache c(model(letters, 1, 2, 6), cb(4, 8));
+    REQUIRE(c.allocate_blocks(2, "r", 0));
+    const auto before = kvc_test::take_paged_snapshot(c, {"r"});
+    kvc::PagedIndices reads(static_cast<std::size_t>(c.num_groups())), writes(reads.size());
+    std::vector<std::int64_t> table(static_cast<std::size_t>(c.num_groups() * c.max_blocks_per_request()));
+    struct row {
+      std::function<void()> call;
+      std::string text;
+    };
+    const std::vector<row> rows = {
+        {[&] { (void)c.truncate_request("r", big); },
+         "kvc::PagedCache::truncate_request: tokens is 9223372036854775807, above kvc's limit of 1099511627776"},
+        {[&] { c.extend_read_and_write_indices("r", big, 1, &reads, writes); },
+         "kvc::PagedCache::extend_read_and_write_indices: past is 9223372036854775807, above kvc's limit of "
+         "1099511627776"},
+        {[&] { c.extend_read_and_write_indices("r", 1, big, nullptr, writes); },
+         "kvc::PagedCache::extend_read_and_write_indices: q is 9223372036854775807, above kvc's limit of "
+         "1099511627776"},
+        {[&] { (void)c.allocate_blocks(1, "r", INT64_MIN); },
+         "kvc::PagedCache::allocate_blocks: allocated must be 0 or more, got -9223372036854775808"},
+        {[&] { (void)c.allocate_blocks(1, "r", big); },
+         "kvc::PagedCache::allocate_blocks: allocated is 9223372036854775807, above kvc's limit of 1099511627776"},
+        {[&] { (void)c.allocate_blocks(big, "r", 0); },
+         "kvc::PagedCache::allocate_blocks: n is 9223372036854775807, above kvc's limit of 1099511627776"},
+        {[&] { (void)c.get_seqlens_k(big, 1); },
+         "kvc::PagedCache::get_seqlens_k: past is 9223372036854775807, above kvc's limit of 1099511627776"},
+        {[&] { (void)c.get_seqlens_k(1, big); },
+         "kvc::PagedCache::get_seqlens_k: q is 9223372036854775807, above kvc's limit of 1099511627776"},
+        {[&] { (void)c.get_seqlens_k(INT64_MIN, -1); },
+         "kvc::PagedCache::get_seqlens_k: past must be 0 or more, got -9223372036854775808"},
+    };
+    for (const row& r : rows) {
+      CAPTURE(r.text);
+      std::string got;
+      try {
+        r.call();
+      } catch (const kvc::ValueError& e) {
+        got = e.what();
+      }
+      CHECK(got == r.text);
+    }
+    if (letters == "f")
+      CHECK_THROWS_WITH_AS(c.fill_block_table("r", big, 1, table),
+                           "kvc::PagedCache::fill_block_table: past is 9223372036854775807, above kvc's limit of "
+                           "1099511627776",
+                           kvc::ValueError);
+    CHECK(reads == kvc::PagedIndices(reads.size()));
+    CHECK(writes == kvc::PagedIndices(writes.size()));
+    CHECK(kvc_test::take_paged_snapshot(c, {"r"}) == before);
+    // The queries that only count stay total: no overflow, no throw.
+    CHECK(c.blocks_needed(1, INT64_MIN) == (letters == "f" ? 1 : 2));
+    CHECK(c.blocks_needed(INT64_MAX, 0) == INT64_MAX);
+    CHECK(!c.will_allocation_be_successful(INT64_MAX, INT64_MIN));
+  }
+}
+
 TEST_CASE("PagedAttentionMemoryHandler: the 10%-fill bound squares 0.1 as transformers does (0.1 ** 2)") {
   // A one-layer toy model, bf16, SDPA: cm, cn, cmn, cmm = (54, 12, 2, 2) and (56, 16, 2, 2).
   kvc::PagedMemoryModel toy;

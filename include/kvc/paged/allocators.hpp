@@ -18,10 +18,12 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
 #include <kvc/paged/block_manager.hpp>
 #include <kvc/warnings.hpp>
 
@@ -151,10 +153,21 @@ class CacheAllocator {
     return t[static_cast<std::size_t>(b)] * block_size_ + s % block_size_;
   }
 
-  static void check_counts(std::int64_t past, std::int64_t q) {
+  // The lengths of a step, checked before any arithmetic on them: >= 0, and within kvc's limit on
+  // a size (so that past + q + block_size cannot overflow). `call` names the method for the latter.
+  static void check_counts(std::int64_t past, std::int64_t q, std::string_view call) {
     if (past < 0 || q < 0)
       throw ValueError("kvc::paged: past and query lengths must be >= 0, got past " + std::to_string(past) + " and q " +
                        std::to_string(q));
+    if (past > max_extent || q > max_extent) {  // (the names are only built for the message)
+      kvc::detail::check_size(std::string(call) + ": past", past, 0, max_extent);
+      kvc::detail::check_size(std::string(call) + ": q", q, 0, max_extent);
+    }
+  }
+  // Room for `more` rows after `out`'s, refused (ValueError) past kvc::allocation_limit() before
+  // anything is allocated: a step's rows grow with its q.
+  static void check_rows(const std::vector<std::int64_t>& out, std::int64_t more) {
+    (void)kvc::detail::checked_elements({static_cast<std::int64_t>(out.size()) + more}, sizeof(std::int64_t));
   }
 
  public:
@@ -250,14 +263,14 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   // Rows of positions 0 .. past + q - 1 (the write comes first, so the new tokens are included).
   void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
                         std::vector<std::int64_t>& out) const {
-    check_counts(past, q);
+    check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_read_indices");
     const auto& t = table_of(request_id);
     for (std::int64_t p = 0; p < past + q; ++p) out.push_back(row(t, p, request_id));
   }
   // Rows of positions past .. past + q - 1.
   void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
                          std::vector<std::int64_t>& out) const {
-    check_counts(past, q);
+    check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_write_indices");
     const auto& t = table_of(request_id);
     for (std::int64_t p = past; p < past + q; ++p) out.push_back(row(t, p, request_id));
   }
@@ -265,7 +278,7 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   // a paged attention kernel; the rest of it is left as it is).
   void fill_block_table(const std::string& request_id, std::int64_t past, std::int64_t q,
                         std::span<std::int64_t> out) const {
-    check_counts(past, q);
+    check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::fill_block_table");
     const auto& t = table_of(request_id);
     const std::int64_t n = (past + q + block_size_ - 1) / block_size_;
     if (n > static_cast<std::int64_t>(t.size()) || n > static_cast<std::int64_t>(out.size()))
@@ -296,13 +309,18 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
   std::int64_t max_blocks_per_request() const noexcept { return max_blocks_; }
   std::int64_t sentinel_index() const noexcept { return sentinel_; }
   std::int64_t write_trash_index() const noexcept { return write_trash_; }
+  // What allocate_blocks(n) takes from a table of `have` blocks: min(n, what the ring lacks), and
+  // 0 for n <= 0 (without forming have + n, which a huge n would overflow).
+  std::int64_t blocks_to_take(std::int64_t have, std::int64_t n) const noexcept {
+    return std::clamp<std::int64_t>(n, 0, std::max<std::int64_t>(max_blocks_ - have, 0));
+  }
 
   // Up to n more blocks, never past the ring's ceil(sliding_window / block_size); returns how many
   // it took (0 once the ring is whole), nullopt with nothing changed if the manager has too few.
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
     const auto it = tables_.find(request_id);
     const std::int64_t have = it == tables_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
-    const std::int64_t take = std::max<std::int64_t>(std::min(have + n, max_blocks_) - have, 0);
+    const std::int64_t take = blocks_to_take(have, n);
     if (take == 0) {
       tables_.try_emplace(request_id);
       return 0;
@@ -316,22 +334,34 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
   // by the new token (read before write: a new token may overwrite a slot read in this step).
   void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
                         std::vector<std::int64_t>& out) const {
-    check_counts(past, q);
+    check_counts(past, q, "kvc::paged::SlidingAttentionCacheAllocator::get_read_indices");
     const auto& t = table_of(request_id);
     const std::int64_t len = std::min(past, window_ - 1);
+    check_rows(out, len + q);
     for (std::int64_t p = past - len; p < past; ++p) out.push_back(row(t, p % window_, request_id));
     out.insert(out.end(), static_cast<std::size_t>(q), sentinel_);
   }
   // Where the new tokens go: the oldest q - min(q, window) of them (which no query of this step
-  // keeps after the step) to the write trash, the others to their slots position % window.
+  // keeps after the step) to the write trash, the others to their slots position % window. The
+  // slots' rows come first, so that a table without them, or more trash rows than kvc may
+  // allocate, is refused before the trash rows are made.
   void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
                          std::vector<std::int64_t>& out) const {
-    check_counts(past, q);
+    check_counts(past, q, "kvc::paged::SlidingAttentionCacheAllocator::get_write_indices");
     const auto& t = table_of(request_id);
     const std::int64_t kept = std::min(q, window_);
     const std::int64_t pad = q - kept;
-    out.insert(out.end(), static_cast<std::size_t>(pad), write_trash_);
-    for (std::int64_t p = past + pad; p < past + q; ++p) out.push_back(row(t, p % window_, request_id));
+    const std::size_t start = out.size();
+    try {
+      for (std::int64_t p = past + pad; p < past + q; ++p) out.push_back(row(t, p % window_, request_id));
+      if (pad > 0) {
+        check_rows(out, pad);
+        out.insert(out.begin() + static_cast<std::ptrdiff_t>(start), static_cast<std::size_t>(pad), write_trash_);
+      }
+    } catch (...) {
+      out.resize(start);
+      throw;
+    }
   }
 
  private:

@@ -289,11 +289,17 @@ class PagedCache {
 
   // Blocks an allocation of n (logical) blocks takes over all groups, for a request holding
   // `allocated` logical blocks (its full-group count): n per full group, and per sliding group what
-  // its ring still lacks, at most n.
+  // its ring still lacks, at most n. Saturated at the int64 limits (any count is accepted).
   std::int64_t blocks_needed(std::int64_t n, std::int64_t allocated) const noexcept {
-    std::int64_t need = n * num_full_groups_;
-    if (num_sliding_groups_ > 0)
-      need += std::min(std::max<std::int64_t>(max_sliding_blocks_ - allocated, 0), n) * num_sliding_groups_;
+    std::int64_t need = saturating_mul(n, num_full_groups_);
+    if (num_sliding_groups_ > 0) {
+      // min(max(max_sliding_blocks_ - allocated, 0), n), without forming a difference that overflows
+      const std::int64_t lack = n <= 0                                ? n
+                                : allocated >= max_sliding_blocks_    ? 0
+                                : allocated < max_sliding_blocks_ - n ? n
+                                                                      : max_sliding_blocks_ - allocated;
+      need = saturating_add(need, saturating_mul(lack, num_sliding_groups_));
+    }
     return need;
   }
   bool will_allocation_be_successful(std::int64_t n, std::int64_t allocated) const noexcept {
@@ -311,6 +317,8 @@ class PagedCache {
   // when they do not fit. Returns the most blocks any group took (n for full groups).
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, std::int64_t allocated) {
     if (n < 0) throw ValueError("kvc::PagedCache: cannot allocate " + std::to_string(n) + " blocks");
+    detail::check_size("kvc::PagedCache::allocate_blocks: n", n, 0, max_extent);
+    detail::check_size("kvc::PagedCache::allocate_blocks: allocated", allocated, 0, max_extent);
     if (!will_allocation_be_successful(n, allocated)) return std::nullopt;
     // What each group will really take (a sliding group from its own table, which a wrong
     // `allocated` could misstate): all of it must fit, or nothing is taken.
@@ -320,8 +328,7 @@ class PagedCache {
       takes.push_back(std::visit(
           [&](const auto& al) -> std::int64_t {
             if constexpr (std::decay_t<decltype(al)>::is_sliding) {
-              const std::int64_t have = al.has_request(request_id) ? std::ssize(al.table(request_id)) : 0;
-              return std::max<std::int64_t>(std::min(have + n, al.max_blocks_per_request()) - have, 0);
+              return al.blocks_to_take(al.has_request(request_id) ? std::ssize(al.table(request_id)) : 0, n);
             } else {
               return n;
             }
@@ -389,6 +396,7 @@ class PagedCache {
   bool truncate_request(const std::string& request_id, std::int64_t tokens) {
     if (tokens < 0)
       throw ValueError("kvc::PagedCache::truncate_request: tokens must be >= 0, got " + std::to_string(tokens));
+    detail::check_size("kvc::PagedCache::truncate_request: tokens", tokens, 0, max_extent);
     const std::int64_t keep = (tokens + block_size_ - 1) / block_size_;
     std::vector<std::size_t> copy;  // groups whose last kept block needs a private copy
     if (tokens % block_size_ != 0)
@@ -431,6 +439,9 @@ class PagedCache {
     const auto g = static_cast<std::size_t>(num_groups());
     if (write_index.size() != g || (read_index && read_index->size() != g))
       throw ValueError("kvc::PagedCache: index lists need one entry per layer group (" + std::to_string(g) + ")");
+    // (negative lengths: the allocators' message)
+    detail::check_size("kvc::PagedCache::extend_read_and_write_indices: past", past, INT64_MIN, max_extent);
+    detail::check_size("kvc::PagedCache::extend_read_and_write_indices: q", q, INT64_MIN, max_extent);
     PagedIndices reads(read_index ? g : 0), writes(g);  // appended only once every group succeeded
     for (std::size_t i = 0; i < g; ++i)
       std::visit(
@@ -458,6 +469,9 @@ class PagedCache {
                        std::to_string(table.size()));
     if (num_sliding_groups_ > 0)
       throw NotImplementedError("Sliding window attention layers do not support block table");
+    // (negative lengths: the allocator's message)
+    detail::check_size("kvc::PagedCache::fill_block_table: past", past, INT64_MIN, max_extent);
+    detail::check_size("kvc::PagedCache::fill_block_table: q", q, INT64_MIN, max_extent);
     for (std::size_t g = 0; g < allocators_.size(); ++g) {
       const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
       full->fill_block_table(request_id, past, q,
@@ -466,7 +480,10 @@ class PagedCache {
     }
   }
 
-  PagedSeqlensK get_seqlens_k(std::int64_t past, std::int64_t q) const noexcept {
+  // (ValueError for a length below 0 or above kvc's limit on a size.)
+  PagedSeqlensK get_seqlens_k(std::int64_t past, std::int64_t q) const {
+    detail::check_size("kvc::PagedCache::get_seqlens_k: past", past, 0, max_extent);
+    detail::check_size("kvc::PagedCache::get_seqlens_k: q", q, 0, max_extent);
     PagedSeqlensK out;
     if (num_full_groups_ > 0) out.full_attention = past + q;
     if (num_sliding_groups_ > 0) out.sliding_attention = q + std::min(past, sliding_window_ - 1);
@@ -837,6 +854,17 @@ class PagedCache {
     const auto j = static_cast<std::size_t>(layer_map_[static_cast<std::size_t>(layer_idx)].second);
     gather(out_k, keys_[j].data(), rows, nullptr);
     gather(out_v, values_[j].data(), rows, nullptr);
+  }
+
+  static std::int64_t saturating_mul(std::int64_t a, std::int64_t b) noexcept {
+    std::int64_t out = 0;
+    if (!__builtin_mul_overflow(a, b, &out)) return out;
+    return (a < 0) == (b < 0) ? INT64_MAX : INT64_MIN;
+  }
+  static std::int64_t saturating_add(std::int64_t a, std::int64_t b) noexcept {
+    std::int64_t out = 0;
+    if (!__builtin_add_overflow(a, b, &out)) return out;
+    return a < 0 ? INT64_MIN : INT64_MAX;
   }
 
   static std::int64_t head_divisor(const PagedTensorParallel& tp) {
