@@ -2,9 +2,10 @@
 // sharing, forks, preemption by offload and by soft reset, and the requests' cached keys and values
 // checked after every step against what each request alone would hold.
 //
-// The model is a toy whose key and value at position p are a function of the sequence's tokens
-// 0..p (identical prefixes give identical rows, as a real model's would, so prefix sharing and
-// forks are exact) and whose next token is a function of every token so far.
+// The model is the toy of tests/support/toy_model.hpp: its key and value at position p are a
+// function of the sequence's tokens 0..p (identical prefixes give identical rows, as a real
+// model's would, so prefix sharing and forks are exact) and its next token a function of every
+// token so far.
 
 #include <algorithm>
 #include <map>
@@ -16,43 +17,15 @@
 #include <kvc/paged/scheduler.hpp>
 
 #include "../support/kvc_test.hpp"
+#include "../support/toy_model.hpp"
 
 namespace {
 
-using Cache = kvc::PagedCache<kvc::HostStorage<float>>;
-using Scheduler = kvc::ContinuousBatchingScheduler<kvc::HostStorage<float>>;
-constexpr std::int64_t D = 4, KVH = 2, VOCAB = 40;
-
-kvc::ModelConfig model(const std::vector<std::string>& types, std::int64_t window = 6) {
-  kvc::ModelConfig c;
-  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
-  c.num_attention_heads = KVH;
-  c.num_key_value_heads = KVH;
-  c.head_dim = D;
-  c.hidden_size = KVH * D;
-  c.sliding_window = window;
-  c.layer_types = types;
-  return c;
-}
-
-std::uint64_t mix(std::uint64_t h, std::uint64_t x) {
-  std::uint64_t z = h + 0x9e3779b97f4a7c15ULL * (x + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-std::uint64_t prefix_hash(std::span<const std::int64_t> tokens) {
-  std::uint64_t h = 7;
-  for (const std::int64_t t : tokens) h = mix(h, static_cast<std::uint64_t>(t));
-  return h;
-}
-// Row element (layer, k or v, head, d) of a position whose prefix hashes to h: exact in float.
-float element(std::uint64_t h, std::int64_t layer, int kv, std::int64_t head, std::int64_t d) {
-  return static_cast<float>(mix(h, static_cast<std::uint64_t>(((layer * 2 + kv) * KVH + head) * D + d)) % 4096) / 64.0f;
-}
-std::int64_t next_token(std::span<const std::int64_t> tokens) {
-  return static_cast<std::int64_t>(mix(prefix_hash(tokens), 99) % VOCAB);
-}
+using kvc_toy::Cache;
+using kvc_toy::model;
+using kvc_toy::next_token;
+using kvc_toy::Scheduler;
+using kvc_toy::VOCAB;
 
 // What a request alone generates.
 std::vector<std::int64_t> alone(std::vector<std::int64_t> seq, std::int64_t max_new, std::optional<std::int64_t> eos) {
@@ -64,16 +37,6 @@ std::vector<std::int64_t> alone(std::vector<std::int64_t> seq, std::int64_t max_
   return {seq.begin() + static_cast<std::ptrdiff_t>(prompt), seq.end()};
 }
 
-// The pool row of a request's position in a group: a full group's block table, or a sliding
-// group's ring slot.
-std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::string& id, std::int64_t pos) {
-  const auto& alloc = cache.group_allocator(group);
-  const auto& table = std::visit([&](const auto& a) -> const std::vector<std::int64_t>& { return a.table(id); }, alloc);
-  const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(alloc);
-  const std::int64_t slot = sliding ? pos % cache.sliding_window() : pos, bs = cache.block_size();
-  return table.at(static_cast<std::size_t>(slot / bs)) * bs + slot % bs;
-}
-
 struct Run {
   std::int64_t steps = 0, checked_rows = 0, max_tokens = 0, max_requests = 0;
   std::map<std::string, kvc::RequestState> ended;
@@ -83,7 +46,6 @@ struct Run {
 // rows at every cached position (the window's for sliding groups) and that its inputs are its own
 // tokens. False when nothing was left to schedule.
 bool step(Cache& cache, Scheduler& s, std::int64_t layers, Run& run) {
-  const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
   auto batch = s.schedule();
   for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));  // failed in schedule()
   if (!batch) return false;
@@ -105,54 +67,15 @@ bool step(Cache& cache, Scheduler& s, std::int64_t layers, Run& run) {
         REQUIRE(batch->input_ids[static_cast<std::size_t>(t)] == tokens[static_cast<std::size_t>(pos)]);
       }
     }
-    for (std::int64_t layer = 0; layer < layers; ++layer) {
-      kvc::HostTensor<float> k(1, KVH, T, D), v(1, KVH, T, D);
-      for (std::size_t r = 0; r < batch->requests.size(); ++r) {
-        const auto& tokens = s.request(batch->request_ids[r]).tokens;
-        for (std::int64_t t = batch->cu_seqlens_q[r]; t < batch->cu_seqlens_q[r + 1]; ++t) {
-          const auto pos = static_cast<std::size_t>(batch->position_ids[static_cast<std::size_t>(t)]);
-          const std::uint64_t h = prefix_hash(std::span(tokens).first(pos + 1));
-          for (std::int64_t hd = 0; hd < KVH; ++hd)
-            for (std::int64_t d = 0; d < D; ++d) {
-              k(0, hd, t, d) = element(h, layer, 0, hd, d);
-              v(0, hd, t, d) = element(h, layer, 1, hd, d);
-            }
-        }
-      }
-      cache.update(kvc::HostStorage<float>::input_view(k), kvc::HostStorage<float>::input_view(v), layer,
-                   batch->read_index, batch->write_index);
-    }
+    kvc_toy::write_batch(cache, s, *batch, layers);
     // Every request of the batch now holds positions 0 .. past + q (a sliding group the last W).
     for (std::size_t r = 0; r < batch->requests.size(); ++r) {
       const std::string& id = batch->request_ids[r];
-      const auto& tokens = s.request(id).tokens;
       const std::int64_t end = batch->past[r] + batch->requests[r].query_length;
-      for (std::int64_t layer = 0; layer < layers; ++layer) {
-        const auto [g, j] = cache.layer_group(layer);
-        const bool sliding =
-            std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(cache.group_allocator(g));
-        const std::int64_t from = sliding ? std::max<std::int64_t>(end - cache.sliding_window(), 0) : 0;
-        for (std::int64_t pos = from; pos < end; ++pos) {
-          const std::uint64_t h = prefix_hash(std::span(tokens).first(static_cast<std::size_t>(pos + 1)));
-          const std::int64_t row = pool_row(cache, g, id, pos);
-          for (std::int64_t hd = 0; hd < KVH; ++hd)
-            for (std::int64_t d = 0; d < D; ++d) {
-              const std::int64_t at = (hd * rows + row) * D + d;
-              if (cache.key_pool(j)[at] != element(h, layer, 0, hd, d) ||
-                  cache.value_pool(j)[at] != element(h, layer, 1, hd, d))
-                FAIL("request " << id << " layer " << layer << " position " << pos << " holds another row");
-            }
-          ++run.checked_rows;
-        }
-      }
+      const std::string wrong = kvc_toy::wrong_row(cache, id, s.request(id).tokens, end, layers, &run.checked_rows);
+      if (!wrong.empty()) FAIL("request " << id << " " << wrong << " holds another row");
     }
-    std::vector<std::int64_t> next;
-    for (std::size_t r = 0; r < batch->requests.size(); ++r)
-      if (batch->requests[r].has_new_token) {
-        const auto& tokens = s.request(batch->request_ids[r]).tokens;
-        const auto end = static_cast<std::size_t>(batch->past[r] + batch->requests[r].query_length);
-        next.push_back(next_token(std::span(tokens).first(end)));
-      }
+    const std::vector<std::int64_t> next = kvc_toy::next_tokens(s, *batch);
     s.update(*batch, next);
     for (auto& st : s.take_finished()) run.ended.emplace(st.request_id, std::move(st));
   }

@@ -1,0 +1,125 @@
+#pragma once
+// A toy model for the continuous-batching tests (tests/unit/paged_scheduler.cpp, the model-checked
+// scheduler runs of tests/support/scheduler_model.hpp): the key and value at position p of a
+// sequence are a function of its tokens 0..p (identical prefixes give identical rows, as a real
+// model's would, so prefix sharing and forks are exact), and its next token is a function of every
+// token so far. No doctest here: the fuzz target includes it too.
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <kvc/paged/scheduler.hpp>
+
+namespace kvc_toy {
+
+using Cache = kvc::PagedCache<kvc::HostStorage<float>>;
+using Scheduler = kvc::ContinuousBatchingScheduler<kvc::HostStorage<float>>;
+inline constexpr std::int64_t D = 4, KVH = 2, VOCAB = 40;
+
+inline kvc::ModelConfig model(const std::vector<std::string>& types, std::int64_t window = 6) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = static_cast<std::int64_t>(types.size());
+  c.num_attention_heads = KVH;
+  c.num_key_value_heads = KVH;
+  c.head_dim = D;
+  c.hidden_size = KVH * D;
+  c.sliding_window = window;
+  c.layer_types = types;
+  return c;
+}
+
+inline std::uint64_t mix(std::uint64_t h, std::uint64_t x) {
+  std::uint64_t z = h + 0x9e3779b97f4a7c15ULL * (x + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+inline std::uint64_t prefix_hash(std::span<const std::int64_t> tokens) {
+  std::uint64_t h = 7;
+  for (const std::int64_t t : tokens) h = mix(h, static_cast<std::uint64_t>(t));
+  return h;
+}
+// Row element (layer, k or v, head, d) of a position whose prefix hashes to h: exact in float.
+inline float element(std::uint64_t h, std::int64_t layer, int kv, std::int64_t head, std::int64_t d) {
+  return static_cast<float>(mix(h, static_cast<std::uint64_t>(((layer * 2 + kv) * KVH + head) * D + d)) % 4096) / 64.0f;
+}
+inline std::int64_t next_token(std::span<const std::int64_t> tokens) {
+  return static_cast<std::int64_t>(mix(prefix_hash(tokens), 99) % VOCAB);
+}
+
+// The pool row of a request's position in a group: a full group's block table, or a sliding
+// group's ring slot.
+inline std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::string& id, std::int64_t pos) {
+  const auto& alloc = cache.group_allocator(group);
+  const auto& table = std::visit([&](const auto& a) -> const std::vector<std::int64_t>& { return a.table(id); }, alloc);
+  const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(alloc);
+  const std::int64_t slot = sliding ? pos % cache.sliding_window() : pos, bs = cache.block_size();
+  return table.at(static_cast<std::size_t>(slot / bs)) * bs + slot % bs;
+}
+
+// The model's forward over a batch: every layer stores each token's key and value, computed from
+// the token's request's own tokens up to it.
+inline void write_batch(Cache& cache, const Scheduler& s, const kvc::ScheduledBatch& batch, std::int64_t layers) {
+  const std::int64_t T = batch.num_tokens();
+  for (std::int64_t layer = 0; layer < layers; ++layer) {
+    kvc::HostTensor<float> k(1, KVH, T, D), v(1, KVH, T, D);
+    for (std::size_t r = 0; r < batch.requests.size(); ++r) {
+      const auto& tokens = s.request(batch.request_ids[r]).tokens;
+      for (std::int64_t t = batch.cu_seqlens_q[r]; t < batch.cu_seqlens_q[r + 1]; ++t) {
+        const auto pos = static_cast<std::size_t>(batch.position_ids[static_cast<std::size_t>(t)]);
+        const std::uint64_t h = prefix_hash(std::span(tokens).first(pos + 1));
+        for (std::int64_t hd = 0; hd < KVH; ++hd)
+          for (std::int64_t d = 0; d < D; ++d) {
+            k(0, hd, t, d) = element(h, layer, 0, hd, d);
+            v(0, hd, t, d) = element(h, layer, 1, hd, d);
+          }
+      }
+    }
+    cache.update(kvc::HostStorage<float>::input_view(k), kvc::HostStorage<float>::input_view(v), layer,
+                 batch.read_index, batch.write_index);
+  }
+}
+
+// The next token of every request of the batch that produces one, in the order update() takes.
+inline std::vector<std::int64_t> next_tokens(const Scheduler& s, const kvc::ScheduledBatch& batch) {
+  std::vector<std::int64_t> next;
+  for (std::size_t r = 0; r < batch.requests.size(); ++r)
+    if (batch.requests[r].has_new_token) {
+      const auto& tokens = s.request(batch.request_ids[r]).tokens;
+      const auto end = static_cast<std::size_t>(batch.past[r] + batch.requests[r].query_length);
+      next.push_back(next_token(std::span(tokens).first(end)));
+    }
+  return next;
+}
+
+// The first of a request's cached positions [0, end) (a sliding group's last window of them) whose
+// key or value in the pools is not the request's own, as "layer L position P"; empty when every
+// row is right. `count` counts the rows checked.
+inline std::string wrong_row(const Cache& cache, const std::string& id, const std::vector<std::int64_t>& tokens,
+                             std::int64_t end, std::int64_t layers, std::int64_t* count = nullptr) {
+  const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
+  for (std::int64_t layer = 0; layer < layers; ++layer) {
+    const auto [g, j] = cache.layer_group(layer);
+    const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(cache.group_allocator(g));
+    const std::int64_t from = sliding ? std::max<std::int64_t>(end - cache.sliding_window(), 0) : 0;
+    for (std::int64_t pos = from; pos < end; ++pos) {
+      const std::uint64_t h = prefix_hash(std::span(tokens).first(static_cast<std::size_t>(pos + 1)));
+      const std::int64_t row = pool_row(cache, g, id, pos);
+      for (std::int64_t hd = 0; hd < KVH; ++hd)
+        for (std::int64_t d = 0; d < D; ++d) {
+          const std::int64_t at = (hd * rows + row) * D + d;
+          if (cache.key_pool(j)[at] != element(h, layer, 0, hd, d) ||
+              cache.value_pool(j)[at] != element(h, layer, 1, hd, d))
+            return "layer " + std::to_string(layer) + " position " + std::to_string(pos);
+        }
+      if (count) ++*count;
+    }
+  }
+  return {};
+}
+
+}  // namespace kvc_toy
