@@ -1,0 +1,419 @@
+#pragma once
+// Model-checked runs of kvc::ContinuousBatchingScheduler over a kvc::PagedCache: a byte string (a
+// seeded generator's, or a fuzzer's) picks the cache's layout and sizes, then a sequence of
+// operations (add_request with forks, shared prefixes and one-token prompts, a step of the toy
+// model of toy_model.hpp, take_finished, cancel_request, the sequence operations, and misuse: a
+// stale batch, a second schedule, a wrong token count, a cancel while a batch is in flight).
+// After every operation the run checks what must always hold:
+//   - the blocks: each shareable block's ref count equals the tables holding it (another block
+//     has at most one holder), the free lists are disjoint and hold no block in use, and
+//     free + used = num_blocks;
+//   - no group has a table, and the swap pool holds no request, that the scheduler does not run;
+//   - every request's generated tokens are the model's;
+//   - every cached position of every request in the cache holds that request's own K/V row;
+//   - a call that throws changes nothing the caller can observe.
+// At the end every request has ended and every block and swap block is free again. A broken
+// invariant throws kvc_model::violation (the unit test fails, the fuzz target aborts).
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "toy_model.hpp"
+
+namespace kvc_model {
+
+struct violation : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+// Small numbers drawn from a byte string; past its end every draw is 0 (and the run stops adding
+// work, so that it ends).
+class source {
+ public:
+  explicit source(std::span<const std::uint8_t> bytes) : bytes_(bytes.begin(), bytes.end()) {}
+  source(std::uint64_t seed, std::size_t n) {
+    std::mt19937_64 g(seed);
+    bytes_.resize(n);
+    for (auto& b : bytes_) b = static_cast<std::uint8_t>(g());
+  }
+  // A number in [0, n).
+  std::int64_t pick(std::int64_t n) {
+    if (at_ >= bytes_.size()) return 0;
+    const std::uint8_t b = bytes_[at_++];
+    return n <= 1 ? 0 : b % n;
+  }
+  bool exhausted() const noexcept { return at_ >= bytes_.size(); }
+
+ private:
+  std::vector<std::uint8_t> bytes_;
+  std::size_t at_ = 0;
+};
+
+struct counts {
+  std::int64_t operations = 0, steps = 0, refusals = 0, rows_checked = 0, finished = 0;
+};
+
+class run {
+ public:
+  explicit run(source& src) : src_(src) {
+    static const std::vector<std::vector<std::string>> layouts = {
+        {"full_attention", "full_attention"},
+        {"full_attention", "sliding_attention"},
+        {"sliding_attention", "sliding_attention"},
+        {"sliding_attention", "full_attention", "full_attention"}};
+    types_ = layouts[static_cast<std::size_t>(src_.pick(std::ssize(layouts)))];
+    kvc::ContinuousBatchingConfig cb;
+    cb.block_size = 4;
+    cb.num_blocks = 6 + src_.pick(19);
+    cb.max_batch_tokens = 1 + src_.pick(24);
+    cb.allow_block_sharing = src_.pick(2) == 0;
+    cb.scheduler_type = src_.pick(2) == 0 ? "fifo" : "prefill_first";
+    cache_.emplace(kvc_toy::model(types_, 5 + src_.pick(6)), cb);
+    if (const std::int64_t swap = src_.pick(10); swap > 0) cache_->reserve_swap_space(swap);
+    sched_.emplace(*cache_, cb);
+    for (int i = 0; i < 3; ++i) {  // system prompts that requests may start with
+      std::vector<std::int64_t> p;
+      for (std::int64_t n = 1 + src_.pick(9); n > 0; --n) p.push_back(src_.pick(kvc_toy::VOCAB));
+      prefixes_.push_back(std::move(p));
+    }
+  }
+
+  // Runs operations until the source is spent, then to the end; returns what it did.
+  counts go(std::int64_t max_operations = 400) {
+    check("the start");
+    while (!src_.exhausted() && c_.operations < max_operations) {
+      ++c_.operations;
+      operation();
+    }
+    finish();
+    return c_;
+  }
+
+ private:
+  using Scheduler = kvc_toy::Scheduler;
+
+  std::int64_t layers() const { return static_cast<std::int64_t>(types_.size()); }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw violation("operation " + std::to_string(c_.operations) + ": " + what);
+  }
+
+  // What the caller can observe of every request the scheduler knows, and of the cache.
+  std::string observed() const {
+    std::string s = std::to_string(sched_->num_waiting()) + "/" + std::to_string(sched_->num_active()) + "/" +
+                    std::to_string(sched_->stats().steps) + "/" + std::to_string(cache_->get_num_free_blocks()) + "/" +
+                    std::to_string(cache_->free_swap_blocks()) + ";";
+    for (const std::string& id : known_) {
+      const kvc::RequestState& st = sched_->request(id);
+      s += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
+           std::to_string(st.prompt_length) + "," + std::to_string(st.num_children) + "," +
+           std::to_string(st.is_cpu_offloaded) + "," + std::to_string(st.remaining_prefill_tokens.size()) + ",";
+      for (const std::int64_t t : st.tokens) s += std::to_string(t) + " ";
+      for (std::int64_t g = 0; g < cache_->num_groups(); ++g) s += "|" + std::to_string(cache_->blocks_in_group(g, id));
+      s += ";";
+    }
+    return s;
+  }
+
+  // A call that must be refused with a ValueError and change nothing.
+  template <class F>
+  void refused(const char* what, F&& f) {
+    const std::string before = observed();
+    try {
+      f();
+    } catch (const kvc::ValueError&) {
+      ++c_.refusals;
+      if (observed() != before) fail(std::string(what) + " was refused but changed the scheduler or the cache");
+      return;
+    }
+    fail(std::string(what) + " was not refused");
+  }
+
+  bool exists(const std::string& id) const {
+    try {
+      (void)sched_->request(id);
+      return true;
+    } catch (const kvc::KeyError&) {
+      return false;
+    }
+  }
+  // Children the scheduler made (by a fork, or queued on their own) join the known ids.
+  void learn_children() {
+    for (const auto& [parent, n] : children_)
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::string id = parent + "__child#" + std::to_string(i);
+        if (known_.count(id) == 0 && taken_.count(id) == 0 && exists(id)) known_.insert(id);
+      }
+  }
+  // The scheduler still holds a child of `parent`: its id cannot be used again yet.
+  bool children_alive(const std::string& parent) const {
+    const std::string mark = parent + "__child#";
+    const auto it = known_.lower_bound(mark);
+    return it != known_.end() && it->compare(0, mark.size(), mark) == 0;
+  }
+
+  std::string any_known() {
+    if (known_.empty()) return "nobody";
+    auto it = known_.begin();
+    std::advance(it, src_.pick(std::ssize(known_)));
+    return *it;
+  }
+  bool live(const std::string& id) const {
+    if (known_.count(id) == 0) return false;
+    const auto s = sched_->request(id).status;
+    return s != kvc::RequestStatus::finished && s != kvc::RequestStatus::failed;
+  }
+
+  void operation() {
+    switch (src_.pick(16)) {
+      case 0:
+      case 1:
+      case 2:
+        return add();
+      case 3:
+      case 4:
+      case 5:
+      case 6:
+      case 7:
+        return step(src_.pick(4) != 0);
+      case 8:
+        return take();
+      case 9:
+        return cancel();
+      case 10:
+      case 11:
+        return seq_rm();
+      case 12:
+        return seq_cp();
+      case 13:
+        if (src_.pick(4) == 0 && !in_flight_) {
+          const std::string id = any_known();
+          if (live(id)) sched_->seq_keep(id);
+        }
+        return check("seq_keep");
+      default:
+        return misuse();
+    }
+  }
+
+  void add() {
+    kvc::GenerationRequest r;
+    r.request_id = "r" + std::to_string(src_.pick(4) == 0 && next_id_ > 0 ? src_.pick(next_id_) : next_id_++);
+    if (src_.pick(2) == 0) r.prompt = prefixes_[static_cast<std::size_t>(src_.pick(3))];
+    for (std::int64_t n = (r.prompt.empty() ? 1 : 0) + src_.pick(8); n > 0; --n)
+      r.prompt.push_back(src_.pick(kvc_toy::VOCAB));
+    r.max_new_tokens = 1 + src_.pick(6);
+    if (src_.pick(3) == 0) r.eos_token_id = src_.pick(kvc_toy::VOCAB);
+    r.num_return_sequences = 1 + src_.pick(3);
+    learn_children();
+    const bool taken = known_.count(r.request_id) != 0 || children_alive(r.request_id);
+    if (taken) {
+      refused("add_request of a known id", [&] { sched_->add_request(r); });
+      return check("add_request (refused)");
+    }
+    sched_->add_request(r);
+    known_.insert(r.request_id);
+    taken_.erase(r.request_id);
+    children_[r.request_id] = r.num_return_sequences - 1;
+    for (std::int64_t i = 0; i + 1 < r.num_return_sequences; ++i)
+      taken_.erase(r.request_id + "__child#" + std::to_string(i));
+    check("add_request");
+  }
+  // schedule (unless a batch is in flight) and the model over the batch; then update, unless
+  // `complete` is false: the batch stays in flight for the next operations.
+  void step(bool complete) {
+    if (!in_flight_) {
+      std::optional<kvc::ScheduledBatch> b = sched_->schedule();
+      if (!b) return check("schedule (nothing)");
+      ++c_.steps;
+      kvc_toy::write_batch(*cache_, *sched_, *b, layers());
+      in_flight_ = std::move(b);
+      check_batch();
+      if (!complete) return check("schedule");
+    }
+    const std::vector<std::int64_t> next = kvc_toy::next_tokens(*sched_, *in_flight_);
+    sched_->update(*in_flight_, next);
+    stale_ = std::move(in_flight_);
+    in_flight_.reset();
+    check("update");
+  }
+
+  // The batch's inputs are its requests' own tokens at their positions.
+  void check_batch() {
+    const kvc::ScheduledBatch& b = *in_flight_;
+    for (std::size_t r = 0; r < b.requests.size(); ++r) {
+      const auto& tokens = sched_->request(b.request_ids[r]).tokens;
+      for (std::int64_t t = b.cu_seqlens_q[r]; t < b.cu_seqlens_q[r + 1]; ++t) {
+        const auto pos = static_cast<std::size_t>(b.position_ids[static_cast<std::size_t>(t)]);
+        if (pos >= tokens.size() || b.input_ids[static_cast<std::size_t>(t)] != tokens[pos])
+          fail("request " + b.request_ids[r] + "'s input at position " + std::to_string(pos) + " is not its token");
+      }
+    }
+  }
+
+  void take() {
+    learn_children();
+    for (kvc::RequestState& st : sched_->take_finished()) {
+      if (known_.erase(st.request_id) == 0) fail("take_finished returned " + st.request_id + ", not known");
+      taken_.insert(st.request_id);
+      check_tokens(st);
+      if (st.status == kvc::RequestStatus::finished) ++c_.finished;
+    }
+    check("take_finished");
+  }
+
+  void cancel() {
+    const std::string id = any_known();
+    if (in_flight_) {
+      if (live(id)) refused("cancel_request in flight", [&] { sched_->cancel_request(id); });
+      return check("cancel_request (refused)");
+    }
+    if (known_.count(id) != 0) sched_->cancel_request(id);
+    check("cancel_request");
+  }
+
+  void seq_rm() {
+    const std::string id = any_known();
+    if (!live(id)) return;
+    const auto n = std::ssize(sched_->request(id).tokens);
+    const std::int64_t p0 = src_.pick(n + 2) - 1, p1 = src_.pick(3) == 0 ? src_.pick(n + 2) - 1 : -1;
+    if (in_flight_) {
+      refused("seq_rm in flight", [&] { sched_->seq_rm(id, p0, p1); });
+      return check("seq_rm (refused)");
+    }
+    sched_->seq_rm(id, p0, p1);
+    check("seq_rm");
+  }
+
+  void seq_cp() {
+    const std::string src = any_known();
+    if (!live(src) || in_flight_) return;
+    const std::string dst = "c" + std::to_string(next_id_++);
+    const auto n = std::ssize(sched_->request(src).tokens);
+    const std::int64_t p1 = src_.pick(2) == 0 ? -1 : src_.pick(n + 1);
+    if (sched_->seq_cp(src, dst, src_.pick(2) - 1, p1) && exists(dst)) known_.insert(dst);
+    check("seq_cp");
+  }
+
+  void misuse() {
+    switch (src_.pick(3)) {
+      case 0:
+        if (stale_)
+          refused("update with a stale batch", [&] {
+            const std::vector<std::int64_t> tokens(stale_->logits_indices.size(), 1);
+            sched_->update(*stale_, tokens);
+          });
+        break;
+      case 1:
+        if (in_flight_) refused("a second schedule", [&] { (void)sched_->schedule(); });
+        break;
+      default:
+        if (in_flight_)
+          refused("update with a wrong token count", [&] {
+            const std::vector<std::int64_t> tokens(in_flight_->logits_indices.size() + 1, 1);
+            sched_->update(*in_flight_, tokens);
+          });
+    }
+    check("misuse");
+  }
+
+  // Generated tokens are the model's: each one after the prompt follows from the tokens before it.
+  void check_tokens(const kvc::RequestState& st) {
+    for (std::size_t i = static_cast<std::size_t>(st.prompt_length); i < st.tokens.size(); ++i)
+      if (st.tokens[i] != kvc_toy::next_token(std::span(st.tokens).first(i)))
+        fail("request " + st.request_id + "'s token " + std::to_string(i) + " is not the model's");
+  }
+
+  void check(const char* after) {
+    learn_children();
+    const std::string where = std::string(" after ") + after;
+    const auto& m = cache_->manager();
+    // Blocks: ref counts, free lists, totals.
+    std::map<std::int64_t, std::int64_t> holders;
+    std::set<std::string> in_tables;
+    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+      std::visit(
+          [&](const auto& al) {
+            for (const std::string& r : al.requests()) {
+              in_tables.insert(r);
+              for (const std::int64_t b : al.table(r)) ++holders[b];
+            }
+          },
+          cache_->group_allocator(g));
+    const std::vector<std::int64_t> uninit = m.uninitialized_blocks(), init = m.initialized_blocks();
+    std::set<std::int64_t> free(uninit.begin(), uninit.end());
+    for (const std::int64_t b : init)
+      if (!free.insert(b).second) fail("block " + std::to_string(b) + " is on both free lists" + where);
+    if (std::ssize(free) != std::ssize(uninit) + std::ssize(init)) fail("a free list repeats a block" + where);
+    for (std::int64_t b = 0; b < cache_->num_blocks(); ++b) {
+      // A shareable block counts its holders; another has at most one.
+      const kvc::paged::Block* block = m.block(b);
+      const std::int64_t held = holders.count(b) ? holders[b] : 0,
+                         refs = block ? block->ref_count : std::min<std::int64_t>(held, 1);
+      if (refs != held)
+        fail("block " + std::to_string(b) + " has ref count " + std::to_string(refs) + " and " + std::to_string(held) +
+             " holders" + where);
+      if ((free.count(b) != 0) == (held > 0))
+        fail("block " + std::to_string(b) + (held > 0 ? " is free and held" : " is neither free nor held") + where);
+    }
+    if (cache_->get_num_free_blocks() + std::ssize(holders) != cache_->num_blocks())
+      fail("free + used blocks is not num_blocks" + where);
+    // Tables and swap only for requests the scheduler runs.
+    for (const std::string& r : in_tables)
+      if (!live(r)) fail("group tables hold " + r + ", which the scheduler does not run" + where);
+    std::int64_t offloaded = 0;
+    for (const std::string& id : known_) {
+      if (!cache_->is_offloaded(id)) continue;
+      ++offloaded;
+      if (!live(id)) fail("the swap pool holds " + id + ", which the scheduler does not run" + where);
+    }
+    if (offloaded == 0 && cache_->free_swap_blocks() != cache_->swap_blocks())
+      fail("swap blocks are used with no request offloaded" + where);
+    // Tokens, and the rows of every request in the cache (not while a batch is in flight: its
+    // rows are written, but its requests already count the step's tokens as cached only after
+    // update, when they are checked).
+    for (const std::string& id : known_) {
+      const kvc::RequestState& st = sched_->request(id);
+      check_tokens(st);
+      if (!live(id) || in_flight_ || st.is_cpu_offloaded || st.position_offset == 0) continue;
+      const std::string wrong =
+          kvc_toy::wrong_row(*cache_, id, st.tokens, st.position_offset, layers(), &c_.rows_checked);
+      if (!wrong.empty()) fail("request " + id + " " + wrong + " holds another row" + where);
+    }
+  }
+
+  // Every request runs to its end; everything is free again.
+  void finish() {
+    if (in_flight_) step(true);
+    for (int guard = 0; sched_->has_unfinished_requests(); ++guard) {
+      if (guard > 20000) fail("the requests do not end");
+      step(true);
+      if (!in_flight_ && !sched_->has_unfinished_requests()) break;
+    }
+    take();
+    if (!known_.empty()) fail("request " + *known_.begin() + " never ended");
+    if (cache_->get_num_free_blocks() != cache_->num_blocks()) fail("blocks are still in use at the end");
+    if (cache_->free_swap_blocks() != cache_->swap_blocks()) fail("swap blocks are still in use at the end");
+  }
+
+  source& src_;
+  std::vector<std::string> types_;
+  std::optional<kvc_toy::Cache> cache_;
+  std::optional<Scheduler> sched_;
+  std::vector<std::vector<std::int64_t>> prefixes_;
+  std::set<std::string> known_;                   // ids the scheduler knows, not yet taken
+  std::set<std::string> taken_;                   // ids take_finished returned
+  std::map<std::string, std::int64_t> children_;  // a request's child count at its last add
+  std::optional<kvc::ScheduledBatch> in_flight_, stale_;
+  std::int64_t next_id_ = 0;
+  counts c_;
+};
+
+}  // namespace kvc_model
