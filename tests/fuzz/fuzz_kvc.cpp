@@ -26,10 +26,14 @@
 //     one that cannot seek, as a pipe ('N'; the loader must not allocate what has not arrived).
 //     Only kvc::StateError may come out, and a refused load must leave the cache saving the same
 //     bytes as before it.
+//   byte 'M': a model-checked run of the continuous-batching scheduler over a paged cache
+//     (tests/support/scheduler_model.hpp), its layout, sizes and operations drawn from the rest
+//     of the input; a broken invariant aborts (the seeds in tests/fuzz/corpus_state).
 // One binary for all (the heavy instantiations compile once); built with clang only.
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -41,6 +45,7 @@
 #include <cstring>
 #include <istream>
 #include <random>
+#include <span>
 #include <sstream>
 #include <streambuf>
 #include <string>
@@ -48,6 +53,7 @@
 #include <kvc/cache_description.hpp>
 #include <kvc/runtime.hpp>
 
+#include "../support/scheduler_model.hpp"
 #include "state_targets.hpp"
 
 namespace {
@@ -335,6 +341,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   if (data[0] == 'S') {
     if (!rest.empty()) load_state(static_cast<std::uint8_t>(rest[0]), rest.substr(1));
+  } else if (data[0] == 'M') {
+    kvc_model::source src(std::span(data + 1, size - 1));
+    try {
+      (void)kvc_model::run(src).go();
+    } catch (const kvc_model::violation& v) {
+      std::fprintf(stderr, "scheduler model: %s\n", v.what());
+      std::abort();
+    }
   } else if (data[0] == 'F' || data[0] == 'N') {
     if (!rest.empty()) load_into_filled(static_cast<std::uint8_t>(rest[0]), rest.substr(1), data[0] == 'N');
   } else if (data[0] == 'P') {
