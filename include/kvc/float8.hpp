@@ -24,6 +24,7 @@
 #include <emmintrin.h>
 #endif
 
+#include <kvc/detail/host_device.hpp>
 #include <kvc/detail/simd.hpp>
 
 namespace kvc {
@@ -55,20 +56,31 @@ struct fp8_format {
     return magnitude == 0x7F;
   }
 
-  // The value of a code.
-  static float decode(std::uint8_t code) noexcept {
-    const bool negative = (code & 0x80) != 0;
-    const std::uint8_t magnitude = code & 0x7F;
+  // The value of a code, in host and device code: the scalar reference of every fp8 -> float
+  // conversion in kvc (widen's SIMD forms and the attention kernels' are tested against it bit for
+  // bit). The code's exponent and mantissa bits placed in a float's, times 2^(127 - bias): exact,
+  // subnormal codes included; NaN codes give the quiet NaN 0x7FC00000 and infinities 0x7F800000,
+  // then the code's sign.
+  KVC_HOST_DEVICE static float decode(std::uint8_t code) noexcept {
+    const std::uint32_t magnitude = code & 0x7Fu;
+    std::uint32_t u = 0;
     if (is_nan(code))
-      return negative ? -std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::quiet_NaN();
-    if (has_infinity && magnitude == infinity)
-      return negative ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
-    const int e = magnitude >> MantissaBits;
-    const int m = magnitude & mantissa_mask;
-    // Subnormal: m * 2^(1 - bias - M); normal: (2^M + m) * 2^(e - bias - M). Exact in float.
-    const float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - bias - MantissaBits)
-                           : std::ldexp(static_cast<float>((1 << MantissaBits) + m), e - bias - MantissaBits);
-    return negative ? -v : v;
+      u = 0x7FC00000u;
+    else if (has_infinity && magnitude == infinity)
+      u = 0x7F800000u;
+    const float v = u != 0 ? bits_to_float(u)
+                           : bits_to_float(magnitude << (23 - MantissaBits)) *
+                                 bits_to_float(static_cast<std::uint32_t>(127 + 127 - bias) << 23);
+    return (code & 0x80u) != 0 ? -v : v;
+  }
+  KVC_HOST_DEVICE static float bits_to_float(std::uint32_t u) noexcept {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
   }
 
   // The code of a float, rounded to nearest even.
@@ -138,9 +150,9 @@ struct float8 {
     return table.data();
   }
 
-  // dst[i] = float(src[i]) for i < n: what attention widens stored codes with. Eight at a time with
-  // AVX2 where the CPU has it (detail::avx2_enabled), then four at a time with SSE2: the code's exponent and mantissa bits placed in a float's, times 2^(127 - bias) (exact,
-  // and right for subnormal codes too), the infinity and NaN codes set apart, then the sign.
+  // dst[i] = float(src[i]) for i < n, bit for bit as Format::decode: what attention widens stored
+  // codes with. Eight at a time with AVX2 where the CPU has it (detail::avx2_enabled), then four at
+  // a time with SSE2, decode's steps on vectors, then the values table for the rest.
   static void widen(const float8* src, float* dst, std::int64_t n) noexcept {
     std::int64_t i = 0;
 #if defined(KVC_X86_AVX2_DISPATCH)
@@ -160,10 +172,13 @@ struct float8 {
       // E4M3: 0x7F is NaN; E5M2: an all-ones exponent is infinity (mantissa 0) or NaN.
       const __m128i is_special =
           Format::has_infinity ? _mm_cmpeq_epi32(_mm_and_si128(m, special), special) : _mm_cmpeq_epi32(m, special);
+      // Infinity (mantissa 0) is 0x7F800000, every NaN the quiet NaN 0x7FC00000, as decode gives.
       const __m128 inf_nan = _mm_castsi128_ps(
           Format::has_infinity
-              ? _mm_or_si128(_mm_set1_epi32(0x7F800000),
-                             _mm_slli_epi32(_mm_and_si128(m, _mm_set1_epi32(Format::mantissa_mask)), shift))
+              ? _mm_or_si128(
+                    _mm_set1_epi32(0x7F800000),
+                    _mm_andnot_si128(_mm_cmpeq_epi32(_mm_and_si128(m, _mm_set1_epi32(Format::mantissa_mask)), zero),
+                                     _mm_set1_epi32(0x00400000)))
               : _mm_set1_epi32(0x7FC00000));
       v = _mm_or_ps(_mm_and_ps(_mm_castsi128_ps(is_special), inf_nan), _mm_andnot_ps(_mm_castsi128_ps(is_special), v));
       const __m128i sign = _mm_slli_epi32(_mm_and_si128(b, _mm_set1_epi32(0x80)), 24);
@@ -190,7 +205,10 @@ struct float8 {
       const __m256 inf_nan = _mm256_castsi256_ps(
           Format::has_infinity
               ? _mm256_or_si256(_mm256_set1_epi32(0x7F800000),
-                                _mm256_slli_epi32(_mm256_and_si256(m, _mm256_set1_epi32(Format::mantissa_mask)), shift))
+                                _mm256_andnot_si256(
+                                    _mm256_cmpeq_epi32(_mm256_and_si256(m, _mm256_set1_epi32(Format::mantissa_mask)),
+                                                       _mm256_setzero_si256()),
+                                    _mm256_set1_epi32(0x00400000)))
               : _mm256_set1_epi32(0x7FC00000));
       const __m256 r = _mm256_blendv_ps(v, inf_nan, _mm256_castsi256_ps(is_special));
       const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);

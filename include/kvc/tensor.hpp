@@ -13,11 +13,7 @@
 #include <Eigen/Core>
 #include <unsupported/Eigen/CXX11/Tensor>
 
-#if defined(__CUDACC__)
-#define KVC_HOST_DEVICE __host__ __device__
-#else
-#define KVC_HOST_DEVICE
-#endif
+#include <kvc/detail/host_device.hpp>
 
 namespace kvc {
 

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include <kvc/detail/element_conversion.hpp>
 #include <kvc/float8.hpp>
 
 #include "../support/kvc_test.hpp"
@@ -166,8 +167,9 @@ TEST_CASE("float8 E5M2: the spec's values, all 256 codes, and rounding against a
   check_format<F>(2);
 }
 
-TEST_CASE_TEMPLATE("widen (attention's conversion of stored codes) gives to_float for all 256 codes, at any offset", F8,
-                   kvc::float8_e4m3, kvc::float8_e5m2) {
+TEST_CASE_TEMPLATE(
+    "widen (attention's conversion of stored codes) gives to_float bit for bit for all 256 codes, at any offset", F8,
+    kvc::float8_e4m3, kvc::float8_e5m2) {
   std::vector<F8> codes;
   for (int rep = 0; rep < 2; ++rep)
     for (int c = 0; c < 256; ++c) codes.push_back(F8::from_bits(static_cast<std::uint8_t>((c * 37 + rep) & 0xFF)));
@@ -185,13 +187,30 @@ TEST_CASE_TEMPLATE("widen (attention's conversion of stored codes) gives to_floa
         const F8 code = codes[static_cast<std::size_t>(offset + i)];
         const float want = code.to_float(), got = out[static_cast<std::size_t>(i)];
         CAPTURE(static_cast<int>(code.bits));
-        if (std::isnan(want)) {
-          CHECK(std::isnan(got));
-          CHECK(std::signbit(got) == std::signbit(want));
-        } else {
-          CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));  // -0 included
-        }
+        // Bit for bit: -0, and every NaN code as the quiet NaN of its sign, included.
+        CHECK(std::bit_cast<std::uint32_t>(got) == std::bit_cast<std::uint32_t>(want));
       }
     }
   kvc::detail::avx2_enabled() = had_avx2;
+}
+
+TEST_CASE_TEMPLATE("the element conversions: fp8 through detail::to_float and from_float, the decode reference", F8,
+                   kvc::float8_e4m3, kvc::float8_e5m2) {
+  for (int c = 0; c < 256; ++c) {
+    CAPTURE(c);
+    const F8 x = F8::from_bits(static_cast<std::uint8_t>(c));
+    const float f = kvc::detail::to_float(x);
+    const auto bits = std::bit_cast<std::uint32_t>(f);
+    CHECK(bits == std::bit_cast<std::uint32_t>(x.to_float()));
+    if (std::isnan(f)) {
+      CHECK((bits & 0x7FFFFFFFu) == 0x7FC00000u);  // the quiet NaN, with the code's sign
+      CHECK(std::signbit(f) == ((c & 0x80) != 0));
+    } else if (!std::isinf(f)) {
+      CHECK(kvc::detail::from_float<F8>(f).bits == c);  // every finite code back to itself, -0 included
+    }
+  }
+  // The other element types: static_cast, round to nearest even.
+  CHECK(kvc::detail::to_float(Eigen::half(0.1f)) == static_cast<float>(Eigen::half(0.1f)));
+  CHECK(kvc::detail::from_float<Eigen::bfloat16>(1.00390625f) == Eigen::bfloat16(1.0f));  // a tie, to even
+  CHECK(kvc::detail::from_float<double>(0.1f) == static_cast<double>(0.1f));
 }

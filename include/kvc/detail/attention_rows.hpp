@@ -30,42 +30,11 @@
 #include <math.h>  // expf: one name in host and device code
 
 #include <kvc/attention.hpp>
+#include <kvc/detail/element_conversion.hpp>
 #include <kvc/float8.hpp>
-#include <kvc/policies/quantization/codecs.hpp>  // float_conversion: element <-> float, host and device
 #include <kvc/tensor.hpp>
 
 namespace kvc::detail {
-
-// fp8 codes to float in host and device code: the code's exponent and mantissa bits placed in a
-// float's, times 2^(127 - bias) (exact, subnormal codes included), NaN and infinity set apart.
-template <class Format>
-struct float_conversion<float8<Format>> {
-  KVC_HOST_DEVICE static float to_float(float8<Format> x) noexcept {
-    const std::uint32_t magnitude = x.bits & 0x7Fu;
-    const bool negative = (x.bits & 0x80u) != 0;
-    float v = 0;
-    if (Format::is_nan(x.bits)) {
-      v = bits_to_float(0x7FC00000u);
-    } else if (Format::has_infinity && magnitude == Format::infinity) {
-      v = bits_to_float(0x7F800000u);
-    } else {
-      v = bits_to_float(magnitude << (23 - Format::mantissa_bits)) *
-          bits_to_float(static_cast<std::uint32_t>(127 + 127 - Format::bias) << 23);
-    }
-    return negative ? -v : v;
-  }
-
- private:
-  KVC_HOST_DEVICE static float bits_to_float(std::uint32_t u) noexcept {
-#if defined(__CUDA_ARCH__)
-    return __uint_as_float(u);
-#else
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-  }
-};
 
 // The largest head_dim the device kernels take: 32 lanes of 8 dims.
 inline constexpr std::int64_t max_device_head_dim = 256;

@@ -64,6 +64,7 @@
 
 #include <Eigen/Core>
 
+#include <kvc/detail/element_conversion.hpp>  // float_conversion, to_float, from_float
 #include <kvc/detail/simd.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
@@ -84,38 +85,6 @@ struct affine_params {
 // (Eigen::half, Eigen::bfloat16 and their CUDA twins __half, __nv_bfloat16), float otherwise.
 template <class T>
 using quant_meta_t = std::conditional_t<sizeof(T) == 2, T, float>;
-
-// An element or metadata type to and from float, round to nearest even: static_cast, except for
-// __half and __nv_bfloat16 under nvcc, which use their conversion functions (below): those stay
-// where PyTorch extension builds (__CUDA_NO_HALF_CONVERSIONS__, __CUDA_NO_BFLOAT16_CONVERSIONS__)
-// remove the implicit conversions. The specialisations live here, next to the primary template,
-// so that every translation unit that can name the CUDA types sees them.
-template <class T>
-struct float_conversion {
-  KVC_HOST_DEVICE static float to_float(T x) noexcept { return static_cast<float>(x); }
-  KVC_HOST_DEVICE static T from_float(float x) noexcept { return static_cast<T>(x); }
-};
-template <class T>
-KVC_HOST_DEVICE float to_float(T x) noexcept {
-  return float_conversion<T>::to_float(x);
-}
-template <class T>
-KVC_HOST_DEVICE T from_float(float x) noexcept {
-  return float_conversion<T>::from_float(x);
-}
-
-#if defined(__CUDACC__)
-template <>
-struct float_conversion<__half> {
-  __host__ __device__ static float to_float(__half x) noexcept { return __half2float(x); }
-  __host__ __device__ static __half from_float(float x) noexcept { return __float2half_rn(x); }
-};
-template <>
-struct float_conversion<__nv_bfloat16> {
-  __host__ __device__ static float to_float(__nv_bfloat16 x) noexcept { return __bfloat162float(x); }
-  __host__ __device__ static __nv_bfloat16 from_float(float x) noexcept { return __float2bfloat16_rn(x); }
-};
-#endif
 
 // a * b and a + b, each rounded on its own: device code must not fuse them into an FMA, or the
 // device would round differently from the host.

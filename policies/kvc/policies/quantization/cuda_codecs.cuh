@@ -19,8 +19,9 @@
 // flush to zero; --use_fast_math changes both and powf) and a host compiler that does not fuse
 // a * b + c (x86-64 without -march flags does not; GCC with FMA targets does unless given
 // -ffp-contract=off). The conversions to and from __half / __nv_bfloat16 are the CUDA conversion
-// functions (float_conversion in codecs.hpp), so builds with __CUDA_NO_HALF_CONVERSIONS__ /
-// __CUDA_NO_BFLOAT16_CONVERSIONS__ (PyTorch extensions) compile and give the same bits.
+// functions (float_conversion in detail/element_conversion.hpp), so builds with
+// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__ (PyTorch extensions) compile and
+// give the same bits.
 
 #include <algorithm>
 #include <cstddef>
