@@ -82,21 +82,28 @@ struct fp8_format {
     return f;
 #endif
   }
+  KVC_HOST_DEVICE static std::uint32_t float_to_bits(float f) noexcept {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+#endif
+  }
 
-  // The code of a float, rounded to nearest even.
-  static std::uint8_t encode(float x, fp8_overflow mode) noexcept {
-    std::uint32_t bits = 0;
-    std::memcpy(&bits, &x, sizeof bits);
+  // The code of a float, rounded to nearest even, in host and device code.
+  KVC_HOST_DEVICE static std::uint8_t encode(float x, fp8_overflow mode) noexcept {
+    const std::uint32_t bits = float_to_bits(x);
     const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80);
-    if (std::isnan(x)) return static_cast<std::uint8_t>(sign | nan);
-    const auto overflow = [&] {
-      if (mode == fp8_overflow::saturate) return static_cast<std::uint8_t>(sign | max_finite);
-      return static_cast<std::uint8_t>(sign | (has_infinity ? infinity : nan));
-    };
-    if (std::isinf(x)) return overflow();
     // Integer steps on the float's bits (no libm): |x| shifted to the code's last mantissa bit,
     // rounded to nearest even; a carry moves into the exponent by itself.
     const std::uint32_t a = bits & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return static_cast<std::uint8_t>(sign | nan);  // NaN
+    const std::uint8_t overflow = mode == fp8_overflow::saturate
+                                      ? static_cast<std::uint8_t>(sign | max_finite)
+                                      : static_cast<std::uint8_t>(sign | (has_infinity ? infinity : nan));
+    if (a == 0x7F800000u) return overflow;          // an infinity
     const int e = static_cast<int>(a >> 23) - 127;  // the float's exponent (-127: a float subnormal)
     std::uint32_t code = 0;
     if (e < 1 - bias) {
@@ -108,7 +115,7 @@ struct fp8_format {
     } else {
       code = round_shift(a - (static_cast<std::uint32_t>(127 - bias) << 23), 23 - MantissaBits);
     }
-    if (code > max_finite) return overflow();
+    if (code > max_finite) return overflow;
     return static_cast<std::uint8_t>(sign | code);
   }
 

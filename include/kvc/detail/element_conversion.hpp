@@ -3,7 +3,7 @@
 // double, Eigen::half and Eigen::bfloat16 (static_cast), __half and __nv_bfloat16 under nvcc
 // (their conversion functions), and both 8-bit float formats (float8<Format>: Format::decode, the
 // scalar reference that float8::widen's SSE2 and AVX2 forms are tested against bit for bit, and
-// Format::encode on the host). Conversions from float round to nearest even.
+// Format::encode). Conversions from float round to nearest even.
 //
 //   detail::to_float(x), detail::from_float<T>(f), or detail::float_conversion<T> itself.
 
@@ -49,12 +49,14 @@ struct float_conversion<__nv_bfloat16> {
 };
 #endif
 
-// fp8 codes decode exactly in host and device code; encoding (saturating, as the float8
-// constructor) is host code.
+// fp8 codes: decoded exactly, encoded rounding to nearest even and saturating (as the float8
+// constructor), in host and device code alike.
 template <class Format>
 struct float_conversion<float8<Format>> {
   KVC_HOST_DEVICE static float to_float(float8<Format> x) noexcept { return Format::decode(x.bits); }
-  static float8<Format> from_float(float x) noexcept { return float8<Format>(x); }
+  KVC_HOST_DEVICE static float8<Format> from_float(float x) noexcept {
+    return float8<Format>::from_bits(Format::encode(x, fp8_overflow::saturate));
+  }
 };
 
 }  // namespace kvc::detail
