@@ -232,6 +232,19 @@ void one_more_token(C& cache) {
   }
 }
 
+template <class C>
+std::string saved(const C& cache) {
+  std::ostringstream os(std::ios::binary);
+  kvc::save(cache, os);
+  return os.str();
+}
+// What loads saves back to the bytes it came from.
+template <class C>
+void check_saves_back(const C& cache, std::string_view bytes) {
+  const std::string again = saved(cache);
+  if (bytes.substr(0, again.size()) != again) std::abort();
+}
+
 void load_state(std::uint8_t which, std::string_view bytes) {
   kvc_fuzz::with_cache(which, [&](auto& cache) {
     bool loaded = false;
@@ -241,9 +254,7 @@ void load_state(std::uint8_t which, std::string_view bytes) {
       loaded = true;
     });
     if (!loaded) return;
-    std::ostringstream os(std::ios::binary);
-    kvc::save(cache, os);
-    if (bytes.substr(0, os.str().size()) != os.str()) std::abort();  // what loads saves back the same
+    check_saves_back(cache, bytes);
     if constexpr (requires { cache.self_attention_cache(); }) {
       one_more_token(cache.self_attention_cache());
       one_more_token(cache.cross_attention_cache());
@@ -280,13 +291,6 @@ struct pipe_buf : std::streambuf {
   }
 };
 
-template <class C>
-std::string saved(const C& cache) {
-  std::ostringstream os(std::ios::binary);
-  kvc::save(cache, os);
-  return os.str();
-}
-
 void load_into_filled(std::uint8_t which, std::string_view bytes, bool pipe) {
   kvc_fuzz::with_cache(which, [&](auto& cache) {
     std::mt19937 rng(which);
@@ -310,8 +314,7 @@ void load_into_filled(std::uint8_t which, std::string_view bytes, bool pipe) {
       if (saved(cache) != before) std::abort();  // a refused load changes nothing
       return;
     }
-    const std::string after = saved(cache);
-    if (bytes.substr(0, after.size()) != after) std::abort();
+    check_saves_back(cache, bytes);
   });
 }
 

@@ -230,8 +230,8 @@ class ContinuousBatchingScheduler {
       const auto it = states_.find(id);
       out.push_back(std::move(it->second));
       states_.erase(it);
-      if (const auto mark = id.find(child_mark); mark != std::string::npos) {
-        const auto parent = live_children_.find(id.substr(0, mark));
+      if (id.find(child_mark) != std::string::npos) {
+        const auto parent = live_children_.find(parent_of(id));
         if (--parent->second == 0) live_children_.erase(parent);
       }
     }
@@ -452,10 +452,13 @@ class ContinuousBatchingScheduler {
                        "...) in the scheduler; the id can be used again once take_finished() has returned them");
   }
 
+  // The parent's id of a child `{parent}__child#{i}` (user ids cannot contain the mark).
+  static std::string parent_of(const std::string& child) { return child.substr(0, child.find(child_mark)); }
+
   // Records a child sequence's state.
   void add_child(RequestState child) {
+    ++live_children_[parent_of(child.request_id)];
     const std::string& id = child.request_id;
-    ++live_children_[id.substr(0, id.find(child_mark))];
     states_.emplace(id, std::move(child));
   }
 
