@@ -21,7 +21,7 @@
 
 #include <kvc/detail/fixed_name.hpp>
 #include <kvc/errors.hpp>
-#include <kvc/policies/layers.hpp>
+#include <kvc/policies/layers/kinds.hpp>
 
 namespace kvc {
 

@@ -13,6 +13,7 @@
 
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 #include <kvc/warnings.hpp>
 
@@ -34,12 +35,6 @@ inline std::int64_t dynamic_crop_count(std::int64_t tokens_to_remove, std::int64
 
 inline constexpr std::int64_t min_dynamic_capacity = 16;
 }  // namespace detail
-
-// Appends every update; returns everything it holds. transformers' default layer.
-struct DynamicLayer {
-  template <class S>
-  class state;
-};
 
 template <class S>
 class DynamicLayer::state {
@@ -133,15 +128,6 @@ class DynamicLayer::state {
   detail::kv_store<S> store_;
   std::int64_t len_ = 0;
   bool initialized_ = false;
-};
-
-// Keeps the last sliding_window - 1 tokens (the token decoded next fills the window's last slot),
-// or every token once `activate_past_recording` was called, so that `crop` can roll back.
-struct DynamicSlidingWindowLayer {
-  std::int64_t sliding_window = 0;
-
-  template <class S>
-  class state;
 };
 
 template <class S>

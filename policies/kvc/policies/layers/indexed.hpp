@@ -36,6 +36,7 @@
 #include <kvc/limits.hpp>
 #include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/static.hpp>
 #include <kvc/tensor.hpp>
 
@@ -374,13 +375,6 @@ class indexed_state : public with_attention_part<A> {
 
 // ---- DynamicIndexedLayer -------------------------------------------------------------------
 
-// A DynamicLayer plus indexer keys that grow with every update_indexer
-// (transformers' DynamicIndexedLayer).
-struct DynamicIndexedLayer {
-  template <class S>
-  class state;
-};
-
 template <class S>
 class DynamicIndexedLayer::state
     : public detail::indexed_state<S, DynamicLayer::state<S>, detail::dynamic_indexer_keys<S>> {
@@ -433,15 +427,6 @@ class DynamicIndexedLayer::state
 };
 
 // ---- StaticIndexedLayer --------------------------------------------------------------------
-
-// A StaticLayer plus a static indexer buffer [batch, max_cache_len, index_head_dim] with its own
-// counter (transformers' StaticIndexedLayer).
-struct StaticIndexedLayer {
-  std::int64_t max_cache_len = 0;
-
-  template <class S>
-  class state;
-};
 
 template <class S>
 class StaticIndexedLayer::state

@@ -25,19 +25,11 @@
 #include <kvc/policies/layers/attention_part.hpp>
 #include <kvc/policies/layers/crop_plan.hpp>
 #include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/static.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
-
-// Conv and recurrent states only; the Cache reaches it through update_conv_state /
-// update_recurrent_state (it has no K/V `update`).
-struct LinearAttentionLayer {
-  std::int64_t number_of_states = 1;
-
-  template <class S>
-  class state;
-};
 
 namespace detail {
 
@@ -359,22 +351,6 @@ template <>
 inline constexpr std::string_view hybrid_name<StaticSlidingWindowLayer> =
     "LinearAttentionAndStaticSlidingWindowAttentionLayer";
 }  // namespace detail
-
-// A linear-attention part and an attention part (any K/V kind) in one layer, by composition:
-// every operation acts on both parts, and the length queries come from the attention part.
-template <class Attention>
-struct LinearAttentionHybrid {
-  Attention attention{};
-  std::int64_t number_of_states = 1;
-
-  template <class S>
-  class state;
-};
-
-using LinearAttentionAndFullAttentionLayer = LinearAttentionHybrid<DynamicLayer>;
-using LinearAttentionAndSlidingWindowAttentionLayer = LinearAttentionHybrid<DynamicSlidingWindowLayer>;
-using LinearAttentionAndStaticFullAttentionLayer = LinearAttentionHybrid<StaticLayer>;
-using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybrid<StaticSlidingWindowLayer>;
 
 template <class Attention>
 template <class S>

@@ -13,6 +13,7 @@
 
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 
 namespace kvc {
@@ -23,15 +24,6 @@ inline void check_positive(std::int64_t value, const char* what, const char* kin
   check_size(join_message({kind, ": ", what}), value, 1, max_extent);
 }
 }  // namespace detail
-
-// Preallocated [batch, heads, max_cache_len, head_dim] buffers; `update` writes at the layer's
-// counter and returns the whole buffer (zeros in unwritten slots).
-struct StaticLayer {
-  std::int64_t max_cache_len = 0;
-
-  template <class S>
-  class state;
-};
 
 template <class S>
 class StaticLayer::state {
@@ -128,17 +120,6 @@ class StaticLayer::state {
   detail::kv_store<S> store_;
   std::int64_t position_ = 0;
   bool initialized_ = false;
-};
-
-// A window of W = min(sliding_window, max_cache_len) slots. The window lives in a buffer of 2W slots
-// and slides forward, moving back only when it reaches the end, so a decode step costs O(1)
-// amortized instead of transformers' roll of the whole window (docs/kv_layout.md).
-struct StaticSlidingWindowLayer {
-  std::int64_t max_cache_len = 0;
-  std::int64_t sliding_window = 0;
-
-  template <class S>
-  class state;
 };
 
 template <class S>

@@ -1,0 +1,111 @@
+#pragma once
+// The layer kinds as tags: each kind's options and the declaration of its per-storage state,
+// `template <class S> class state;`. The states are defined in the kind's own header
+// (dynamic.hpp, static.hpp, linear.hpp, indexed.hpp); code that only names kinds (a config's
+// layer-type table, the paged cache's layer groups) includes this header and compiles none of
+// them. Layers<...> and Replicate<...> are the two layer policies (docs/policies/layers.md).
+
+#include <cstdint>
+
+#include <boost/mp11/list.hpp>
+
+namespace kvc {
+
+// ---- attention kinds (dynamic.hpp, static.hpp) ----------------------------------------------
+
+// Appends every update; returns everything it holds. transformers' default layer.
+struct DynamicLayer {
+  template <class S>
+  class state;
+};
+
+// Keeps the last sliding_window - 1 tokens (the token decoded next fills the window's last slot),
+// or every token once `activate_past_recording` was called, so that `crop` can roll back.
+struct DynamicSlidingWindowLayer {
+  std::int64_t sliding_window = 0;
+
+  template <class S>
+  class state;
+};
+
+// Preallocated [batch, heads, max_cache_len, head_dim] buffers; `update` writes at the layer's
+// counter and returns the whole buffer (zeros in unwritten slots).
+struct StaticLayer {
+  std::int64_t max_cache_len = 0;
+
+  template <class S>
+  class state;
+};
+
+// A window of W = min(sliding_window, max_cache_len) slots. The window lives in a buffer of 2W slots
+// and slides forward, moving back only when it reaches the end, so a decode step costs O(1)
+// amortized instead of transformers' roll of the whole window (docs/kv_layout.md).
+struct StaticSlidingWindowLayer {
+  std::int64_t max_cache_len = 0;
+  std::int64_t sliding_window = 0;
+
+  template <class S>
+  class state;
+};
+
+// ---- indexed kinds (indexed.hpp): attention plus the indexer's keys --------------------------
+
+// A DynamicLayer plus indexer keys that grow with every update_indexer
+// (transformers' DynamicIndexedLayer).
+struct DynamicIndexedLayer {
+  template <class S>
+  class state;
+};
+
+// A StaticLayer plus a static indexer buffer [batch, max_cache_len, index_head_dim] with its own
+// counter (transformers' StaticIndexedLayer).
+struct StaticIndexedLayer {
+  std::int64_t max_cache_len = 0;
+
+  template <class S>
+  class state;
+};
+
+// ---- linear-attention kinds (linear.hpp) ---------------------------------------------------
+
+// Conv and recurrent states only; the Cache reaches it through update_conv_state /
+// update_recurrent_state (it has no K/V `update`).
+struct LinearAttentionLayer {
+  std::int64_t number_of_states = 1;
+
+  template <class S>
+  class state;
+};
+
+// A linear-attention part and an attention part (any K/V kind) in one layer, by composition:
+// every operation acts on both parts, and the length queries come from the attention part.
+template <class Attention>
+struct LinearAttentionHybrid {
+  Attention attention{};
+  std::int64_t number_of_states = 1;
+
+  template <class S>
+  class state;
+};
+
+using LinearAttentionAndFullAttentionLayer = LinearAttentionHybrid<DynamicLayer>;
+using LinearAttentionAndSlidingWindowAttentionLayer = LinearAttentionHybrid<DynamicSlidingWindowLayer>;
+using LinearAttentionAndStaticFullAttentionLayer = LinearAttentionHybrid<StaticLayer>;
+using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybrid<StaticSlidingWindowLayer>;
+
+// ---- the layer policies ----------------------------------------------------------------------
+
+// Pre-built layers: the cache is constructed from a list of layers whose kinds are among Kinds.
+template <class... Kinds>
+struct Layers {
+  using layers = boost::mp11::mp_list<Kinds...>;
+};
+
+// Replicated layers: `update` with an index the cache does not have yet appends layers of Kind
+// (copies of the prototype given at construction) until it does.
+template <class Kind>
+struct Replicate {
+  using layer_class_to_replicate = Kind;
+};
+
+}  // namespace kvc
