@@ -11,6 +11,7 @@
 
 #include <kvc/cache.hpp>
 #include <kvc/config.hpp>
+#include <kvc/detail/traits.hpp>
 #include <kvc/layer_types.hpp>
 
 namespace kvc {
@@ -37,9 +38,6 @@ class ConfiguredDynamicCache : public Cache<ConfiguredDynamicLayers, Storage, Of
 // StaticCache's layer policy is StaticCacheLayers: every kind STATIC_LAYER_TYPE_MAPPING names.
 
 namespace detail {
-template <class>
-inline constexpr bool always_false = false;
-
 template <class To, class From>
 std::vector<To> widen_kinds(const std::vector<From>& kinds) {
   std::vector<To> out;

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include <kvc/config.hpp>
+#include <kvc/detail/traits.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/paged/allocators.hpp>
@@ -38,7 +39,6 @@
 #include <kvc/paged/continuous_batching_config.hpp>
 #include <kvc/paged/layer_groups.hpp>
 #include <kvc/paged/memory_planner.hpp>
-#include <kvc/policies/storage/host.hpp>  // detail::scatter_job
 #include <kvc/tensor.hpp>
 #include <kvc/warnings.hpp>
 

@@ -22,9 +22,10 @@
 
 #include <kvc/detail/cuda_kernels.cuh>
 #include <kvc/detail/cuda_runtime.cuh>
+#include <kvc/detail/traits.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/policies/quantization/cuda_codecs.cuh>
-#include <kvc/policies/storage/host.hpp>  // detail::is_any_of
+#include <kvc/policies/storage/host.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {

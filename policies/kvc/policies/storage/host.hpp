@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <kvc/detail/traits.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
@@ -67,20 +68,6 @@ class host_buffer {
  private:
   T* ptr_ = nullptr;
   std::int64_t size_ = 0;
-};
-
-template <class T, class... Ts>
-inline constexpr bool is_any_of = (std::is_same_v<T, Ts> || ...);
-
-// One tensor of a paged write (kvc::PagedCache, the storages' scatter_rows): token t's rows of
-// every head go from src + t * src_token + h * src_head to dst at row rows[first_row + t].
-template <class T>
-struct scatter_job {
-  T* dst;
-  const T* src;
-  std::int64_t src_token, src_head;
-  std::int64_t first_row;  // into the rows list
-  std::int64_t tokens;
 };
 
 }  // namespace detail
