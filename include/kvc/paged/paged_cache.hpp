@@ -39,7 +39,7 @@
 #include <kvc/paged/continuous_batching_config.hpp>
 #include <kvc/paged/layer_groups.hpp>
 #include <kvc/paged/memory_planner.hpp>
-#include <kvc/tensor.hpp>
+#include <kvc/tensor_view.hpp>
 #include <kvc/warnings.hpp>
 
 namespace kvc {
