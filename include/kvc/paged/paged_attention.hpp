@@ -39,17 +39,11 @@
 #include <kvc/attention.hpp>
 #include <kvc/detail/attention_rows.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
-
-// The layout of one step of a continuous batch (transformers' cu_seqlens_q and the cached lengths).
-struct PagedAttentionStep {
-  std::span<const std::string> requests;       // R request ids
-  std::span<const std::int64_t> cu_seqlens_q;  // R + 1 offsets into the packed query rows: 0, ..., T
-  std::span<const std::int64_t> past;          // R cached token counts, before this step
-};
 
 namespace detail {
 

@@ -43,8 +43,8 @@
 
 #include <kvc/detail/py_repr.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/continuous_batching_config.hpp>
-#include <kvc/paged/paged_attention.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/warnings.hpp>
 

@@ -1,0 +1,19 @@
+#pragma once
+// kvc::PagedAttentionStep: the layout of one step of a continuous batch, as the scheduler hands it
+// out (ScheduledBatch::attention_step()) and kvc::paged_attention reads it
+// (<kvc/paged/paged_attention.hpp>). Standard headers only.
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace kvc {
+
+// The layout of one step of a continuous batch (transformers' cu_seqlens_q and the cached lengths).
+struct PagedAttentionStep {
+  std::span<const std::string> requests;       // R request ids
+  std::span<const std::int64_t> cu_seqlens_q;  // R + 1 offsets into the packed query rows: 0, ..., T
+  std::span<const std::int64_t> past;          // R cached token counts, before this step
+};
+
+}  // namespace kvc
