@@ -28,7 +28,7 @@
 #include <utility>
 
 #include <kvc/concepts/storage_policy.hpp>
-#include <kvc/tensor.hpp>
+#include <kvc/tensor_view.hpp>
 
 namespace kvc::concepts {
 

@@ -17,7 +17,7 @@
 #include <concepts>
 #include <cstdint>
 
-#include <kvc/tensor.hpp>
+#include <kvc/tensor_view.hpp>
 
 namespace kvc::concepts {
 
