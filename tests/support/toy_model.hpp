@@ -13,6 +13,8 @@
 #include <vector>
 
 #include <kvc/paged/scheduler.hpp>
+#include <kvc/policies/storage/host.hpp>
+#include <kvc/tensor.hpp>
 
 namespace kvc_toy {
 
