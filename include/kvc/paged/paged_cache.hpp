@@ -711,11 +711,26 @@ class PagedCache {
     swapped_.erase(it);
   }
   // Forgets an offloaded request (cancelled or failed): its swap blocks return to the pool.
+  // Allocates nothing: the free list always has room for every swap block.
   void drop_offloaded_request(const std::string& request_id) {
     const auto it = swapped_.find(request_id);
     if (it == swapped_.end()) return;
-    swap_free_ = with_swap_ids_returned(it->second);
+    swap_free_.insert(swap_free_.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
+    std::sort(swap_free_.begin(), swap_free_.end());
     swapped_.erase(it);
+  }
+
+  // Gives back everything the request holds: its blocks in every group where it has a table, and
+  // its swap blocks. Unlike free_blocks, a request that holds nothing is no warning. Allocates
+  // nothing, so a caller can use it in the commit half of an all-or-nothing operation.
+  void release_request(const std::string& request_id) {
+    for (allocator& a : allocators_)
+      std::visit(
+          [&](auto& al) {
+            if (al.has_request(request_id)) al.free_blocks(request_id, manager_);
+          },
+          a);
+    drop_offloaded_request(request_id);
   }
 
   // ---- update -----------------------------------------------------------------------------------
@@ -971,7 +986,9 @@ class PagedCache {
 
   // The free swap blocks with r's given back, ascending (built aside: committed by the caller).
   std::vector<std::int64_t> with_swap_ids_returned(const swapped_request& r) const {
-    std::vector<std::int64_t> freed = swap_free_;
+    std::vector<std::int64_t> freed;
+    freed.reserve(static_cast<std::size_t>(swap_blocks_));  // room for all: see drop_offloaded_request
+    freed.assign(swap_free_.begin(), swap_free_.end());
     freed.insert(freed.end(), r.swap_ids.begin(), r.swap_ids.end());
     std::sort(freed.begin(), freed.end());
     return freed;
