@@ -23,6 +23,7 @@
 
 #include "../support/kvc_test.hpp"
 #include "../support/paged_snapshot.hpp"
+#include "../support/toy_model.hpp"
 
 // ---- the failing allocator ---------------------------------------------------------------------
 
@@ -467,6 +468,190 @@ TEST_CASE("PagedBatchCache: updates, beam reorders, repeats, selections") {
         for (std::int64_t b = 0; b < r.cache.batch_size(); ++b) rows.push_back(r.cache.row_request(b));
         return std::tuple{held, rows, kvc_test::take_paged_snapshot(r.cache.paged(), rows)};
       });
+}
+
+namespace {
+
+// ---- the scheduler ---------------------------------------------------------------------------------
+
+// A scheduler over a paged cache (sliding + full layers, prefix sharing, a swap pool), the toy
+// model of tests/support/toy_model.hpp writing every layer, and the requests taken so far.
+struct sched_rig {
+  std::unique_ptr<kvc_toy::Cache> cache;  // the scheduler points at it: it does not move
+  std::unique_ptr<kvc_toy::Scheduler> sched;
+  std::vector<kvc::RequestState> done;
+};
+constexpr std::int64_t sched_layers = 2;
+const std::vector<std::string> sched_ids = {"a", "a__child#0", "a__child#1", "b", "b__child#0", "c", "a2", "c2"};
+
+sched_rig make_sched_rig() {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 16;
+  cb.max_batch_tokens = 12;
+  cb.allow_block_sharing = true;
+  sched_rig r;
+  r.cache = std::make_unique<kvc_toy::Cache>(kvc_toy::model({"sliding_attention", "full_attention"}, 6), cb);
+  r.cache->reserve_swap_space(4);
+  r.sched = std::make_unique<kvc_toy::Scheduler>(*r.cache, cb);
+  r.done.reserve(sched_ids.size());  // take() appends without allocating: a failure is take_finished's
+  return r;
+}
+
+bool known(const sched_rig& r, const std::string& id) {
+  try {
+    (void)r.sched->request(id);
+    return true;
+  } catch (const kvc::KeyError&) {
+    return false;
+  }
+}
+
+// Every request's state as a caller sees it, the queues' sizes and the statistics.
+std::string sched_state(const sched_rig& r) {
+  const kvc::SchedulerStats& t = r.sched->stats();
+  std::string out = std::to_string(r.sched->num_waiting()) + "/" + std::to_string(r.sched->num_active()) + " " +
+                    std::to_string(t.steps) + "," + std::to_string(t.forks) + "," + std::to_string(t.forks_requeued) +
+                    "," + std::to_string(t.failed) + "," + std::to_string(t.prefix_hit_tokens) + ";";
+  for (const std::string& id : sched_ids) {
+    if (!known(r, id)) continue;
+    const kvc::RequestState& st = r.sched->request(id);
+    out += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
+           std::to_string(st.allocated_blocks) + "," + std::to_string(st.prompt_length) + "," +
+           std::to_string(st.num_children) + "," + std::to_string(st.is_cpu_offloaded) + "," +
+           std::to_string(st.next_token) + "," + st.error + ",";
+    for (const std::int64_t x : st.tokens) out += std::to_string(x) + " ";
+    out += "|";
+    for (const std::int64_t x : st.remaining_prefill_tokens) out += std::to_string(x) + " ";
+    out += ";";
+  }
+  for (const kvc::RequestState& st : r.done) {
+    out += "done " + st.request_id + ":" + std::to_string(static_cast<int>(st.status)) + "," + st.error + ",";
+    for (const std::int64_t x : st.tokens) out += std::to_string(x) + " ";
+  }
+  return out;
+}
+
+// One step of the model loop; then every running request's cached rows must be its own.
+void sched_step(sched_rig& r) {
+  auto batch = r.sched->schedule();
+  if (!batch) return;
+  kvc_toy::write_batch(*r.cache, *r.sched, *batch, sched_layers);
+  r.sched->update(*batch, kvc_toy::next_tokens(*r.sched, *batch));
+  for (const std::string& id : sched_ids) {
+    if (!known(r, id)) continue;
+    const kvc::RequestState& st = r.sched->request(id);
+    if (!st.is_active() || st.is_cpu_offloaded) continue;
+    CAPTURE(id);
+    CHECK(kvc_toy::wrong_row(*r.cache, id, st.tokens, st.position_offset, sched_layers) == "");
+  }
+}
+
+void take(sched_rig& r) {
+  std::vector<kvc::RequestState> got = r.sched->take_finished();
+  for (kvc::RequestState& st : got) r.done.push_back(std::move(st));
+}
+
+// An operation of the scenario; `inject`: the sweep fails each of its allocations in turn.
+struct sched_op {
+  std::string name;
+  std::function<void(sched_rig&)> run;
+  bool inject;
+};
+
+}  // namespace
+
+TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finished and the sequence operations") {
+  const auto add = [](std::string id, std::vector<std::int64_t> prompt, std::int64_t n) {
+    return [=](sched_rig& r) {
+      kvc::GenerationRequest q;
+      q.request_id = id;
+      q.prompt = prompt;
+      q.max_new_tokens = 5;
+      q.num_return_sequences = n;
+      r.sched->add_request(q);
+    };
+  };
+  const std::vector<std::int64_t> system = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<std::int64_t> pa = system, pc = system;
+  pa.push_back(9);
+  pc.insert(pc.end(), {20, 21});
+  const auto step = [](sched_rig& r) { sched_step(r); };
+  const auto expect = [](bool ok) {
+    if (!ok) throw std::logic_error("a sequence operation was refused");
+  };
+  std::vector<sched_op> ops = {
+      {"add a (3 sequences)", add("a", pa, 3), true},
+      {"add b (one token, 2 sequences)", add("b", {7}, 2), true},
+      {"step 1", step, false},
+      {"step 2", step, false},
+      {"add c (a's system prompt)", add("c", pc, 1), true},
+      {"step 3", step, false},
+      {"seq_cp a a2 (a fork)", [&](sched_rig& r) { expect(r.sched->seq_cp("a", "a2", -1, -1)); }, true},
+      {"step 4", step, false},
+      {"seq_cp c c2 [0, 9) (a fork, cut)", [&](sched_rig& r) { expect(r.sched->seq_cp("c", "c2", 0, 9)); }, true},
+      {"seq_rm a [6, end)", [&](sched_rig& r) { expect(r.sched->seq_rm("a", 6, -1)); }, true},
+      {"step 5", step, false},
+      {"cancel a2", [](sched_rig& r) { r.sched->cancel_request("a2"); }, true},
+      {"take_finished", take, true},
+      {"step 6", step, false},
+      {"seq_keep c2", [](sched_rig& r) { r.sched->seq_keep("c2"); }, true},
+      {"take_finished again", take, true},
+  };
+  const auto finish = [](sched_rig& r) {
+    for (int i = 0; i < 100 && r.sched->has_unfinished_requests(); ++i) sched_step(r);
+    take(r);
+  };
+  // The run without a failure: what every retried run must end with.
+  sched_rig clean = make_sched_rig();
+  std::vector<char> changes;  // whether the operation changed what a caller sees
+  for (const sched_op& o : ops) {
+    CAPTURE(o.name);
+    const std::string before = sched_state(clean);
+    o.run(clean);
+    changes.push_back(sched_state(clean) != before);
+  }
+  finish(clean);
+  const std::string expected = sched_state(clean);
+  CHECK(!clean.sched->has_unfinished_requests());
+  CHECK(clean.cache->get_num_free_blocks() == clean.cache->num_blocks());
+
+  std::int64_t failures = 0;
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    if (!ops[k].inject) continue;
+    std::int64_t here = 0;
+    for (std::int64_t n = 0;; ++n) {
+      sched_rig r = make_sched_rig();
+      for (std::size_t j = 0; j < k; ++j) ops[j].run(r);
+      const std::string before = sched_state(r);
+      const kvc_test::paged_snapshot cache_before = kvc_test::take_paged_snapshot(*r.cache, sched_ids);
+      arm(n);
+      bool threw = false;
+      try {
+        ops[k].run(r);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      const bool failed = disarm();
+      CAPTURE(ops[k].name);
+      CAPTURE(n);
+      if (!failed) break;
+      ++here;
+      CHECK(threw);
+      CHECK(sched_state(r) == before);
+      CHECK(kvc_test::take_paged_snapshot(*r.cache, sched_ids) == cache_before);
+      CHECK(paged_invariants(*r.cache) == "");
+      // The same call again succeeds, and the run ends as the one without a failure.
+      ops[k].run(r);
+      for (std::size_t j = k + 1; j < ops.size(); ++j) ops[j].run(r);
+      finish(r);
+      CHECK(sched_state(r) == expected);
+    }
+    CAPTURE(ops[k].name);
+    CHECK((here > 0 || changes[k]));  // the operation did something (with or without allocating)
+    failures += here;
+  }
+  MESSAGE("scheduler: " << failures << " injected failures");
 }
 
 TEST_CASE("DynamicCache: every allocation failure leaves the cache as it was") {

@@ -37,6 +37,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -186,7 +187,8 @@ class ContinuousBatchingScheduler {
   // Queues a request (at the back). Refused, with nothing queued: an empty prompt, a token outside
   // [0, 2^31), max_new_tokens or num_return_sequences below 1, an id already known, one that
   // names a child (`__child#`), or the id of a parent whose children the scheduler still holds
-  // (until take_finished() has returned them).
+  // (until take_finished() has returned them). All or nothing: a std::bad_alloc leaves the
+  // scheduler as it was.
   void add_request(GenerationRequest request) {
     const std::string where = "kvc::ContinuousBatchingScheduler::add_request: request '" + request.request_id + "' ";
     if (request.prompt.empty()) throw ValueError(where + "has an empty prompt");
@@ -205,11 +207,18 @@ class ContinuousBatchingScheduler {
     st.max_new_tokens = request.max_new_tokens;
     st.eos_token_id = request.eos_token_id;
     st.num_children = request.num_return_sequences - 1;
-    const std::string id = st.request_id;
-    states_.emplace(id, std::move(st));
-    waiting_.push_back(id);
     // A one-token prompt leaves nothing cached to fork from: its sequences queue on their own.
-    if (states_.at(id).prompt_length == 1) requeue_children(states_.at(id));
+    staged s;
+    std::vector<RequestState> children;
+    if (st.prompt_length == 1) {
+      children = requeued_children(st, 0, st.tokens);
+      st.num_children = 0;
+    }
+    stage(s, std::move(st));
+    for (RequestState& child : children) stage(s, std::move(child));
+    prepare(s);
+    commit(s);  // allocates nothing
+    stats_.forks_requeued += static_cast<std::int64_t>(children.size());
   }
 
   // Whether any request is waiting or running.
@@ -222,24 +231,32 @@ class ContinuousBatchingScheduler {
     if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
     return it->second;
   }
-  // Finished and failed requests, in the order they ended; they leave the scheduler.
+  // Finished and failed requests, in the order they ended; they leave the scheduler. All or
+  // nothing: a std::bad_alloc leaves every ended request to a later call.
   std::vector<RequestState> take_finished() {
     std::vector<RequestState> out;
     out.reserve(ended_.size());
+    std::vector<std::unordered_map<std::string, std::int64_t>::iterator> parents;  // of each child, in order
+    for (const std::string& id : ended_)
+      if (id.find(child_mark) != std::string::npos) parents.push_back(live_children_.find(parent_of(id)));
+    // Committed: moves and erasures only. A parent's count reaches 0 at its last child here at the
+    // earliest, so no iterator is used after its entry is erased.
+    auto parent = parents.begin();
     for (const std::string& id : ended_) {
       const auto it = states_.find(id);
       out.push_back(std::move(it->second));
       states_.erase(it);
       if (id.find(child_mark) != std::string::npos) {
-        const auto parent = live_children_.find(parent_of(id));
-        if (--parent->second == 0) live_children_.erase(parent);
+        if (--(*parent)->second == 0) live_children_.erase(*parent);
+        ++parent;
       }
     }
     ended_.clear();
     return out;
   }
 
-  // Cancels a waiting or running request: its blocks and swap blocks are freed, and it ends as failed.
+  // Cancels a waiting or running request: its blocks and swap blocks are freed, and it ends as
+  // failed. All or nothing under std::bad_alloc.
   void cancel_request(const std::string& id) {
     if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
     RequestState& st = mutable_state(id);
@@ -281,23 +298,21 @@ class ContinuousBatchingScheduler {
       end_request(st, RequestStatus::failed, "removed by seq_rm");
       return true;
     }
-    std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
-    const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
-    if (cached < st.position_offset &&
-        (st.is_cpu_offloaded || wrapped || !cache_->truncate_request(st.request_id, cached))) {
-      drop_cache(st);
-      cached = 0;
-    }
-    st.tokens.resize(static_cast<std::size_t>(p0));
-    st.prompt_length = std::min(st.prompt_length, p0);
-    st.position_offset = cached;
-    st.allocated_blocks = table_length(st.request_id);
-    st.remaining_prefill_tokens.assign(st.tokens.begin() + cached, st.tokens.end());
-    if (st.is_active()) st.status = RequestStatus::prefilling;
     // Sequences not yet forked fork once all but the last token of the kept prompt is cached; a
     // one-token prompt caches nothing before that token, so they queue on their own, as
-    // add_request queues them.
-    if (st.num_children > 0 && st.prompt_length == 1) requeue_children(st);
+    // add_request queues them. Made aside first, with everything else that allocates.
+    staged s;
+    std::vector<RequestState> children;
+    if (st.num_children > 0 && std::min(st.prompt_length, p0) == 1)
+      children = requeued_children(st, 0, std::span(st.tokens).first(1));
+    for (RequestState& child : children) stage(s, std::move(child));
+    prepare(s);
+    cut(st, p0);
+    if (!children.empty()) {
+      st.num_children = 0;
+      commit(s);
+      stats_.forks_requeued += static_cast<std::int64_t>(children.size());
+    }
     return true;
   }
 
@@ -318,22 +333,36 @@ class ContinuousBatchingScheduler {
     copy.num_children = 0;
     copy.preemptions = 0;
     const bool fork = st.position_offset > 0 && !st.is_cpu_offloaded && cache_->compute_max_num_forks(src) >= 1;
-    if (fork) {
-      cache_->fork_request(src, std::span(&dst, 1));
-      const auto after = std::find(active_.begin(), active_.end(), src);
-      active_.insert(after == active_.end() ? after : after + 1, dst);
-      ++stats_.forks;
-    } else {
+    if (!fork) {
       copy.remaining_prefill_tokens = copy.tokens;
       copy.position_offset = 0;
       copy.allocated_blocks = 0;
       copy.is_cpu_offloaded = false;
       copy.status = RequestStatus::pending;
-      waiting_.push_back(dst);
+    }
+    staged s;
+    stage(s, std::move(copy), !fork);
+    prepare(s);
+    RequestState& made = s.states.begin()->second;  // a node: it keeps its address when it moves in
+    if (fork) {
+      cache_->fork_request(src, std::span(&dst, 1));
+      if (p1 < n) {
+        try {
+          cut(made, p1);
+        } catch (...) {
+          cache_->release_request(dst);
+          throw;
+        }
+      }
+      // Committed: the copy runs right after its source.
+      const auto after = std::find(active_.begin(), active_.end(), src);
+      active_.insert(after == active_.end() ? after : after + 1, std::move(s.ids.front()));
+      ++stats_.forks;
+    } else {
+      if (p1 < n) cut(made, p1);  // nothing cached: cannot fail
       ++stats_.forks_requeued;
     }
-    states_.emplace(dst, std::move(copy));
-    if (p1 < n) seq_rm(dst, p1, -1);
+    commit(s);
     return true;
   }
 
@@ -341,12 +370,15 @@ class ContinuousBatchingScheduler {
   // batch_select_indices with one row).
   void seq_keep(const std::string& id) {
     (void)live_state(id, "seq_keep");
-    std::vector<std::string> others;
+    // Every ending prepared (its message made) before the first is committed: all or nothing.
+    std::vector<std::pair<RequestState*, std::string>> others;
     for (const auto* ids : {&active_, &waiting_})
       for (const std::string& other : *ids)
-        if (other != id) others.push_back(other);
-    for (const std::string& other : others)
-      end_request(states_.at(other), RequestStatus::failed, "removed by seq_keep");
+        if (other != id) {
+          RequestState& o = states_.at(other);
+          others.emplace_back(&o, failure_message(o, "removed by seq_keep"));
+        }
+    for (auto& [o, message] : others) commit_end(*o, RequestStatus::failed, std::move(message));
   }
 
   // llama.cpp's seq_add shifts positions, re-rotating the cached keys (its K-shift). kvc does not:
@@ -455,11 +487,62 @@ class ContinuousBatchingScheduler {
   // The parent's id of a child `{parent}__child#{i}` (user ids cannot contain the mark).
   static std::string parent_of(const std::string& child) { return child.substr(0, child.find(child_mark)); }
 
-  // Records a child sequence's state.
-  void add_child(RequestState child) {
-    ++live_children_[parent_of(child.request_id)];
-    const std::string& id = child.request_id;
-    states_.emplace(id, std::move(child));
+  // ---- all-or-nothing insertions -----------------------------------------------------------------
+  // New requests are made aside (stage), then room is made for them (prepare), both of which may
+  // throw with the scheduler unchanged; commit moves them in and allocates nothing. The queues
+  // always have room for every request the scheduler knows, so that moving an id from one to
+  // another never allocates either.
+  struct staged {
+    std::unordered_map<std::string, RequestState> states;   // the new requests
+    std::vector<std::string> ids;                           // each one's queue entry, in stage order
+    std::vector<char> to_waiting;                           // whether commit queues it (else the caller does)
+    std::unordered_map<std::string, std::int64_t> parents;  // live_children_ entries to make
+    std::vector<std::string> child_parents;                 // the parent of each new child, in stage order
+  };
+
+  void stage(staged& s, RequestState st, bool to_waiting = true) {
+    s.ids.push_back(st.request_id);
+    s.to_waiting.push_back(to_waiting);
+    if (st.request_id.find(child_mark) != std::string::npos) {
+      std::string parent = parent_of(st.request_id);
+      if (live_children_.count(parent) == 0) s.parents.try_emplace(parent, 0);
+      s.child_parents.push_back(std::move(parent));
+    }
+    std::string key = st.request_id;
+    s.states.emplace(std::move(key), std::move(st));
+  }
+
+  void prepare(const staged& s) {
+    if (s.states.empty()) return;
+    states_.reserve(states_.size() + s.states.size());
+    live_children_.reserve(live_children_.size() + s.parents.size());
+    reserve_queues(s.states.size());
+  }
+
+  // Moves the staged requests in (allocates nothing after prepare): the ids still held in s.ids
+  // whose to_waiting is set go to the back of waiting_, in stage order.
+  void commit(staged& s) noexcept {
+    for (std::size_t i = 0; i < s.ids.size(); ++i)
+      if (s.to_waiting[i]) waiting_.push_back(std::move(s.ids[i]));
+    while (!s.parents.empty()) live_children_.insert(s.parents.extract(s.parents.begin()));
+    for (const std::string& parent : s.child_parents) ++live_children_.find(parent)->second;
+    while (!s.states.empty()) states_.insert(s.states.extract(s.states.begin()));
+  }
+
+  // Room in each queue for every known request and `more`.
+  void reserve_queues(std::size_t more) {
+    const std::size_t n = states_.size() + more;
+    active_.reserve(n);
+    waiting_.reserve(n);
+    ended_.reserve(n);
+  }
+
+  // Moves the request's entry from one queue to the back of another (allocates nothing).
+  static void move_id(std::vector<std::string>& from, std::vector<std::string>& to, const std::string& id) noexcept {
+    const auto it = std::find(from.begin(), from.end(), id);
+    if (it == from.end()) return;
+    to.push_back(std::move(*it));
+    from.erase(it);
   }
 
   static std::string in_flight_message(const char* call) {
@@ -477,9 +560,9 @@ class ContinuousBatchingScheduler {
   }
 
   // Forgets the request's cached tokens (blocks and swap blocks): it computes them again.
+  // Allocates nothing.
   void drop_cache(RequestState& st) {
-    if (holds_blocks(st.request_id)) cache_->free_blocks(st.request_id);
-    cache_->drop_offloaded_request(st.request_id);
+    cache_->release_request(st.request_id);
     st.is_cpu_offloaded = false;
     st.position_offset = 0;
     st.allocated_blocks = 0;
@@ -497,11 +580,6 @@ class ContinuousBatchingScheduler {
     const auto it = states_.find(id);
     if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
     return it->second;
-  }
-
-  static void erase_id(std::vector<std::string>& ids, const std::string& id) {
-    const auto it = std::find(ids.begin(), ids.end(), id);
-    if (it != ids.end()) ids.erase(it);
   }
 
   // Candidates in the scheduler's order; waiting ones interleave offloaded and fresh requests
@@ -525,11 +603,9 @@ class ContinuousBatchingScheduler {
     return out;
   }
 
-  void activate(RequestState& st) {
+  void activate(RequestState& st) noexcept {
     if (st.is_active()) return;
-    active_.reserve(active_.size() + 1);
-    erase_id(waiting_, st.request_id);
-    active_.push_back(st.request_id);
+    move_id(waiting_, active_, st.request_id);
     st.status = RequestStatus::prefilling;
   }
 
@@ -687,32 +763,54 @@ class ContinuousBatchingScheduler {
       st.allocated_blocks = 0;
       st.status = RequestStatus::pending;
       ++st.preemptions;
-      waiting_.reserve(waiting_.size() + 1);
-      erase_id(active_, id);
-      waiting_.push_back(id);
+      move_id(active_, waiting_, id);
     }
     if (!victims.empty()) block_new_requests_ = true;
     return static_cast<std::int64_t>(victims.size());
   }
 
-  bool holds_blocks(const std::string& id) const {
-    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
-      if (std::visit([&](const auto& a) { return a.has_request(id); }, cache_->group_allocator(g))) return true;
-    return false;
+  static std::string failure_message(const RequestState& st, std::string_view why) {
+    return "kvc::ContinuousBatchingScheduler: request " + st.request_id + " " + std::string(why);
   }
 
-  void end_request(RequestState& st, RequestStatus status, std::string error) {
+  // Ends the request: its blocks and swap blocks are freed, and take_finished() returns it. A
+  // failed one says why. All or nothing: the message is made before anything changes.
+  void end_request(RequestState& st, RequestStatus status, std::string_view why) {
+    commit_end(st, status, status == RequestStatus::failed ? failure_message(st, why) : std::string());
+  }
+  void commit_end(RequestState& st, RequestStatus status, std::string error) noexcept {
     drop_cache(st);
-    erase_id(active_, st.request_id);
-    erase_id(waiting_, st.request_id);
+    move_id(active_, ended_, st.request_id);
+    move_id(waiting_, ended_, st.request_id);
     st.status = status;
     st.remaining_prefill_tokens.clear();
     if (status == RequestStatus::failed) {
-      st.error = "kvc::ContinuousBatchingScheduler: request " + st.request_id + " " + std::move(error);
+      st.error = std::move(error);
       ++stats_.failed;
     }
-    ended_.push_back(st.request_id);
     block_new_requests_ = false;
+  }
+
+  // Cuts the request to its first p0 tokens (0 < p0 < its token count), for seq_rm and seq_cp: its
+  // blocks past them are given back (truncate_request), or, where a sliding group's ring has
+  // wrapped or no block is free to copy a shared partial block, the kept tokens are prefilled
+  // again (a soft reset). Strong: the room for the tokens to prefill is made first,
+  // truncate_request is strong, and nothing after it allocates.
+  void cut(RequestState& st, std::int64_t p0) {
+    st.remaining_prefill_tokens.reserve(static_cast<std::size_t>(p0));
+    std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
+    const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
+    if (cached < st.position_offset &&
+        (st.is_cpu_offloaded || wrapped || !cache_->truncate_request(st.request_id, cached))) {
+      drop_cache(st);
+      cached = 0;
+    }
+    st.tokens.resize(static_cast<std::size_t>(p0));
+    st.prompt_length = std::min(st.prompt_length, p0);
+    st.position_offset = cached;
+    st.allocated_blocks = table_length(st.request_id);
+    st.remaining_prefill_tokens.assign(st.tokens.begin() + cached, st.tokens.end());
+    if (st.is_active()) st.status = RequestStatus::prefilling;
   }
 
   // A request forks once its prompt is cached but for its last token.
@@ -729,41 +827,56 @@ class ContinuousBatchingScheduler {
   // Copies of `parent` under the child ids, sharing its complete blocks (copy-on-write for the
   // rest), as many as the free blocks allow; the others queue as new requests with its prompt.
   void fork(RequestState& parent) {  // references into states_ survive its growth
-    std::vector<std::string> ids;
-    for (std::int64_t i = 0; i < parent.num_children; ++i) ids.push_back(child_id(parent, i));
     const auto forks =
         static_cast<std::size_t>(std::min(parent.num_children, cache_->compute_max_num_forks(parent.request_id)));
     if (forks == 0) return requeue_children(parent);
-    cache_->fork_request(parent.request_id, std::span(ids).first(forks));
-    parent.num_children -= static_cast<std::int64_t>(forks);
-    auto at = std::find(active_.begin(), active_.end(), parent.request_id) + 1;
+    staged s;
+    std::vector<std::string> ids;
     for (std::size_t i = 0; i < forks; ++i) {
       RequestState child = parent;
-      child.request_id = ids[i];
+      child.request_id = child_id(parent, static_cast<std::int64_t>(i));
       child.num_children = 0;
-      at = active_.insert(at, child.request_id) + 1;
-      add_child(std::move(child));
-      ++stats_.forks;
+      ids.push_back(child.request_id);
+      stage(s, std::move(child), false);
     }
+    prepare(s);
+    cache_->fork_request(parent.request_id, ids);
+    parent.num_children -= static_cast<std::int64_t>(forks);
+    // Committed: the children run right after their parent, in order.
+    auto at = std::find(active_.begin(), active_.end(), parent.request_id) + 1;
+    for (std::string& id : s.ids) at = active_.insert(at, std::move(id)) + 1;
+    commit(s);
+    stats_.forks += static_cast<std::int64_t>(forks);
     requeue_children(parent, static_cast<std::int64_t>(forks));
+  }
+
+  // New waiting requests for the parent's children from `first` on, each with the prompt given.
+  std::vector<RequestState> requeued_children(const RequestState& parent, std::int64_t first,
+                                              std::span<const std::int64_t> prompt) const {
+    std::vector<RequestState> out;
+    out.reserve(static_cast<std::size_t>(parent.num_children));
+    for (std::int64_t i = first; i < first + parent.num_children; ++i) {
+      RequestState child;
+      child.request_id = child_id(parent, i);
+      child.tokens.assign(prompt.begin(), prompt.end());
+      child.prompt_length = static_cast<std::int64_t>(prompt.size());
+      child.remaining_prefill_tokens = child.tokens;
+      child.max_new_tokens = parent.max_new_tokens;
+      child.eos_token_id = parent.eos_token_id;
+      out.push_back(std::move(child));
+    }
+    return out;
   }
 
   // The parent's children from `first` on, as new waiting requests with its prompt.
   void requeue_children(RequestState& parent, std::int64_t first = 0) {
-    const std::int64_t n = first + parent.num_children;
+    staged s;
+    std::vector<RequestState> children = requeued_children(parent, first, parent.prompt());
+    for (RequestState& child : children) stage(s, std::move(child));
+    prepare(s);
     parent.num_children = 0;
-    for (std::int64_t i = first; i < n; ++i) {
-      RequestState child;
-      child.request_id = child_id(parent, i);
-      child.tokens.assign(parent.prompt().begin(), parent.prompt().end());
-      child.prompt_length = parent.prompt_length;
-      child.remaining_prefill_tokens = child.tokens;
-      child.max_new_tokens = parent.max_new_tokens;
-      child.eos_token_id = parent.eos_token_id;
-      waiting_.push_back(child.request_id);
-      add_child(std::move(child));
-      ++stats_.forks_requeued;
-    }
+    commit(s);
+    stats_.forks_requeued += static_cast<std::int64_t>(children.size());
   }
 
   PagedCache<S>* cache_;
