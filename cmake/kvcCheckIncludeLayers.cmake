@@ -44,8 +44,10 @@ set(kvc_layer_4
     policies/quantization/codecs.hpp policies/storage/host.hpp)
 set(kvc_layer_5
     policies/layers.hpp policies/layers/attention_part.hpp policies/layers/dynamic.hpp
-    policies/layers/indexed.hpp policies/layers/kv_store.hpp policies/layers/linear.hpp
-    policies/layers/quantized.hpp policies/layers/static.hpp)
+    policies/layers/dynamic_indexed.hpp policies/layers/dynamic_sliding.hpp policies/layers/hybrid.hpp
+    policies/layers/indexed.hpp policies/layers/indexed_parts.hpp policies/layers/kv_store.hpp
+    policies/layers/linear.hpp policies/layers/quantized.hpp policies/layers/static.hpp
+    policies/layers/static_indexed.hpp policies/layers/static_sliding.hpp)
 set(kvc_layer_6
     any_cache.hpp cache.hpp cache_traits.hpp caches.hpp encoder_decoder_cache.hpp
     quantized_cache.hpp speculative_caches.hpp

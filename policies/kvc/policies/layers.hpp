@@ -5,7 +5,10 @@
 // The kinds alone, without their states, are in <kvc/policies/layers/kinds.hpp>.
 
 #include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/dynamic_sliding.hpp>
+#include <kvc/policies/layers/hybrid.hpp>
 #include <kvc/policies/layers/indexed.hpp>
 #include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/linear.hpp>
 #include <kvc/policies/layers/static.hpp>
+#include <kvc/policies/layers/static_sliding.hpp>

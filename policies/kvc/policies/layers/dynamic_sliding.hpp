@@ -1,0 +1,170 @@
+#pragma once
+// DynamicSlidingWindowLayer's state: keeps the last sliding_window - 1 tokens. Semantics:
+// transformers' DynamicSlidingWindowLayer (src/transformers/cache_utils.py at a597f974); what kvc
+// does differently: docs/differences.md.
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
+#include <kvc/policies/layers/dynamic.hpp>
+#include <kvc/policies/layers/kinds.hpp>
+#include <kvc/policies/layers/kv_store.hpp>
+#include <kvc/warnings.hpp>
+
+namespace kvc {
+
+template <class S>
+class DynamicSlidingWindowLayer::state {
+ public:
+  using kind_type = DynamicSlidingWindowLayer;
+  using view = typename S::view_type;
+  static constexpr bool is_sliding = true;
+  static constexpr bool is_compileable = false;
+  static constexpr bool supports_early_init = true;
+  static constexpr bool supports_batch_ops = true;
+  static constexpr std::string_view name = "DynamicSlidingWindowLayer";
+
+  explicit state(const DynamicSlidingWindowLayer& kind) : window_(kind.sliding_window) {
+    detail::check_size("DynamicSlidingWindowLayer: sliding_window", window_, 1, max_extent);
+  }
+
+  std::int64_t sliding_window() const noexcept { return window_; }
+  bool records_past() const noexcept { return record_past_; }
+  bool is_initialized() const noexcept { return initialized_; }
+  LayerShape shape() const noexcept { return store_.shape(); }
+  std::int64_t bytes() const noexcept { return store_.bytes(); }
+
+  void lazy_initialization(LayerShape shape) {
+    store_ = detail::kv_store<S>(shape, 0, false);
+    start_ = len_ = 0;
+    initialized_ = true;
+  }
+
+  void activate_past_recording() noexcept { record_past_ = true; }
+
+  KV<view> update(const view& k, const view& v) {
+    const std::int64_t q = k.extent(2);
+    const std::int64_t kv_length = get_mask_sizes(q).first;
+    const std::int64_t grow = std::max({2 * (len_ + q), 2 * window_, detail::min_dynamic_capacity});
+    std::int64_t base = 0;
+    if (!initialized_) {
+      detail::kv_store<S> fresh(detail::shape_of(k, v), grow, false);
+      fresh.write(0, k, v);
+      store_ = std::move(fresh);
+      initialized_ = true;
+    } else {
+      base = store_.append_after(start_, len_, k, v, grow);
+    }
+    // Commit: [base, base + total) holds the previously stored tokens followed by the new ones.
+    const std::int64_t total = len_ + q;
+    const std::int64_t returned = std::min(kv_length, total);  // exactly what get_mask_sizes advertised
+    cumulative_ += q;
+    const std::int64_t keep = record_past_ ? total : std::min(total, window_ - 1);
+    start_ = base + total - keep;
+    len_ = keep;
+    return store_.kv(base + total - returned, returned);
+  }
+
+  // Tokens seen (not the number stored).
+  std::int64_t get_seq_length() const noexcept { return cumulative_; }
+  std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept {
+    const bool full = cumulative_ >= window_;
+    return {full ? window_ - 1 + q : cumulative_ + q, std::max<std::int64_t>(cumulative_ - window_ + 1, 0)};
+  }
+  std::int64_t get_max_length() const noexcept { return window_; }
+
+  void check_crop(std::int64_t tokens_to_remove) const {
+    if (!initialized_) return;
+    if (cumulative_ < window_) {
+      if (tokens_to_remove > 0) warn_once(positive_crop_deprecation);  // before any layer changes
+      return;
+    }
+    if (!record_past_)
+      throw RuntimeError(
+          "`crop` was called, but the current layer does not track past states, and the sliding window size was "
+          "already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache.");
+    if (tokens_to_remove > 0)
+      throw RuntimeError(
+          "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped by "
+          "passing a negative int, to specify how many tokens to remove");
+  }
+
+  void crop(std::int64_t tokens_to_remove) {
+    check_crop(tokens_to_remove);
+    if (!initialized_) return;
+    if (cumulative_ < window_) {
+      len_ -= detail::dynamic_crop_count(tokens_to_remove, len_);
+      cumulative_ = len_;
+      return;
+    }
+    // Past the window, with recording: keep the window - 1 tokens before the last n removed ones.
+    // min(-tokens_to_remove, cumulative_), without negating INT64_MIN.
+    const std::int64_t n = tokens_to_remove <= -cumulative_ ? cumulative_ : -tokens_to_remove;
+    const std::int64_t stop = std::max<std::int64_t>(len_ - n, 0);
+    const std::int64_t first = std::max<std::int64_t>(stop - (window_ - 1), 0);
+    start_ += first;
+    len_ = stop - first;
+    cumulative_ -= n;
+  }
+
+  void reset() noexcept {
+    store_ = detail::kv_store<S>();
+    start_ = len_ = cumulative_ = 0;
+    initialized_ = false;
+  }
+
+  // The buffers the layer owns, for offload engines (docs/policies/offload.md).
+  template <class F>
+  void for_each_buffer(F&& f) {
+    store_.for_each_buffer(f);
+  }
+
+  KV<view> stored() const noexcept { return store_.kv(start_, len_); }
+
+  state gathered(std::span<const std::int64_t> batch_indices) const {
+    state out(*this, 0);
+    if (initialized_) out.store_ = store_.gathered(batch_indices);
+    return out;
+  }
+
+  // Saved state (docs/state.md); a loaded layer holds its tokens at the front of its buffer.
+  DynamicSlidingWindowLayer kind() const noexcept { return {window_}; }
+  template <class A>
+  void transfer(A& ar) {
+    ar.param("sliding_window", window_);
+    ar.value(initialized_);
+    ar.value(record_past_);
+    ar.value(len_);
+    ar.value(cumulative_);
+    ar.check(len_ >= 0 && len_ <= cumulative_ && cumulative_ <= max_extent && (initialized_ || cumulative_ == 0),
+             "the token counts");
+    ar.check(record_past_ || len_ <= window_ - 1, "more tokens than the window keeps");
+    ar.kv(store_, start_, len_, len_);
+    if constexpr (A::loading) start_ = 0;
+  }
+
+ private:
+  state(const state& o, int)
+      : window_(o.window_),
+        start_(o.start_),
+        len_(o.len_),
+        cumulative_(o.cumulative_),
+        record_past_(o.record_past_),
+        initialized_(o.initialized_) {}
+
+  std::int64_t window_;
+  detail::kv_store<S> store_;
+  std::int64_t start_ = 0;  // the stored tokens are slots [start_, start_ + len_)
+  std::int64_t len_ = 0;
+  std::int64_t cumulative_ = 0;  // tokens seen
+  bool record_past_ = false;
+  bool initialized_ = false;
+};
+
+}  // namespace kvc
