@@ -11,12 +11,15 @@
 //   - no group has a table, and the swap pool holds no request, that the scheduler does not run;
 //   - every request's generated tokens are the model's;
 //   - every cached position of every request in the cache holds that request's own K/V row;
-//   - a call that throws changes nothing the caller can observe.
+//   - a call that throws changes nothing the caller can observe; with inject() on, the
+//     all-or-nothing calls also fail allocations at random and must then change nothing.
 // At the end every request has ended and every block and swap block is free again. A broken
 // invariant throws kvc_model::violation (the unit test fails, the fuzz target aborts).
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <new>
 #include <optional>
 #include <random>
 #include <set>
@@ -85,6 +88,16 @@ class run {
     }
   }
 
+  // Makes the all-or-nothing calls (add_request, cancel_request, take_finished, seq_rm, seq_cp,
+  // seq_keep) fail an allocation now and then: `arm(n)` fails the n-th allocation from then on,
+  // `disarm()` stops and says whether one failed (tests/unit/alloc_failure.cpp replaces operator
+  // new for this). A failed call must change nothing; it is then made again, unarmed.
+  void inject(std::function<void(std::int64_t)> arm, std::function<bool()> disarm) {
+    arm_ = std::move(arm);
+    disarm_ = std::move(disarm);
+  }
+  std::int64_t injected() const noexcept { return injected_; }
+
   // Runs operations until the source is spent, then to the end; returns what it did.
   counts go(std::int64_t max_operations = 400) {
     check("the start");
@@ -144,6 +157,27 @@ class run {
       return false;
     }
   }
+  // An all-or-nothing call: with injection on, its n-th allocation may fail first (n drawn from
+  // the source); the failure must change nothing, and the call is made again.
+  template <class F>
+  void attempt(const char* what, F&& call) {
+    if (arm_) {
+      const std::string before = observed();
+      arm_(src_.pick(24));
+      try {
+        call();
+        disarm_();
+        return;
+      } catch (const std::bad_alloc&) {
+        if (!disarm_()) throw;
+      }
+      ++injected_;
+      if (observed() != before)
+        fail(std::string(what) + " failed an allocation and changed the scheduler or the cache");
+    }
+    call();
+  }
+
   // Children the scheduler made (by a fork, or queued on their own) join the known ids.
   void learn_children() {
     for (const auto& [parent, n] : children_)
@@ -195,7 +229,7 @@ class run {
       case 13:
         if (src_.pick(4) == 0 && !in_flight_) {
           const std::string id = any_known();
-          if (live(id)) sched_->seq_keep(id);
+          if (live(id)) attempt("seq_keep", [&] { sched_->seq_keep(id); });
         }
         return check("seq_keep");
       default:
@@ -218,7 +252,7 @@ class run {
       refused("add_request of a known id", [&] { sched_->add_request(r); });
       return check("add_request (refused)");
     }
-    sched_->add_request(r);
+    attempt("add_request", [&] { sched_->add_request(r); });
     known_.insert(r.request_id);
     taken_.erase(r.request_id);
     children_[r.request_id] = r.num_return_sequences - 1;
@@ -260,7 +294,9 @@ class run {
 
   void take() {
     learn_children();
-    for (kvc::RequestState& st : sched_->take_finished()) {
+    std::vector<kvc::RequestState> ended;
+    attempt("take_finished", [&] { ended = sched_->take_finished(); });
+    for (kvc::RequestState& st : ended) {
       if (known_.erase(st.request_id) == 0) fail("take_finished returned " + st.request_id + ", not known");
       taken_.insert(st.request_id);
       check_tokens(st);
@@ -275,7 +311,7 @@ class run {
       if (live(id)) refused("cancel_request in flight", [&] { sched_->cancel_request(id); });
       return check("cancel_request (refused)");
     }
-    if (known_.count(id) != 0) sched_->cancel_request(id);
+    if (known_.count(id) != 0) attempt("cancel_request", [&] { sched_->cancel_request(id); });
     check("cancel_request");
   }
 
@@ -288,7 +324,7 @@ class run {
       refused("seq_rm in flight", [&] { sched_->seq_rm(id, p0, p1); });
       return check("seq_rm (refused)");
     }
-    sched_->seq_rm(id, p0, p1);
+    attempt("seq_rm", [&] { (void)sched_->seq_rm(id, p0, p1); });
     check("seq_rm");
   }
 
@@ -298,7 +334,10 @@ class run {
     const std::string dst = "c" + std::to_string(next_id_++);
     const auto n = std::ssize(sched_->request(src).tokens);
     const std::int64_t p1 = src_.pick(2) == 0 ? -1 : src_.pick(n + 1);
-    if (sched_->seq_cp(src, dst, src_.pick(2) - 1, p1) && exists(dst)) known_.insert(dst);
+    const std::int64_t p0 = src_.pick(2) - 1;
+    bool copied = false;
+    attempt("seq_cp", [&] { copied = sched_->seq_cp(src, dst, p0, p1); });
+    if (copied && exists(dst)) known_.insert(dst);
     check("seq_cp");
   }
 
@@ -414,6 +453,9 @@ class run {
   std::optional<kvc::ScheduledBatch> in_flight_, stale_;
   std::int64_t next_id_ = 0;
   counts c_;
+  std::function<void(std::int64_t)> arm_;
+  std::function<bool()> disarm_;
+  std::int64_t injected_ = 0;
 };
 
 }  // namespace kvc_model

@@ -23,6 +23,7 @@
 
 #include "../support/kvc_test.hpp"
 #include "../support/paged_snapshot.hpp"
+#include "../support/scheduler_model.hpp"
 #include "../support/toy_model.hpp"
 
 // ---- the failing allocator ---------------------------------------------------------------------
@@ -652,6 +653,28 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
     failures += here;
   }
   MESSAGE("scheduler: " << failures << " injected failures");
+}
+
+TEST_CASE("the model-checked scheduler runs, with allocation failures in the all-or-nothing calls") {
+  // tests/support/scheduler_model.hpp's random operation sequences (its layouts, pool sizes, swap
+  // pools, sharing and schedule orders), with add_request, cancel_request, take_finished and the
+  // sequence operations failing an allocation at random: each failure must change nothing, and
+  // every invariant must hold after every operation.
+  std::int64_t injected = 0, operations = 0;
+  for (std::uint64_t seed = 0; seed < 300; ++seed) {
+    CAPTURE(seed);
+    kvc_model::source src(seed, 400);
+    kvc_model::run r(src);
+    r.inject([](std::int64_t n) { arm(n); }, [] { return disarm(); });
+    try {
+      operations += r.go().operations;
+    } catch (const std::exception& e) {  // a violation, or a call the scheduler refused on retry
+      FAIL_CHECK(std::string(e.what()));
+    }
+    injected += r.injected();
+  }
+  MESSAGE(injected << " injected failures over " << operations << " operations");
+  CHECK(injected > 100);
 }
 
 TEST_CASE("DynamicCache: every allocation failure leaves the cache as it was") {
