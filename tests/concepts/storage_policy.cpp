@@ -1,4 +1,4 @@
-// kvc::concepts::StoragePolicy and supports_its_element_type
+// kvc::concepts::StoragePolicy, supports_its_element_type and PagedStoragePolicy
 // (concepts/kvc/concepts/storage_policy.hpp): the shipped policies and a minimal archetype model
 // them; one near-miss per named requirement does not. Also the views the policies return
 // (kvc::basic_tensor_view / basic_state_view over both memory spaces). Compile-only.
@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
 
@@ -59,6 +60,15 @@ static_assert(has_element_type<storage_archetype> && has_memory_space<storage_ar
               has_make_view<storage_archetype> && has_input_adapter<storage_archetype>);
 static_assert(StoragePolicy<storage_archetype>);
 static_assert(supports_its_element_type<storage_archetype>);
+// Without scatter_rows it is no paged storage policy; with it, it is.
+static_assert(!has_scatter_rows<storage_archetype> && !PagedStoragePolicy<storage_archetype>);
+struct paged_storage_archetype : storage_archetype {
+  static void scatter_rows(std::span<const kvc::detail::scatter_job<float>> jobs, std::span<const std::int64_t> rows,
+                           std::int64_t heads, std::int64_t width, std::int64_t dst_head_pitch);
+};
+static_assert(PagedStoragePolicy<paged_storage_archetype>);
+static_assert(PagedStoragePolicy<kvc::HostStorage<float>> && PagedStoragePolicy<kvc::HostStorage<Eigen::bfloat16>>);
+static_assert(!PagedStoragePolicy<float>);
 
 // ---- near-misses: the archetype with one member hidden by a wrong one ------------------------
 // has_element_type: the standard library's name (value_type) instead of element_type.

@@ -12,11 +12,16 @@
 //   S::make_view(ptr, extents, strides)           a view_type over the storage's memory
 //   S::accepts_input<X>                           bool: whether `update` takes an X
 //   S::input_view(x)                              the view_type of an accepted input x
+// and of a paged storage policy (kvc::PagedCache's) also
+//   S::scatter_rows(jobs, rows, heads, width, pitch)  the paged write: each job's token rows to
+//                                                     their pool rows (detail::scatter_job)
 
 #include <array>
 #include <concepts>
 #include <cstdint>
+#include <span>
 
+#include <kvc/detail/traits.hpp>
 #include <kvc/tensor_view.hpp>
 
 namespace kvc::concepts {
@@ -73,6 +78,17 @@ template <class S>
 concept StoragePolicy =
     has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> && has_buffer_type<S> &&
     has_view_type<S> && has_copy_kernels<S> && has_make_view<S> && has_input_adapter<S>;
+
+// The paged write kvc::PagedCache makes: S::scatter_rows(jobs, rows, heads, width, dst_head_pitch).
+template <class S>
+concept has_scatter_rows =
+    has_element_type<S> &&
+    requires(std::span<const detail::scatter_job<typename S::element_type>> jobs, std::span<const std::int64_t> rows,
+             std::int64_t n) { S::scatter_rows(jobs, rows, n, n, n); };
+
+// What kvc::PagedCache<S> requires: a storage policy with the paged write.
+template <class S>
+concept PagedStoragePolicy = StoragePolicy<S> && has_scatter_rows<S>;
 
 // True when S is a storage policy whose element type it supports.
 template <class S>

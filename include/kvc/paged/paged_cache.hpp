@@ -30,6 +30,7 @@
 #include <variant>
 #include <vector>
 
+#include <kvc/concepts/storage_policy.hpp>
 #include <kvc/config.hpp>
 #include <kvc/detail/traits.hpp>
 #include <kvc/errors.hpp>
@@ -140,8 +141,23 @@ std::vector<std::string> select_offload_victims(std::span<const StarvedRequest> 
 
 }  // namespace paged
 
+// PagedCache over something that is not a paged storage policy: this one error, and no other.
 template <class S>
 class PagedCache {
+  static_assert(concepts::PagedStoragePolicy<S>,
+                "kvc::PagedCache: the StoragePolicy does not model kvc::concepts::PagedStoragePolicy (a "
+                "StoragePolicy with scatter_rows). Use kvc::HostStorage or kvc::CudaStorage, or see "
+                "docs/concepts/storage_policy.md");
+
+ public:
+  // Takes any arguments, so that constructing one adds no second error.
+  template <class... Args>
+  explicit PagedCache(Args&&...) {}
+};
+
+template <class S>
+  requires concepts::PagedStoragePolicy<S>
+class PagedCache<S> {
  public:
   using T = typename S::element_type;
   using view_type = typename S::view_type;
@@ -798,9 +814,8 @@ class PagedCache {
 
  private:
   template <class>
-  friend class PagedBatchCache;
-  friend struct detail::
-      state_access;  // kvc::save_request / kvc::load_request  // runs a dense batch's rows through check_step and write_and_read
+  friend class PagedBatchCache;        // runs a dense batch's rows through check_step and write_and_read
+  friend struct detail::state_access;  // kvc::save_request / kvc::load_request
 
   // One layer's step, checked: its group, its pool tensor, and whether the group is sliding.
   struct step {
