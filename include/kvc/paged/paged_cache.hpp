@@ -280,6 +280,14 @@ class PagedCache<S> {
   std::int64_t max_blocks_per_request() const noexcept { return max_blocks_per_request_; }
   std::optional<std::int64_t> max_batch_tokens() const noexcept { return max_batch_tokens_; }
   bool use_prefix_sharing() const noexcept { return use_prefix_sharing_; }
+  // Whether some full-attention group hashes its complete blocks (allow_block_sharing): forks
+  // share them, and a step's completed blocks are worth marking.
+  bool shares_blocks() const noexcept {
+    for (const allocator& a : allocators_)
+      if (const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&a); full && full->uses_block_sharing())
+        return true;
+    return false;
+  }
   std::int64_t read_trash_index() const noexcept { return read_trash_; }
   std::int64_t sentinel_index() const noexcept { return sentinel_; }
   std::int64_t write_trash_index() const noexcept { return write_trash_; }

@@ -172,9 +172,7 @@ class ContinuousBatchingScheduler {
     max_requests_per_batch_ = std::min(requests, max_batch_tokens_);
     if (!cache.use_prefix_sharing()) max_requests_per_batch_ = std::min(max_requests_per_batch_, cache.num_blocks());
     fast_path_blocks_ = cache.num_sliding_attention_groups() == 0 ? cache.max_blocks_per_request() : 0;
-    for (std::int64_t g = 0; g < cache.num_groups(); ++g)
-      if (const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&cache.group_allocator(g)))
-        sharing_ = sharing_ || full->uses_block_sharing();
+    sharing_ = cache.shares_blocks();
   }
 
   std::int64_t max_batch_tokens() const noexcept { return max_batch_tokens_; }
