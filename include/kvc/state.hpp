@@ -325,7 +325,7 @@ struct state_access {
       most = std::max(most, n);
       total += n;
     }
-    ar.check(total <= c.num_blocks_, "more blocks than the cache has");
+    ar.check(total <= c.num_blocks(), "more blocks than the cache has");
     ar.reserve(static_cast<std::uint64_t>(total) * static_cast<std::uint64_t>(c.bytes_per_block()),
                "the request's blocks");
     pending_request<S> out(nullptr, id);

@@ -193,35 +193,26 @@ class PagedCache<S> {
         layer_map_[static_cast<std::size_t>(groups_.groups[g][j])] = {static_cast<std::int64_t>(g),
                                                                       static_cast<std::int64_t>(j)};
 
-    num_blocks_ = manager_.num_blocks();
     max_batch_tokens_ = cb.max_batch_tokens;
     max_blocks_per_request_ = cb.resolved_max_blocks_per_request();
-    read_trash_ = num_blocks_ * block_size_;
-    sentinel_ = read_trash_ + 1;
-    write_trash_ = (num_blocks_ + 1) * block_size_;
 
     for (std::size_t g = 0; g < groups_.types.size(); ++g) {
       const auto index = static_cast<std::int64_t>(g);
       if (groups_.types[g] == "full_attention") {
         allocators_.emplace_back(paged::FullAttentionCacheAllocator(index, block_size_, cb.allow_block_sharing));
-        ++num_full_groups_;
       } else {
         if (!config.sliding_window || *config.sliding_window < 1)
           throw ValueError("kvc::PagedCache: the model has sliding_attention layers but no sliding_window");
-        sliding_window_ = *config.sliding_window;
-        allocators_.emplace_back(
-            paged::SlidingAttentionCacheAllocator(index, block_size_, sliding_window_, sentinel_, write_trash_));
-        ++num_sliding_groups_;
+        allocators_.emplace_back(paged::SlidingAttentionCacheAllocator(index, block_size_, *config.sliding_window,
+                                                                       sentinel_index(), write_trash_index()));
       }
     }
-    max_sliding_blocks_ = sliding_window_ > 0 ? (sliding_window_ + block_size_ - 1) / block_size_ : 0;
     use_prefix_sharing_ = cb.allow_block_sharing && groups_.types == std::vector<std::string>{"full_attention"};
 
     // The pools, zeroed whole: the read-trash block must be (padded reads see zeros), and the rest
     // is zeroed too (a one-time cost) so that no path ever reads uninitialized memory.
-    row_elems_ = kv_heads_ * head_dim_;
     const std::int64_t elems =
-        detail::checked_elements({num_blocks_ + 2, block_size_, kv_heads_, head_dim_}, sizeof(T));
+        detail::checked_elements({num_blocks() + 2, block_size_, kv_heads_, head_dim_}, sizeof(T));
     keys_.reserve(static_cast<std::size_t>(groups_.group_size));
     values_.reserve(static_cast<std::size_t>(groups_.group_size));
     for (std::int64_t j = 0; j < groups_.group_size; ++j) {
@@ -266,17 +257,30 @@ class PagedCache<S> {
   // ---- geometry -----------------------------------------------------------------------------------
 
   std::int64_t block_size() const noexcept { return block_size_; }
-  std::int64_t num_blocks() const noexcept { return num_blocks_; }
-  std::int64_t num_pages() const noexcept { return num_blocks_ * block_size_; }
+  std::int64_t num_blocks() const noexcept { return manager_.num_blocks(); }
+  std::int64_t num_pages() const noexcept { return num_blocks() * block_size_; }
   std::int64_t num_key_value_heads() const noexcept { return kv_heads_; }
   std::int64_t head_dim() const noexcept { return head_dim_; }
   std::int64_t group_size() const noexcept { return groups_.group_size; }
   std::int64_t num_groups() const noexcept { return static_cast<std::int64_t>(groups_.groups.size()); }
   const paged::LayerGroups& layer_groups() const noexcept { return groups_; }
-  std::int64_t num_full_attention_groups() const noexcept { return num_full_groups_; }
-  std::int64_t num_sliding_attention_groups() const noexcept { return num_sliding_groups_; }
-  std::int64_t sliding_window() const noexcept { return sliding_window_; }
-  std::int64_t max_sliding_window_blocks_per_request() const noexcept { return max_sliding_blocks_; }
+  std::int64_t num_full_attention_groups() const noexcept {
+    return std::count_if(allocators_.begin(), allocators_.end(), [](const allocator& a) {
+      return std::holds_alternative<paged::FullAttentionCacheAllocator>(a);
+    });
+  }
+  std::int64_t num_sliding_attention_groups() const noexcept {
+    return static_cast<std::int64_t>(allocators_.size()) - num_full_attention_groups();
+  }
+  // The sliding groups' window (every sliding group has the config's), 0 without one.
+  std::int64_t sliding_window() const noexcept {
+    const auto* a = sliding_allocator();
+    return a ? a->sliding_window() : 0;
+  }
+  std::int64_t max_sliding_window_blocks_per_request() const noexcept {
+    const auto* a = sliding_allocator();
+    return a ? a->max_blocks_per_request() : 0;
+  }
   std::int64_t max_blocks_per_request() const noexcept { return max_blocks_per_request_; }
   std::optional<std::int64_t> max_batch_tokens() const noexcept { return max_batch_tokens_; }
   bool use_prefix_sharing() const noexcept { return use_prefix_sharing_; }
@@ -288,9 +292,9 @@ class PagedCache<S> {
         return true;
     return false;
   }
-  std::int64_t read_trash_index() const noexcept { return read_trash_; }
-  std::int64_t sentinel_index() const noexcept { return sentinel_; }
-  std::int64_t write_trash_index() const noexcept { return write_trash_; }
+  std::int64_t read_trash_index() const noexcept { return num_blocks() * block_size_; }
+  std::int64_t sentinel_index() const noexcept { return read_trash_index() + 1; }
+  std::int64_t write_trash_index() const noexcept { return (num_blocks() + 1) * block_size_; }
   // (group, index in group) of a layer.
   std::pair<std::int64_t, std::int64_t> layer_group(std::int64_t layer_idx) const {
     if (layer_idx < 0 || layer_idx >= static_cast<std::int64_t>(layer_map_.size()))
@@ -300,7 +304,8 @@ class PagedCache<S> {
   }
   // Bytes of the K and V pools.
   std::int64_t bytes() const noexcept {
-    return 2 * groups_.group_size * (num_blocks_ + 2) * block_size_ * row_elems_ * static_cast<std::int64_t>(sizeof(T));
+    return 2 * groups_.group_size * (num_blocks() + 2) * block_size_ * row_elems() *
+           static_cast<std::int64_t>(sizeof(T));
   }
   const paged::BlockManager& manager() const noexcept { return manager_; }
   const allocator& group_allocator(std::int64_t g) const { return allocators_.at(static_cast<std::size_t>(g)); }
@@ -315,14 +320,16 @@ class PagedCache<S> {
   // `allocated` logical blocks (its full-group count): n per full group, and per sliding group what
   // its ring still lacks, at most n. Saturated at the int64 limits (any count is accepted).
   std::int64_t blocks_needed(std::int64_t n, std::int64_t allocated) const noexcept {
-    std::int64_t need = saturating_mul(n, num_full_groups_);
-    if (num_sliding_groups_ > 0) {
-      // min(max(max_sliding_blocks_ - allocated, 0), n), without forming a difference that overflows
-      const std::int64_t lack = n <= 0                                ? n
-                                : allocated >= max_sliding_blocks_    ? 0
-                                : allocated < max_sliding_blocks_ - n ? n
-                                                                      : max_sliding_blocks_ - allocated;
-      need = saturating_add(need, saturating_mul(lack, num_sliding_groups_));
+    const std::int64_t full = num_full_attention_groups(), sliding = num_sliding_attention_groups(),
+                       max_sliding = max_sliding_window_blocks_per_request();
+    std::int64_t need = saturating_mul(n, full);
+    if (sliding > 0) {
+      // min(max(max_sliding - allocated, 0), n), without forming a difference that overflows
+      const std::int64_t lack = n <= 0                        ? n
+                                : allocated >= max_sliding    ? 0
+                                : allocated < max_sliding - n ? n
+                                                              : max_sliding - allocated;
+      need = saturating_add(need, saturating_mul(lack, sliding));
     }
     return need;
   }
@@ -491,7 +498,7 @@ class PagedCache<S> {
       throw ValueError("kvc::PagedCache: a block table needs num_groups * max_blocks_per_request = " +
                        std::to_string(num_groups() * max_blocks_per_request_) + " entries, got " +
                        std::to_string(table.size()));
-    if (num_sliding_groups_ > 0)
+    if (num_sliding_attention_groups() > 0)
       throw NotImplementedError("Sliding window attention layers do not support block table");
     // (negative lengths: the allocator's message)
     detail::check_size("kvc::PagedCache::fill_block_table: past", past, INT64_MIN, max_extent);
@@ -509,8 +516,8 @@ class PagedCache<S> {
     detail::check_size("kvc::PagedCache::get_seqlens_k: past", past, 0, max_extent);
     detail::check_size("kvc::PagedCache::get_seqlens_k: q", q, 0, max_extent);
     PagedSeqlensK out;
-    if (num_full_groups_ > 0) out.full_attention = past + q;
-    if (num_sliding_groups_ > 0) out.sliding_attention = q + std::min(past, sliding_window_ - 1);
+    if (num_full_attention_groups() > 0) out.full_attention = past + q;
+    if (num_sliding_attention_groups() > 0) out.sliding_attention = q + std::min(past, sliding_window() - 1);
     return out;
   }
 
@@ -613,7 +620,7 @@ class PagedCache<S> {
 
   // Bytes of one block in every pool tensor (what one swap block holds).
   std::int64_t bytes_per_block() const noexcept {
-    return 2 * groups_.group_size * block_size_ * row_elems_ * static_cast<std::int64_t>(sizeof(T));
+    return 2 * groups_.group_size * block_size_ * row_elems() * static_cast<std::int64_t>(sizeof(T));
   }
   // (Re)creates an empty swap pool of `num_blocks` blocks; refused while requests are offloaded.
   void reserve_swap_space(std::int64_t num_blocks) {
@@ -634,7 +641,6 @@ class PagedCache<S> {
     swap_k_ = std::move(k);
     swap_v_ = std::move(v);
     swap_free_ = std::move(free);
-    swap_blocks_ = num_blocks;
   }
   // The swap pool transformers' offloading manager would make: cpu_offload_space GiB (unset: the
   // whole cap) capped at cpu_offload_space_safety_threshold of the available RAM, in whole blocks,
@@ -681,7 +687,10 @@ class PagedCache<S> {
            " GiB is too small for even one block. No CPU offloading.");
     return blocks;
   }
-  std::int64_t swap_blocks() const noexcept { return swap_blocks_; }
+  // The swap pool's size in blocks (what its buffers hold).
+  std::int64_t swap_blocks() const noexcept {
+    return swap_k_.empty() ? 0 : static_cast<std::int64_t>(swap_k_.front().size()) / (block_size_ * row_elems());
+  }
   std::int64_t free_swap_blocks() const noexcept { return static_cast<std::int64_t>(swap_free_.size()); }
   bool is_offloaded(const std::string& request_id) const { return swapped_.count(request_id) != 0; }
 
@@ -706,7 +715,7 @@ class PagedCache<S> {
     auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
     (void)inserted;
     // Committed: copies and bookkeeping that cannot fail on the host.
-    copy_blocks(keys_, values_, pool_rows(), blocks, swap_k_, swap_v_, swap_blocks_ * block_size_,
+    copy_blocks(keys_, values_, pool_rows(), blocks, swap_k_, swap_v_, swap_blocks() * block_size_,
                 slot->second.swap_ids);
     swap_free_.erase(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
     free_blocks(request_id);
@@ -730,7 +739,7 @@ class PagedCache<S> {
       dst.insert(dst.end(), t.begin(), t.begin() + n);
     }
     std::vector<std::int64_t> freed = with_swap_ids_returned(it->second);
-    copy_blocks(swap_k_, swap_v_, swap_blocks_ * block_size_, it->second.swap_ids, keys_, values_, pool_rows(), dst);
+    copy_blocks(swap_k_, swap_v_, swap_blocks() * block_size_, it->second.swap_ids, keys_, values_, pool_rows(), dst);
     swap_free_ = std::move(freed);
     swapped_.erase(it);
   }
@@ -857,10 +866,11 @@ class PagedCache<S> {
     const std::int64_t rows = pool_rows();
     for (const std::int64_t r : writes) check_row(r, rows, "write");
     const bool sliding = s.sliding;
+    const std::int64_t sentinel = sentinel_index();
     std::int64_t sentinels = 0;
     for (const std::int64_t r : reads) {
       check_row(r, rows, "read");
-      sentinels += (sliding && r == sentinel_) ? 1 : 0;
+      sentinels += (sliding && r == sentinel) ? 1 : 0;
     }
     if (sentinels > tokens)
       throw ValueError("kvc::PagedCache::update: " + std::to_string(sentinels) + " sentinel rows but only " +
@@ -1010,7 +1020,7 @@ class PagedCache<S> {
   // The free swap blocks with r's given back, ascending (built aside: committed by the caller).
   std::vector<std::int64_t> with_swap_ids_returned(const swapped_request& r) const {
     std::vector<std::int64_t> freed;
-    freed.reserve(static_cast<std::size_t>(swap_blocks_));  // room for all: see drop_offloaded_request
+    freed.reserve(static_cast<std::size_t>(swap_blocks()));  // room for all: see drop_offloaded_request
     freed.assign(swap_free_.begin(), swap_free_.end());
     freed.insert(freed.end(), r.swap_ids.begin(), r.swap_ids.end());
     std::sort(freed.begin(), freed.end());
@@ -1034,12 +1044,18 @@ class PagedCache<S> {
   }
 
   void check_block(std::int64_t b) const {
-    if (b < 0 || b >= num_blocks_)
+    if (b < 0 || b >= num_blocks())
       throw ValueError("kvc::PagedCache::copy_cache: block " + std::to_string(b) + " is not one of the " +
-                       std::to_string(num_blocks_) + " blocks");
+                       std::to_string(num_blocks()) + " blocks");
   }
 
-  std::int64_t pool_rows() const noexcept { return (num_blocks_ + 2) * block_size_; }
+  std::int64_t pool_rows() const noexcept { return (num_blocks() + 2) * block_size_; }
+  std::int64_t row_elems() const noexcept { return kv_heads_ * head_dim_; }  // one token's row, every head
+  const paged::SlidingAttentionCacheAllocator* sliding_allocator() const noexcept {
+    for (const allocator& a : allocators_)
+      if (const auto* s = std::get_if<paged::SlidingAttentionCacheAllocator>(&a)) return s;
+    return nullptr;
+  }
 
   // The write of x's tokens to a pool at rows first_row .. first_row + tokens - 1 of a rows list.
   static detail::scatter_job<T> job(T* pool, const view_type& x, std::size_t first_row, std::size_t tokens) {
@@ -1055,18 +1071,18 @@ class PagedCache<S> {
   // per head: one copy per run and head instead of one per token and head.
   void gather(T* out, const T* pool, const std::vector<std::int64_t>& rows, const view_type* fresh) const {
     const auto r = static_cast<std::int64_t>(rows.size());
-    const std::int64_t out_pitch = r * head_dim_, pool_pitch = pool_rows() * head_dim_;
+    const std::int64_t out_pitch = r * head_dim_, pool_pitch = pool_rows() * head_dim_, sentinel = sentinel_index();
     std::int64_t next_fresh = 0;
     for (std::int64_t i = 0; i < r;) {
       const std::int64_t row = rows[static_cast<std::size_t>(i)];
-      if (fresh && row == sentinel_) {
+      if (fresh && row == sentinel) {
         S::copy_2d(out + i * head_dim_, out_pitch, fresh->data() + next_fresh++ * fresh->stride(2), fresh->stride(1),
                    head_dim_, kv_heads_);
         ++i;
         continue;
       }
       std::int64_t n = 1;
-      while (i + n < r && rows[static_cast<std::size_t>(i + n)] == row + n && !(fresh && row + n == sentinel_)) ++n;
+      while (i + n < r && rows[static_cast<std::size_t>(i + n)] == row + n && !(fresh && row + n == sentinel)) ++n;
       S::copy_2d(out + i * head_dim_, out_pitch, pool + row * head_dim_, pool_pitch, n * head_dim_, kv_heads_);
       i += n;
     }
@@ -1076,23 +1092,17 @@ class PagedCache<S> {
   std::int64_t kv_heads_;
   std::int64_t head_dim_;
   paged::BlockManager manager_;  // after the head sizes: its block count is checked against the pools
-  std::int64_t num_blocks_ = 0;
-  std::int64_t row_elems_ = 0;
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
-  std::int64_t read_trash_ = 0, sentinel_ = 0, write_trash_ = 0;
   paged::LayerGroups groups_;
-  std::vector<std::pair<std::int64_t, std::int64_t>> layer_map_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> layer_map_;  // (group, slot) of each layer: groups_ inverted
   std::vector<allocator> allocators_;
-  std::int64_t num_full_groups_ = 0, num_sliding_groups_ = 0;
-  std::int64_t sliding_window_ = 0, max_sliding_blocks_ = 0;
   bool use_prefix_sharing_ = false;
   std::int64_t total_prefix_length_ = 0;
   std::vector<typename S::buffer_type> keys_, values_;
   typename S::buffer_type out_k_, out_v_;                 // what the last update with reads returned
   std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [heads, swap rows, dim] like the pools
   std::vector<std::int64_t> swap_free_;                   // free swap blocks, ascending
-  std::int64_t swap_blocks_ = 0;
   std::map<std::string, swapped_request> swapped_;
 };
 
