@@ -512,9 +512,17 @@ class ContinuousBatchingScheduler {
 
   void prepare(const staged& s) {
     if (s.states.empty()) return;
+    // (unordered_map::reserve rehashes only when the bucket count changes, to a prime of a
+    // geometric list: amortized O(1) per request)
     states_.reserve(states_.size() + s.states.size());
     live_children_.reserve(live_children_.size() + s.parents.size());
     reserve_queues(s.states.size());
+  }
+
+  // Room for n ids, grown geometrically: adding requests one by one must not reallocate every
+  // time (quadratic over many requests).
+  static void room_for(std::vector<std::string>& ids, std::size_t n) {
+    if (n > ids.capacity()) ids.reserve(std::max(n, 2 * ids.capacity()));
   }
 
   // Moves the staged requests in (allocates nothing after prepare): the ids still held in s.ids
@@ -530,9 +538,9 @@ class ContinuousBatchingScheduler {
   // Room in each queue for every known request and `more`.
   void reserve_queues(std::size_t more) {
     const std::size_t n = states_.size() + more;
-    active_.reserve(n);
-    waiting_.reserve(n);
-    ended_.reserve(n);
+    room_for(active_, n);
+    room_for(waiting_, n);
+    room_for(ended_, n);
   }
 
   // Moves the request's entry from one queue to the back of another (allocates nothing).
