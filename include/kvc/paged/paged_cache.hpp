@@ -208,6 +208,9 @@ class PagedCache<S> {
       }
     }
     use_prefix_sharing_ = cb.allow_block_sharing && groups_.types == std::vector<std::string>{"full_attention"};
+    cut_groups_.reserve(allocators_.size());
+    cut_fresh_.reserve(allocators_.size());
+    cut_old_.reserve(allocators_.size());
 
     // The pools, zeroed whole: the read-trash block must be (padded reads see zeros), and the rest
     // is zeroed too (a one-time cost) so that no path ever reads uninitialized memory.
@@ -429,7 +432,18 @@ class PagedCache<S> {
       throw ValueError("kvc::PagedCache::truncate_request: tokens must be >= 0, got " + std::to_string(tokens));
     detail::check_size("kvc::PagedCache::truncate_request: tokens", tokens, 0, max_extent);
     const std::int64_t keep = (tokens + block_size_ - 1) / block_size_;
-    std::vector<std::size_t> copy;  // groups whose last kept block needs a private copy
+    // Scratch with room for every group, kept between calls (made once per cache; a copied cache
+    // makes it here, before anything changes): a truncation then allocates nothing, so a caller
+    // can truncate in the commit half of an all-or-nothing operation.
+    cut_groups_.reserve(allocators_.size());
+    cut_fresh_.reserve(allocators_.size());
+    cut_old_.reserve(allocators_.size());
+    std::vector<std::size_t>& copy = cut_groups_;  // groups whose last kept block needs a private copy
+    std::vector<std::int64_t>& fresh = cut_fresh_;
+    std::vector<std::int64_t>& old = cut_old_;
+    copy.clear();
+    fresh.clear();
+    old.clear();
     if (tokens % block_size_ != 0)
       for (std::size_t g = 0; g < allocators_.size(); ++g) {
         const auto* full = std::get_if<paged::FullAttentionCacheAllocator>(&allocators_[g]);
@@ -438,9 +452,6 @@ class PagedCache<S> {
         if (b && (b->is_complete() || b->ref_count > 1)) copy.push_back(g);
       }
     if (static_cast<std::int64_t>(copy.size()) > get_num_free_blocks()) return false;
-    std::vector<std::int64_t> fresh, old;
-    fresh.reserve(copy.size());
-    old.reserve(copy.size());
     for (const std::size_t g : copy) {  // cannot fail: counted above, room reserved
       const auto& full = std::get<paged::FullAttentionCacheAllocator>(allocators_[g]);
       const auto& t = full.table(request_id);
@@ -1099,6 +1110,8 @@ class PagedCache<S> {
   std::vector<allocator> allocators_;
   bool use_prefix_sharing_ = false;
   std::int64_t total_prefix_length_ = 0;
+  std::vector<std::size_t> cut_groups_;  // truncate_request's scratch: one entry per group at most
+  std::vector<std::int64_t> cut_fresh_, cut_old_;
   std::vector<typename S::buffer_type> keys_, values_;
   typename S::buffer_type out_k_, out_v_;                 // what the last update with reads returned
   std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [heads, swap rows, dim] like the pools
