@@ -483,7 +483,7 @@ struct sched_rig {
   std::vector<kvc::RequestState> done;
 };
 constexpr std::int64_t sched_layers = 2;
-const std::vector<std::string> sched_ids = {"a", "a__child#0", "a__child#1", "b", "b__child#0", "c", "a2", "c2"};
+const std::vector<std::string> sched_ids = {"a", "a__child#0", "a__child#1", "b", "b__child#0", "c", "a2", "a3", "c2"};
 
 sched_rig make_sched_rig() {
   kvc::ContinuousBatchingConfig cb;
@@ -590,7 +590,20 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
       {"step 3", step, false},
       {"seq_cp a a2 (a fork)", [&](sched_rig& r) { expect(r.sched->seq_cp("a", "a2", -1, -1)); }, true},
       {"step 4", step, false},
-      {"seq_cp c c2 [0, 9) (a fork, cut)", [&](sched_rig& r) { expect(r.sched->seq_cp("c", "c2", 0, 9)); }, true},
+      {"seq_cp a a3 [0, 10) (a fork, then a cut that copies a shared block)",
+       [&](sched_rig& r) {
+         const std::int64_t forks = r.sched->stats().forks;
+         expect(r.sched->seq_cp("a", "a3", 0, 10));
+         if (r.sched->stats().forks != forks + 1) throw std::logic_error("seq_cp a a3 did not fork");
+       },
+       true},
+      {"seq_cp c c2 [0, 9) (c still waits: a queued copy, cut)",
+       [&](sched_rig& r) {
+         const std::int64_t queued = r.sched->stats().forks_requeued;
+         expect(r.sched->seq_cp("c", "c2", 0, 9));
+         if (r.sched->stats().forks_requeued != queued + 1) throw std::logic_error("seq_cp c c2 was not queued");
+       },
+       true},
       {"seq_rm a [6, end)", [&](sched_rig& r) { expect(r.sched->seq_rm("a", 6, -1)); }, true},
       {"step 5", step, false},
       {"cancel a2", [](sched_rig& r) { r.sched->cancel_request("a2"); }, true},

@@ -338,20 +338,16 @@ class ContinuousBatchingScheduler {
       copy.is_cpu_offloaded = false;
       copy.status = RequestStatus::pending;
     }
+    copy.remaining_prefill_tokens.reserve(static_cast<std::size_t>(p1));  // cut() below allocates nothing
     staged s;
     stage(s, std::move(copy), !fork);
     prepare(s);
     RequestState& made = s.states.begin()->second;  // a node: it keeps its address when it moves in
     if (fork) {
+      // Committed from here: the fork is strong, and the cut allocates nothing (its room is made,
+      // truncate_request allocates nothing), so no failure can leave the fork behind.
       cache_->fork_request(src, std::span(&dst, 1));
-      if (p1 < n) {
-        try {
-          cut(made, p1);
-        } catch (...) {
-          cache_->release_request(dst);
-          throw;
-        }
-      }
+      if (p1 < n) cut(made, p1);
       // Committed: the copy runs right after its source.
       const auto after = std::find(active_.begin(), active_.end(), src);
       active_.insert(after == active_.end() ? after : after + 1, std::move(s.ids.front()));
@@ -800,8 +796,8 @@ class ContinuousBatchingScheduler {
   // Cuts the request to its first p0 tokens (0 < p0 < its token count), for seq_rm and seq_cp: its
   // blocks past them are given back (truncate_request), or, where a sliding group's ring has
   // wrapped or no block is free to copy a shared partial block, the kept tokens are prefilled
-  // again (a soft reset). Strong: the room for the tokens to prefill is made first,
-  // truncate_request is strong, and nothing after it allocates.
+  // again (a soft reset). Allocates nothing once st.remaining_prefill_tokens has room for p0
+  // tokens (made here first when it has not: before anything changes).
   void cut(RequestState& st, std::int64_t p0) {
     st.remaining_prefill_tokens.reserve(static_cast<std::size_t>(p0));
     std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
