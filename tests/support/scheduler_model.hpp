@@ -123,6 +123,11 @@ class run {
     std::string s = std::to_string(sched_->num_waiting()) + "/" + std::to_string(sched_->num_active()) + "/" +
                     std::to_string(sched_->stats().steps) + "/" + std::to_string(cache_->get_num_free_blocks()) + "/" +
                     std::to_string(cache_->free_swap_blocks()) + ";";
+    // The free lists in order (which blocks the next allocations take) and the swap pool's.
+    for (const std::int64_t b : cache_->manager().uninitialized_blocks()) s += std::to_string(b) + " ";
+    s += "|";
+    for (const std::int64_t b : cache_->manager().initialized_blocks()) s += std::to_string(b) + " ";
+    s += ";";
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       s += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
