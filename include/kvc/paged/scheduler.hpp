@@ -632,6 +632,9 @@ class ContinuousBatchingScheduler {
     bool fast_path = true;
     const std::int64_t bs = cache_->block_size();
     const auto margin = static_cast<double>(cache_->num_blocks()) * safety_margin_;
+    // The cache computes these from its groups: once per pass, not per candidate.
+    const bool all_sliding = cache_->num_full_attention_groups() == 0;
+    const std::int64_t window = cache_->sliding_window();
     for (const std::string& id : candidates()) {
       RequestState& st = states_.at(id);
       if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
@@ -656,7 +659,7 @@ class ContinuousBatchingScheduler {
       std::int64_t q = std::min(available, token_budget);
       if (!decoding && st.num_children > 0 && available > 1) q = std::min(q, available - 1);  // fork first
       std::int64_t need = st.position_offset;
-      if (cache_->num_full_attention_groups() == 0) need = std::min(need, cache_->sliding_window());
+      if (all_sliding) need = std::min(need, window);
       const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
       if (!(fast_path && fast) && cache_budget < need) continue;
       const std::int64_t cur = st.position_offset;
@@ -734,11 +737,12 @@ class ContinuousBatchingScheduler {
   void note_peaks() {
     const std::int64_t in_use = cache_->num_blocks() - cache_->get_num_free_blocks();
     if (in_use < stats_.peak_blocks_in_use) return;
+    const std::int64_t full = cache_->num_full_attention_groups(), sliding = cache_->num_sliding_attention_groups(),
+                       window = cache_->sliding_window();
     std::int64_t rows = 0;
     for (const std::string& id : active_) {
       const std::int64_t n = states_.at(id).position_offset;
-      rows += cache_->num_full_attention_groups() * n +
-              cache_->num_sliding_attention_groups() * std::min(n, cache_->sliding_window());
+      rows += full * n + sliding * std::min(n, window);
     }
     stats_.peak_blocks_in_use = in_use;
     stats_.live_rows_at_peak = rows;
