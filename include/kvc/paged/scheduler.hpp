@@ -212,7 +212,7 @@ class ContinuousBatchingScheduler {
       children = requeued_children(st, 0, st.tokens);
       st.num_children = 0;
     }
-    stage(s, std::move(st));
+    stage(s, std::move(st));  // the request first, then its children, in waiting_
     for (RequestState& child : children) stage(s, std::move(child));
     prepare(s);
     commit(s);  // allocates nothing
@@ -300,16 +300,15 @@ class ContinuousBatchingScheduler {
     // one-token prompt caches nothing before that token, so they queue on their own, as
     // add_request queues them. Made aside first, with everything else that allocates.
     staged s;
-    std::vector<RequestState> children;
-    if (st.num_children > 0 && std::min(st.prompt_length, p0) == 1)
-      children = requeued_children(st, 0, std::span(st.tokens).first(1));
-    for (RequestState& child : children) stage(s, std::move(child));
+    const std::int64_t requeued = st.num_children > 0 && std::min(st.prompt_length, p0) == 1
+                                      ? stage_children(s, st, 0, std::span(st.tokens).first(1))
+                                      : 0;
     prepare(s);
     cut(st, p0);
-    if (!children.empty()) {
+    if (requeued > 0) {
       st.num_children = 0;
       commit(s);
-      stats_.forks_requeued += static_cast<std::int64_t>(children.size());
+      stats_.forks_requeued += requeued;
     }
     return true;
   }
@@ -874,15 +873,24 @@ class ContinuousBatchingScheduler {
     return out;
   }
 
+  // Stages the parent's children from `first` on as new waiting requests with `prompt` (see
+  // requeued_children); returns how many. The caller commits, then sets the parent's num_children
+  // to 0 and counts them in stats_.forks_requeued.
+  std::int64_t stage_children(staged& s, const RequestState& parent, std::int64_t first,
+                              std::span<const std::int64_t> prompt) {
+    std::vector<RequestState> children = requeued_children(parent, first, prompt);
+    for (RequestState& child : children) stage(s, std::move(child));
+    return static_cast<std::int64_t>(children.size());
+  }
+
   // The parent's children from `first` on, as new waiting requests with its prompt.
   void requeue_children(RequestState& parent, std::int64_t first = 0) {
     staged s;
-    std::vector<RequestState> children = requeued_children(parent, first, parent.prompt());
-    for (RequestState& child : children) stage(s, std::move(child));
+    const std::int64_t n = stage_children(s, parent, first, parent.prompt());
     prepare(s);
     parent.num_children = 0;
     commit(s);
-    stats_.forks_requeued += static_cast<std::int64_t>(children.size());
+    stats_.forks_requeued += n;
   }
 
   PagedCache<S>* cache_;
