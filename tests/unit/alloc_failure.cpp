@@ -403,8 +403,11 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
     s.ops.push_back({"free y", [](C& r) { r.cache.free_blocks("y"); }});
     s.ops.push_back({"allocate x", [](C& r) { (void)r.cache.allocate_blocks(2, "x", 0); }});
     s.ops.push_back({"restore x", [](C& r) { r.cache.restore_request("x"); }});
+    s.ops.push_back({"release x", [](C& r) { r.cache.release_request("x"); }});
     s.ops.push_back({"offload b", [](C& r) { (void)r.cache.offload_request("b"); }});
     s.ops.push_back({"drop b", [](C& r) { r.cache.drop_offloaded_request("b"); }});
+    s.ops.push_back({"offload a", [](C& r) { (void)r.cache.offload_request("a"); }});
+    s.ops.push_back({"release a (offloaded)", [](C& r) { r.cache.release_request("a"); }});
     s.ops.push_back({"free all", [](C& r) { r.cache.free_all_requests(); }});
     // Every call is strong.
     check_paged_failures<C>(
@@ -417,6 +420,39 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
         [](C& r) {
           return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "b", "x", "y"}), std::pair{r.reads, r.writes}};
         });
+  }
+}
+
+TEST_CASE("PagedCache: what an all-or-nothing caller commits with allocates nothing") {
+  // release_request, drop_offloaded_request and truncate_request (a cut that copies a shared
+  // block included) are what the scheduler calls after its last allocation: the first allocation
+  // they would make fails here.
+  for (const bool hybrid : {false, true}) {
+    CAPTURE(hybrid);
+    const std::vector<std::string> types = hybrid ? std::vector<std::string>{"sliding_attention", "full_attention"}
+                                                  : std::vector<std::string>{"full_attention", "full_attention"};
+    kvc::PagedCache<Host> cache(paged_model(types), paged_blocks(16));
+    cache.reserve_swap_space(6);
+    const std::vector<std::int64_t> prompt = {1, 2, 3, 4, 5, 6, 7};
+    REQUIRE(cache.allocate_blocks(2, "a", 0));
+    cache.mark_shareable_blocks_as_complete("a", 1, prompt);
+    const std::vector<std::string> kids = {"x", "y"};
+    (void)cache.fork_request("a", kids);
+    REQUIRE(cache.offload_request("y"));
+    const auto quiet = [](const char* what, auto&& call) {
+      CAPTURE(what);
+      arm(0);
+      call();
+      CHECK_FALSE(disarm());
+    };
+    quiet("truncate_request copying a shared block", [&] { CHECK(cache.truncate_request("a", 3)); });
+    quiet("release_request of a request in the cache", [&] { cache.release_request("x"); });
+    quiet("release_request of an offloaded request", [&] { cache.release_request("y"); });
+    REQUIRE(cache.offload_request("a"));
+    quiet("drop_offloaded_request", [&] { cache.drop_offloaded_request("a"); });
+    quiet("release_request of a request with nothing", [&] { cache.release_request("nobody"); });
+    CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+    CHECK(cache.free_swap_blocks() == cache.swap_blocks());
   }
 }
 
