@@ -132,7 +132,7 @@ class run {
       const kvc::RequestState& st = sched_->request(id);
       s += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
            std::to_string(st.prompt_length) + "," + std::to_string(st.num_children) + "," +
-           std::to_string(st.is_cpu_offloaded) + "," + std::to_string(st.remaining_prefill_tokens.size()) + ",";
+           std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + ",";
       for (const std::int64_t t : st.tokens) s += std::to_string(t) + " ";
       for (std::int64_t g = 0; g < cache_->num_groups(); ++g) s += "|" + std::to_string(cache_->blocks_in_group(g, id));
       s += ";";
@@ -426,7 +426,7 @@ class run {
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       check_tokens(st);
-      if (!live(id) || in_flight_ || st.is_cpu_offloaded || st.position_offset == 0) continue;
+      if (!live(id) || in_flight_ || cache_->is_offloaded(id) || st.position_offset == 0) continue;
       const std::string wrong =
           kvc_toy::wrong_row(*cache_, id, st.tokens, st.position_offset, layers(), &c_.rows_checked);
       if (!wrong.empty()) fail("request " + id + " " + wrong + " holds another row" + where);

@@ -554,12 +554,12 @@ std::string sched_state(const sched_rig& r) {
     if (!known(r, id)) continue;
     const kvc::RequestState& st = r.sched->request(id);
     out += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
-           std::to_string(st.allocated_blocks) + "," + std::to_string(st.prompt_length) + "," +
-           std::to_string(st.num_children) + "," + std::to_string(st.is_cpu_offloaded) + "," +
-           std::to_string(st.next_token) + "," + st.error + ",";
+           std::to_string(r.sched->allocated_blocks(id)) + "," + std::to_string(st.prompt_length) + "," +
+           std::to_string(st.num_children) + "," + std::to_string(r.cache->is_offloaded(id)) + "," +
+           std::to_string(st.next_token()) + "," + st.error + ",";
     for (const std::int64_t x : st.tokens) out += std::to_string(x) + " ";
     out += "|";
-    for (const std::int64_t x : st.remaining_prefill_tokens) out += std::to_string(x) + " ";
+    for (const std::int64_t x : st.remaining_prefill_tokens()) out += std::to_string(x) + " ";
     out += ";";
   }
   for (const kvc::RequestState& st : r.done) {
@@ -578,7 +578,7 @@ void sched_step(sched_rig& r) {
   for (const std::string& id : sched_ids) {
     if (!known(r, id)) continue;
     const kvc::RequestState& st = r.sched->request(id);
-    if (!st.is_active() || st.is_cpu_offloaded) continue;
+    if (!st.is_active() || r.cache->is_offloaded(id)) continue;
     CAPTURE(id);
     CHECK(kvc_toy::wrong_row(*r.cache, id, st.tokens, st.position_offset, sched_layers) == "");
   }

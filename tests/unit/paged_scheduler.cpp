@@ -222,7 +222,7 @@ TEST_CASE("scheduler: exact allocation, chunked prefill, one forward per step's 
   CHECK(b->num_tokens() == 8);
   CHECK(b->logits_indices.empty());
   CHECK(s.request("long").status == kvc::RequestStatus::prefilling);
-  CHECK(s.request("long").allocated_blocks == 2);  // exactly ceil(8 / 4): transformers asks for 3
+  CHECK(s.allocated_blocks("long") == 2);  // exactly ceil(8 / 4): transformers asks for 3
   CHECK(cache.get_num_free_blocks() == 98);
   CHECK(s.stats().peak_blocks_in_use == 2);
   CHECK(s.stats().live_rows_at_peak == 8);
@@ -237,8 +237,8 @@ TEST_CASE("scheduler: exact allocation, chunked prefill, one forward per step's 
   CHECK(b->cu_seqlens_q == std::vector<std::int64_t>{0, 3, 6});
   CHECK(b->logits_indices == std::vector<std::int64_t>{2, 5});
   CHECK(b->position_ids == std::vector<std::int64_t>{16, 17, 18, 0, 1, 2});
-  CHECK(s.request("long").allocated_blocks == 5);
-  CHECK(s.request("short").allocated_blocks == 1);
+  CHECK(s.allocated_blocks("long") == 5);
+  CHECK(s.allocated_blocks("short") == 1);
   s.update(*b, std::vector<std::int64_t>{7, 8});
   CHECK(s.request("long").status == kvc::RequestStatus::decoding);
   CHECK(s.request("long").generated().size() == 1);
@@ -379,7 +379,7 @@ TEST_CASE("scheduler: a prompt found whole in the cache computes its last token 
   CHECK(s.stats().prefix_hit_tokens == 7);
   CHECK(s.stats().prefill_tokens == 8 + 1);  // "first" computed its 8, "again" its last one
   CHECK(s.stats().prefix_hit_rate() == doctest::Approx(7.0 / 16.0));
-  CHECK(s.request("again").allocated_blocks == 2);
+  CHECK(s.allocated_blocks("again") == 2);
 }
 
 namespace {
@@ -487,7 +487,7 @@ TEST_CASE("sequence operations: a wrapped sliding window is computed again; boun
   // Positions 0..5 of the ring were overwritten: the 7 tokens kept are prefilled again.
   CHECK(s.seq_rm("a", 7, -1));
   CHECK(s.seq_pos_max("a") == -1);
-  CHECK(s.request("a").remaining_prefill_tokens.size() == 7);
+  CHECK(s.request("a").remaining_prefill_tokens().size() == 7);
   CHECK(cache.blocks_in_use("a") == 0);
   const std::vector<std::int64_t> kept = s.request("a").tokens;
   // b alone is kept.

@@ -69,15 +69,11 @@ struct RequestState {
   std::string request_id;
   std::vector<std::int64_t> tokens;  // the prompt, then every generated token
   std::int64_t prompt_length = 0;
-  std::vector<std::int64_t> remaining_prefill_tokens;  // not yet in the cache (pending, prefilling)
-  std::int64_t next_token = -1;                        // decoding: the last generated token, not yet cached
-  std::int64_t position_offset = 0;                    // tokens in the cache (sent to the model)
-  std::int64_t allocated_blocks = 0;                   // logical blocks (a full group's table length)
+  std::int64_t position_offset = 0;  // tokens in the cache (sent to the model)
   std::int64_t max_new_tokens = 0;
   std::optional<std::int64_t> eos_token_id;
   std::int64_t num_children = 0;  // forks still to make
   RequestStatus status = RequestStatus::pending;
-  bool is_cpu_offloaded = false;
   std::int64_t preemptions = 0;  // times it was offloaded or soft reset
   std::string error;             // why it failed
 
@@ -88,6 +84,15 @@ struct RequestState {
     return std::span(tokens).subspan(static_cast<std::size_t>(prompt_length));
   }
   bool is_active() const noexcept { return status == RequestStatus::prefilling || status == RequestStatus::decoding; }
+  bool has_ended() const noexcept { return status == RequestStatus::finished || status == RequestStatus::failed; }
+  // The tokens not yet in the cache, tokens[position_offset:] (the uncached part of the prompt, or
+  // the last generated token while decoding); none once the request has ended.
+  std::span<const std::int64_t> remaining_prefill_tokens() const noexcept {
+    if (has_ended()) return {};
+    return std::span(tokens).subspan(static_cast<std::size_t>(position_offset));
+  }
+  // While decoding: the last generated token, the next one to run; -1 otherwise.
+  std::int64_t next_token() const noexcept { return status == RequestStatus::decoding ? tokens.back() : -1; }
 };
 
 // One request's share of a step (transformers' FutureRequestState).
@@ -200,7 +205,6 @@ class ContinuousBatchingScheduler {
     RequestState st;
     st.request_id = request.request_id;
     st.prompt_length = static_cast<std::int64_t>(request.prompt.size());
-    st.remaining_prefill_tokens = request.prompt;
     st.tokens = std::move(request.prompt);
     st.max_new_tokens = request.max_new_tokens;
     st.eos_token_id = request.eos_token_id;
@@ -223,6 +227,15 @@ class ContinuousBatchingScheduler {
   bool has_unfinished_requests() const noexcept { return !waiting_.empty() || !active_.empty(); }
   std::int64_t num_waiting() const noexcept { return static_cast<std::int64_t>(waiting_.size()); }
   std::int64_t num_active() const noexcept { return static_cast<std::int64_t>(active_.size()); }
+
+  // The logical blocks the request holds: the longest of its block tables (a full group's, which
+  // grows with its tokens; 0 while it holds none, or is offloaded).
+  std::int64_t allocated_blocks(const std::string& id) const {
+    std::int64_t most = 0;
+    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+      most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), id));
+    return most;
+  }
 
   const RequestState& request(const std::string& id) const {
     const auto it = states_.find(id);
@@ -258,7 +271,7 @@ class ContinuousBatchingScheduler {
   void cancel_request(const std::string& id) {
     if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
     RequestState& st = mutable_state(id);
-    if (st.status == RequestStatus::finished || st.status == RequestStatus::failed) return;
+    if (st.has_ended()) return;
     end_request(st, RequestStatus::failed, "cancelled");
   }
 
@@ -329,22 +342,18 @@ class ContinuousBatchingScheduler {
     copy.request_id = dst;
     copy.num_children = 0;
     copy.preemptions = 0;
-    const bool fork = st.position_offset > 0 && !st.is_cpu_offloaded && cache_->compute_max_num_forks(src) >= 1;
+    const bool fork = st.position_offset > 0 && !cache_->is_offloaded(src) && cache_->compute_max_num_forks(src) >= 1;
     if (!fork) {
-      copy.remaining_prefill_tokens = copy.tokens;
       copy.position_offset = 0;
-      copy.allocated_blocks = 0;
-      copy.is_cpu_offloaded = false;
       copy.status = RequestStatus::pending;
     }
-    copy.remaining_prefill_tokens.reserve(static_cast<std::size_t>(p1));  // cut() below allocates nothing
     staged s;
     stage(s, std::move(copy), !fork);
     prepare(s);
     RequestState& made = s.states.begin()->second;  // a node: it keeps its address when it moves in
     if (fork) {
-      // Committed from here: the fork is strong, and the cut allocates nothing (its room is made,
-      // truncate_request allocates nothing), so no failure can leave the fork behind.
+      // Committed from here: the fork is strong, and the cut allocates nothing (truncate_request
+      // allocates nothing), so no failure can leave the fork behind.
       cache_->fork_request(src, std::span(&dst, 1));
       if (p1 < n) cut(made, p1);
       // Committed: the copy runs right after its source.
@@ -442,7 +451,6 @@ class ContinuousBatchingScheduler {
       if (r.has_new_token) {
         const std::int64_t token = next_tokens[next++];
         st.tokens.push_back(token);
-        st.next_token = token;
         st.status = RequestStatus::decoding;
         const auto made = static_cast<std::int64_t>(st.generated().size());
         if (made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id)) {
@@ -555,7 +563,7 @@ class ContinuousBatchingScheduler {
   RequestState& live_state(const std::string& id, const char* call) {
     if (in_flight_) throw ValueError(in_flight_message(call));
     RequestState& st = mutable_state(id);
-    if (st.status == RequestStatus::finished || st.status == RequestStatus::failed)
+    if (st.has_ended())
       throw ValueError(std::string("kvc::ContinuousBatchingScheduler::") + call + ": request '" + id + "' has ended");
     return st;
   }
@@ -564,17 +572,7 @@ class ContinuousBatchingScheduler {
   // Allocates nothing.
   void drop_cache(RequestState& st) {
     cache_->release_request(st.request_id);
-    st.is_cpu_offloaded = false;
     st.position_offset = 0;
-    st.allocated_blocks = 0;
-  }
-
-  // The most blocks the request holds in any group (its logical block count).
-  std::int64_t table_length(const std::string& id) const {
-    std::int64_t most = 0;
-    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
-      most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), id));
-    return most;
   }
 
   RequestState& mutable_state(const std::string& id) {
@@ -596,7 +594,7 @@ class ContinuousBatchingScheduler {
     with(prefill_first_ ? RequestStatus::decoding : RequestStatus::prefilling);
     if (block_new_requests_) return out;
     std::vector<std::string> off, fresh;
-    for (const std::string& id : waiting_) (states_.at(id).is_cpu_offloaded ? off : fresh).push_back(id);
+    for (const std::string& id : waiting_) (cache_->is_offloaded(id) ? off : fresh).push_back(id);
     for (std::size_t i = 0; i < std::max(off.size(), fresh.size()); ++i) {
       if (i < off.size()) out.push_back(off[i]);
       if (i < fresh.size()) out.push_back(fresh[i]);
@@ -610,18 +608,15 @@ class ContinuousBatchingScheduler {
     st.status = RequestStatus::prefilling;
   }
 
-  // Blocks for `q` more tokens: exactly the logical blocks past + q needs (transformers asks for
-  // ((q - free + 1) // bs) + 1). Returns the blocks asked for, 0 when none were needed, or -n when
-  // n blocks did not fit.
-  std::int64_t allocate(RequestState& st, std::int64_t q) {
+  // Blocks for `q` more tokens of a request holding `held` logical blocks: exactly the logical
+  // blocks past + q needs (transformers asks for ((q - free + 1) // bs) + 1). Returns the blocks
+  // asked for, 0 when none were needed, or -n when n blocks did not fit.
+  std::int64_t allocate(const RequestState& st, std::int64_t q, std::int64_t held) {
     const std::int64_t bs = cache_->block_size();
-    const std::int64_t want = (st.position_offset + q + bs - 1) / bs - st.allocated_blocks;
-    if (want <= 0 && st.allocated_blocks > 0) return 0;
+    const std::int64_t want = (st.position_offset + q + bs - 1) / bs - held;
+    if (want <= 0 && held > 0) return 0;
     const std::int64_t n = std::max<std::int64_t>(want, 1);
-    const std::optional<std::int64_t> got = cache_->allocate_blocks(n, st.request_id, st.allocated_blocks);
-    if (!got) return -n;
-    st.allocated_blocks += *got;
-    return n;
+    return cache_->allocate_blocks(n, st.request_id, held) ? n : -n;
   }
 
   pass run_pass() {
@@ -639,22 +634,19 @@ class ContinuousBatchingScheduler {
       if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
-      if (st.status == RequestStatus::pending && !st.is_cpu_offloaded && cache_->use_prefix_sharing()) {
-        const std::int64_t k = cache_->search_prefix_match(id, st.remaining_prefill_tokens);
+      if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(id)) {
+        const std::int64_t k = cache_->search_prefix_match(id, st.remaining_prefill_tokens());
         if (k > 0) {
           activate(st);
-          st.allocated_blocks += k / bs;
           // At least one token is left to compute: its logits start the generation.
-          const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens) - 1);
-          st.remaining_prefill_tokens.erase(st.remaining_prefill_tokens.begin(),
-                                            st.remaining_prefill_tokens.begin() + keep);
+          const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens()) - 1);
           st.position_offset += keep;
           stats_.prefix_hit_tokens += keep;
         }
       }
       maybe_fork(st);  // a prompt matched up to its last token is forked before that token runs
       const bool decoding = st.status == RequestStatus::decoding;
-      const std::int64_t available = decoding ? 1 : std::ssize(st.remaining_prefill_tokens);
+      const std::int64_t available = decoding ? 1 : std::ssize(st.remaining_prefill_tokens());
       std::int64_t q = std::min(available, token_budget);
       if (!decoding && st.num_children > 0 && available > 1) q = std::min(q, available - 1);  // fork first
       std::int64_t need = st.position_offset;
@@ -662,7 +654,8 @@ class ContinuousBatchingScheduler {
       const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
       if (!(fast_path && fast) && cache_budget < need) continue;
       const std::int64_t cur = st.position_offset;
-      const std::int64_t got = allocate(st, q);
+      const std::int64_t held = allocated_blocks(id);
+      const std::int64_t got = allocate(st, q, held);
       if (got < 0) {
         p.allocation_failed = true;
         if (!p.first_failed) {
@@ -671,7 +664,7 @@ class ContinuousBatchingScheduler {
           p.first_failed_tokens = q;
         }
         if (st.is_active())
-          p.starved.push_back({id, cache_->blocks_needed(-got, st.allocated_blocks)});
+          p.starved.push_back({id, cache_->blocks_needed(-got, held)});
         else if (cache_->get_num_free_blocks() == 0)
           break;
         continue;
@@ -698,24 +691,17 @@ class ContinuousBatchingScheduler {
                                                             [](const ScheduledRequest& r) { return r.past > 0; });
     for (ScheduledRequest& r : p.scheduled) {
       RequestState& st = states_.at(r.request_id);
-      if (st.is_cpu_offloaded) {  // its new blocks are allocated: copy it back into them
+      if (cache_->is_offloaded(st.request_id)) {  // its new blocks are allocated: copy it back into them
         cache_->restore_request(st.request_id);
-        st.allocated_blocks = table_length(st.request_id);
         if (sharing_) r.complete_blocks += st.position_offset / cache_->block_size();
-        st.is_cpu_offloaded = false;
         ++stats_.restores;
       }
       cache_->extend_read_and_write_indices(st.request_id, r.past, r.query_length, reads ? &b.read_index : nullptr,
                                             b.write_index);
-      if (st.status == RequestStatus::decoding) {
-        b.input_ids.push_back(st.next_token);
-      } else {
-        stats_.prefill_tokens += r.query_length;
-        const auto q = static_cast<std::ptrdiff_t>(r.query_length);
-        b.input_ids.insert(b.input_ids.end(), st.remaining_prefill_tokens.begin(),
-                           st.remaining_prefill_tokens.begin() + q);
-        st.remaining_prefill_tokens.erase(st.remaining_prefill_tokens.begin(), st.remaining_prefill_tokens.begin() + q);
-      }
+      if (st.status != RequestStatus::decoding) stats_.prefill_tokens += r.query_length;
+      const std::span<const std::int64_t> run =
+          st.remaining_prefill_tokens().first(static_cast<std::size_t>(r.query_length));
+      b.input_ids.insert(b.input_ids.end(), run.begin(), run.end());
       for (std::int64_t i = 0; i < r.query_length; ++i) b.position_ids.push_back(r.past + i);
       st.position_offset += r.query_length;
       b.cu_seqlens_q.push_back(b.cu_seqlens_q.back() + r.query_length);
@@ -756,16 +742,12 @@ class ContinuousBatchingScheduler {
     for (const std::string& id : victims) {
       RequestState& st = states_.at(id);
       if (cache_->swap_blocks() > 0 && cache_->offload_request(id)) {
-        st.is_cpu_offloaded = true;
-        if (st.status == RequestStatus::decoding) st.remaining_prefill_tokens.assign(1, st.next_token);
-        ++stats_.cpu_offloads;
-      } else {  // soft reset: everything known so far is prefilled again
+        ++stats_.cpu_offloads;  // a decoding request runs its last token again when it is back
+      } else {                  // soft reset: everything known so far is prefilled again
         cache_->free_blocks(id);
-        st.remaining_prefill_tokens = st.tokens;
         st.position_offset = 0;
         ++stats_.soft_resets;
       }
-      st.allocated_blocks = 0;
       st.status = RequestStatus::pending;
       ++st.preemptions;
       move_id(active_, waiting_, id);
@@ -788,7 +770,6 @@ class ContinuousBatchingScheduler {
     move_id(active_, ended_, st.request_id);
     move_id(waiting_, ended_, st.request_id);
     st.status = status;
-    st.remaining_prefill_tokens.clear();
     if (status == RequestStatus::failed) {
       st.error = std::move(error);
       ++stats_.failed;
@@ -799,29 +780,25 @@ class ContinuousBatchingScheduler {
   // Cuts the request to its first p0 tokens (0 < p0 < its token count), for seq_rm and seq_cp: its
   // blocks past them are given back (truncate_request), or, where a sliding group's ring has
   // wrapped or no block is free to copy a shared partial block, the kept tokens are prefilled
-  // again (a soft reset). Allocates nothing once st.remaining_prefill_tokens has room for p0
-  // tokens (made here first when it has not: before anything changes).
+  // again (a soft reset). Allocates nothing.
   void cut(RequestState& st, std::int64_t p0) {
-    st.remaining_prefill_tokens.reserve(static_cast<std::size_t>(p0));
     std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
     const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
     if (cached < st.position_offset &&
-        (st.is_cpu_offloaded || wrapped || !cache_->truncate_request(st.request_id, cached))) {
+        (cache_->is_offloaded(st.request_id) || wrapped || !cache_->truncate_request(st.request_id, cached))) {
       drop_cache(st);
       cached = 0;
     }
     st.tokens.resize(static_cast<std::size_t>(p0));
     st.prompt_length = std::min(st.prompt_length, p0);
     st.position_offset = cached;
-    st.allocated_blocks = table_length(st.request_id);
-    st.remaining_prefill_tokens.assign(st.tokens.begin() + cached, st.tokens.end());
     if (st.is_active()) st.status = RequestStatus::prefilling;
   }
 
   // A request forks once its prompt is cached but for its last token.
   void maybe_fork(RequestState& st) {
     if (st.num_children > 0 && st.status == RequestStatus::prefilling && st.position_offset > 0 &&
-        st.remaining_prefill_tokens.size() == 1)
+        st.remaining_prefill_tokens().size() == 1)
       fork(st);
   }
 
@@ -865,7 +842,6 @@ class ContinuousBatchingScheduler {
       child.request_id = child_id(parent, i);
       child.tokens.assign(prompt.begin(), prompt.end());
       child.prompt_length = static_cast<std::int64_t>(prompt.size());
-      child.remaining_prefill_tokens = child.tokens;
       child.max_new_tokens = parent.max_new_tokens;
       child.eos_token_id = parent.eos_token_id;
       out.push_back(std::move(child));
