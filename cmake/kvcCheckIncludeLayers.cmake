@@ -23,7 +23,7 @@ set(kvc_layer_0
     detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp float8.hpp limits.hpp
     warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
-    paged/continuous_batching_config.hpp paged/memory_planner.hpp
+    paged/continuous_batching_config.hpp paged/memory_planner.hpp paged/undo_log.hpp
     policies/layers/crop_plan.hpp policies/offload/buffers.hpp policies/offload/none.hpp
     policies/offload/selection.hpp
     concepts/layer_policy.hpp concepts/offload_policy.hpp)

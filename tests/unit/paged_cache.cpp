@@ -1040,3 +1040,100 @@ TEST_CASE("the swap-pool warnings come every time, as transformers' logger.warni
   twice.insert(twice.end(), once.begin(), once.end());
   CHECK(w.messages == twice);
 }
+
+TEST_CASE("PagedCache transactions: a rollback undoes every change, a commit keeps them and makes the copies") {
+  // One sequence of calls (an offload, a fork that evicts a free block still holding a prefix and
+  // copies into it, a release, an allocation and a restore, a truncation that copies a shared
+  // block) on a cache whose blocks are all taken or hold a prefix: plain, in a transaction that
+  // commits, and in one that is rolled back (after the sequence, or after a call that throws).
+  const auto heads = 2, dim = 3;
+  const auto write = [&](Cache& c, const std::string& id, const ids& tokens, std::int64_t past) {
+    kvc::PagedIndices reads(static_cast<std::size_t>(c.num_groups())), writes(reads.size());
+    c.extend_read_and_write_indices(id, past, std::ssize(tokens) - past, nullptr, writes);
+    std::vector<std::pair<std::int64_t, std::int64_t>> tp;
+    for (auto p = past; p < std::ssize(tokens); ++p) tp.emplace_back(tokens[static_cast<std::size_t>(p)], p);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = step_tensor(tp, layer, heads, dim, false), v = step_tensor(tp, layer, heads, dim, true);
+      c.update(view(k), view(v), layer, reads, writes);
+    }
+  };
+  const ids a = {1, 2, 3, 4, 5, 6, 7, 8}, p = {20, 21, 22, 23, 24, 25}, q = {30, 31, 32};
+  const auto make = [&] {
+    Cache c(model("fs", heads, dim, 6), cb(4, 8));
+    c.reserve_swap_space(4);
+    REQUIRE(c.allocate_blocks(2, "a", 0));  // 2 full + 2 sliding blocks
+    write(c, "a", a, 0);
+    c.mark_shareable_blocks_as_complete("a", 2, a);
+    c.release_request("a");  // its full blocks stay findable: initialized
+    REQUIRE(c.allocate_blocks(2, "p", 0));
+    write(c, "p", p, 0);
+    c.mark_shareable_blocks_as_complete("p", 1, p);
+    REQUIRE(c.allocate_blocks(1, "q", 0));
+    write(c, "q", q, 0);
+    return c;
+  };
+  const std::vector<std::string> names = {"a", "p", "p1", "q"};
+  const auto calls = [&](Cache& c) {
+    REQUIRE(c.offload_request("q"));
+    const std::string child = "p1";
+    const auto copies = c.fork_request("p", std::span(&child, 1));
+    CHECK(copies.first.size() == 3);                   // p's partial full block and both sliding blocks
+    CHECK(c.manager().num_initialized_blocks() == 1);  // one of a's was evicted for a copy
+    c.release_request("p1");
+    REQUIRE(c.allocate_blocks(1, "q", 0));
+    c.restore_request("q");
+    REQUIRE(c.truncate_request("p", 3));  // its first block is complete: copied before the cut
+  };
+
+  Cache plain = make();
+  calls(plain);
+  const kvc_test::paged_snapshot after = kvc_test::take_paged_snapshot(plain, names);
+
+  Cache kept = make();
+  kept.begin_transaction();
+  CHECK(kept.in_transaction());
+  CHECK_THROWS_WITH_AS(kept.begin_transaction(), "kvc::PagedCache::begin_transaction: a transaction is already open",
+                       kvc::ValueError);
+  calls(kept);
+  kept.commit_transaction();
+  CHECK(!kept.in_transaction());
+  CHECK(kvc_test::take_paged_snapshot(kept, names) == after);
+
+  Cache undone = make();
+  const kvc_test::paged_snapshot before = kvc_test::take_paged_snapshot(undone, names);
+  undone.begin_transaction();
+  calls(undone);
+  CHECK(kvc_test::take_paged_snapshot(undone, names) != before);
+  undone.rollback_transaction();
+  CHECK(!undone.in_transaction());
+  CHECK(kvc_test::take_paged_snapshot(undone, names) == before);
+  CHECK(undone.manager().num_initialized_blocks() == 2);  // a's blocks hold its prefix again
+
+  Cache failed = make();
+  failed.begin_transaction();
+  REQUIRE(failed.offload_request("q"));
+  const std::vector<std::string> twice = {"p1", "p1"};
+  CHECK_THROWS_AS(failed.fork_request("p", twice), kvc::ValueError);
+  failed.rollback_transaction();
+  CHECK(kvc_test::take_paged_snapshot(failed, names) == before);
+  // And the cache works on: the same calls, plainly, end as the plain run did.
+  calls(failed);
+  CHECK(kvc_test::take_paged_snapshot(failed, names) == after);
+
+  Cache cache = make();
+  REQUIRE(cache.offload_request("q"));  // room for the fork's copies
+  const std::string child = "p2";
+  // [snippet:paged_transaction]
+  // A fork and a cut of the child as one: if the cut cannot be made, neither happened.
+  cache.begin_transaction();
+  try {
+    cache.fork_request("p", std::span(&child, 1));
+    if (!cache.truncate_request(child, 3)) throw std::runtime_error("no block free for the copy");
+    cache.commit_transaction();  // the fork's block copies are made here
+  } catch (...) {
+    cache.rollback_transaction();  // neither the fork nor the cut happened
+    throw;
+  }
+  // [/snippet]
+  CHECK(cache.blocks_in_group(0, child) == 1);
+}

@@ -11,6 +11,8 @@
 // slot p % sliding_window. That is the invariant transformers' ring arithmetic breaks at
 // a597f974 (its read drops the newest cached token once past >= sliding_window, and a write of more
 // than sliding_window tokens rotates the ring); kvc keeps it (docs/differences.md).
+// Tables change through the manager's UndoLog (BlockManager::log()), so that a transaction over
+// the manager and the tables undoes both.
 
 #include <algorithm>
 #include <cstdint>
@@ -62,17 +64,25 @@ class CacheAllocator {
       return;
     }
     bm.free_blocks(it->second, sharing_);
-    tables_.erase(it);
+    kept_.erase(bm.log(), tables_, it);
   }
 
   // Keeps the first `keep` blocks of the request's table and gives the others back (the table
   // goes when none is kept). Freeing allocates nothing.
   void truncate(const std::string& request_id, std::int64_t keep, BlockManager& bm) {
-    std::vector<std::int64_t>& t = table_of(request_id);
+    const auto it = tables_.find(request_id);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+    std::vector<std::int64_t>& t = it->second;
     const auto k = static_cast<std::size_t>(std::clamp<std::int64_t>(keep, 0, std::ssize(t)));
+    if (k == 0) {
+      bm.free_blocks(t, sharing_);
+      kept_.erase(bm.log(), tables_, it);
+      return;
+    }
+    for (std::size_t i = k; i < t.size(); ++i) keep_entry(bm.log(), t, i);
+    keep_size(bm.log(), t);
     bm.free_blocks(std::span(t).subspan(k), sharing_);
     t.resize(k);
-    if (k == 0) tables_.erase(request_id);
   }
 
   // Gives each child a table for a copy of the parent (see BlockManager::fork_blocks) and returns
@@ -81,7 +91,7 @@ class CacheAllocator {
       const std::string& parent_request_id, std::span<const std::string> children_request_ids, BlockManager& bm) {
     PreparedFork f = prepare_fork(parent_request_id, children_request_ids, bm);
     if (!commit_fork(parent_request_id, f, bm)) {
-      abandon_fork(f);
+      abandon_fork(f, bm);
       throw ValueError("Failed to fork blocks for request " + parent_request_id);
     }
     return {std::move(f.blocks.copy_src), std::move(f.blocks.copy_dst)};
@@ -96,7 +106,7 @@ class CacheAllocator {
     ForkedBlocks blocks;
   };
   PreparedFork prepare_fork(const std::string& parent_request_id, std::span<const std::string> children_request_ids,
-                            const BlockManager& bm) {
+                            BlockManager& bm) {
     const auto parent = tables_.find(parent_request_id);
     if (parent == tables_.end()) throw ValueError("No block table found for request " + parent_request_id);
     for (std::size_t i = 0; i < children_request_ids.size(); ++i) {
@@ -109,10 +119,10 @@ class CacheAllocator {
     PreparedFork f;
     try {
       f.made.reserve(children_request_ids.size());
-      for (const std::string& child : children_request_ids) f.made.push_back(tables_.try_emplace(child).first);
+      for (const std::string& child : children_request_ids) f.made.push_back(make_table(child, bm.log()).first);
       f.blocks = bm.prepare_fork(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_);
     } catch (...) {
-      abandon_fork(f);
+      abandon_fork(f, bm);
       throw;
     }
     return f;
@@ -124,8 +134,11 @@ class CacheAllocator {
     f.made.clear();  // committed: the tables stay
     return true;
   }
-  void abandon_fork(PreparedFork& f) noexcept {
-    for (const auto& it : f.made) tables_.erase(it);
+  // (In a transaction the tables stay until it is undone: a prepared fork is abandoned only on the
+  // way out of a failed call.)
+  void abandon_fork(PreparedFork& f, BlockManager& bm) noexcept {
+    if (!bm.log().active())
+      for (const auto& it : f.made) tables_.erase(it);
     f.made.clear();
   }
 
@@ -173,20 +186,22 @@ class CacheAllocator {
  public:
   // Makes the request's table if it has none, and room in it for n more blocks (what a later
   // allocate_blocks of up to n then takes without allocating); true if it made the table.
-  bool reserve_table(const std::string& request_id, std::int64_t n) {
-    const auto [it, created] = tables_.try_emplace(request_id);
+  bool reserve_table(const std::string& request_id, std::int64_t n, BlockManager& bm) {
+    const auto [it, created] = make_table(request_id, bm.log());
     try {
       std::vector<std::int64_t>& t = it->second;
       if (t.capacity() - t.size() < static_cast<std::size_t>(n))
         t.reserve(std::max(t.size() + static_cast<std::size_t>(n), 2 * t.capacity()));
     } catch (...) {
-      if (created) tables_.erase(it);
+      if (created && !bm.log().active()) tables_.erase(it);  // (a transaction's undo erases it)
       throw;
     }
     return created;
   }
-  // Forgets a table reserve_table made and nothing filled.
-  void drop_empty_table(const std::string& request_id) noexcept {
+  // Forgets a table reserve_table made and nothing filled, on the way out of a failed call (in a
+  // transaction its undo does).
+  void drop_empty_table(const std::string& request_id, BlockManager& bm) noexcept {
+    if (bm.log().active()) return;
     const auto it = tables_.find(request_id);
     if (it != tables_.end() && it->second.empty()) tables_.erase(it);
   }
@@ -195,25 +210,37 @@ class CacheAllocator {
   // n more blocks at the end of the request's table, all or none (false: too few free). The table
   // and its room are made first: once the manager has handed the blocks out, nothing allocates.
   bool grow_table(const std::string& request_id, std::int64_t n, bool chained, BlockManager& bm) {
-    const bool created = reserve_table(request_id, n);  // grown geometrically: appends stay amortized O(1)
+    const bool created = reserve_table(request_id, n, bm);  // grown geometrically: appends stay amortized O(1)
     const auto it = tables_.find(request_id);
     try {
       std::vector<std::int64_t>& t = it->second;
       const std::optional<std::int64_t> last =
           chained && !t.empty() ? std::optional<std::int64_t>(t.back()) : std::nullopt;
+      keep_size(bm.log(), t);
       if (bm.take_free_blocks(n, last, chained && sharing_, index_, t)) return true;
     } catch (...) {
-      if (created) tables_.erase(it);
+      if (created && !bm.log().active()) tables_.erase(it);
       throw;
     }
-    if (created) tables_.erase(it);
+    if (created) kept_.erase(bm.log(), tables_, it);
     return false;
+  }
+
+  using table_map = std::map<std::string, std::vector<std::int64_t>>;
+
+  // The request's table, made (empty) if it has none; its making goes through the log.
+  std::pair<table_map::iterator, bool> make_table(const std::string& request_id, UndoLog& log) {
+    log.room(1, insert_undo_bytes);
+    const auto made = tables_.try_emplace(request_id);
+    if (made.second) undo_insert(log, tables_, *made.first);
+    return made;
   }
 
   std::int64_t index_;
   std::int64_t block_size_;
   bool sharing_;
-  std::map<std::string, std::vector<std::int64_t>> tables_;
+  table_map tables_;
+  KeptNodes<table_map> kept_;  // tables a transaction erased
 };
 
 // A full-attention group: the table grows by whole blocks, blocks are shareable (ref counts,
@@ -255,7 +282,15 @@ class FullAttentionCacheAllocator : public CacheAllocator {
       parent = h;
     }
     if (hits.empty()) return 0;
-    tables_.insert_or_assign(request_id, hits);  // first: the insert is the step that can run out of memory
+    // First: making the table is the step that can run out of memory.
+    const auto [it, made] = make_table(request_id, bm.log());
+    try {
+      keep_size(bm.log(), it->second);
+      it->second.assign(hits.begin(), hits.end());
+    } catch (...) {
+      if (made && !bm.log().active()) tables_.erase(it);
+      throw;
+    }
     for (const std::int64_t id : hits) bm.increase_ref_count(id);
     return static_cast<std::int64_t>(hits.size()) * block_size_;
   }
@@ -322,7 +357,7 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
     const std::int64_t have = it == tables_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
     const std::int64_t take = blocks_to_take(have, n);
     if (take == 0) {
-      tables_.try_emplace(request_id);
+      (void)make_table(request_id, bm.log());
       return 0;
     }
     if (!grow_table(request_id, take, false, bm)) return std::nullopt;

@@ -19,6 +19,8 @@
 // for the initialized blocks, a slot per Block), so taking, sharing and giving back blocks never
 // allocates: an allocation failure can only come before a change (docs/paged.md). Registering a
 // hash is the one step that allocates.
+// Every change goes through the manager's UndoLog (log()): in a transaction (a scheduler step)
+// it is recorded first, so that the whole step can be undone; otherwise it is a plain write.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +33,7 @@
 
 #include <kvc/errors.hpp>
 #include <kvc/paged/block_hash.hpp>
+#include <kvc/paged/undo_log.hpp>
 
 namespace kvc::paged {
 
@@ -85,6 +88,9 @@ class BlockManager {
 
   std::int64_t num_blocks() const noexcept { return num_blocks_; }
   std::int64_t block_size() const noexcept { return block_size_; }
+  // The undo log of the manager and of the tables that use it (allocators.hpp, PagedCache).
+  UndoLog& log() noexcept { return log_; }
+  bool in_transaction() const noexcept { return log_.active(); }
   // Free blocks: never used or given back (uninitialized), plus complete ones nobody holds (initialized).
   std::int64_t num_free_blocks() const noexcept { return uninit_count_ + init_count_; }
   std::int64_t num_uninitialized_blocks() const noexcept { return uninit_count_; }
@@ -149,11 +155,12 @@ class BlockManager {
     std::optional<std::int64_t> parent = last_block_id;
     for (std::int64_t k = 0; k < n; ++k) {
       const std::int64_t id = uninit_at(0);
-      head_ = (head_ + 1) % num_blocks_;
-      --uninit_count_;
-      in_uninit_[static_cast<std::size_t>(id)] = 0;
+      log_.set(head_, (head_ + 1) % num_blocks_);
+      log_.set(uninit_count_, uninit_count_ - 1);
+      log_.set(in_uninit_[static_cast<std::size_t>(id)], char{0});
       if (shareable) {  // a stale evicted Block is replaced
-        slots_[static_cast<std::size_t>(id)] = Block{id, parent, group_id, std::nullopt, 1};
+        log_.set(slots_[static_cast<std::size_t>(id)],
+                 std::optional<Block>(Block{id, parent, group_id, std::nullopt, 1}));
         parent = id;
       }
       out.push_back(id);
@@ -165,7 +172,7 @@ class BlockManager {
   void increase_ref_count(std::int64_t id) {
     Block& b = block_or_throw(id, "increase_ref_count");
     if (b.ref_count == 0 && in_init_[static_cast<std::size_t>(id)]) unlink_init(id);
-    b.ref_count += 1;
+    log_.set(b.ref_count, b.ref_count + 1);
   }
 
   // One holder fewer; at 0 a complete block becomes initialized (keeps its hash), an incomplete one
@@ -175,15 +182,15 @@ class BlockManager {
     if (b.ref_count <= 0)
       throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) + " is not referenced");
     if (b.ref_count > 1) {
-      b.ref_count -= 1;
+      log_.set(b.ref_count, b.ref_count - 1);
       return;
     }
     if (b.is_complete()) {
       link_init(id);
-      b.ref_count = 0;
+      log_.set(b.ref_count, std::int64_t{0});
     } else {
       push_uninit(id);
-      slots_[static_cast<std::size_t>(id)].reset();
+      log_.set(slots_[static_cast<std::size_t>(id)], std::optional<Block>());
     }
   }
 
@@ -216,11 +223,11 @@ class BlockManager {
       for (std::size_t i = 0; i < blocks.size(); ++i) {
         const std::int64_t id = blocks[i];
         if (id < 0 || id >= num_blocks_ || is_free(id)) {
-          for (std::size_t j = 0; j < i; ++j) in_uninit_[static_cast<std::size_t>(blocks[j])] = 0;
+          for (std::size_t j = 0; j < i; ++j) log_.set(in_uninit_[static_cast<std::size_t>(blocks[j])], char{0});
           throw RuntimeError("kvc::paged::BlockManager: block " + std::to_string(id) +
                              " is not in use, or is given back twice");
         }
-        in_uninit_[static_cast<std::size_t>(id)] = 2;
+        log_.set(in_uninit_[static_cast<std::size_t>(id)], char{2});
       }
       for (const std::int64_t id : blocks) push_uninit(id);
     }
@@ -239,9 +246,9 @@ class BlockManager {
                            " has more than one reference: block.ref_count = " + std::to_string(slot->ref_count));
       if (slot->hash) {
         const auto h = hash_to_id_.find(*slot->hash);
-        if (h != hash_to_id_.end() && h->second == id) hash_to_id_.erase(h);
+        if (h != hash_to_id_.end() && h->second == id) kept_hashes_.erase(log_, hash_to_id_, h);
       }
-      slot.reset();
+      log_.set(slot, std::optional<Block>());
     }
     push_uninit(id);
   }
@@ -254,37 +261,38 @@ class BlockManager {
   std::int64_t mark_shareable_blocks_as_complete(std::int64_t num_complete, std::vector<std::int64_t>& allocated_blocks,
                                                  std::span<const std::int64_t> prompt_ids) {
     if (num_complete <= 0) return 0;
-    // The incomplete tail of the table, and the hash of the last complete block before it.
-    std::vector<std::size_t> todo;
+    // The incomplete tail of the table, blocks first .. size - 1, and the hash of the last
+    // complete block before it (allocates nothing).
+    std::size_t first = allocated_blocks.size();
     std::optional<std::uint64_t> parent_hash;
-    for (std::size_t i = allocated_blocks.size(); i-- > 0;) {
-      const Block& b = block_or_throw(allocated_blocks[i], "mark_shareable_blocks_as_complete");
+    while (first > 0) {
+      const Block& b = block_or_throw(allocated_blocks[first - 1], "mark_shareable_blocks_as_complete");
       if (b.is_complete()) {
         parent_hash = b.hash;
         break;
       }
-      todo.push_back(i);
+      --first;
     }
-    std::reverse(todo.begin(), todo.end());
     // Every block to hash must have its tokens, each a C int, checked before anything changes.
-    if (const auto k = std::min<std::size_t>(static_cast<std::size_t>(num_complete), todo.size()); k > 0) {
-      const auto need = (static_cast<std::int64_t>(todo[k - 1]) + 1) * block_size_;
+    if (const auto k = std::min(static_cast<std::size_t>(num_complete), allocated_blocks.size() - first); k > 0) {
+      const std::size_t last = first + k - 1;
+      const auto need = (static_cast<std::int64_t>(last) + 1) * block_size_;
       if (need > static_cast<std::int64_t>(prompt_ids.size()))
-        throw ValueError("kvc::paged::BlockManager: block " + std::to_string(todo[k - 1]) +
+        throw ValueError("kvc::paged::BlockManager: block " + std::to_string(last) +
                          " of the request needs tokens up to " + std::to_string(need) + ", but only " +
                          std::to_string(prompt_ids.size()) + " are known");
-      for (std::size_t b = 0; b < k; ++b)
+      for (std::size_t b = first; b <= last; ++b)
         check_block_tokens(
-            prompt_ids.subspan(todo[b] * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_)));
+            prompt_ids.subspan(b * static_cast<std::size_t>(block_size_), static_cast<std::size_t>(block_size_)));
     }
     std::int64_t done = 0, replaced = 0;
     std::optional<std::int64_t> replacement;  // the id the previous block was replaced by
-    for (const std::size_t i : todo) {
+    for (std::size_t i = first; i < allocated_blocks.size(); ++i) {
       const auto from = static_cast<std::int64_t>(i) * block_size_;
       Block& b = *slots_[static_cast<std::size_t>(allocated_blocks[i])];  // checked above
       // The block after a replaced one takes the replacement as its parent, before the loop may
       // stop: the first block left incomplete is re-pointed too, as in transformers.
-      if (replacement) b.parent_id = replacement;
+      if (replacement) log_.set(b.parent_id, replacement);
       replacement.reset();
       if (done >= num_complete) break;
       const std::uint64_t h = compute_block_hash(
@@ -296,13 +304,15 @@ class BlockManager {
         const std::int64_t existing = known->second;
         const std::int64_t own = b.id;
         increase_ref_count(existing);
-        allocated_blocks[i] = existing;
+        set_entry(allocated_blocks, i, existing);
         uninitialize_unshared_block(own);
         replacement = existing;
         ++replaced;
       } else {
-        hash_to_id_.emplace(h, b.id);  // the step that allocates, before the block is marked
-        b.hash = h;
+        log_.room(1, insert_undo_bytes);
+        // the step that allocates, before the block is marked
+        if (const auto [at, made] = hash_to_id_.emplace(h, b.id); made) undo_insert(log_, hash_to_id_, *at);
+        log_.set(b.hash, std::optional<std::uint64_t>(h));
       }
       parent_hash = h;
     }
@@ -366,8 +376,18 @@ class BlockManager {
                           parent_blocks.end());
       out.copy_dst.insert(out.copy_dst.end(), table.begin() + static_cast<std::ptrdiff_t>(shared), table.end());
     }
-    for (std::size_t i = 0; i < shared; ++i) slots_[static_cast<std::size_t>(parent_blocks[i])]->ref_count += num_forks;
+    for (std::size_t i = 0; i < shared; ++i) {
+      std::int64_t& refs = slots_[static_cast<std::size_t>(parent_blocks[i])]->ref_count;
+      log_.set(refs, refs + num_forks);
+    }
     return true;
+  }
+
+  // table[i] = id, through the log (the undo finds the table by its address, which a table in a
+  // node-based map keeps).
+  void set_entry(std::vector<std::int64_t>& table, std::size_t i, std::int64_t id) {
+    keep_entry(log_, table, i);
+    table[i] = id;
   }
 
  private:
@@ -382,10 +402,10 @@ class BlockManager {
   std::int64_t uninit_at(std::int64_t i) const noexcept {
     return ring_[static_cast<std::size_t>((head_ + i) % num_blocks_)];
   }
-  void push_uninit(std::int64_t id) noexcept {
-    ring_[static_cast<std::size_t>((head_ + uninit_count_) % num_blocks_)] = id;
-    ++uninit_count_;
-    in_uninit_[static_cast<std::size_t>(id)] = 1;
+  void push_uninit(std::int64_t id) {
+    log_.set(ring_[static_cast<std::size_t>((head_ + uninit_count_) % num_blocks_)], id);
+    log_.set(uninit_count_, uninit_count_ + 1);
+    log_.set(in_uninit_[static_cast<std::size_t>(id)], char{1});
   }
   // Whether a block is in the FIFO or the initialized list (or marked by free_blocks' check).
   bool is_free(std::int64_t id) const noexcept {
@@ -394,40 +414,43 @@ class BlockManager {
 
   // The initialized blocks: a list threaded through prev_/next_, oldest at init_head_, most
   // recently freed at init_tail_ (eviction takes the tail).
-  void link_init(std::int64_t id) noexcept {
+  void link_init(std::int64_t id) {
     const auto i = static_cast<std::size_t>(id);
-    prev_[i] = init_tail_;
-    next_[i] = -1;
+    log_.set(prev_[i], init_tail_);
+    log_.set(next_[i], std::int64_t{-1});
     if (init_tail_ >= 0)
-      next_[static_cast<std::size_t>(init_tail_)] = id;
+      log_.set(next_[static_cast<std::size_t>(init_tail_)], id);
     else
-      init_head_ = id;
-    init_tail_ = id;
-    in_init_[i] = 1;
-    ++init_count_;
+      log_.set(init_head_, id);
+    log_.set(init_tail_, id);
+    log_.set(in_init_[i], char{1});
+    log_.set(init_count_, init_count_ + 1);
   }
-  void unlink_init(std::int64_t id) noexcept {
+  void unlink_init(std::int64_t id) {
     const auto i = static_cast<std::size_t>(id);
     if (prev_[i] >= 0)
-      next_[static_cast<std::size_t>(prev_[i])] = next_[i];
+      log_.set(next_[static_cast<std::size_t>(prev_[i])], next_[i]);
     else
-      init_head_ = next_[i];
+      log_.set(init_head_, next_[i]);
     if (next_[i] >= 0)
-      prev_[static_cast<std::size_t>(next_[i])] = prev_[i];
+      log_.set(prev_[static_cast<std::size_t>(next_[i])], prev_[i]);
     else
-      init_tail_ = prev_[i];
-    prev_[i] = next_[i] = -1;
-    in_init_[i] = 0;
-    --init_count_;
+      log_.set(init_tail_, prev_[i]);
+    log_.set(prev_[i], std::int64_t{-1});
+    log_.set(next_[i], std::int64_t{-1});
+    log_.set(in_init_[i], char{0});
+    log_.set(init_count_, init_count_ - 1);
   }
 
-  void evict_one() noexcept {
+  void evict_one() {
     const std::int64_t id = init_tail_;
     unlink_init(id);
     auto& slot = slots_[static_cast<std::size_t>(id)];
     if (slot) {
-      if (slot->hash) hash_to_id_.erase(*slot->hash);
-      slot.reset();
+      if (slot->hash)
+        if (const auto h = hash_to_id_.find(*slot->hash); h != hash_to_id_.end())
+          kept_hashes_.erase(log_, hash_to_id_, h);
+      log_.set(slot, std::optional<Block>());
     }
     push_uninit(id);
   }
@@ -440,8 +463,11 @@ class BlockManager {
   std::vector<char> in_init_, in_uninit_;
   std::vector<std::int64_t> listed_;  // free_blocks' counts, zero between calls
   std::int64_t init_head_ = -1, init_tail_ = -1, init_count_ = 0;
-  std::unordered_map<std::uint64_t, std::int64_t> hash_to_id_;
+  using hash_map = std::unordered_map<std::uint64_t, std::int64_t>;
+  hash_map hash_to_id_;
+  KeptNodes<hash_map> kept_hashes_;          // hashes a transaction erased
   std::vector<std::optional<Block>> slots_;  // the Block of each id in a shareable allocation, if any
+  UndoLog log_;
 };
 
 }  // namespace kvc::paged

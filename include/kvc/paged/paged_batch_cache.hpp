@@ -361,11 +361,11 @@ class PagedBatchCache {
     try {
       for (const std::string& id : ids)
         for (std::size_t g = 0; g < cache_.allocators_.size(); ++g)
-          if (std::visit([&](auto& al) { return al.reserve_table(id, more); }, cache_.allocators_[g]))
+          if (std::visit([&](auto& al) { return al.reserve_table(id, more, cache_.manager_); }, cache_.allocators_[g]))
             made.emplace_back(g, &id);
     } catch (...) {
       for (const auto& m : made)
-        std::visit([&](auto& al) { al.drop_empty_table(*m.second); }, cache_.allocators_[m.first]);
+        std::visit([&](auto& al) { al.drop_empty_table(*m.second, cache_.manager_); }, cache_.allocators_[m.first]);
       throw;
     }
   }

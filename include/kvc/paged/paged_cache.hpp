@@ -374,10 +374,11 @@ class PagedCache<S> {
     std::vector<char> made(allocators_.size(), 0);
     try {
       for (std::size_t g = 0; g < allocators_.size(); ++g)
-        made[g] = std::visit([&](auto& al) { return al.reserve_table(request_id, takes[g]); }, allocators_[g]);
+        made[g] =
+            std::visit([&](auto& al) { return al.reserve_table(request_id, takes[g], manager_); }, allocators_[g]);
     } catch (...) {
       for (std::size_t g = 0; g < allocators_.size(); ++g)
-        if (made[g]) std::visit([&](auto& al) { al.drop_empty_table(request_id); }, allocators_[g]);
+        if (made[g]) std::visit([&](auto& al) { al.drop_empty_table(request_id, manager_); }, allocators_[g]);
       throw;
     }
     std::int64_t most = 0;
@@ -460,9 +461,10 @@ class PagedCache<S> {
       manager_.take_free_blocks(1, parent, true, full.index(), fresh);
       old.push_back(t[at]);
     }
-    copy_blocks(keys_, values_, pool_rows(), old, keys_, values_, pool_rows(), fresh);
+    move_blocks(pool::pages, old, pool::pages, fresh);
     for (std::size_t i = 0; i < copy.size(); ++i) {
       auto& t = std::get<paged::FullAttentionCacheAllocator>(allocators_[copy[i]]).mutable_table(request_id);
+      paged::keep_entry(manager_.log(), t, static_cast<std::size_t>(keep - 1));
       t[static_cast<std::size_t>(keep - 1)] = fresh[i];
       manager_.decrease_ref_count(old[i]);
     }
@@ -540,7 +542,7 @@ class PagedCache<S> {
     if (!use_prefix_sharing_) return 0;
     auto& full = std::get<paged::FullAttentionCacheAllocator>(allocators_[0]);
     const std::int64_t n = full.search_prefix_match(request_id, prompt_ids, manager_);
-    total_prefix_length_ += n;
+    manager_.log().set(total_prefix_length_, total_prefix_length_ + n);
     return n;
   }
   // Prompt tokens served from shared blocks so far (the prefix-sharing statistic).
@@ -599,7 +601,7 @@ class PagedCache<S> {
       dst.reserve(static_cast<std::size_t>(copies));
     } catch (...) {
       for (std::size_t i = 0; i < prepared.size(); ++i)
-        std::visit([&](auto& al) { al.abandon_fork(prepared[i]); }, allocators_[i % allocators_.size()]);
+        std::visit([&](auto& al) { al.abandon_fork(prepared[i], manager_); }, allocators_[i % allocators_.size()]);
       throw;
     }
     for (std::size_t i = 0; i < prepared.size(); ++i)  // fits: checked above, and nothing allocates
@@ -613,12 +615,40 @@ class PagedCache<S> {
     return {std::move(src), std::move(dst)};
   }
 
-  // Copies block src[i] to block dst[i] in every pool tensor.
+  // Copies block src[i] to block dst[i] in every pool tensor (in a transaction: when it commits).
   void copy_cache(std::span<const std::int64_t> src, std::span<const std::int64_t> dst) {
     if (src.size() != dst.size()) throw ValueError("kvc::PagedCache::copy_cache: as many sources as destinations");
     for (const std::int64_t b : src) check_block(b);
     for (const std::int64_t b : dst) check_block(b);
-    copy_blocks(keys_, values_, pool_rows(), src, keys_, values_, pool_rows(), dst);
+    move_blocks(pool::pages, src, pool::pages, dst);
+  }
+
+  // ---- transactions ------------------------------------------------------------------------------
+  // Several calls as one, all or nothing: between begin_transaction() and commit_transaction(),
+  // every change to the bookkeeping (tables, block manager, swap pool) is recorded before it is
+  // made, and block copies (forks, offload, restore) wait for the commit; rollback_transaction()
+  // undoes the changes, newest first, and drops the copies, allocating nothing. Calls in between
+  // see the changes as they are made; one that throws may leave part of its work to the rollback,
+  // so roll back after an exception. The scheduler runs each schedule() and update() as one, so
+  // that a std::bad_alloc anywhere in them leaves the cache as it was.
+  bool in_transaction() const noexcept { return manager_.in_transaction(); }
+  void begin_transaction() {
+    if (in_transaction()) throw ValueError("kvc::PagedCache::begin_transaction: a transaction is already open");
+    manager_.log().begin();
+  }
+  // Makes the waiting copies (on the host they cannot fail) and keeps the changes.
+  void commit_transaction() {
+    for (const pending_copy& c : pending_)
+      copy_between(c.from, std::span(pending_ids_).subspan(c.at, c.n), c.to,
+                   std::span(pending_ids_).subspan(c.at + c.n, c.n));
+    pending_.clear();
+    pending_ids_.clear();
+    manager_.log().commit();
+  }
+  void rollback_transaction() noexcept {
+    pending_.clear();
+    pending_ids_.clear();
+    manager_.log().rollback();
   }
 
   // ---- request offload ---------------------------------------------------------------------------
@@ -723,11 +753,12 @@ class PagedCache<S> {
           a);
     if (blocks.empty() || static_cast<std::int64_t>(blocks.size()) > free_swap_blocks()) return false;
     out.swap_ids.assign(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
+    keep_swap_free();
+    manager_.log().room(1, paged::insert_undo_bytes);
     auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
-    (void)inserted;
-    // Committed: copies and bookkeeping that cannot fail on the host.
-    copy_blocks(keys_, values_, pool_rows(), blocks, swap_k_, swap_v_, swap_blocks() * block_size_,
-                slot->second.swap_ids);
+    paged::undo_insert(manager_.log(), swapped_, *slot);
+    // Committed: copies and bookkeeping that cannot fail on the host (outside a transaction).
+    move_blocks(pool::pages, blocks, pool::swap, slot->second.swap_ids);
     swap_free_.erase(swap_free_.begin(), swap_free_.begin() + static_cast<std::ptrdiff_t>(blocks.size()));
     free_blocks(request_id);
     return true;
@@ -750,18 +781,20 @@ class PagedCache<S> {
       dst.insert(dst.end(), t.begin(), t.begin() + n);
     }
     std::vector<std::int64_t> freed = with_swap_ids_returned(it->second);
-    copy_blocks(swap_k_, swap_v_, swap_blocks() * block_size_, it->second.swap_ids, keys_, values_, pool_rows(), dst);
+    keep_swap_free();
+    move_blocks(pool::swap, it->second.swap_ids, pool::pages, dst);
     swap_free_ = std::move(freed);
-    swapped_.erase(it);
+    kept_swapped_.erase(manager_.log(), swapped_, it);
   }
   // Forgets an offloaded request (cancelled or failed): its swap blocks return to the pool.
   // Allocates nothing: the free list always has room for every swap block.
   void drop_offloaded_request(const std::string& request_id) {
     const auto it = swapped_.find(request_id);
     if (it == swapped_.end()) return;
+    keep_swap_free();
     swap_free_.insert(swap_free_.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());
     std::sort(swap_free_.begin(), swap_free_.end());
-    swapped_.erase(it);
+    kept_swapped_.erase(manager_.log(), swapped_, it);
   }
 
   // Gives back everything the request holds: its blocks in every group where it has a table, and
@@ -1054,6 +1087,47 @@ class PagedCache<S> {
       }
   }
 
+  // Where block copies go: the pools or the swap pool.
+  enum class pool : unsigned char { pages, swap };
+  struct pending_copy {
+    pool from, to;
+    std::size_t at, n;  // sources pending_ids_[at, at + n), destinations the n after them
+  };
+  void copy_between(pool from, std::span<const std::int64_t> src, pool to, std::span<const std::int64_t> dst) {
+    const std::int64_t swap_rows = swap_blocks() * block_size_;
+    copy_blocks(from == pool::pages ? keys_ : swap_k_, from == pool::pages ? values_ : swap_v_,
+                from == pool::pages ? pool_rows() : swap_rows, src, to == pool::pages ? keys_ : swap_k_,
+                to == pool::pages ? values_ : swap_v_, to == pool::pages ? pool_rows() : swap_rows, dst);
+  }
+  // Copies blocks now, or in a transaction when it commits (a block taken in it may have been a
+  // free one still holding a prefix: its rows must not change before the transaction is kept).
+  void move_blocks(pool from, std::span<const std::int64_t> src, pool to, std::span<const std::int64_t> dst) {
+    if (!in_transaction()) return copy_between(from, src, to, dst);
+    const std::size_t at = pending_ids_.size();
+    if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<std::size_t>(8, 2 * pending_.capacity()));
+    if (at + 2 * src.size() > pending_ids_.capacity())
+      pending_ids_.reserve(std::max(at + 2 * src.size(), 2 * pending_ids_.capacity()));
+    pending_ids_.insert(pending_ids_.end(), src.begin(), src.end());
+    pending_ids_.insert(pending_ids_.end(), dst.begin(), dst.end());
+    pending_.push_back({from, to, at, src.size()});
+  }
+  // The free swap list as it is, once per transaction, for its undo (every swap-pool change
+  // comes after it).
+  void keep_swap_free() {
+    paged::UndoLog& log = manager_.log();
+    if (!log.active() || swap_free_kept_) return;
+    log.at_end([](void* self) noexcept { static_cast<PagedCache*>(self)->swap_free_kept_ = false; }, this);
+    swap_free_saved_.reserve(static_cast<std::size_t>(swap_blocks()));  // room for all, as swap_free_ has
+    swap_free_saved_.assign(swap_free_.begin(), swap_free_.end());
+    log.on_undo(
+        [](void* self, const std::byte*) noexcept {
+          auto* c = static_cast<PagedCache*>(self);
+          c->swap_free_.swap(c->swap_free_saved_);
+        },
+        this, char{0});
+    swap_free_kept_ = true;
+  }
+
   void check_block(std::int64_t b) const {
     if (b < 0 || b >= num_blocks())
       throw ValueError("kvc::PagedCache::copy_cache: block " + std::to_string(b) + " is not one of the " +
@@ -1117,6 +1191,13 @@ class PagedCache<S> {
   std::vector<typename S::buffer_type> swap_k_, swap_v_;  // the swap pool, [heads, swap rows, dim] like the pools
   std::vector<std::int64_t> swap_free_;                   // free swap blocks, ascending
   std::map<std::string, swapped_request> swapped_;
+  // Transactions: the copies waiting for the commit, the free swap list as it was, the swapped
+  // requests erased.
+  std::vector<pending_copy> pending_;
+  std::vector<std::int64_t> pending_ids_;
+  std::vector<std::int64_t> swap_free_saved_;
+  bool swap_free_kept_ = false;
+  paged::KeptNodes<std::map<std::string, swapped_request>> kept_swapped_;
 };
 
 }  // namespace kvc
