@@ -11,11 +11,12 @@
 //   - no group has a table, and the swap pool holds no request, that the scheduler does not run;
 //   - every request's generated tokens are the model's;
 //   - every cached position of every request in the cache holds that request's own K/V row;
-//   - a call that throws changes nothing the caller can observe; with inject() on, the
-//     all-or-nothing calls also fail allocations at random and must then change nothing.
+//   - a call that throws changes nothing the caller can observe; with inject() on, every call
+//     also fails allocations at random and must then change nothing.
 // At the end every request has ended and every block and swap block is free again. A broken
 // invariant throws kvc_model::violation (the unit test fails, the fuzz target aborts).
 
+#include <bit>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -88,7 +89,7 @@ class run {
     }
   }
 
-  // Makes the all-or-nothing calls (add_request, cancel_request, take_finished, seq_rm, seq_cp,
+  // Makes the calls (add_request, schedule, update, cancel_request, take_finished, seq_rm, seq_cp,
   // seq_keep) fail an allocation now and then: `arm(n)` fails the n-th allocation from then on,
   // `disarm()` stops and says whether one failed (tests/unit/alloc_failure.cpp replaces operator
   // new for this). A failed call must change nothing; it is then made again, unarmed.
@@ -128,11 +129,33 @@ class run {
     s += "|";
     for (const std::int64_t b : cache_->manager().initialized_blocks()) s += std::to_string(b) + " ";
     s += ";";
+    // Every shareable block's holders, hash and parent (which prefixes a later request finds).
+    for (std::int64_t b = 0; b < cache_->num_blocks(); ++b)
+      if (const kvc::paged::Block* blk = cache_->manager().block(b))
+        s += std::to_string(b) + ":" + std::to_string(blk->ref_count) + "," +
+             (blk->hash ? std::to_string(*blk->hash) : "-") + "," +
+             (blk->parent_id ? std::to_string(*blk->parent_id) : "-") + " ";
+    // The pools' contents (a failed call copies no block: its copies wait for the commit).
+    std::uint64_t rows = 0;
+    const std::int64_t n = (cache_->num_blocks() + 2) * cache_->block_size() * kvc_toy::KVH * kvc_toy::D;
+    for (std::int64_t j = 0; j < cache_->group_size(); ++j)
+      for (std::int64_t i = 0; i < n; ++i) {
+        rows = kvc_toy::mix(rows, std::bit_cast<std::uint32_t>(cache_->key_pool(j)[i]));
+        rows = kvc_toy::mix(rows, std::bit_cast<std::uint32_t>(cache_->value_pool(j)[i]));
+      }
+    s += ";" + std::to_string(rows);
+    const kvc::SchedulerStats& t = sched_->stats();
+    s += ";" + std::to_string(t.batch_tokens) + "," + std::to_string(t.prefill_tokens) + "," +
+         std::to_string(t.prefix_hit_tokens) + "," + std::to_string(t.cpu_offloads) + "," +
+         std::to_string(t.soft_resets) + "," + std::to_string(t.restores) + "," + std::to_string(t.forks) + "," +
+         std::to_string(t.forks_requeued) + "," + std::to_string(t.failed) + "," +
+         std::to_string(cache_->total_prefix_length()) + ";";
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       s += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
            std::to_string(st.prompt_length) + "," + std::to_string(st.num_children) + "," +
-           std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + ",";
+           std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + "," +
+           std::to_string(st.preemptions) + "," + st.error + ",";
       for (const std::int64_t t : st.tokens) s += std::to_string(t) + " ";
       for (std::int64_t g = 0; g < cache_->num_groups(); ++g) s += "|" + std::to_string(cache_->blocks_in_group(g, id));
       s += ";";
@@ -165,10 +188,10 @@ class run {
   // An all-or-nothing call: with injection on, its n-th allocation may fail first (n drawn from
   // the source); the failure must change nothing, and the call is made again.
   template <class F>
-  void attempt(const char* what, F&& call) {
+  void attempt(const char* what, F&& call, std::int64_t within = 24) {
     if (arm_) {
       const std::string before = observed();
-      arm_(src_.pick(24));
+      arm_(src_.pick(within));
       try {
         call();
         disarm_();
@@ -269,7 +292,9 @@ class run {
   // `complete` is false: the batch stays in flight for the next operations.
   void step(bool complete) {
     if (!in_flight_) {
-      std::optional<kvc::ScheduledBatch> b = sched_->schedule();
+      std::optional<kvc::ScheduledBatch> b;
+      attempt(
+          "schedule", [&] { b = sched_->schedule(); }, 96);
       if (!b) return check("schedule (nothing)");
       ++c_.steps;
       kvc_toy::write_batch(*cache_, *sched_, *b, layers());
@@ -278,7 +303,8 @@ class run {
       if (!complete) return check("schedule");
     }
     const std::vector<std::int64_t> next = kvc_toy::next_tokens(*sched_, *in_flight_);
-    sched_->update(*in_flight_, next);
+    attempt(
+        "update", [&] { sched_->update(*in_flight_, next); }, 96);
     stale_ = std::move(in_flight_);
     in_flight_.reset();
     check("update");

@@ -454,6 +454,7 @@ struct sched_rig {
   std::unique_ptr<kvc_toy::Cache> cache;  // the scheduler points at it: it does not move
   std::unique_ptr<kvc_toy::Scheduler> sched;
   std::vector<kvc::RequestState> done;
+  std::optional<kvc::ScheduledBatch> batch;  // schedule()'s, until update()
 };
 constexpr std::int64_t sched_layers = 2;
 const std::vector<std::string> sched_ids = {"a", "a__child#0", "a__child#1", "b", "b__child#0", "c", "a2", "a3", "c2"};
@@ -526,16 +527,29 @@ void take(sched_rig& r) {
   for (kvc::RequestState& st : got) r.done.push_back(std::move(st));
 }
 
-// An operation of the scenario; `inject`: the sweep fails each of its allocations in turn.
+// An operation of the scenario; `inject`: the sweep fails each of its allocations in turn (in
+// `run`; `prepare` runs first, without failures: the model's work between schedule and update).
 struct sched_op {
   std::string name;
   std::function<void(sched_rig&)> run;
   bool inject;
+  std::function<void(sched_rig&)> prepare = [](sched_rig&) {};
 };
+
+// A step in two operations: schedule(), then (the toy model writes every layer) update().
+void sched_schedule(sched_rig& r) {
+  r.batch = r.sched->schedule();
+  if (!r.batch) throw std::logic_error("nothing was scheduled");
+}
+void sched_write(sched_rig& r) { kvc_toy::write_batch(*r.cache, *r.sched, *r.batch, sched_layers); }
+void sched_update(sched_rig& r) {
+  r.sched->update(*r.batch, kvc_toy::next_tokens(*r.sched, *r.batch));
+  r.batch.reset();
+}
 
 }  // namespace
 
-TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finished and the sequence operations") {
+TEST_CASE("ContinuousBatchingScheduler: every call, schedule() and update() with them") {
   const auto add = [](std::string id, std::vector<std::int64_t> prompt, std::int64_t n) {
     return [=](sched_rig& r) {
       kvc::GenerationRequest q;
@@ -550,19 +564,22 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
   std::vector<std::int64_t> pa = system, pc = system;
   pa.push_back(9);
   pc.insert(pc.end(), {20, 21});
-  const auto step = [](sched_rig& r) { sched_step(r); };
   const auto expect = [](bool ok) {
     if (!ok) throw std::logic_error("a sequence operation was refused");
   };
   std::vector<sched_op> ops = {
       {"add a (3 sequences)", add("a", pa, 3), true},
       {"add b (one token, 2 sequences)", add("b", {7}, 2), true},
-      {"step 1", step, false},
-      {"step 2", step, false},
+      {"schedule 1", sched_schedule, true},
+      {"update 1", sched_update, true, sched_write},
+      {"schedule 2", sched_schedule, true},
+      {"update 2", sched_update, true, sched_write},
       {"add c (a's system prompt)", add("c", pc, 1), true},
-      {"step 3", step, false},
+      {"schedule 3", sched_schedule, true},
+      {"update 3", sched_update, true, sched_write},
       {"seq_cp a a2 (a fork)", [&](sched_rig& r) { expect(r.sched->seq_cp("a", "a2", -1, -1)); }, true},
-      {"step 4", step, false},
+      {"schedule 4", sched_schedule, true},
+      {"update 4", sched_update, true, sched_write},
       {"seq_cp a a3 [0, 10) (a fork, then a cut that copies a shared block)",
        [&](sched_rig& r) {
          const std::int64_t forks = r.sched->stats().forks;
@@ -578,10 +595,12 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
        },
        true},
       {"seq_rm a [6, end)", [&](sched_rig& r) { expect(r.sched->seq_rm("a", 6, -1)); }, true},
-      {"step 5", step, false},
+      {"schedule 5", sched_schedule, true},
+      {"update 5", sched_update, true, sched_write},
       {"cancel a2", [](sched_rig& r) { r.sched->cancel_request("a2"); }, true},
       {"take_finished", take, true},
-      {"step 6", step, false},
+      {"schedule 6", sched_schedule, true},
+      {"update 6", sched_update, true, sched_write},
       {"seq_keep c2", [](sched_rig& r) { r.sched->seq_keep("c2"); }, true},
       {"take_finished again", take, true},
   };
@@ -594,6 +613,7 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
   std::vector<char> changes;  // whether the operation changed what a caller sees
   for (const sched_op& o : ops) {
     CAPTURE(o.name);
+    o.prepare(clean);
     const std::string before = sched_state(clean);
     o.run(clean);
     changes.push_back(sched_state(clean) != before);
@@ -609,7 +629,11 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
     std::int64_t here = 0;
     for (std::int64_t n = 0;; ++n) {
       sched_rig r = make_sched_rig();
-      for (std::size_t j = 0; j < k; ++j) ops[j].run(r);
+      for (std::size_t j = 0; j < k; ++j) {
+        ops[j].prepare(r);
+        ops[j].run(r);
+      }
+      ops[k].prepare(r);
       const std::string before = sched_state(r);
       const kvc_test::paged_snapshot cache_before = kvc_test::take_paged_snapshot(*r.cache, sched_ids);
       arm(n);
@@ -630,7 +654,10 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
       CHECK(paged_invariants(*r.cache) == "");
       // The same call again succeeds, and the run ends as the one without a failure.
       ops[k].run(r);
-      for (std::size_t j = k + 1; j < ops.size(); ++j) ops[j].run(r);
+      for (std::size_t j = k + 1; j < ops.size(); ++j) {
+        ops[j].prepare(r);
+        ops[j].run(r);
+      }
       finish(r);
       CHECK(sched_state(r) == expected);
     }
@@ -641,11 +668,11 @@ TEST_CASE("ContinuousBatchingScheduler: add_request, cancel_request, take_finish
   MESSAGE("scheduler: " << failures << " injected failures");
 }
 
-TEST_CASE("the model-checked scheduler runs, with allocation failures in the all-or-nothing calls") {
+TEST_CASE("the model-checked scheduler runs, with allocation failures in every call") {
   // tests/support/scheduler_model.hpp's random operation sequences (its layouts, pool sizes, swap
-  // pools, sharing and schedule orders), with add_request, cancel_request, take_finished and the
-  // sequence operations failing an allocation at random: each failure must change nothing, and
-  // every invariant must hold after every operation.
+  // pools, sharing and schedule orders), with add_request, schedule, update, cancel_request,
+  // take_finished and the sequence operations failing an allocation at random: each failure must
+  // change nothing, and every invariant must hold after every operation.
   std::int64_t injected = 0, operations = 0;
   for (std::uint64_t seed = 0; seed < 300; ++seed) {
     CAPTURE(seed);

@@ -47,6 +47,7 @@
 #include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/continuous_batching_config.hpp>
 #include <kvc/paged/paged_cache.hpp>
+#include <kvc/paged/undo_log.hpp>
 #include <kvc/warnings.hpp>
 
 namespace kvc {
@@ -402,8 +403,64 @@ class ContinuousBatchingScheduler {
   // The next step, or nullopt when no request is left. Blocks for the step are allocated; requests
   // offloaded earlier and scheduled now are copied back. Every batch must go to update() before
   // the next schedule().
+  //
+  // All or nothing: a std::bad_alloc (or any other exception) leaves the scheduler and the cache as
+  // they were, and the same call can be made again.
   std::optional<ScheduledBatch> schedule() {
     if (in_flight_) throw ValueError(in_flight_message("schedule"));
+    return atomically([&] { return next_batch(); });
+  }
+
+  // The step's results: `next_tokens[i]` for the i-th request of the batch with has_new_token.
+  // Each such request records its token and finishes at its eos_token_id or max_new_tokens (its
+  // blocks freed); the blocks the step completed are hashed for sharing; a request whose prompt
+  // is cached but for its last token is forked. All or nothing, as schedule(): after a failure
+  // the batch is still in flight and can be passed again.
+  void update(const ScheduledBatch& batch, std::span<const std::int64_t> next_tokens) {
+    if (!in_flight_ || batch.step != stats_.steps)
+      throw ValueError("kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last");
+    if (static_cast<std::int64_t>(next_tokens.size()) != static_cast<std::int64_t>(batch.logits_indices.size()))
+      throw ValueError("kvc::ContinuousBatchingScheduler::update: the batch needs " +
+                       std::to_string(batch.logits_indices.size()) + " next tokens, got " +
+                       std::to_string(next_tokens.size()));
+    for (const std::int64_t t : next_tokens)
+      if (t < 0 || t > std::numeric_limits<std::int32_t>::max())
+        throw ValueError("kvc::ContinuousBatchingScheduler::update: token " + std::to_string(t) +
+                         " is outside [0, 2^31)");
+    atomically([&] {
+      record(batch, next_tokens);
+      return true;
+    });
+  }
+
+ private:
+  static constexpr const char* child_mark = "__child#";
+
+  // Runs f as one step: every change to the scheduler and the cache is recorded (undo_ and the
+  // cache's transaction), and undone if f throws, so that the caller can retry the same call. The
+  // statistics and flags are saved whole.
+  template <class F>
+  auto atomically(F&& f) {
+    const SchedulerStats stats = stats_;
+    const bool block = block_new_requests_, in_flight = in_flight_;
+    cache_->begin_transaction();
+    undo_.begin();
+    try {
+      auto result = f();
+      cache_->commit_transaction();
+      undo_.commit();
+      return result;
+    } catch (...) {
+      undo_.rollback();
+      cache_->rollback_transaction();
+      stats_ = stats;
+      block_new_requests_ = block;
+      in_flight_ = in_flight;
+      throw;
+    }
+  }
+
+  std::optional<ScheduledBatch> next_batch() {
     for (;;) {
       pass p = run_pass();
       if (!p.scheduled.empty()) {
@@ -429,29 +486,16 @@ class ContinuousBatchingScheduler {
     }
   }
 
-  // The step's results: `next_tokens[i]` for the i-th request of the batch with has_new_token.
-  // Each such request records its token and finishes at its eos_token_id or max_new_tokens (its
-  // blocks freed); the blocks the step completed are hashed for sharing; a request whose prompt
-  // is cached but for its last token is forked.
-  void update(const ScheduledBatch& batch, std::span<const std::int64_t> next_tokens) {
-    if (!in_flight_ || batch.step != stats_.steps)
-      throw ValueError("kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last");
-    if (static_cast<std::int64_t>(next_tokens.size()) != static_cast<std::int64_t>(batch.logits_indices.size()))
-      throw ValueError("kvc::ContinuousBatchingScheduler::update: the batch needs " +
-                       std::to_string(batch.logits_indices.size()) + " next tokens, got " +
-                       std::to_string(next_tokens.size()));
-    for (const std::int64_t t : next_tokens)
-      if (t < 0 || t > std::numeric_limits<std::int32_t>::max())
-        throw ValueError("kvc::ContinuousBatchingScheduler::update: token " + std::to_string(t) +
-                         " is outside [0, 2^31)");
+  // update's changes (checked by the caller).
+  void record(const ScheduledBatch& batch, std::span<const std::int64_t> next_tokens) {
     in_flight_ = false;
     std::size_t next = 0;
     for (const ScheduledRequest& r : batch.requests) {
       RequestState& st = states_.at(r.request_id);
       if (r.has_new_token) {
         const std::int64_t token = next_tokens[next++];
-        st.tokens.push_back(token);
-        st.status = RequestStatus::decoding;
+        push_token(st, token);
+        undo_.set(st.status, RequestStatus::decoding);
         const auto made = static_cast<std::int64_t>(st.generated().size());
         if (made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id)) {
           end_request(st, RequestStatus::finished, {});
@@ -462,9 +506,6 @@ class ContinuousBatchingScheduler {
     }
     for (const ScheduledRequest& r : batch.requests) maybe_fork(states_.at(r.request_id));
   }
-
- private:
-  static constexpr const char* child_mark = "__child#";
 
   struct pass {
     std::vector<ScheduledRequest> scheduled;
@@ -528,14 +569,25 @@ class ContinuousBatchingScheduler {
     if (n > ids.capacity()) ids.reserve(std::max(n, 2 * ids.capacity()));
   }
 
-  // Moves the staged requests in (allocates nothing after prepare): the ids still held in s.ids
+  // Moves the staged requests in (outside a transaction, allocates nothing after prepare): the ids still held in s.ids
   // whose to_waiting is set go to the back of waiting_, in stage order.
-  void commit(staged& s) noexcept {
+  void commit(staged& s) {
     for (std::size_t i = 0; i < s.ids.size(); ++i)
-      if (s.to_waiting[i]) waiting_.push_back(std::move(s.ids[i]));
-    while (!s.parents.empty()) live_children_.insert(s.parents.extract(s.parents.begin()));
-    for (const std::string& parent : s.child_parents) ++live_children_.find(parent)->second;
-    while (!s.states.empty()) states_.insert(s.states.extract(s.states.begin()));
+      if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), std::move(s.ids[i]));
+    while (!s.parents.empty()) {
+      undo_.room(1, paged::insert_undo_bytes);
+      const auto made = live_children_.insert(s.parents.extract(s.parents.begin()));
+      paged::undo_insert(undo_, live_children_, *made.position);
+    }
+    for (const std::string& parent : s.child_parents) {
+      std::int64_t& n = live_children_.find(parent)->second;
+      undo_.set(n, n + 1);
+    }
+    while (!s.states.empty()) {
+      undo_.room(1, paged::insert_undo_bytes);
+      const auto made = states_.insert(s.states.extract(s.states.begin()));
+      paged::undo_insert(undo_, states_, *made.position);
+    }
   }
 
   // Room in each queue for every known request and `more`.
@@ -546,12 +598,48 @@ class ContinuousBatchingScheduler {
     room_for(ended_, n);
   }
 
-  // Moves the request's entry from one queue to the back of another (allocates nothing).
-  static void move_id(std::vector<std::string>& from, std::vector<std::string>& to, const std::string& id) noexcept {
+  // ---- changes through undo_ (recorded in a step's transaction, plain writes otherwise) ----------
+  // Outside a transaction none of them allocates: the queues always have room.
+
+  // Moves the request's entry from one queue to the back of another.
+  void move_id(std::vector<std::string>& from, std::vector<std::string>& to, const std::string& id) {
     const auto it = std::find(from.begin(), from.end(), id);
     if (it == from.end()) return;
+    struct moved {
+      std::vector<std::string>*from, *to;
+      std::ptrdiff_t at;
+    };
+    undo_.on_undo(
+        [](void*, const std::byte* data) noexcept {
+          const auto m = paged::UndoLog::load<moved>(data);
+          m.from->insert(m.from->begin() + m.at, std::move(m.to->back()));
+          m.to->pop_back();
+        },
+        nullptr, moved{&from, &to, it - from.begin()});
     to.push_back(std::move(*it));
     from.erase(it);
+  }
+  // Puts an id into a queue at `at`.
+  void insert_id(std::vector<std::string>& queue, std::vector<std::string>::iterator at, std::string&& id) {
+    struct put {
+      std::vector<std::string>* queue;
+      std::ptrdiff_t at;
+    };
+    undo_.on_undo(
+        [](void*, const std::byte* data) noexcept {
+          const auto p = paged::UndoLog::load<put>(data);
+          p.queue->erase(p.queue->begin() + p.at);
+        },
+        nullptr, put{&queue, at - queue.begin()});
+    queue.insert(at, std::move(id));
+  }
+  // Appends a generated token (its room made first: the undo record cannot then outlive a failed
+  // append).
+  void push_token(RequestState& st, std::int64_t token) {
+    if (st.tokens.size() == st.tokens.capacity()) st.tokens.reserve(2 * st.tokens.capacity() + 1);
+    undo_.on_undo([](void* st, const std::byte*) noexcept { static_cast<RequestState*>(st)->tokens.pop_back(); }, &st,
+                  char{0});
+    st.tokens.push_back(token);
   }
 
   static std::string in_flight_message(const char* call) {
@@ -572,7 +660,7 @@ class ContinuousBatchingScheduler {
   // Allocates nothing.
   void drop_cache(RequestState& st) {
     cache_->release_request(st.request_id);
-    st.position_offset = 0;
+    undo_.set(st.position_offset, std::int64_t{0});
   }
 
   RequestState& mutable_state(const std::string& id) {
@@ -602,10 +690,19 @@ class ContinuousBatchingScheduler {
     return out;
   }
 
-  void activate(RequestState& st) noexcept {
+  void activate(RequestState& st) {
     if (st.is_active()) return;
     move_id(waiting_, active_, st.request_id);
-    st.status = RequestStatus::prefilling;
+    undo_.set(st.status, RequestStatus::prefilling);
+  }
+
+  // The logical blocks the request holds, from its own position (no table lookup): a full group's
+  // table is exactly as long as its cached tokens need (allocations, prefix matches, forks,
+  // restores and cuts all keep it so), a sliding ring is capped and allocate_blocks reads its own
+  // table; none while it is offloaded. allocated_blocks(id) asks the tables.
+  std::int64_t held_blocks(const RequestState& st) const {
+    if (!st.is_active() && cache_->is_offloaded(st.request_id)) return 0;
+    return (st.position_offset + cache_->block_size() - 1) / cache_->block_size();
   }
 
   // Blocks for `q` more tokens of a request holding `held` logical blocks: exactly the logical
@@ -640,7 +737,7 @@ class ContinuousBatchingScheduler {
           activate(st);
           // At least one token is left to compute: its logits start the generation.
           const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens()) - 1);
-          st.position_offset += keep;
+          undo_.set(st.position_offset, st.position_offset + keep);
           stats_.prefix_hit_tokens += keep;
         }
       }
@@ -654,7 +751,7 @@ class ContinuousBatchingScheduler {
       const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
       if (!(fast_path && fast) && cache_budget < need) continue;
       const std::int64_t cur = st.position_offset;
-      const std::int64_t held = allocated_blocks(id);
+      const std::int64_t held = held_blocks(st);
       const std::int64_t got = allocate(st, q, held);
       if (got < 0) {
         p.allocation_failed = true;
@@ -703,7 +800,7 @@ class ContinuousBatchingScheduler {
           st.remaining_prefill_tokens().first(static_cast<std::size_t>(r.query_length));
       b.input_ids.insert(b.input_ids.end(), run.begin(), run.end());
       for (std::int64_t i = 0; i < r.query_length; ++i) b.position_ids.push_back(r.past + i);
-      st.position_offset += r.query_length;
+      undo_.set(st.position_offset, st.position_offset + r.query_length);
       b.cu_seqlens_q.push_back(b.cu_seqlens_q.back() + r.query_length);
       if (r.has_new_token) b.logits_indices.push_back(b.cu_seqlens_q.back() - 1);
       b.request_ids.push_back(r.request_id);
@@ -745,11 +842,11 @@ class ContinuousBatchingScheduler {
         ++stats_.cpu_offloads;  // a decoding request runs its last token again when it is back
       } else {                  // soft reset: everything known so far is prefilled again
         cache_->free_blocks(id);
-        st.position_offset = 0;
+        undo_.set(st.position_offset, std::int64_t{0});
         ++stats_.soft_resets;
       }
-      st.status = RequestStatus::pending;
-      ++st.preemptions;
+      undo_.set(st.status, RequestStatus::pending);
+      undo_.set(st.preemptions, st.preemptions + 1);
       move_id(active_, waiting_, id);
     }
     if (!victims.empty()) block_new_requests_ = true;
@@ -765,12 +862,14 @@ class ContinuousBatchingScheduler {
   void end_request(RequestState& st, RequestStatus status, std::string_view why) {
     commit_end(st, status, status == RequestStatus::failed ? failure_message(st, why) : std::string());
   }
-  void commit_end(RequestState& st, RequestStatus status, std::string error) noexcept {
+  void commit_end(RequestState& st, RequestStatus status, std::string error) {
     drop_cache(st);
     move_id(active_, ended_, st.request_id);
     move_id(waiting_, ended_, st.request_id);
-    st.status = status;
+    undo_.set(st.status, status);
     if (status == RequestStatus::failed) {
+      undo_.on_undo([](void* st, const std::byte*) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st,
+                    char{0});
       st.error = std::move(error);
       ++stats_.failed;
     }
@@ -823,10 +922,14 @@ class ContinuousBatchingScheduler {
     }
     prepare(s);
     cache_->fork_request(parent.request_id, ids);
-    parent.num_children -= static_cast<std::int64_t>(forks);
+    undo_.set(parent.num_children, parent.num_children - static_cast<std::int64_t>(forks));
     // Committed: the children run right after their parent, in order.
     auto at = std::find(active_.begin(), active_.end(), parent.request_id) + 1;
-    for (std::string& id : s.ids) at = active_.insert(at, std::move(id)) + 1;
+    for (std::string& id : s.ids) {
+      const std::ptrdiff_t i = at - active_.begin();
+      insert_id(active_, at, std::move(id));
+      at = active_.begin() + i + 1;
+    }
     commit(s);
     stats_.forks += static_cast<std::int64_t>(forks);
     requeue_children(parent, static_cast<std::int64_t>(forks));
@@ -864,7 +967,7 @@ class ContinuousBatchingScheduler {
     staged s;
     const std::int64_t n = stage_children(s, parent, first, parent.prompt());
     prepare(s);
-    parent.num_children = 0;
+    undo_.set(parent.num_children, std::int64_t{0});
     commit(s);
     stats_.forks_requeued += n;
   }
@@ -883,6 +986,7 @@ class ContinuousBatchingScheduler {
   bool block_new_requests_ = false;
   bool in_flight_ = false;
   SchedulerStats stats_;
+  paged::UndoLog undo_;  // schedule()'s and update()'s changes, until they return
 };
 
 }  // namespace kvc
