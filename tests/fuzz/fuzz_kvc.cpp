@@ -28,7 +28,9 @@
 //     bytes as before it.
 //   byte 'M': a model-checked run of the continuous-batching scheduler over a paged cache
 //     (tests/support/scheduler_model.hpp), its layout, sizes and operations drawn from the rest
-//     of the input; a broken invariant aborts (the seeds in tests/fuzz/corpus_state).
+//     of the input; a broken invariant aborts (the seeds in tests/fuzz/corpus_state). Byte 'A':
+//     the same with allocation failures injected into every scheduler call (each must change
+//     nothing, and succeed when made again).
 // One binary for all (the heavy instantiations compile once); built with clang only.
 
 #include <cstddef>
@@ -53,6 +55,7 @@
 #include <kvc/cache_description.hpp>
 #include <kvc/runtime.hpp>
 
+#include "../support/failing_allocator.hpp"
 #include "../support/scheduler_model.hpp"
 #include "state_targets.hpp"
 
@@ -344,10 +347,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   if (data[0] == 'S') {
     if (!rest.empty()) load_state(static_cast<std::uint8_t>(rest[0]), rest.substr(1));
-  } else if (data[0] == 'M') {
+  } else if (data[0] == 'M' || data[0] == 'A') {
     kvc_model::source src(std::span(data + 1, size - 1));
     try {
-      (void)kvc_model::run(src).go();
+      kvc_model::run r(src);
+      if (data[0] == 'A') r.inject([](std::int64_t n) { arm(n); }, [] { return disarm(); });
+      (void)r.go();
     } catch (const kvc_model::violation& v) {
       std::fprintf(stderr, "scheduler model: %s\n", v.what());
       std::abort();
