@@ -4,6 +4,10 @@
 //                            tokens each, 640 on average): a block for the requests that need
 //                            one, the read and write indices of the whole batch; each step one
 //                            request finishes and a new one is admitted (untimed: the refill).
+//   scheduler_step/256       one decode step of the continuous-batching scheduler alone: schedule()
+//                            and update() for 256 decoding requests (512 to 767 cached tokens at
+//                            the start, block size 16, block sharing on: a block each 16 steps
+//                            and its hash), no model. 512 steps per run.
 //   update/bs/<n>/requests:<r>/past:<p>   one update of one layer for a decode batch of r
 //                            requests with p cached tokens each (8 KV heads x head_dim 128, float):
 //                            the new rows scattered, r x (p + 1) rows gathered. Bytes counted: what
@@ -24,6 +28,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +37,7 @@
 #include <kvc/attention.hpp>
 #include <kvc/paged/paged_attention.hpp>
 #include <kvc/paged/paged_cache.hpp>
+#include <kvc/paged/scheduler.hpp>
 #include <kvc/policies/storage/host.hpp>
 
 #include "bench_common.hpp"
@@ -94,6 +100,38 @@ void step_bookkeeping(benchmark::State& state) {
       }
     state.ResumeTiming();
   }
+  state.counters["requests"] = static_cast<double>(requests);
+}
+
+void scheduler_step(benchmark::State& state) {
+  const std::int64_t requests = state.range(0), bs = 16, past0 = 512, span = 256, steps = 512;
+  kvc::ModelConfig tiny;  // the pools do not matter here: one head of 4
+  tiny.num_hidden_layers = 2;
+  tiny.num_attention_heads = 1;
+  tiny.num_key_value_heads = 1;
+  tiny.head_dim = 4;
+  tiny.hidden_size = 4;
+  kvc::ContinuousBatchingConfig cb = blocks(bs, requests * ((past0 + span + steps) / bs + 2));
+  cb.max_batch_tokens = 4096;
+  Cache cache(tiny, cb);
+  kvc::ContinuousBatchingScheduler<kvc::HostStorage<float>> scheduler(cache, cb);
+  for (std::int64_t r = 0; r < requests; ++r) {
+    kvc::GenerationRequest q;
+    q.request_id = "req_" + std::to_string(r);
+    for (std::int64_t t = 0; t < past0 + r % span; ++t) q.prompt.push_back((r * 7919 + t) % 30000);
+    q.max_new_tokens = std::int64_t{1} << 30;
+    scheduler.add_request(std::move(q));
+  }
+  std::vector<std::int64_t> next;
+  const auto step = [&] {
+    const std::optional<kvc::ScheduledBatch> b = scheduler.schedule();
+    next.assign(b->logits_indices.size(), 1);
+    scheduler.update(*b, next);
+    return b->num_tokens();
+  };
+  while (step() != requests) {  // the prefills (untimed)
+  }
+  for (auto _ : state) benchmark::DoNotOptimize(step());
   state.counters["requests"] = static_cast<double>(requests);
 }
 
@@ -184,6 +222,7 @@ BENCHMARK(attention_contiguous)
     ->Args({64, 2048})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(step_bookkeeping)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
+BENCHMARK(scheduler_step)->Name("scheduler_step")->Arg(256)->Iterations(512)->Unit(benchmark::kMicrosecond);
 BENCHMARK(update)
     ->Name("update/bs")
     ->ArgNames({"", "requests", "past"})
@@ -222,5 +261,7 @@ int main(int argc, char** argv) {
                 paged->bytes_per_second / dense->bytes_per_second);
   if (const kvc_bench::Result* r = reporter.find("step_bookkeeping/256"))
     std::printf("step bookkeeping: %.0f ns per request per decode step\n", r->seconds * 1e9 / 256);
+  if (const kvc_bench::Result* r = reporter.find("scheduler_step/256/iterations:512"))
+    std::printf("scheduler step: %.0f ns per request per decode step\n", r->seconds * 1e9 / 256);
   return 0;
 }
