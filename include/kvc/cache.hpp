@@ -27,6 +27,7 @@
 #include <kvc/concepts/offload_policy.hpp>
 #include <kvc/concepts/storage_policy.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/detail/state_io.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/policies/layers.hpp>
 #include <kvc/policies/layers/crop_plan.hpp>
@@ -37,7 +38,6 @@
 
 namespace kvc {
 namespace detail {
-struct state_access;  // kvc::save / kvc::load (<kvc/state.hpp>)
 
 template <class List, class S>
 struct all_cache_layers : std::false_type {};
@@ -743,7 +743,109 @@ class Cache<L, S, O> {
     return std::visit(std::forward<F>(f), layers_[static_cast<std::size_t>(layer_idx)]);
   }
 
+  // ---- saved state (kvc::save, kvc::load, kvc::StateLoader: <kvc/state.hpp>) --------------------
+  // The payload: the cache type ("Cache"), the element type, the layer count, then each layer's
+  // kind name and its own transfer. With a writing archive (A::loading false) the cache is read.
+  template <class A>
+    requires(!A::loading)
+  void transfer(A& ar) const {
+    before_access(-1);  // every layer resident (an offload engine keeps nothing away afterwards)
+    detail::state_header<S>(ar, "Cache");
+    ar.value(static_cast<std::int64_t>(layers_.size()));
+    for (const layer_variant& layer : layers_)
+      std::visit(
+          [&](const auto& l) {
+            ar.text(l.name);
+            detail::transfer(ar, l);
+          },
+          layer);
+  }
+  // With a reading archive the layers are built aside, each checked against the cache's layer (its
+  // kind, parameters and, where both are initialized, shape), and returned: commit() swaps them in
+  // and cannot throw; dropping them leaves the cache as it was.
+  template <class A>
+    requires A::loading
+  [[nodiscard]] auto transfer(A& ar) {
+    before_access(-1);  // before the swap: the offload engine then holds nothing away
+    const std::int64_t n = transfer_header(ar);
+    loaded_layers out{this, {}};  // grows as layers arrive: n is the file's word
+    for (std::int64_t i = 0; i < n; ++i) out.layers.push_back(read_layer(ar, i));
+    return out;
+  }
+  struct loaded_layers {
+    Cache* target;
+    std::vector<layer_variant> layers;
+    void commit() noexcept { target->layers_.swap(layers); }
+  };
+
+  // One layer at a time (kvc::StateLoader): transfer_header reads the header and returns the
+  // layer count (checked against the cache); transfer_layer(ar, i) reads layer i and puts it in
+  // the cache (strong guarantee: only a failure before the swap can throw); transfer_end(n) drops
+  // the layers past the file's n (a replicated cache loaded from fewer layers).
+  template <class A>
+  std::int64_t transfer_header(A& ar) const {
+    detail::state_header<S>(ar, "Cache");
+    const std::int64_t n = ar.size("the layer count");
+    if (n > max_layers)
+      ar.fail("the file has " + std::to_string(n) + " layers, above kvc's limit of " + std::to_string(max_layers));
+    if (!replicated && n != size())
+      ar.fail("the file has " + std::to_string(n) + " layers and the cache " + std::to_string(size()));
+    return n;
+  }
+  template <class A>
+  void transfer_layer(A& ar, std::int64_t i) {
+    layer_variant layer = read_layer(ar, i);
+    before_access(-1);
+    const auto idx = static_cast<std::size_t>(i);
+    if (idx >= layers_.size()) {
+      if constexpr (replicated) {
+        // (geometric: loading n layers one by one moves each layer O(1) times on average)
+        if (layers_.capacity() <= idx) layers_.reserve(std::max(idx + 1, 2 * layers_.capacity()));
+        while (layers_.size() < idx) layers_.emplace_back(std::in_place_index<0>, prototype_);
+        layers_.push_back(std::move(layer));
+        return;
+      }
+    }
+    layers_[idx].swap(layer);
+  }
+  void transfer_end(std::int64_t n) noexcept {
+    if (static_cast<std::size_t>(n) < layers_.size())
+      layers_.erase(layers_.begin() + static_cast<std::ptrdiff_t>(n), layers_.end());
+  }
+
  private:
+  // Layer i of the stream, built aside as the cache's layer i (or its prototype's copy) would be.
+  template <class A>
+  layer_variant read_layer(A& ar, std::int64_t i) const {
+    const auto idx = static_cast<std::size_t>(i);
+    ar.set_context("layer " + std::to_string(i));
+    const std::string name = ar.text();
+    const auto build = [&](const auto& target) -> layer_variant {
+      using St = std::decay_t<decltype(target)>;
+      if (name != St::name) ar.fail(detail::join_message({"the file holds a ", name, " and the cache a ", St::name}));
+      ar.set_context(detail::join_message({"layer ", std::to_string(i), " (", St::name, ")"}));
+      St fresh(target.kind());
+      try {
+        fresh.transfer(ar);
+      } catch (const ValueError& e) {  // a layer kind's own size checks: the file is at fault
+        ar.fail(e.what());
+      }
+      if constexpr (requires { target.shape(); }) {
+        if (target.is_initialized() && fresh.is_initialized() && !(target.shape() == fresh.shape()))
+          ar.fail(detail::join_message({"the file holds ", detail::shape_words(fresh.shape()), ", and the cache ",
+                                        detail::shape_words(target.shape())}));
+      }
+      return layer_variant(std::in_place_type<St>, std::move(fresh));
+    };
+    if constexpr (replicated) {
+      using St = state_of<boost::mp11::mp_front<kinds>>;
+      if (idx < layers_.size()) return std::visit(build, layers_[idx]);
+      return build(St(prototype_));
+    } else {
+      return std::visit(build, layers_[idx]);
+    }
+  }
+
   template <class St>
   [[noreturn]] static void throw_missing_attribute(const char* method) {
     throw AttributeError("'" + std::string(St::name) + "' object has no attribute '" + method + "'");
@@ -952,8 +1054,6 @@ class Cache<L, S, O> {
     }
     layers_.swap(next);
   }
-
-  friend struct detail::state_access;
 
   // mutable only for before_access: an offload engine brings layers back from a const method.
   mutable std::vector<layer_variant> layers_;

@@ -209,6 +209,52 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
                                             " for the cross attention cache."}));
   }
 
+  // ---- saved state (kvc::save, kvc::load: <kvc/state.hpp>) ----------------------------------------
+  // The payload: "EncoderDecoderCache", both halves' (Cache::transfer), then is_updated. Reading
+  // builds all of it aside; commit() swaps it in and cannot throw.
+  template <class A>
+    requires(!A::loading)
+  void transfer(A& ar) const {
+    detail::same_text(ar, "the cache type", "EncoderDecoderCache");
+    self_.transfer(ar);
+    cross_.transfer(ar);
+    ar.value(static_cast<std::int64_t>(is_updated_.size()));
+    for (const auto& [layer, updated] : is_updated_) {
+      ar.value(layer);
+      ar.value(updated);
+    }
+  }
+  template <class A>
+    requires A::loading
+  [[nodiscard]] auto transfer(A& ar) {
+    ar.set_context("");
+    detail::same_text(ar, "the cache type", "EncoderDecoderCache");
+    auto self = self_.transfer(ar);
+    auto cross = cross_.transfer(ar);
+    ar.set_context("is_updated");
+    const std::int64_t n = ar.size("the is_updated count");
+    if (n > max_layers) ar.fail("more entries than kvc's limit of layers");
+    std::map<std::int64_t, bool> updated;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t layer = ar.size("a layer index");
+      bool u = false;
+      ar.value(u);
+      updated[layer] = u;
+    }
+    struct loaded {
+      decltype(self) s;
+      decltype(cross) x;
+      EncoderDecoderCache* target;
+      std::map<std::int64_t, bool> updated;
+      void commit() noexcept {
+        s.commit();
+        x.commit();
+        target->is_updated_.swap(updated);
+      }
+    };
+    return loaded{std::move(self), std::move(cross), this, std::move(updated)};
+  }
+
  private:
   // A type-erased half answers at run time; a typed one was decided at compile time.
   template <class C>
@@ -327,8 +373,6 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
       f(cross_);
     }
   }
-
-  friend struct detail::state_access;
 
   SelfCache self_;
   CrossCache cross_;

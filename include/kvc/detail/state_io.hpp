@@ -31,7 +31,9 @@
 #include <type_traits>
 #include <vector>
 
+#include <kvc/element_types.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
@@ -350,6 +352,52 @@ template <class Archive, class State>
 void transfer(Archive& ar, const State& state) {
   static_assert(!Archive::loading);
   const_cast<State&>(state).transfer(ar);
+}
+
+// ---- what every payload shares (the caches' transfer members) ----------------------------------
+
+template <class T>
+constexpr std::string_view state_element_name() {
+  if constexpr (std::is_same_v<T, float8_e4m3>)
+    return "float8_e4m3";
+  else if constexpr (std::is_same_v<T, float8_e5m2>)
+    return "float8_e5m2";
+  else
+    return element_name<T>();
+}
+
+// The fingerprint entries both directions share: the writer writes v, the reader reads a text and
+// compares it with v ("<what> is '<file>' in the file and '<v>' in the cache").
+template <class A>
+void same_text(A& ar, std::string_view what, std::string_view v) {
+  if constexpr (A::loading) {
+    const std::string got = ar.text();
+    if (got != v) ar.fail(join_message({what, " is '", got, "' in the file and '", v, "' in the cache"}));
+  } else {
+    ar.text(v);
+  }
+}
+
+template <class S>
+void check_host_storage() {
+  static_assert(S::space == memory_space::host,
+                "kvc::save/kvc::load: only caches in host memory are saved; copy a device cache to a host cache "
+                "of the same layer kinds first (docs/state.md)");
+}
+
+// What a payload starts with, both directions: its type and the storage's element type.
+template <class S, class A>
+void state_header(A& ar, std::string_view type) {
+  check_host_storage<S>();
+  ar.set_context("");
+  same_text(ar, "the cache type", type);
+  same_text(ar, "the element type", state_element_name<typename S::element_type>());
+  ar.param("element_size", static_cast<std::int64_t>(sizeof(typename S::element_type)));
+}
+
+inline std::string shape_words(const LayerShape& s) {
+  return join_message({"batch ", std::to_string(s.batch), ", ", std::to_string(s.heads), " heads, key head_dim ",
+                       std::to_string(s.key_head_dim), " and value head_dim ", std::to_string(s.value_head_dim)});
 }
 
 }  // namespace kvc::detail

@@ -77,10 +77,6 @@ struct PagedSeqlensK {
 };
 
 namespace detail {
-struct state_access;  // kvc::save_request / kvc::load_request (<kvc/state.hpp>)
-}  // namespace detail
-
-namespace detail {
 
 // printf("%.*f"): what Python's format(value, ".Nf") prints for the values messages use.
 inline std::string format_fixed(double value, int digits) {
@@ -873,10 +869,110 @@ class PagedCache<S> {
     return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
   }
 
+  // ---- one request's saved state (kvc::save_request, kvc::load_request: <kvc/state.hpp>) ---------
+  // The payload: "PagedRequest", the element type, the cache's geometry (block size, heads,
+  // head_dim, layers per group, each group's attention type), the request's block count per
+  // group, then every block's rows, pool after pool (K then V), head after head. The archives and
+  // the helpers are kvc::detail's (detail/state_io.hpp), found where the call is made.
+  template <class A>
+    requires(!A::loading)
+  void transfer_request(A& ar, const std::string& request_id) const {
+    if (is_offloaded(request_id))
+      throw ValueError("kvc::save_request: request " + request_id + " is offloaded: restore_request it first");
+    request_header(ar, request_id);
+    std::vector<std::int64_t> counts;
+    const std::vector<std::int64_t> blocks = request_blocks(request_id, &counts);
+    for (const std::int64_t n : counts) ar.value(n);
+    request_rows(ar, blocks);
+  }
+  // Reading allocates the request's blocks (the cache must not hold it) and fills them; the
+  // returned object's commit() keeps them, and dropping it without a commit frees them again.
+  class loaded_request {
+   public:
+    loaded_request(PagedCache* target, std::string id) : target_(target), id_(std::move(id)) {}
+    loaded_request(loaded_request&& o) noexcept : target_(std::exchange(o.target_, nullptr)), id_(std::move(o.id_)) {}
+    loaded_request& operator=(loaded_request&&) = delete;
+    ~loaded_request() {
+      if (target_) target_->free_blocks(id_);
+    }
+    void commit() noexcept { target_ = nullptr; }
+
+   private:
+    friend class PagedCache;
+    PagedCache* target_;
+    std::string id_;
+  };
+  template <class A>
+    requires A::loading
+  [[nodiscard]] loaded_request transfer_request(A& ar, const std::string& request_id) {
+    ar.set_context("request " + request_id);
+    if (is_offloaded(request_id) || blocks_in_use(request_id) > 0)
+      ar.fail("the cache already holds this request; free_blocks it first");
+    request_header(ar, request_id);
+    std::vector<std::int64_t> counts(allocators_.size());
+    std::int64_t most = 0, total = 0;
+    for (std::int64_t& n : counts) {
+      n = ar.size("a group's block count");
+      most = std::max(most, n);
+      total += n;
+    }
+    ar.check(total <= num_blocks(), "more blocks than the cache has");
+    ar.reserve(static_cast<std::uint64_t>(total) * static_cast<std::uint64_t>(bytes_per_block()),
+               "the request's blocks");
+    loaded_request out(nullptr, request_id);
+    if (most > 0) {
+      if (!allocate_blocks(most, request_id, 0))
+        ar.fail("the request needs " + std::to_string(total) + " free blocks and the cache has " +
+                std::to_string(get_num_free_blocks()));
+      out.target_ = this;
+    }
+    std::vector<std::int64_t> got;
+    const std::vector<std::int64_t> blocks = request_blocks(request_id, &got);
+    if (got != counts) ar.fail("the cache's groups would give the request other block counts than the file's");
+    request_rows(ar, blocks);
+    return out;
+  }
+
  private:
+  template <class A>
+  void request_header(A& ar, const std::string& request_id) const {
+    state_header<S>(ar, "PagedRequest");
+    ar.set_context("request " + request_id);
+    ar.param("block_size", block_size_);
+    ar.param("kv_heads", kv_heads_);
+    ar.param("head_dim", head_dim_);
+    ar.param("layers_per_group", static_cast<std::int64_t>(keys_.size()));
+    ar.param("groups", static_cast<std::int64_t>(groups_.types.size()));
+    for (std::size_t g = 0; g < groups_.types.size(); ++g)
+      same_text(ar, "group " + std::to_string(g) + "'s attention type", groups_.types[g]);
+  }
+  // Every block's rows, pool after pool (K then V), each block head after head: written from the
+  // pools, or read into them.
+  template <class A>
+  void request_rows(A& ar, const std::vector<std::int64_t>& blocks) const {
+    const std::int64_t piece = block_size_ * head_dim_, pitch = pool_rows() * head_dim_;
+    for (auto* pools : {&keys_, &values_})
+      for (const auto& pool : *pools)
+        for (const std::int64_t b : blocks)
+          for (std::int64_t h = 0; h < kv_heads_; ++h)
+            ar.raw(const_cast<T*>(pool.data()) + h * pitch + b * piece, static_cast<std::size_t>(piece) * sizeof(T));
+  }
+  // The request's blocks, group after group, and (if asked) each group's count.
+  std::vector<std::int64_t> request_blocks(const std::string& request_id, std::vector<std::int64_t>* counts) const {
+    std::vector<std::int64_t> blocks;
+    for (const allocator& a : allocators_)
+      std::visit(
+          [&](const auto& al) {
+            const std::int64_t n = al.has_request(request_id) ? std::ssize(al.table(request_id)) : 0;
+            if (counts) counts->push_back(n);
+            if (n > 0) blocks.insert(blocks.end(), al.table(request_id).begin(), al.table(request_id).end());
+          },
+          a);
+    return blocks;
+  }
+
   template <class>
-  friend class PagedBatchCache;        // runs a dense batch's rows through check_step and write_and_read
-  friend struct detail::state_access;  // kvc::save_request / kvc::load_request
+  friend class PagedBatchCache;  // runs a dense batch's rows through check_step and write_and_read
 
   // One layer's step, checked: its group, its pool tensor, and whether the group is sliding.
   struct step {
