@@ -81,6 +81,11 @@ class run {
     cb.scheduler_type = src_.pick(2) == 0 ? "fifo" : "prefill_first";
     cache_.emplace(kvc_toy::model(types_, 5 + src_.pick(6)), cb);
     if (const std::int64_t swap = src_.pick(10); swap > 0) cache_->reserve_swap_space(swap);
+    if (*cb.num_blocks % 2 == 1) {  // half the runs serve from a copy (its scratch memory starts empty)
+      const kvc_toy::Cache built = *cache_;
+      cache_.reset();
+      cache_.emplace(built);
+    }
     sched_.emplace(*cache_, cb);
     for (int i = 0; i < 3; ++i) {  // system prompts that requests may start with
       std::vector<std::int64_t> p;

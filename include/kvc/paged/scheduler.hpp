@@ -353,10 +353,17 @@ class ContinuousBatchingScheduler {
     prepare(s);
     RequestState& made = s.states.begin()->second;  // a node: it keeps its address when it moves in
     if (fork) {
-      // Committed from here: the fork is strong, and the cut allocates nothing (truncate_request
-      // allocates nothing), so no failure can leave the fork behind.
-      cache_->fork_request(src, std::span(&dst, 1));
-      if (p1 < n) cut(made, p1);
+      // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
+      // cache's truncation makes its scratch memory first) undoes the fork too.
+      cache_->begin_transaction();
+      try {
+        cache_->fork_request(src, std::span(&dst, 1));
+        if (p1 < n) cut(made, p1);
+        cache_->commit_transaction();
+      } catch (...) {
+        cache_->rollback_transaction();
+        throw;
+      }
       // Committed: the copy runs right after its source.
       const auto after = std::find(active_.begin(), active_.end(), src);
       active_.insert(after == active_.end() ? after : after + 1, std::move(s.ids.front()));
