@@ -304,7 +304,8 @@ class BlockManager {
         const std::int64_t existing = known->second;
         const std::int64_t own = b.id;
         increase_ref_count(existing);
-        set_entry(allocated_blocks, i, existing);
+        keep_entry(log_, allocated_blocks, i);  // (the undo finds the table by its address: a map node's)
+        allocated_blocks[i] = existing;
         uninitialize_unshared_block(own);
         replacement = existing;
         ++replaced;
@@ -381,13 +382,6 @@ class BlockManager {
       log_.set(refs, refs + num_forks);
     }
     return true;
-  }
-
-  // table[i] = id, through the log (the undo finds the table by its address, which a table in a
-  // node-based map keeps).
-  void set_entry(std::vector<std::int64_t>& table, std::size_t i, std::int64_t id) {
-    keep_entry(log_, table, i);
-    table[i] = id;
   }
 
  private:

@@ -1216,11 +1216,11 @@ class PagedCache<S> {
     swap_free_saved_.reserve(static_cast<std::size_t>(swap_blocks()));  // room for all, as swap_free_ has
     swap_free_saved_.assign(swap_free_.begin(), swap_free_.end());
     log.on_undo(
-        [](void* self, const std::byte*) noexcept {
+        [](void* self) noexcept {
           auto* c = static_cast<PagedCache*>(self);
           c->swap_free_.swap(c->swap_free_saved_);
         },
-        this, char{0});
+        this);
     swap_free_kept_ = true;
   }
 

@@ -644,8 +644,7 @@ class ContinuousBatchingScheduler {
   // append).
   void push_token(RequestState& st, std::int64_t token) {
     if (st.tokens.size() == st.tokens.capacity()) st.tokens.reserve(2 * st.tokens.capacity() + 1);
-    undo_.on_undo([](void* st, const std::byte*) noexcept { static_cast<RequestState*>(st)->tokens.pop_back(); }, &st,
-                  char{0});
+    undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->tokens.pop_back(); }, &st);
     st.tokens.push_back(token);
   }
 
@@ -875,8 +874,7 @@ class ContinuousBatchingScheduler {
     move_id(waiting_, ended_, st.request_id);
     undo_.set(st.status, status);
     if (status == RequestStatus::failed) {
-      undo_.on_undo([](void* st, const std::byte*) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st,
-                    char{0});
+      undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st);
       st.error = std::move(error);
       ++stats_.failed;
     }

@@ -64,6 +64,11 @@ class UndoLog {
     records_.push_back({fn, ctx, at});
   }
 
+  // The same for an undo that needs nothing but its context.
+  void on_undo(void (*fn)(void* ctx) noexcept, void* ctx) {
+    on_undo([](void* f, const std::byte* data) noexcept { load<void (*)(void*) noexcept>(data)(f); }, ctx, fn);
+  }
+
   // Room for n more records with `bytes` of data in all, so that a change that cannot be
   // recorded before it is made (an insertion whose position is known only after it) records
   // without failing. Grown geometrically.
