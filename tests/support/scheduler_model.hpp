@@ -457,6 +457,18 @@ class run {
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       check_tokens(st);
+      // The scheduler takes a request's block count from its position (held_blocks): the tables
+      // must agree (a full group holds exactly what the cached tokens need, a sliding ring at most
+      // its blocks).
+      if (live(id) && !cache_->is_offloaded(id)) {
+        const std::int64_t bs = cache_->block_size();
+        std::int64_t held = (st.position_offset + bs - 1) / bs;
+        if (cache_->num_full_attention_groups() == 0)
+          held = std::min(held, cache_->max_sliding_window_blocks_per_request());
+        if (sched_->allocated_blocks(id) != held)
+          fail("request " + id + " holds " + std::to_string(sched_->allocated_blocks(id)) + " blocks, its " +
+               std::to_string(st.position_offset) + " cached tokens " + std::to_string(held) + where);
+      }
       if (!live(id) || in_flight_ || cache_->is_offloaded(id) || st.position_offset == 0) continue;
       const std::string wrong =
           kvc_toy::wrong_row(*cache_, id, st.tokens, st.position_offset, layers(), &c_.rows_checked);

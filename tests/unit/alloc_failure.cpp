@@ -567,6 +567,15 @@ TEST_CASE("ContinuousBatchingScheduler: every call, schedule() and update() with
   const auto expect = [](bool ok) {
     if (!ok) throw std::logic_error("a sequence operation was refused");
   };
+  // seq_cp(src, dst, 0, p1), which must count one more in `counter` (a fork, or a queued copy).
+  const auto copy_counted = [&](std::string src, std::string dst, std::int64_t p1,
+                                std::int64_t kvc::SchedulerStats::*counter) {
+    return [=](sched_rig& r) {
+      const std::int64_t before = r.sched->stats().*counter;
+      expect(r.sched->seq_cp(src, dst, 0, p1));
+      if (r.sched->stats().*counter != before + 1) throw std::logic_error("seq_cp " + src + " " + dst + " miscounted");
+    };
+  };
   std::vector<sched_op> ops = {
       {"add a (3 sequences)", add("a", pa, 3), true},
       {"add b (one token, 2 sequences)", add("b", {7}, 2), true},
@@ -581,19 +590,9 @@ TEST_CASE("ContinuousBatchingScheduler: every call, schedule() and update() with
       {"schedule 4", sched_schedule, true},
       {"update 4", sched_update, true, sched_write},
       {"seq_cp a a3 [0, 10) (a fork, then a cut that copies a shared block)",
-       [&](sched_rig& r) {
-         const std::int64_t forks = r.sched->stats().forks;
-         expect(r.sched->seq_cp("a", "a3", 0, 10));
-         if (r.sched->stats().forks != forks + 1) throw std::logic_error("seq_cp a a3 did not fork");
-       },
-       true},
+       copy_counted("a", "a3", 10, &kvc::SchedulerStats::forks), true},
       {"seq_cp c c2 [0, 9) (c still waits: a queued copy, cut)",
-       [&](sched_rig& r) {
-         const std::int64_t queued = r.sched->stats().forks_requeued;
-         expect(r.sched->seq_cp("c", "c2", 0, 9));
-         if (r.sched->stats().forks_requeued != queued + 1) throw std::logic_error("seq_cp c c2 was not queued");
-       },
-       true},
+       copy_counted("c", "c2", 9, &kvc::SchedulerStats::forks_requeued), true},
       {"seq_rm a [6, end)", [&](sched_rig& r) { expect(r.sched->seq_rm("a", 6, -1)); }, true},
       {"schedule 5", sched_schedule, true},
       {"update 5", sched_update, true, sched_write},
