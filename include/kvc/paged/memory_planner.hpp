@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <concepts>
 #include <cstdint>
 #include <optional>
@@ -35,6 +36,8 @@
 #include <kvc/detail/py_repr.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/paged/continuous_batching_config.hpp>
+#include <kvc/warnings.hpp>
 
 namespace kvc {
 
@@ -272,5 +275,78 @@ class PagedAttentionMemoryHandler {
   std::array<coefficients, 2> peaks_;                              // lm_head, attention
   std::array<basic_coefficients<detail::py_int>, 2> exact_peaks_;  // the same as Python's ints
 };
+
+namespace detail {
+
+// printf("%.*f"): what Python's format(value, ".Nf") prints for the values messages use.
+inline std::string format_fixed(double value, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, value);
+  return buf;
+}
+
+// MemAvailable of /proc/meminfo in bytes (Linux), else nullopt.
+inline std::optional<std::int64_t> mem_available_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return std::nullopt;
+  char line[256];
+  std::optional<std::int64_t> out;
+  while (std::fgets(line, sizeof line, f)) {
+    long long kib = 0;
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) {
+      out = static_cast<std::int64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
+}  // namespace detail
+
+// The swap pool transformers' offloading manager would make, in blocks of `bytes_per_block`
+// (>= 1): cpu_offload_space GiB (unset: the whole cap) capped at
+// cpu_offload_space_safety_threshold of the available RAM, in whole blocks, with its warnings (at
+// each call, as transformers' logger.warning: not once per process). available_ram: the bytes
+// free now (unset: /proc/meminfo's MemAvailable, psutil.virtual_memory().available's source; a
+// negative value: unknown, as where there is none). PagedCache::plan_swap_blocks calls it with
+// the cache's block size in bytes.
+inline std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb, std::int64_t bytes_per_block,
+                                     std::optional<std::int64_t> available_ram = std::nullopt) {
+  if (!available_ram) available_ram = detail::mem_available_bytes();
+  if (available_ram && *available_ram < 0) available_ram.reset();
+  std::optional<std::int64_t> offload;
+  if (cb.cpu_offload_space) {
+    if (!(*cb.cpu_offload_space >= 0 && *cb.cpu_offload_space <= 1e9))
+      throw ValueError("kvc::PagedCache: cpu_offload_space must be between 0 and 1e9 GiB, got " +
+                       detail::py_float_repr(*cb.cpu_offload_space));
+    offload = static_cast<std::int64_t>(*cb.cpu_offload_space * 1073741824.0);
+  }
+  std::optional<std::int64_t> cap;
+  if (available_ram)
+    cap = static_cast<std::int64_t>(static_cast<double>(*available_ram) * cb.cpu_offload_space_safety_threshold);
+  const auto gib = [](double bytes, int digits) { return detail::format_fixed(bytes / 1073741824.0, digits); };
+  if (offload && cap && *offload > *cap) {
+    warn("cpu_offload_space=" + gib(static_cast<double>(*offload), 1) + " GiB exceeds " +
+         detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" +
+         gib(static_cast<double>(*available_ram), 1) + " GiB). Clamping to " + gib(static_cast<double>(*cap), 1) +
+         " GiB.");
+    offload = cap;
+  } else if (offload && !cap) {
+    warn("kvc::PagedCache: the available RAM is unknown, so cpu_offload_space_safety_threshold cannot be enforced");
+  } else if (!offload) {
+    if (!cap)
+      throw ValueError(
+          "kvc::PagedCache: cpu_offload_space is None, which sizes the swap pool from the available RAM, and the "
+          "available RAM is unknown: pass it, or an explicit cpu_offload_space in GiB");
+    warn("Auto-sizing CPU swap pool from safety threshold: " + gib(static_cast<double>(*cap), 2) + " GiB.");
+    offload = cap;
+  }
+  const std::int64_t blocks = *offload / bytes_per_block;
+  if (blocks == 0 && cb.cpu_offload_space && *cb.cpu_offload_space > 0)
+    warn("cpu_offload_space=" + detail::format_fixed(*cb.cpu_offload_space, 1) +
+         " GiB is too small for even one block. No CPU offloading.");
+  return blocks;
+}
 
 }  // namespace kvc
