@@ -6,7 +6,8 @@
 #
 #   0 base         standard headers (and nlohmann/json): errors, limits, warnings, the fp8 formats
 #                  and element conversions, small traits, the paged bookkeeping (block manager,
-#                  allocators, memory planner) and the configuration structs
+#                  allocators, block tables, memory planner), the page and swap pools (templates
+#                  over a storage policy) and the configuration structs
 #   1 kinds        the layer kinds as tags, the config's layer-type table, ModelConfig and its JSON
 #                  reader, GenerationConfig, the paged layer groups
 #   2 views        the views (Eigen/Core) and the concepts over them
@@ -23,7 +24,8 @@ set(kvc_layer_0
     detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp float8.hpp limits.hpp
     warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
-    paged/continuous_batching_config.hpp paged/memory_planner.hpp paged/undo_log.hpp
+    paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
+    paged/page_pools.hpp paged/swap_pool.hpp paged/undo_log.hpp
     policies/layers/crop_plan.hpp policies/offload/buffers.hpp policies/offload/none.hpp
     policies/offload/selection.hpp
     concepts/layer_policy.hpp concepts/offload_policy.hpp)

@@ -32,11 +32,7 @@ paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string
   s.init = c.manager().initialized_blocks();
   for (std::int64_t g = 0; g < c.num_groups(); ++g) {
     std::map<std::string, std::vector<std::int64_t>> t;
-    std::visit(
-        [&](const auto& al) {
-          for (const std::string& r : al.requests()) t[r] = al.table(r);
-        },
-        c.group_allocator(g));
+    for (const std::string& r : c.block_tables().requests(g)) t[r] = c.block_table(g, r);
     s.tables.push_back(std::move(t));
   }
   const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.head_dim();

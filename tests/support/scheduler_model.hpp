@@ -414,14 +414,10 @@ class run {
     std::map<std::int64_t, std::int64_t> holders;
     std::set<std::string> in_tables;
     for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
-      std::visit(
-          [&](const auto& al) {
-            for (const std::string& r : al.requests()) {
-              in_tables.insert(r);
-              for (const std::int64_t b : al.table(r)) ++holders[b];
-            }
-          },
-          cache_->group_allocator(g));
+      for (const std::string& r : cache_->block_tables().requests(g)) {
+        in_tables.insert(r);
+        for (const std::int64_t b : cache_->block_table(g, r)) ++holders[b];
+      }
     const std::vector<std::int64_t> uninit = m.uninitialized_blocks(), init = m.initialized_blocks();
     std::set<std::int64_t> free(uninit.begin(), uninit.end());
     for (const std::int64_t b : init)

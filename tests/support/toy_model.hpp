@@ -56,9 +56,8 @@ inline std::int64_t next_token(std::span<const std::int64_t> tokens) {
 // The pool row of a request's position in a group: a full group's block table, or a sliding
 // group's ring slot.
 inline std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::string& id, std::int64_t pos) {
-  const auto& alloc = cache.group_allocator(group);
-  const auto& table = std::visit([&](const auto& a) -> const std::vector<std::int64_t>& { return a.table(id); }, alloc);
-  const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(alloc);
+  const auto& table = cache.block_table(group, id);
+  const bool sliding = cache.is_sliding_group(group);
   const std::int64_t slot = sliding ? pos % cache.sliding_window() : pos, bs = cache.block_size();
   return table.at(static_cast<std::size_t>(slot / bs)) * bs + slot % bs;
 }
@@ -106,7 +105,7 @@ inline std::string wrong_row(const Cache& cache, const std::string& id, const st
   const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
   for (std::int64_t layer = 0; layer < layers; ++layer) {
     const auto [g, j] = cache.layer_group(layer);
-    const bool sliding = std::holds_alternative<kvc::paged::SlidingAttentionCacheAllocator>(cache.group_allocator(g));
+    const bool sliding = cache.is_sliding_group(g);
     const std::int64_t from = sliding ? std::max<std::int64_t>(end - cache.sliding_window(), 0) : 0;
     for (std::int64_t pos = from; pos < end; ++pos) {
       const std::uint64_t h = prefix_hash(std::span(tokens).first(static_cast<std::size_t>(pos + 1)));

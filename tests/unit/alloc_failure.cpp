@@ -246,12 +246,8 @@ std::string paged_invariants(const kvc::PagedCache<Host>& c) {
   const kvc::paged::BlockManager& m = c.manager();
   std::vector<std::int64_t> held(static_cast<std::size_t>(c.num_blocks()), 0), free(held.size(), 0);
   for (std::int64_t g = 0; g < c.num_groups(); ++g)
-    std::visit(
-        [&](const auto& al) {
-          for (const std::string& r : al.requests())
-            for (const std::int64_t b : al.table(r)) ++held.at(static_cast<std::size_t>(b));
-        },
-        c.group_allocator(g));
+    for (const std::string& r : c.block_tables().requests(g))
+      for (const std::int64_t b : c.block_table(g, r)) ++held.at(static_cast<std::size_t>(b));
   for (const std::int64_t b : m.uninitialized_blocks()) ++free.at(static_cast<std::size_t>(b));
   for (const std::int64_t b : m.initialized_blocks()) ++free.at(static_cast<std::size_t>(b));
   if (static_cast<std::int64_t>(m.uninitialized_blocks().size() + m.initialized_blocks().size()) !=
@@ -328,7 +324,23 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
                        const std::int64_t held = r.cache.blocks_in_use("b");
                        (void)r.cache.allocate_blocks(2 - held, "b", held);
                      }});
+    s.ops.push_back({"allocate c and d together", [](C& r) {
+                       const std::vector<std::string> both = {"c", "d"};
+                       (void)r.cache.allocate_blocks(1, both);
+                     }});
     add_paged_step(s.ops, "b", 4, 3, true);
+    s.ops.push_back({"update_rows of b", [](C& r) {
+                       const auto g = static_cast<std::size_t>(r.cache.layer_group(1).first);
+                       std::mt19937 rng(5);
+                       const auto k = random_tensor<float>(1, heads, 3, head_dim, rng);
+                       std::vector<float> out(static_cast<std::size_t>(heads * head_dim) * r.reads[g].size());
+                       r.cache.update_rows(Host::input_view(k), Host::input_view(k), 1, r.reads[g], r.writes[g],
+                                           out.data(), out.data());
+                     }});
+    s.ops.push_back({"free c and d", [](C& r) {
+                       r.cache.free_blocks("c");
+                       r.cache.free_blocks("d");
+                     }});
     add_paged_step(s.ops, "a", 7, 1, true);
     s.ops.push_back({"fork a to x, y", [](C& r) {
                        const std::vector<std::string> kids = {"x", "y"};
@@ -350,12 +362,13 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
     check_paged_failures<C>(
         s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
         [](C& r) {
-          for (const char* id : {"a", "b", "x", "y"}) r.cache.drop_offloaded_request(id);
+          for (const char* id : {"a", "b", "c", "d", "x", "y"}) r.cache.drop_offloaded_request(id);
           r.cache.free_all_requests();
         },
         [](const std::string&) { return true; },
         [](C& r) {
-          return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "b", "x", "y"}), std::pair{r.reads, r.writes}};
+          return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "b", "c", "d", "x", "y"}),
+                           std::pair{r.reads, r.writes}};
         });
   }
 }

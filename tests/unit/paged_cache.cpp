@@ -220,7 +220,7 @@ TEST_CASE("PagedCache::update refuses bad input before it writes anything") {
   CHECK(unchanged());
   std::vector<std::int64_t> table(1 * 32, -1);
   c.fill_block_table("r", 0, 2, table);
-  CHECK(table[0] == std::get<0>(c.group_allocator(0)).table("r")[0]);
+  CHECK(table[0] == c.block_table(0, "r")[0]);
   CHECK(table[1] == -1);
 }
 
@@ -349,7 +349,7 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
         r.past += q;
         if (has_sliding) continue;
         std::int64_t marked = 0;  // the leading run of complete blocks
-        for (const std::int64_t b : std::get<0>(c.group_allocator(0)).table(id)) {
+        for (const std::int64_t b : c.block_table(0, id)) {
           if (!c.manager().block(b)->is_complete()) break;
           ++marked;
         }
@@ -391,12 +391,8 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
       std::map<std::int64_t, int> held;
       for (const auto& entry : live)
         for (std::int64_t g = 0; g < c.num_groups(); ++g)
-          std::visit(
-              [&](const auto& al) {
-                if (al.has_request(entry.first))
-                  for (const std::int64_t b : al.table(entry.first)) held[b] += 1;
-              },
-              c.group_allocator(g));
+          if (c.block_tables().has_table(g, entry.first))
+            for (const std::int64_t b : c.block_table(g, entry.first)) held[b] += 1;
       CHECK(c.get_num_free_blocks() + static_cast<std::int64_t>(held.size()) == c.num_blocks());
     }
     if (!has_sliding) CHECK(c.total_prefix_length() > 0);
@@ -730,8 +726,7 @@ TEST_CASE("PagedCache: review findings, each refused without a change") {
   // Marking blocks whose tokens do not fit a C int: nothing is hashed.
   const ids big = {1, 2, 3, 4, 5, 6, 7, 1LL << 32};
   CHECK_THROWS_AS(full.mark_shareable_blocks_as_complete("a", 2, big), kvc::ValueError);
-  for (const std::int64_t b : std::get<0>(full.group_allocator(0)).table("a"))
-    CHECK(!full.manager().block(b)->is_complete());
+  for (const std::int64_t b : full.block_table(0, "a")) CHECK(!full.manager().block(b)->is_complete());
   // Index lists: nothing is appended when a later position has no block.
   kvc::PagedIndices reads(1), writes(1);
   CHECK_THROWS_AS(full.extend_read_and_write_indices("a", 4, 6, &reads, writes), kvc::ValueError);
@@ -812,6 +807,14 @@ TEST_CASE("PagedCache messages, each word for word") {
       {[&] { (void)c.offload_request("o"); }, "kvc::PagedCache: request o is already offloaded"},
       {[&] { c.restore_request("r"); }, "kvc::PagedCache: request r is not offloaded"},
       {[&] { (void)c.layer_group(2); }, "kvc::PagedCache: layer 2 is out of range for 2 layers"},
+      {[&] { (void)c.block_table(2, "r"); }, "kvc::PagedCache: layer group 2 is out of range for 2 groups"},
+      {[&] { (void)c.is_sliding_group(-1); }, "kvc::PagedCache: layer group -1 is out of range for 2 groups"},
+      {[&] {
+         (void)c.allocate_blocks(-1, std::vector<std::string>{"r", "s"});
+       },
+       "kvc::PagedCache: cannot allocate -1 blocks"},
+      {[&] { c.update_rows(view(k1), view(k1), 0, reads[0], writes[0], nullptr, nullptr); },
+       "kvc::PagedCache::update: 1 new tokens but 2 write rows for group 0"},
       {[&] { c.update(view(k2), view(k2), 0, one, writes); },
        "kvc::PagedCache::update: index lists need one entry per layer group (2)"},
       {[&] { c.update(view(k2), view(k1), 0, reads, writes); },
@@ -879,9 +882,8 @@ TEST_CASE("a sliding group refuses a step too large for memory before it makes a
   CHECK(writes[0].empty());
   CHECK(reads[0].empty());
   // The step's reads, q sentinels, are checked the same way.
-  const auto& ring = std::get<kvc::paged::SlidingAttentionCacheAllocator>(whole.group_allocator(0));
   std::vector<std::int64_t> out;
-  CHECK_THROWS_WITH_AS(ring.get_read_indices("r", 0, q, out),
+  CHECK_THROWS_WITH_AS(whole.block_tables().get_read_indices(0, "r", 0, q, out),
                        "kvc: a buffer of [1099511627776] elements of 8 bytes is larger than kvc's allocation limit of "
                        "1099511627776 bytes (kvc::set_allocation_limit)",
                        kvc::ValueError);
@@ -1136,4 +1138,128 @@ TEST_CASE("PagedCache transactions: a rollback undoes every change, a commit kee
   }
   // [/snippet]
   CHECK(cache.blocks_in_group(0, child) == 1);
+}
+
+TEST_CASE("PagedCache's parts alone: block tables, page pools, swap pool") {
+  using Pools = kvc::paged::PagePools<kvc::HostStorage<float>>;
+  // Block tables: every group of every request or none, and the kinds asked by group.
+  const std::vector<std::string> types = {"full_attention", "sliding_attention"};
+  kvc::paged::BlockTables t(types, 5, 4, 6, true);
+  CHECK(!t.is_sliding(0));
+  CHECK(t.is_sliding(1));
+  CHECK(t.sentinel_index() == 21);
+  const std::vector<std::string> two = {"a", "b"}, three = {"a", "b", "c"};
+  REQUIRE(t.allocate_blocks(1, two) == 1);  // 1 full + 1 sliding each
+  CHECK(t.get_num_free_blocks() == 1);
+  CHECK(t.table(0, "a") == ids{0});
+  CHECK(t.table(1, "b") == ids{3});
+  CHECK(!t.allocate_blocks(1, three));  // c's 2 blocks do not fit beside a's and b's 2 each
+  CHECK(t.get_num_free_blocks() == 1);
+  CHECK(t.blocks_in_use("a") == 2);
+  CHECK(!t.has_table(0, "c"));
+  CHECK_THROWS_WITH_AS((void)t.table(2, "a"), "kvc::PagedCache: layer group 2 is out of range for 2 groups",
+                       kvc::IndexError);
+  const std::vector<std::string> odd = {"full_attention", "linear_attention"};
+  CHECK_THROWS_WITH_AS(kvc::paged::BlockTables(odd, 5, 4, 6, true), "Invalid group type: linear_attention",
+                       kvc::ValueError);
+
+  // Page pools: scatter rows, gather them, copy blocks into another pool of the same geometry.
+  const kvc::paged::PageGeometry geo{4, 2, 3};
+  Pools pages(geo, 3, 1, true), other(geo, 2, 1, true);
+  CHECK(pages.rows() == 12);
+  CHECK(pages.bytes() == 3 * 2 * 4 * 6 * 4);
+  const auto k = step_tensor({{7, 0}, {8, 1}}, 0, 2, 3, false), v = step_tensor({{7, 0}, {8, 1}}, 0, 2, 3, true);
+  const ids rows = {9, 2};
+  pages.scatter(0, view(k), view(v), rows);
+  std::vector<float> out_k(12), out_v(12);
+  pages.gather(0, rows, out_k.data(), out_v.data());
+  for (std::int64_t h = 0; h < 2; ++h)
+    for (std::int64_t i = 0; i < 2; ++i)
+      for (std::int64_t d = 0; d < 3; ++d) {
+        CHECK(out_k[static_cast<std::size_t>((h * 2 + i) * 3 + d)] == value(7 + i, i, 0, h, d, false));
+        CHECK(out_v[static_cast<std::size_t>((h * 2 + i) * 3 + d)] == value(7 + i, i, 0, h, d, true));
+      }
+  const ids from = {2, 0}, to = {0, 1};  // block 2 holds row 9, block 0 row 2
+  Pools::copy_blocks(pages, from, other, to);
+  const ids moved = {1, 6};  // row 9 is row 1 of block 2, now block 0; row 2 is now row 6
+  std::vector<float> again_k(12), again_v(12);
+  other.gather(0, moved, again_k.data(), again_v.data());
+  CHECK(again_k == out_k);
+  CHECK(again_v == out_v);
+
+  // Swap pool: the smallest free blocks in order, given back ascending; a transaction undoes both.
+  kvc::paged::SwapPool<kvc::HostStorage<float>> swap(geo, 1);
+  swap.reserve(4);
+  kvc::paged::UndoLog log;
+  CHECK(swap.take(log, "x", {1, 1}).swap_ids == ids{0, 1});
+  CHECK(swap.take(log, "y", {2, 0}).swap_ids == ids{2, 3});
+  swap.give_back(log, "x");
+  CHECK(swap.free_blocks() == 2);
+  log.begin();
+  swap.give_back(log, "y");
+  CHECK(swap.take(log, "z", {3, 0}).swap_ids == ids{0, 1, 2});
+  log.rollback();
+  CHECK(swap.is_offloaded("y"));
+  CHECK(!swap.is_offloaded("z"));
+  CHECK(swap.find("y")->swap_ids == ids{2, 3});
+  CHECK(swap.free_blocks() == 2);
+  CHECK(swap.take(log, "w", {2, 0}).swap_ids == ids{0, 1});
+  CHECK_THROWS_WITH_AS(swap.reserve(2),
+                       "kvc::PagedCache: the swap pool cannot be resized while 2 requests are offloaded to it",
+                       kvc::ValueError);
+}
+
+TEST_CASE("PagedCache::update_rows and read_rows: update's rows, into the caller's buffers") {
+  // The hybrid worked example's decode at past 9, once through update and once through the rows
+  // form: the same pools and the same reads.
+  const std::int64_t heads = 2, dim = 3;
+  Cache a(model("fs", heads, dim, 6), cb(4, 8)), b = a;
+  for (Cache* c : {&a, &b}) REQUIRE(c->allocate_blocks(3, "r", 0) == 3);
+  std::vector<std::pair<std::int64_t, std::int64_t>> prompt;
+  for (std::int64_t p = 0; p < 9; ++p) prompt.emplace_back(p + 1, p);
+  for (Cache* c : {&a, &b}) {
+    kvc::PagedIndices reads(2), writes(2);
+    c->extend_read_and_write_indices("r", 0, 9, nullptr, writes);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = step_tensor(prompt, layer, heads, dim, false), v = step_tensor(prompt, layer, heads, dim, true);
+      if (c == &a)
+        (void)c->update(view(k), view(v), layer, reads, writes);
+      else
+        c->update_rows(view(k), view(v), layer, {}, writes[static_cast<std::size_t>(c->layer_group(layer).first)],
+                       nullptr, nullptr);
+    }
+  }
+  kvc::PagedIndices reads(2), writes(2);
+  a.extend_read_and_write_indices("r", 9, 1, &reads, writes);
+  for (std::int64_t layer = 0; layer < 2; ++layer) {
+    const auto g = static_cast<std::size_t>(a.layer_group(layer).first);
+    const auto k = step_tensor({{10, 9}}, layer, heads, dim, false),
+               v = step_tensor({{10, 9}}, layer, heads, dim, true);
+    const auto want = a.update(view(k), view(v), layer, reads, writes);
+    std::vector<float> got_k(static_cast<std::size_t>(heads * dim) * reads[g].size()), got_v(got_k.size());
+    b.update_rows(view(k), view(v), layer, reads[g], writes[g], got_k.data(), got_v.data());
+    CHECK(std::equal(got_k.begin(), got_k.end(), want.keys.data()));
+    CHECK(std::equal(got_v.begin(), got_v.end(), want.values.data()));
+    // read_rows: a full group's rows hold what update read (no sentinels there).
+    if (!a.is_sliding_group(static_cast<std::int64_t>(g))) {
+      std::vector<float> held_k(got_k.size()), held_v(got_k.size());
+      b.read_rows(layer, reads[g], held_k.data(), held_v.data());
+      CHECK(held_k == got_k);
+      CHECK(held_v == got_v);
+    }
+  }
+  const std::int64_t n = (a.num_blocks() + 2) * a.block_size() * heads * dim;
+  for (std::int64_t j = 0; j < a.group_size(); ++j) {
+    CHECK(std::equal(a.key_pool(j), a.key_pool(j) + n, b.key_pool(j)));
+    CHECK(std::equal(a.value_pool(j), a.value_pool(j) + n, b.value_pool(j)));
+  }
+  // Refused before anything is written.
+  const ids far = {40};
+  std::vector<float> buf(heads * dim);
+  const auto k = step_tensor({{10, 9}}, 0, heads, dim, false);
+  CHECK_THROWS_WITH_AS(b.update_rows(view(k), view(k), 0, {}, far, nullptr, nullptr),
+                       "kvc::PagedCache::update: write row 40 is outside the cache's 40 rows", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(b.read_rows(0, far, buf.data(), buf.data()),
+                       "kvc::PagedCache::update: read row 40 is outside the cache's 40 rows", kvc::ValueError);
+  CHECK(std::equal(a.key_pool(0), a.key_pool(0) + n, b.key_pool(0)));
 }

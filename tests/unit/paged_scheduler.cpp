@@ -396,7 +396,7 @@ void run_until(Cache& cache, Scheduler& s, std::int64_t layers, Run& run, const 
 }
 
 std::int64_t block_at(const Cache& cache, const std::string& id, std::size_t i) {
-  return std::get<kvc::paged::FullAttentionCacheAllocator>(cache.group_allocator(0)).table(id).at(i);
+  return cache.block_table(0, id).at(i);
 }
 
 }  // namespace

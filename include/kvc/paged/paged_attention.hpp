@@ -106,7 +106,7 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
     throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests needs " +
                      std::to_string(R + 1) + " non-decreasing cu_seqlens_q from 0 to the " + std::to_string(T_) +
                      " query tokens, and " + std::to_string(R) + " cached lengths >= 0");
-  const bool sliding = std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache.group_allocator(group));
+  const bool sliding = cache.is_sliding_group(group);
   return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs};
 }
 
@@ -123,9 +123,7 @@ std::vector<std::int64_t> paged_tables(const PagedCache<S>& cache, const paged_c
     const auto i = static_cast<std::size_t>(r);
     if (step.cu_seqlens_q[i + 1] == step.cu_seqlens_q[i]) continue;
     const std::int64_t past = step.past[i];
-    const auto& table =
-        std::visit([&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(step.requests[i]); },
-                   cache.group_allocator(call.group));
+    const auto& table = cache.block_table(call.group, step.requests[i]);
     cached_runs(table, call.block_size, call.window,
                 call.window > 0 ? std::max<std::int64_t>(past - call.window + 1, 0) : 0, past, step.requests[i], runs);
     tables[i] = &table;
@@ -191,7 +189,6 @@ HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t laye
   const bool sliding = call.window > 0;
   const std::int64_t window = call.window, pool_rows = call.pool_rows;
   const auto cu = step.cu_seqlens_q;
-  const auto& alloc = cache.group_allocator(call.group);
   const KV* kpool = cache.key_pool(call.pool);
   const KV* vpool = cache.value_pool(call.pool);
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
@@ -206,8 +203,7 @@ HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t laye
     // The cached keys any of its queries sees: all of them, or the window's for a sliding group.
     const std::int64_t lo = sliding ? std::max<std::int64_t>(past - window + 1, 0) : 0;
     if (q > 0) {
-      const auto& table =
-          std::visit([&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(id); }, alloc);
+      const auto& table = cache.block_table(call.group, id);
       cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
     }
   }

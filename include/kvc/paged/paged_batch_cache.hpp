@@ -72,16 +72,15 @@ class PagedBatchCache {
     return update(S::input_view(keys), S::input_view(values), layer_idx);
   }
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
-    const auto [group, pool] = cache_.layer_group(layer_idx);
-    (void)pool;
+    const std::int64_t group = cache_.layer_group(layer_idx).first;
     check_input(k, v);
     const std::int64_t batch = k.extent(0), q = k.extent(2);
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
     detail::check_size("kvc::PagedBatchCache::update: tokens", q, 1, max_extent - past);
 
     // Everything that can fail comes before the first change: the checks, the new rows' names,
-    // the index lists' memory, the output buffer and every row's table room. Then the blocks are
-    // taken and the lists filled, which allocates nothing.
+    // the index lists' memory and the output buffer; the blocks and the rows they give are taken
+    // in one transaction of the paged cache, undone if anything in it fails.
     const std::int64_t bs = cache_.block_size();
     const std::int64_t wanted = (past + q + bs - 1) / bs;
     const std::int64_t more = std::max<std::int64_t>(wanted - allocated_, 0);
@@ -101,23 +100,23 @@ class PagedBatchCache {
         reuse ? static_cast<std::int64_t>(indices_.front().reads[gi].size()) : read_rows(gi, past, q);
     T* ok = out_buffer(out_k_, out_v_, batch * cache_.num_key_value_heads() * r * cache_.head_dim());
     T* ov = out_v_.data();
-    if (more > 0) reserve_tables(ids, more);
-    // Committed: nothing below allocates or fails.
-    if (more > 0) {
-      for (const std::string& id : ids)
-        for (auto& a : cache_.allocators_)
-          std::visit([&](auto& al) { (void)al.allocate_blocks(more, id, cache_.manager_); }, a);
-      allocated_ += more;
+    if (more > 0 || !reuse) {
+      cache_.begin_transaction();
+      try {
+        // All rows or none, and they fit (counted above); were a block missing, the indices
+        // below would refuse the step (rolled back).
+        if (more > 0) (void)cache_.allocate_blocks(more, ids);
+        for (std::size_t b = 0; b < next.size(); ++b)
+          cache_.extend_read_and_write_indices(ids[b], past, q, &next[b].reads, next[b].writes);
+        cache_.commit_transaction();
+      } catch (...) {
+        cache_.rollback_transaction();
+        throw;
+      }
     }
+    // Committed: nothing below allocates or fails.
+    allocated_ += more;
     if (!reuse) {
-      for (std::size_t b = 0; b < ids.size(); ++b)
-        for (std::size_t g = 0; g < cache_.allocators_.size(); ++g)
-          std::visit(
-              [&](const auto& al) {
-                al.get_write_indices(ids[b], past, q, next[b].writes[g]);
-                al.get_read_indices(ids[b], past, q, next[b].reads[g]);
-              },
-              cache_.allocators_[g]);
       indices_ = std::move(next);
       indices_past_ = past;
       indices_q_ = q;
@@ -126,14 +125,11 @@ class PagedBatchCache {
       rows_ = std::move(names);
       next_id_ += batch;
     }
-    const std::vector<step_rows>& idx = indices_;
     const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
-    // The shapes are checked above and the rows come from the allocators: no per-row re-check.
-    const auto s = cache_.step_of(layer_idx);
     for (std::int64_t b = 0; b < batch; ++b) {
-      const view_type kb = row_of(k, b), vb = row_of(v, b);
-      const auto& rb = idx[static_cast<std::size_t>(b)];
-      cache_.write_and_read(s, kb, vb, rb.reads, rb.writes, ok + b * row_elems, ov + b * row_elems);
+      const auto& rb = indices_[static_cast<std::size_t>(b)];
+      cache_.update_rows(row_of(k, b), row_of(v, b), layer_idx, rb.reads[gi], rb.writes[gi], ok + b * row_elems,
+                         ov + b * row_elems);
     }
     seen_[static_cast<std::size_t>(layer_idx)] = past + q;
     return {dense_view(ok, batch, r), dense_view(ov, batch, r)};
@@ -339,13 +335,11 @@ class PagedBatchCache {
   std::int64_t read_rows(std::size_t g, std::int64_t past, std::int64_t q) const {
     return (group_is_sliding(g) ? std::min(past, cache_.sliding_window() - 1) : past) + q;
   }
-  bool group_is_sliding(std::size_t g) const {
-    return std::holds_alternative<paged::SlidingAttentionCacheAllocator>(cache_.allocators_[g]);
-  }
+  bool group_is_sliding(std::size_t g) const { return cache_.is_sliding_group(static_cast<std::int64_t>(g)); }
   // Index lists for every row, empty, with room for a step of q tokens after `past` (the rows are
   // the same for every layer of a group; update keeps them for the layers that follow).
   std::vector<step_rows> sized_indices(std::size_t rows, std::int64_t past, std::int64_t q) const {
-    const std::size_t groups = cache_.allocators_.size();
+    const auto groups = static_cast<std::size_t>(cache_.num_groups());
     std::vector<step_rows> out(rows, step_rows{PagedIndices(groups), PagedIndices(groups)});
     for (auto& sr : out)
       for (std::size_t g = 0; g < groups; ++g) {
@@ -354,22 +348,6 @@ class PagedBatchCache {
       }
     return out;
   }
-  // Room in every row's table of every group for `more` blocks (tables a failure made are dropped).
-  void reserve_tables(const std::vector<std::string>& ids, std::int64_t more) {
-    std::vector<std::pair<std::size_t, const std::string*>> made;  // (group, row) of tables made here
-    made.reserve(ids.size() * cache_.allocators_.size());
-    try {
-      for (const std::string& id : ids)
-        for (std::size_t g = 0; g < cache_.allocators_.size(); ++g)
-          if (std::visit([&](auto& al) { return al.reserve_table(id, more, cache_.manager_); }, cache_.allocators_[g]))
-            made.emplace_back(g, &id);
-    } catch (...) {
-      for (const auto& m : made)
-        std::visit([&](auto& al) { al.drop_empty_table(*m.second, cache_.manager_); }, cache_.allocators_[m.first]);
-      throw;
-    }
-  }
-
   // New row i is old row idx[i]. The first new row of an old row takes its blocks; another copy
   // takes the blocks of an old row nobody keeps (its tokens overwritten by a block copy), else
   // new blocks (a fork); old rows nobody keeps are freed. Strong guarantee: everything that can
@@ -441,13 +419,10 @@ class PagedBatchCache {
   // Appends the blocks of every group's table of `request` (all rows of a dense batch hold as
   // many blocks, group by group, so two rows' lists pair block for block).
   void append_blocks(const std::string& request, std::vector<std::int64_t>& out) const {
-    for (std::int64_t g = 0; g < cache_.num_groups(); ++g)
-      std::visit(
-          [&](const auto& al) {
-            const auto& t = al.table(request);
-            out.insert(out.end(), t.begin(), t.end());
-          },
-          cache_.group_allocator(g));
+    for (std::int64_t g = 0; g < cache_.num_groups(); ++g) {
+      const auto& t = cache_.block_table(g, request);
+      out.insert(out.end(), t.begin(), t.end());
+    }
   }
 
   PagedCache<S> cache_;

@@ -1,0 +1,156 @@
+#pragma once
+// kvc::paged::PagePools<S>: the pages of a paged cache, one of its three parts (with the block
+// tables and the swap pool, docs/paged.md). `tensors` K and `tensors` V buffers of the storage
+// policy S, each [kv_heads, blocks * block_size, head_dim] flat (head-major, FlashInfer's HND):
+// the tokens of a block are one contiguous piece per head. It knows rows and blocks, nothing of
+// requests: it scatters new tokens to rows, gathers rows, and copies blocks, between its own
+// blocks or to and from another PagePools of the same geometry (the swap pool is one).
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <kvc/detail/traits.hpp>
+#include <kvc/limits.hpp>
+
+namespace kvc::paged {
+
+// What a page is: block_size rows per block, kv_heads heads of head_dim elements per row.
+struct PageGeometry {
+  std::int64_t block_size = 0;
+  std::int64_t kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t row_elems() const noexcept { return kv_heads * head_dim; }  // one token's row, every head
+};
+
+template <class S>
+class PagePools {
+ public:
+  using T = typename S::element_type;
+  using view_type = typename S::view_type;
+  using buffer_type = typename S::buffer_type;
+
+  // No buffers (a swap pool before its space is reserved).
+  explicit PagePools(const PageGeometry& geo) : geo_(geo) {}
+  // `tensors` K and V buffers of `blocks` blocks each, zeroed whole when asked (a cache's pools:
+  // the read-trash block must read as zeros, and no path then reads uninitialized memory).
+  PagePools(const PageGeometry& geo, std::int64_t blocks, std::int64_t tensors, bool zeroed) : geo_(geo) {
+    const std::int64_t elems =
+        kvc::detail::checked_elements({blocks, geo.block_size, geo.kv_heads, geo.head_dim}, sizeof(T));
+    keys_.reserve(static_cast<std::size_t>(tensors));
+    values_.reserve(static_cast<std::size_t>(tensors));
+    for (std::int64_t j = 0; j < tensors; ++j) {
+      keys_.emplace_back(elems);
+      values_.emplace_back(elems);
+      if (zeroed) {
+        S::zero_2d(keys_.back().data(), elems, elems, 1);
+        S::zero_2d(values_.back().data(), elems, elems, 1);
+      }
+    }
+  }
+
+  const PageGeometry& geometry() const noexcept { return geo_; }
+  std::int64_t tensors() const noexcept { return static_cast<std::int64_t>(keys_.size()); }
+  std::int64_t blocks() const noexcept {
+    return keys_.empty() ? 0 : static_cast<std::int64_t>(keys_.front().size()) / (geo_.block_size * geo_.row_elems());
+  }
+  std::int64_t rows() const noexcept { return blocks() * geo_.block_size; }
+  // Bytes of one block in every K and V buffer, and of all of them.
+  std::int64_t bytes_per_block() const noexcept {
+    return 2 * tensors() * geo_.block_size * geo_.row_elems() * static_cast<std::int64_t>(sizeof(T));
+  }
+  std::int64_t bytes() const noexcept { return blocks() * bytes_per_block(); }
+  const T* keys(std::int64_t j) const { return keys_.at(static_cast<std::size_t>(j)).data(); }
+  const T* values(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
+
+  // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to buffer j's rows first_row ..
+  // first_row + tokens - 1 of a rows list (one per token), keys or values.
+  kvc::detail::scatter_job<T> key_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
+    return job(keys_[j].data(), x, first_row, tokens);
+  }
+  kvc::detail::scatter_job<T> value_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
+    return job(values_[j].data(), x, first_row, tokens);
+  }
+  // Runs the jobs over `rows` (one storage call: on a CUDA device, one kernel launch).
+  void scatter(std::span<const kvc::detail::scatter_job<T>> jobs, std::span<const std::int64_t> rows) {
+    S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, pitch());
+  }
+  void scatter(std::size_t j, const view_type& k, const view_type& v, std::span<const std::int64_t> rows) {
+    const kvc::detail::scatter_job<T> jobs[2] = {key_job(j, k, 0, rows.size()), value_job(j, v, 0, rows.size())};
+    scatter(jobs, rows);
+  }
+  // out_k[h, i, :] = keys[j][h, rows[i], :] (and V); where rows[i] is `sentinel`, the next new
+  // token of k (or v) instead, when they are given.
+  void gather(std::size_t j, std::span<const std::int64_t> rows, T* out_k, T* out_v, const view_type* k = nullptr,
+              const view_type* v = nullptr, std::int64_t sentinel = -1) const {
+    gather(out_k, keys_[j].data(), rows, k, sentinel);
+    gather(out_v, values_[j].data(), rows, v, sentinel);
+  }
+
+  // Block src_ids[i] of `from` to block dst_ids[i] of `to`, in every buffer (the same geometry).
+  static void copy_blocks(const PagePools& from, std::span<const std::int64_t> src_ids, PagePools& to,
+                          std::span<const std::int64_t> dst_ids) {
+    const PageGeometry& g = to.geo_;
+    const std::int64_t block = g.block_size * g.head_dim;  // one head's part of a block
+    const std::int64_t src_pitch = from.pitch(), dst_pitch = to.pitch();
+    for (std::size_t j = 0; j < to.keys_.size(); ++j)
+      for (std::size_t i = 0; i < src_ids.size(); ++i) {
+        S::copy_2d(to.keys_[j].data() + dst_ids[i] * block, dst_pitch, from.keys_[j].data() + src_ids[i] * block,
+                   src_pitch, block, g.kv_heads);
+        S::copy_2d(to.values_[j].data() + dst_ids[i] * block, dst_pitch, from.values_[j].data() + src_ids[i] * block,
+                   src_pitch, block, g.kv_heads);
+      }
+  }
+
+  // f(pointer, elements) for every piece of the blocks, buffer after buffer (K then V), each block
+  // head after head: what a saved request holds, in its order.
+  template <class F>
+  void for_each_piece(std::span<const std::int64_t> blocks, F&& f) const {
+    const std::int64_t piece = geo_.block_size * geo_.head_dim;
+    for (const auto* buffers : {&keys_, &values_})
+      for (const buffer_type& b : *buffers)
+        for (const std::int64_t id : blocks)
+          for (std::int64_t h = 0; h < geo_.kv_heads; ++h)
+            f(const_cast<T*>(b.data()) + h * pitch() + id * piece, piece);
+  }
+
+ private:
+  std::int64_t pitch() const noexcept { return rows() * geo_.head_dim; }  // elements from one head to the next
+
+  static kvc::detail::scatter_job<T> job(T* pool, const view_type& x, std::size_t first_row, std::size_t tokens) {
+    return {pool,
+            x.data(),
+            x.stride(2),
+            x.stride(1),
+            static_cast<std::int64_t>(first_row),
+            static_cast<std::int64_t>(tokens)};
+  }
+  // out[h, i, :] = pool[h, rows[i], :]; the i-th sentinel row takes the next token of `fresh`. A run
+  // of consecutive rows (the tokens of one block) is one contiguous piece per head: one copy per
+  // run and head instead of one per token and head.
+  void gather(T* out, const T* pool, std::span<const std::int64_t> rows, const view_type* fresh,
+              std::int64_t sentinel) const {
+    const auto r = static_cast<std::int64_t>(rows.size());
+    const std::int64_t d = geo_.head_dim, out_pitch = r * d, pool_pitch = pitch();
+    std::int64_t next_fresh = 0;
+    for (std::int64_t i = 0; i < r;) {
+      const std::int64_t row = rows[static_cast<std::size_t>(i)];
+      if (fresh && row == sentinel) {
+        S::copy_2d(out + i * d, out_pitch, fresh->data() + next_fresh++ * fresh->stride(2), fresh->stride(1), d,
+                   geo_.kv_heads);
+        ++i;
+        continue;
+      }
+      std::int64_t n = 1;
+      while (i + n < r && rows[static_cast<std::size_t>(i + n)] == row + n && !(fresh && row + n == sentinel)) ++n;
+      S::copy_2d(out + i * d, out_pitch, pool + row * d, pool_pitch, n * d, geo_.kv_heads);
+      i += n;
+    }
+  }
+
+  PageGeometry geo_;
+  std::vector<buffer_type> keys_, values_;
+};
+
+}  // namespace kvc::paged

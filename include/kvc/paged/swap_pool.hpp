@@ -1,0 +1,119 @@
+#pragma once
+// kvc::paged::SwapPool<S>: where a paged cache offloads whole requests when its blocks run out,
+// one of its three parts (with the block tables and the page pools, docs/paged.md). Pages of the
+// cache's geometry in memory of the storage's kind (host memory for HostStorage), a free list and,
+// per offloaded request, the swap blocks it holds in table order and its block count per group.
+// It keeps the bookkeeping; the cache copies the pages. Changes go through an UndoLog, so that a
+// transaction over the cache undoes them with the rest.
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <kvc/errors.hpp>
+#include <kvc/limits.hpp>
+#include <kvc/paged/page_pools.hpp>
+#include <kvc/paged/undo_log.hpp>
+
+namespace kvc::paged {
+
+template <class S>
+class SwapPool {
+ public:
+  struct entry {
+    std::vector<std::int64_t> swap_ids;      // in table order, group after group
+    std::vector<std::int64_t> group_counts;  // blocks per group
+  };
+
+  SwapPool(const PageGeometry& geo, std::int64_t tensors) : pages_(geo), tensors_(tensors) {}
+  SwapPool(const SwapPool& o)
+      : pages_(o.pages_), tensors_(o.tensors_), free_(copy_with_room(o.free_, o.blocks())), swapped_(o.swapped_) {}
+  SwapPool(SwapPool&&) noexcept = default;
+  SwapPool& operator=(SwapPool&&) noexcept = default;
+  SwapPool& operator=(const SwapPool& o) { return *this = SwapPool(o); }
+
+  // (Re)creates an empty pool of `num_blocks` blocks; refused while requests are offloaded.
+  void reserve(std::int64_t num_blocks) {
+    if (!swapped_.empty())
+      throw ValueError("kvc::PagedCache: the swap pool cannot be resized while " + std::to_string(swapped_.size()) +
+                       " requests are offloaded to it");
+    kvc::detail::check_size("kvc::PagedCache: swap blocks", num_blocks, 0, max_extent);
+    PagePools<S> pages(pages_.geometry(), num_blocks, tensors_, false);
+    std::vector<std::int64_t> free(static_cast<std::size_t>(num_blocks));
+    for (std::int64_t i = 0; i < num_blocks; ++i) free[static_cast<std::size_t>(i)] = i;
+    pages_ = std::move(pages);
+    free_ = std::move(free);  // room for every block: giving blocks back never allocates
+  }
+
+  std::int64_t blocks() const noexcept { return pages_.blocks(); }
+  std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_.size()); }
+  bool is_offloaded(const std::string& request_id) const { return swapped_.count(request_id) != 0; }
+  const entry* find(const std::string& request_id) const {
+    const auto it = swapped_.find(request_id);
+    return it == swapped_.end() ? nullptr : &it->second;
+  }
+  PagePools<S>& pages() noexcept { return pages_; }
+  const PagePools<S>& pages() const noexcept { return pages_; }
+
+  // The smallest free swap blocks, as many as the counts add up to (there must be that many free),
+  // become the request's. Strong guarantee; returns its entry.
+  const entry& take(UndoLog& log, const std::string& request_id, std::vector<std::int64_t> group_counts) {
+    entry out;
+    std::int64_t n = 0;
+    for (const std::int64_t c : group_counts) n += c;
+    out.swap_ids.assign(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+    out.group_counts = std::move(group_counts);
+    keep_free(log);
+    log.room(1, insert_undo_bytes);
+    auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
+    undo_insert(log, swapped_, *slot);
+    free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+    return slot->second;
+  }
+  // The request's swap blocks return to the free list (kept ascending). Outside a transaction it
+  // allocates nothing and cannot fail; in one, a std::bad_alloc is undone by the rollback.
+  void give_back(UndoLog& log, const std::string& request_id) {
+    const auto it = swapped_.find(request_id);
+    if (it == swapped_.end()) return;
+    keep_free(log);
+    free_.insert(free_.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());  // within its room
+    std::sort(free_.begin(), free_.end());
+    kept_.erase(log, swapped_, it);
+  }
+
+ private:
+  static std::vector<std::int64_t> copy_with_room(const std::vector<std::int64_t>& v, std::int64_t room) {
+    std::vector<std::int64_t> out;
+    out.reserve(static_cast<std::size_t>(room));
+    out.assign(v.begin(), v.end());
+    return out;
+  }
+  // The free list as it is, once per transaction, for its undo (every change to it comes after).
+  void keep_free(UndoLog& log) {
+    if (!log.active() || free_kept_) return;
+    log.at_end([](void* self) noexcept { static_cast<SwapPool*>(self)->free_kept_ = false; }, this);
+    saved_free_.reserve(static_cast<std::size_t>(blocks()));  // room for all, as free_ has
+    saved_free_.assign(free_.begin(), free_.end());
+    log.on_undo(
+        [](void* self) noexcept {
+          auto* p = static_cast<SwapPool*>(self);
+          p->free_.swap(p->saved_free_);
+        },
+        this);
+    free_kept_ = true;
+  }
+
+  PagePools<S> pages_;
+  std::int64_t tensors_;
+  std::vector<std::int64_t> free_;  // free swap blocks, ascending, with room for all
+  std::map<std::string, entry> swapped_;
+  // Transactions: the free list as it was, the entries erased.
+  std::vector<std::int64_t> saved_free_;
+  bool free_kept_ = false;
+  KeptNodes<std::map<std::string, entry>> kept_;
+};
+
+}  // namespace kvc::paged
