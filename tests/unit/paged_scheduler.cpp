@@ -626,3 +626,87 @@ TEST_CASE("sequence operations: seq_rm before the fork keeps the sequences still
   CHECK(s2.stats().forks == 2);
   CHECK(cache.get_num_free_blocks() == cache.num_blocks());
 }
+
+TEST_CASE("ContinuousBatchingScheduler: request handles") {
+  kvc::ContinuousBatchingConfig cb = small(20, 16);
+  Cache cache(model({"full_attention"}), cb);
+  Scheduler scheduler(cache, cb);
+  // [snippet:request_handles]
+  const kvc::RequestHandle a = scheduler.add_request({"a", {1, 2, 3}, 2});
+  CHECK(scheduler.handle("a") == a);
+  CHECK(scheduler.request(a).request_id == "a");
+  scheduler.cancel_request(a);
+  CHECK(scheduler.take_finished().front().handle == a);
+  const kvc::RequestHandle b = scheduler.add_request({"b", {4, 5}, 2});
+  CHECK(b.slot == a.slot);  // a's slot, under the next generation
+  CHECK_THROWS_AS((void)scheduler.request(a), kvc::KeyError);
+  // [/snippet]
+  CHECK(b.generation == a.generation + 1);
+  CHECK(!scheduler.find("a"));
+  CHECK(scheduler.find("b") == b);
+
+  // Every call by handle refuses a handle whose request has left, word for word.
+  const std::string stale = "kvc::ContinuousBatchingScheduler: no request with handle " + std::to_string(a.slot) + "." +
+                            std::to_string(a.generation) + " (it has left, or was never added)";
+  CHECK_THROWS_WITH_AS(scheduler.cancel_request(a), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.seq_rm(a, 1, -1), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.seq_cp(a, "x", 0, -1), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS(scheduler.seq_keep(a), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.seq_add(a, 0, -1, 0), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.seq_pos_max(a), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.allocated_blocks(a), stale.c_str(), kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)scheduler.request(kvc::RequestHandle{}),
+                       "kvc::ContinuousBatchingScheduler: no request with handle 4294967295.0 (it has left, or was "
+                       "never added)",
+                       kvc::KeyError);
+  scheduler.cancel_request(b);
+  (void)scheduler.take_finished();
+
+  // A fork's children have handles of their own, and the same run by handles and by ids ends the
+  // same: the sequence operations are one operation under two keys.
+  Cache other_cache(model({"full_attention"}), cb);
+  Scheduler by_id(other_cache, cb);
+  const kvc::RequestHandle p = scheduler.add_request({"p", {1, 2, 3, 4, 5, 6}, 4, std::nullopt, 3});
+  by_id.add_request({"p", {1, 2, 3, 4, 5, 6}, 4, std::nullopt, 3});
+  const auto step = [](Scheduler& s) {
+    auto batch = s.schedule();
+    REQUIRE(batch);
+    std::vector<std::int64_t> next;
+    for (const kvc::ScheduledRequest& r : batch->requests) {
+      CHECK(s.request(r.handle).request_id == r.request_id);
+      if (r.has_new_token) next.push_back(7 + static_cast<std::int64_t>(next.size()));
+    }
+    s.update(*batch, next);
+  };
+  step(scheduler);
+  step(by_id);
+  const kvc::RequestHandle child = scheduler.handle("p__child#0");
+  CHECK(child.slot != p.slot);
+  CHECK(scheduler.request(child).handle == child);
+  CHECK(scheduler.seq_cp(p, "q", 0, -1));
+  CHECK(by_id.seq_cp("p", "q", 0, -1));
+  CHECK(scheduler.seq_rm(child, 4, -1));
+  CHECK(by_id.seq_rm("p__child#0", 4, -1));
+  CHECK(scheduler.seq_pos_max(child) == by_id.seq_pos_max("p__child#0"));
+  CHECK(scheduler.allocated_blocks(child) == by_id.allocated_blocks("p__child#0"));
+  scheduler.seq_keep(scheduler.handle("q"));
+  by_id.seq_keep("q");
+  while (scheduler.has_unfinished_requests()) step(scheduler);
+  while (by_id.has_unfinished_requests()) step(by_id);
+  const auto ended = scheduler.take_finished(), ended_by_id = by_id.take_finished();
+  REQUIRE(ended.size() == ended_by_id.size());
+  for (std::size_t i = 0; i < ended.size(); ++i) {
+    CHECK(ended[i].request_id == ended_by_id[i].request_id);
+    CHECK(ended[i].tokens == ended_by_id[i].tokens);
+    CHECK(ended[i].status == ended_by_id[i].status);
+  }
+
+  // Slots are used again: many requests one after the other keep as many slots as were ever held
+  // at once.
+  for (int i = 0; i < 50; ++i) {
+    const kvc::RequestHandle h = scheduler.add_request({"r" + std::to_string(i), {1, 2}, 1});
+    CHECK(h.slot < 4);
+    scheduler.cancel_request(h);
+    (void)scheduler.take_finished();
+  }
+}

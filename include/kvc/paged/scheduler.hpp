@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -65,9 +66,20 @@ struct GenerationRequest {
   std::int64_t num_return_sequences = 1;
 };
 
+// Which request of a scheduler: add_request returns it, and every call on a request takes it (or
+// the request's id, looked up once at the call). Dense: `slot` indexes the scheduler's request
+// states; a slot is used again after take_finished() has returned its request, under the next
+// generation, so the handle of a request that has left is refused, never taken for another one.
+struct RequestHandle {
+  std::uint32_t slot = std::numeric_limits<std::uint32_t>::max();
+  std::uint32_t generation = 0;
+  friend constexpr bool operator==(RequestHandle, RequestHandle) noexcept = default;
+};
+
 // One request as the scheduler tracks it (transformers' RequestState, cache-relevant fields).
 struct RequestState {
   std::string request_id;
+  RequestHandle handle;              // its handle (a fork's children have their own)
   std::vector<std::int64_t> tokens;  // the prompt, then every generated token
   std::int64_t prompt_length = 0;
   std::int64_t position_offset = 0;  // tokens in the cache (sent to the model)
@@ -99,6 +111,7 @@ struct RequestState {
 // One request's share of a step (transformers' FutureRequestState).
 struct ScheduledRequest {
   std::string request_id;
+  RequestHandle handle;
   std::int64_t past = 0;          // tokens cached before the step
   std::int64_t query_length = 0;  // tokens of the step
   std::int64_t complete_blocks = 0;
@@ -193,7 +206,7 @@ class ContinuousBatchingScheduler {
   // names a child (`__child#`), or the id of a parent whose children the scheduler still holds
   // (until take_finished() has returned them). All or nothing: a std::bad_alloc leaves the
   // scheduler as it was.
-  void add_request(GenerationRequest request) {
+  RequestHandle add_request(GenerationRequest request) {
     const std::string where = "kvc::ContinuousBatchingScheduler::add_request: request '" + request.request_id + "' ";
     if (request.prompt.empty()) throw ValueError(where + "has an empty prompt");
     for (const std::int64_t t : request.prompt)
@@ -220,8 +233,10 @@ class ContinuousBatchingScheduler {
     stage(s, std::move(st));  // the request first, then its children, in waiting_
     for (RequestState& child : children) stage(s, std::move(child));
     prepare(s);
+    const RequestHandle handle = s.states.front().handle;
     commit(s);  // allocates nothing
     stats_.forks_requeued += static_cast<std::int64_t>(children.size());
+    return handle;
   }
 
   // Whether any request is waiting or running.
@@ -237,28 +252,40 @@ class ContinuousBatchingScheduler {
       most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), id));
     return most;
   }
+  std::int64_t allocated_blocks(RequestHandle h) const { return allocated_blocks(request(h).request_id); }
 
-  const RequestState& request(const std::string& id) const {
-    const auto it = states_.find(id);
-    if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
-    return it->second;
+  // The handle of the request with this id (a KeyError for an id the scheduler does not hold), or
+  // nullopt.
+  RequestHandle handle(const std::string& id) const { return request(id).handle; }
+  std::optional<RequestHandle> find(const std::string& id) const {
+    const auto it = names_.find(id);
+    return it == names_.end() ? std::nullopt : std::optional(it->second);
   }
+  const RequestState& request(const std::string& id) const { return slots_[slot_of(id)]->state; }
+  const RequestState& request(RequestHandle h) const { return slots_[slot_of(h)]->state; }
   // Finished and failed requests, in the order they ended; they leave the scheduler. All or
   // nothing: a std::bad_alloc leaves every ended request to a later call.
   std::vector<RequestState> take_finished() {
     std::vector<RequestState> out;
     out.reserve(ended_.size());
     std::vector<std::unordered_map<std::string, std::int64_t>::iterator> parents;  // of each child, in order
-    for (const std::string& id : ended_)
+    for (const std::uint32_t e : ended_) {
+      const std::string& id = slots_[e]->state.request_id;
       if (id.find(child_mark) != std::string::npos) parents.push_back(live_children_.find(parent_of(id)));
-    // Committed: moves and erasures only. A parent's count reaches 0 at its last child here at the
-    // earliest, so no iterator is used after its entry is erased.
+    }
+    // Committed: moves and erasures only (the free list has room for every slot). A parent's count
+    // reaches 0 at its last child here at the earliest, so no iterator is used after its entry is
+    // erased.
     auto parent = parents.begin();
-    for (const std::string& id : ended_) {
-      const auto it = states_.find(id);
-      out.push_back(std::move(it->second));
-      states_.erase(it);
-      if (id.find(child_mark) != std::string::npos) {
+    for (const std::uint32_t e : ended_) {
+      slot& sl = *slots_[e];
+      names_.erase(sl.state.request_id);
+      const bool child = sl.state.request_id.find(child_mark) != std::string::npos;
+      out.push_back(std::move(sl.state));
+      sl.live = false;
+      ++sl.generation;  // the request's handle now names nothing
+      free_slots_.push_back(e);
+      if (child) {
         if (--(*parent)->second == 0) live_children_.erase(*parent);
         ++parent;
       }
@@ -271,9 +298,11 @@ class ContinuousBatchingScheduler {
   // failed. All or nothing under std::bad_alloc.
   void cancel_request(const std::string& id) {
     if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
-    RequestState& st = mutable_state(id);
-    if (st.has_ended()) return;
-    end_request(st, RequestStatus::failed, "cancelled");
+    cancel_live(mutable_state(id));
+  }
+  void cancel_request(RequestHandle h) {
+    if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
+    cancel_live(slot_state(slot_of(h)));
   }
 
   // ---- sequence operations (llama.cpp's llama_memory_seq_*; docs/continuous_batching.md) ------
@@ -282,14 +311,13 @@ class ContinuousBatchingScheduler {
 
   // The smallest position whose keys and values every layer still holds: 0 (a sliding group holds
   // the window's, from position - window + 1 of its last cached token); -1 when nothing is cached.
-  std::int64_t seq_pos_min(const std::string& id) const {
-    const RequestState& st = request(id);
-    if (st.position_offset == 0) return -1;
-    if (cache_->num_sliding_attention_groups() == 0) return 0;
-    return std::max<std::int64_t>(st.position_offset - cache_->sliding_window(), 0);
-  }
+  std::int64_t seq_pos_min(const std::string& id) const { return pos_min(request(id)); }
+  std::int64_t seq_pos_min(RequestHandle h) const { return pos_min(request(h)); }
   // The last cached position (get_seq_length() - 1 in transformers' terms); -1 when nothing is.
   std::int64_t seq_pos_max(const std::string& id) const { return request(id).position_offset - 1; }
+  std::int64_t seq_pos_max(RequestHandle h) const { return request(h).position_offset - 1; }
+
+  // Each sequence operation below takes the request's handle or its id.
 
   // Removes the request's tokens at positions [p0, p1) (p0 < 0: from 0; p1 < 0: to the end) with
   // their keys and values. The paged layout has no holes, so only a suffix can go: a range that
@@ -300,31 +328,10 @@ class ContinuousBatchingScheduler {
   // Where a sliding group's ring has wrapped, or no block is free to copy a shared partial
   // block, the kept tokens are prefilled again (a soft reset) instead of truncated in place.
   bool seq_rm(const std::string& id, std::int64_t p0, std::int64_t p1) {
-    RequestState& st = live_state(id, "seq_rm");
-    const auto n = static_cast<std::int64_t>(st.tokens.size());
-    p0 = std::max<std::int64_t>(p0, 0);
-    if (p1 < 0 || p1 > n) p1 = n;
-    if (p0 >= p1) return true;
-    if (p1 < n) return false;
-    if (p0 == 0) {
-      end_request(st, RequestStatus::failed, "removed by seq_rm");
-      return true;
-    }
-    // Sequences not yet forked fork once all but the last token of the kept prompt is cached; a
-    // one-token prompt caches nothing before that token, so they queue on their own, as
-    // add_request queues them. Made aside first, with everything else that allocates.
-    staged s;
-    const std::int64_t requeued = st.num_children > 0 && std::min(st.prompt_length, p0) == 1
-                                      ? stage_children(s, st, 0, std::span(st.tokens).first(1))
-                                      : 0;
-    prepare(s);
-    cut(st, p0);
-    if (requeued > 0) {
-      st.num_children = 0;
-      commit(s);
-      stats_.forks_requeued += requeued;
-    }
-    return true;
+    return remove_suffix(live_state(id, "seq_rm"), p0, p1);
+  }
+  bool seq_rm(RequestHandle h, std::int64_t p0, std::int64_t p1) {
+    return remove_suffix(live_state(h, "seq_rm"), p0, p1);
   }
 
   // Makes `dst` a copy of the request `src` holding its tokens [p0, p1) (p0 must be 0 or less:
@@ -333,78 +340,26 @@ class ContinuousBatchingScheduler {
   // num_return_sequences does); otherwise it is queued to compute its tokens itself. dst
   // generates on its own from then on, with src's max_new_tokens and eos_token_id.
   bool seq_cp(const std::string& src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
-    RequestState& st = live_state(src, "seq_cp");
-    check_new_id(dst, "kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst + "' ");
-    if (p0 > 0) return false;
-    const auto n = static_cast<std::int64_t>(st.tokens.size());
-    if (p1 < 0 || p1 > n) p1 = n;
-    if (p1 == 0) return true;
-    RequestState copy = st;
-    copy.request_id = dst;
-    copy.num_children = 0;
-    copy.preemptions = 0;
-    const bool fork = st.position_offset > 0 && !cache_->is_offloaded(src) && cache_->compute_max_num_forks(src) >= 1;
-    if (!fork) {
-      copy.position_offset = 0;
-      copy.status = RequestStatus::pending;
-    }
-    staged s;
-    stage(s, std::move(copy), !fork);
-    prepare(s);
-    RequestState& made = s.states.begin()->second;  // a node: it keeps its address when it moves in
-    if (fork) {
-      // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
-      // cache's truncation makes its scratch memory first) undoes the fork too.
-      cache_->begin_transaction();
-      try {
-        cache_->fork_request(src, std::span(&dst, 1));
-        if (p1 < n) cut(made, p1);
-        cache_->commit_transaction();
-      } catch (...) {
-        cache_->rollback_transaction();
-        throw;
-      }
-      // Committed: the copy runs right after its source.
-      const auto after = std::find(active_.begin(), active_.end(), src);
-      active_.insert(after == active_.end() ? after : after + 1, std::move(s.ids.front()));
-      ++stats_.forks;
-    } else {
-      if (p1 < n) cut(made, p1);  // nothing cached: cannot fail
-      ++stats_.forks_requeued;
-    }
-    commit(s);
-    return true;
+    return copy_request(live_state(src, "seq_cp"), dst, p0, p1);
+  }
+  bool seq_cp(RequestHandle src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
+    return copy_request(live_state(src, "seq_cp"), dst, p0, p1);
   }
 
   // Keeps the request `id` and ends every other (llama.cpp's seq_keep; transformers'
   // batch_select_indices with one row).
-  void seq_keep(const std::string& id) {
-    (void)live_state(id, "seq_keep");
-    // Every ending prepared (its message made) before the first is committed: all or nothing.
-    std::vector<std::pair<RequestState*, std::string>> others;
-    for (const auto* ids : {&active_, &waiting_})
-      for (const std::string& other : *ids)
-        if (other != id) {
-          RequestState& o = states_.at(other);
-          others.emplace_back(&o, failure_message(o, "removed by seq_keep"));
-        }
-    for (auto& [o, message] : others) commit_end(*o, RequestStatus::failed, std::move(message));
-  }
+  void seq_keep(const std::string& id) { keep_only(live_state(id, "seq_keep")); }
+  void seq_keep(RequestHandle h) { keep_only(live_state(h, "seq_keep")); }
 
   // llama.cpp's seq_add shifts positions, re-rotating the cached keys (its K-shift). kvc does not:
   // a paged request's positions are its slots in the block tables, and its keys were stored after
   // the rotary embedding. A zero shift or an empty range is accepted (true); any other shift is
   // refused with a ValueError that says so.
   bool seq_add(const std::string& id, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
-    const RequestState& st = live_state(id, "seq_add");
-    const auto n = static_cast<std::int64_t>(st.tokens.size());
-    p0 = std::max<std::int64_t>(p0, 0);
-    if (p1 < 0 || p1 > n) p1 = n;
-    if (delta == 0 || p0 >= p1) return true;
-    throw ValueError(
-        "kvc::ContinuousBatchingScheduler::seq_add: positions cannot shift: a paged request's positions "
-        "are its slots in the block tables and its cached keys carry their rotary position (kvc does not "
-        "re-rotate them); remove the suffix with seq_rm and let the request compute it again");
+    return shift_positions(live_state(id, "seq_add"), p0, p1, delta);
+  }
+  bool seq_add(RequestHandle h, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
+    return shift_positions(live_state(h, "seq_add"), p0, p1, delta);
   }
 
   // The next step, or nullopt when no request is left. Blocks for the step are allocated; requests
@@ -441,7 +396,118 @@ class ContinuousBatchingScheduler {
   }
 
  private:
+  struct slot {
+    RequestState state;
+    std::uint32_t generation = 0;  // of the handle that names it
+    bool live = false;
+  };
+
   static constexpr const char* child_mark = "__child#";
+
+  // The smallest position whose keys and values every layer still holds: 0 (a sliding group holds
+  // the window's, from position - window + 1 of its last cached token); -1 when nothing is cached.
+  std::int64_t pos_min(const RequestState& st) const {
+    if (st.position_offset == 0) return -1;
+    if (cache_->num_sliding_attention_groups() == 0) return 0;
+    return std::max<std::int64_t>(st.position_offset - cache_->sliding_window(), 0);
+  }
+  void cancel_live(RequestState& st) {
+    if (!st.has_ended()) end_request(st, RequestStatus::failed, "cancelled");
+  }
+  // seq_rm's work, on a live request.
+  bool remove_suffix(RequestState& st, std::int64_t p0, std::int64_t p1) {
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    p0 = std::max<std::int64_t>(p0, 0);
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (p0 >= p1) return true;
+    if (p1 < n) return false;
+    if (p0 == 0) {
+      end_request(st, RequestStatus::failed, "removed by seq_rm");
+      return true;
+    }
+    // Sequences not yet forked fork once all but the last token of the kept prompt is cached; a
+    // one-token prompt caches nothing before that token, so they queue on their own, as
+    // add_request queues them. Made aside first, with everything else that allocates.
+    staged s;
+    const std::int64_t requeued = st.num_children > 0 && std::min(st.prompt_length, p0) == 1
+                                      ? stage_children(s, st, 0, std::span(st.tokens).first(1))
+                                      : 0;
+    prepare(s);
+    cut(st, p0);
+    if (requeued > 0) {
+      st.num_children = 0;
+      commit(s);
+      stats_.forks_requeued += requeued;
+    }
+    return true;
+  }
+  // seq_cp's work, from a live request.
+  bool copy_request(RequestState& st, const std::string& dst, std::int64_t p0, std::int64_t p1) {
+    const std::string& src = st.request_id;
+    check_new_id(dst, "kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst + "' ");
+    if (p0 > 0) return false;
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (p1 == 0) return true;
+    RequestState copy = st;
+    copy.request_id = dst;
+    copy.num_children = 0;
+    copy.preemptions = 0;
+    const bool fork = st.position_offset > 0 && !cache_->is_offloaded(src) && cache_->compute_max_num_forks(src) >= 1;
+    if (!fork) {
+      copy.position_offset = 0;
+      copy.status = RequestStatus::pending;
+    }
+    staged s;
+    stage(s, std::move(copy), !fork);
+    prepare(s);
+    RequestState& made = s.states.front();  // moved in by commit, after the cut
+    if (fork) {
+      // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
+      // cache's truncation makes its scratch memory first) undoes the fork too.
+      cache_->begin_transaction();
+      try {
+        cache_->fork_request(src, std::span(&dst, 1));
+        if (p1 < n) cut(made, p1);
+        cache_->commit_transaction();
+      } catch (...) {
+        cache_->rollback_transaction();
+        throw;
+      }
+      // Committed: the copy runs right after its source.
+      const auto after = std::find(active_.begin(), active_.end(), st.handle.slot);
+      active_.insert(after == active_.end() ? after : after + 1, made.handle.slot);
+      ++stats_.forks;
+    } else {
+      if (p1 < n) cut(made, p1);  // nothing cached: cannot fail
+      ++stats_.forks_requeued;
+    }
+    commit(s);
+    return true;
+  }
+  // seq_keep's work, for a live request.
+  void keep_only(const RequestState& st) {
+    // Every ending prepared (its message made) before the first is committed: all or nothing.
+    std::vector<std::pair<RequestState*, std::string>> others;
+    for (const auto* queue : {&active_, &waiting_})
+      for (const std::uint32_t other : *queue)
+        if (other != st.handle.slot) {
+          RequestState& o = slot_state(other);
+          others.emplace_back(&o, failure_message(o, "removed by seq_keep"));
+        }
+    for (auto& [o, message] : others) commit_end(*o, RequestStatus::failed, std::move(message));
+  }
+  // seq_add's answer, for a live request.
+  bool shift_positions(const RequestState& st, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
+    const auto n = static_cast<std::int64_t>(st.tokens.size());
+    p0 = std::max<std::int64_t>(p0, 0);
+    if (p1 < 0 || p1 > n) p1 = n;
+    if (delta == 0 || p0 >= p1) return true;
+    throw ValueError(
+        "kvc::ContinuousBatchingScheduler::seq_add: positions cannot shift: a paged request's positions "
+        "are its slots in the block tables and its cached keys carry their rotary position (kvc does not "
+        "re-rotate them); remove the suffix with seq_rm and let the request compute it again");
+  }
 
   // Runs f as one step: every change to the scheduler and the cache is recorded (undo_ and the
   // cache's transaction), and undone if f throws, so that the caller can retry the same call. The
@@ -484,7 +550,7 @@ class ContinuousBatchingScheduler {
       }
       if (offload(p.starved) > 0) continue;
       // Nothing runs and nothing can leave: the request that failed first cannot fit at all.
-      RequestState& st = mutable_state(*p.first_failed);
+      RequestState& st = slot_state(*p.first_failed);
       end_request(st, RequestStatus::failed,
                   "needs " + std::to_string(p.first_failed_need) + " more blocks for " +
                       std::to_string(st.position_offset + p.first_failed_tokens) +
@@ -498,7 +564,7 @@ class ContinuousBatchingScheduler {
     in_flight_ = false;
     std::size_t next = 0;
     for (const ScheduledRequest& r : batch.requests) {
-      RequestState& st = states_.at(r.request_id);
+      RequestState& st = slot_state(r.handle.slot);
       if (r.has_new_token) {
         const std::int64_t token = next_tokens[next++];
         push_token(st, token);
@@ -511,14 +577,14 @@ class ContinuousBatchingScheduler {
       }
       cache_->mark_shareable_blocks_as_complete(st.request_id, r.complete_blocks, st.tokens);
     }
-    for (const ScheduledRequest& r : batch.requests) maybe_fork(states_.at(r.request_id));
+    for (const ScheduledRequest& r : batch.requests) maybe_fork(slot_state(r.handle.slot));
   }
 
   struct pass {
     std::vector<ScheduledRequest> scheduled;
     std::vector<paged::StarvedRequest> starved;
     bool allocation_failed = false;
-    std::optional<std::string> first_failed;
+    std::optional<std::uint32_t> first_failed;  // its slot
     std::int64_t first_failed_need = 0, first_failed_tokens = 0;
   };
 
@@ -526,7 +592,7 @@ class ContinuousBatchingScheduler {
   // of a parent whose children the scheduler still holds (a new request under it would fork
   // children of the same names).
   void check_new_id(const std::string& id, const std::string& where) const {
-    if (states_.count(id) != 0 || id.find(child_mark) != std::string::npos)
+    if (names_.count(id) != 0 || id.find(child_mark) != std::string::npos)
       throw ValueError(where + "is already known, or names a child sequence (" + child_mark + ")");
     if (live_children_.count(id) != 0)
       throw ValueError(where + "still has child sequences (" + id + child_mark +
@@ -537,50 +603,88 @@ class ContinuousBatchingScheduler {
   static std::string parent_of(const std::string& child) { return child.substr(0, child.find(child_mark)); }
 
   // ---- all-or-nothing insertions -----------------------------------------------------------------
-  // New requests are made aside (stage), then room is made for them (prepare), both of which may
-  // throw with the scheduler unchanged; commit moves them in and allocates nothing. The queues
-  // always have room for every request the scheduler knows, so that moving an id from one to
-  // another never allocates either.
+  // New requests are made aside (stage), then given their slots and room (prepare), both of which
+  // may throw with the scheduler unchanged; commit moves them in and allocates nothing. The queues
+  // always have room for every request the scheduler knows, so that moving a request from one to
+  // another never allocates either, and the free list has room for every slot.
   struct staged {
-    std::unordered_map<std::string, RequestState> states;   // the new requests
-    std::vector<std::string> ids;                           // each one's queue entry, in stage order
+    std::vector<RequestState> states;                       // the new requests, in stage order
     std::vector<char> to_waiting;                           // whether commit queues it (else the caller does)
+    std::unordered_map<std::string, RequestHandle> names;   // names_ entries to make
+    std::vector<std::unique_ptr<slot>> fresh;               // slots made for them where no free one is left
     std::unordered_map<std::string, std::int64_t> parents;  // live_children_ entries to make
     std::vector<std::string> child_parents;                 // the parent of each new child, in stage order
   };
 
   void stage(staged& s, RequestState st, bool to_waiting = true) {
-    s.ids.push_back(st.request_id);
     s.to_waiting.push_back(to_waiting);
     if (st.request_id.find(child_mark) != std::string::npos) {
       std::string parent = parent_of(st.request_id);
       if (live_children_.count(parent) == 0) s.parents.try_emplace(parent, 0);
       s.child_parents.push_back(std::move(parent));
     }
-    std::string key = st.request_id;
-    s.states.emplace(std::move(key), std::move(st));
+    s.names.try_emplace(st.request_id);
+    s.states.push_back(std::move(st));
   }
 
-  void prepare(const staged& s) {
+  // Slots for the staged requests (free ones first, from the back of the free list: commit pops
+  // them in that order), their handles, and room everywhere commit puts something.
+  void prepare(staged& s) {
     if (s.states.empty()) return;
+    const std::size_t n = s.states.size(), reuse = std::min(n, free_slots_.size()), make = n - reuse;
+    s.fresh.reserve(make);
+    for (std::size_t i = 0; i < make; ++i) s.fresh.push_back(std::make_unique<slot>());
+    if (slots_.size() + make > slots_.capacity()) slots_.reserve(std::max(slots_.size() + make, 2 * slots_.capacity()));
+    if (slots_.size() + make > free_slots_.capacity())
+      free_slots_.reserve(std::max(slots_.size() + make, 2 * free_slots_.capacity()));
     // (unordered_map::reserve rehashes only when the bucket count changes, to a prime of a
     // geometric list: amortized O(1) per request)
-    states_.reserve(states_.size() + s.states.size());
+    names_.reserve(names_.size() + n);
     live_children_.reserve(live_children_.size() + s.parents.size());
-    reserve_queues(s.states.size());
+    reserve_queues(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto at =
+          static_cast<std::uint32_t>(i < reuse ? free_slots_[free_slots_.size() - 1 - i] : slots_.size() + (i - reuse));
+      const RequestHandle h{at, i < reuse ? slots_[at]->generation : 0};
+      s.states[i].handle = h;
+      s.names.find(s.states[i].request_id)->second = h;
+    }
   }
 
-  // Room for n ids, grown geometrically: adding requests one by one must not reallocate every
+  // Room for n entries, grown geometrically: adding requests one by one must not reallocate every
   // time (quadratic over many requests).
-  static void room_for(std::vector<std::string>& ids, std::size_t n) {
-    if (n > ids.capacity()) ids.reserve(std::max(n, 2 * ids.capacity()));
+  static void room_for(std::vector<std::uint32_t>& queue, std::size_t n) {
+    if (n > queue.capacity()) queue.reserve(std::max(n, 2 * queue.capacity()));
   }
 
-  // Moves the staged requests in (outside a transaction, allocates nothing after prepare): the ids still held in s.ids
-  // whose to_waiting is set go to the back of waiting_, in stage order.
+  // Moves the staged requests into their slots (outside a transaction, allocates nothing after
+  // prepare); those whose to_waiting is set go to the back of waiting_, in stage order.
   void commit(staged& s) {
-    for (std::size_t i = 0; i < s.ids.size(); ++i)
-      if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), std::move(s.ids[i]));
+    const std::size_t reuse = s.states.size() - s.fresh.size();
+    for (std::size_t i = 0; i < s.states.size(); ++i) {
+      const std::uint32_t at = s.states[i].handle.slot;
+      if (i < reuse) {
+        undo_.on_undo(
+            [](void* self, const std::byte* data) noexcept {
+              auto* me = static_cast<ContinuousBatchingScheduler*>(self);
+              const auto freed = paged::UndoLog::load<std::uint32_t>(data);
+              slot& sl = *me->slots_[freed];
+              sl.live = false;
+              sl.state = RequestState{};
+              me->free_slots_.push_back(freed);
+            },
+            this, at);
+        free_slots_.pop_back();
+      } else {
+        undo_.on_undo([](void* self) noexcept { static_cast<ContinuousBatchingScheduler*>(self)->slots_.pop_back(); },
+                      this);
+        slots_.push_back(std::move(s.fresh[i - reuse]));  // within the room made
+      }
+      slot& sl = *slots_[at];
+      sl.state = std::move(s.states[i]);
+      sl.live = true;
+      if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), at);
+    }
     while (!s.parents.empty()) {
       undo_.room(1, paged::insert_undo_bytes);
       const auto made = live_children_.insert(s.parents.extract(s.parents.begin()));
@@ -590,16 +694,16 @@ class ContinuousBatchingScheduler {
       std::int64_t& n = live_children_.find(parent)->second;
       undo_.set(n, n + 1);
     }
-    while (!s.states.empty()) {
+    while (!s.names.empty()) {
       undo_.room(1, paged::insert_undo_bytes);
-      const auto made = states_.insert(s.states.extract(s.states.begin()));
-      paged::undo_insert(undo_, states_, *made.position);
+      const auto made = names_.insert(s.names.extract(s.names.begin()));
+      paged::undo_insert(undo_, names_, *made.position);
     }
   }
 
   // Room in each queue for every known request and `more`.
   void reserve_queues(std::size_t more) {
-    const std::size_t n = states_.size() + more;
+    const std::size_t n = names_.size() + more;
     room_for(active_, n);
     room_for(waiting_, n);
     room_for(ended_, n);
@@ -609,27 +713,27 @@ class ContinuousBatchingScheduler {
   // Outside a transaction none of them allocates: the queues always have room.
 
   // Moves the request's entry from one queue to the back of another.
-  void move_id(std::vector<std::string>& from, std::vector<std::string>& to, const std::string& id) {
-    const auto it = std::find(from.begin(), from.end(), id);
+  void move_id(std::vector<std::uint32_t>& from, std::vector<std::uint32_t>& to, std::uint32_t at) {
+    const auto it = std::find(from.begin(), from.end(), at);
     if (it == from.end()) return;
     struct moved {
-      std::vector<std::string>*from, *to;
+      std::vector<std::uint32_t>*from, *to;
       std::ptrdiff_t at;
     };
     undo_.on_undo(
         [](void*, const std::byte* data) noexcept {
           const auto m = paged::UndoLog::load<moved>(data);
-          m.from->insert(m.from->begin() + m.at, std::move(m.to->back()));
+          m.from->insert(m.from->begin() + m.at, m.to->back());
           m.to->pop_back();
         },
         nullptr, moved{&from, &to, it - from.begin()});
-    to.push_back(std::move(*it));
+    to.push_back(*it);
     from.erase(it);
   }
-  // Puts an id into a queue at `at`.
-  void insert_id(std::vector<std::string>& queue, std::vector<std::string>::iterator at, std::string&& id) {
+  // Puts a request into a queue at `at`.
+  void insert_id(std::vector<std::uint32_t>& queue, std::vector<std::uint32_t>::iterator at, std::uint32_t slot) {
     struct put {
-      std::vector<std::string>* queue;
+      std::vector<std::uint32_t>* queue;
       std::ptrdiff_t at;
     };
     undo_.on_undo(
@@ -638,7 +742,7 @@ class ContinuousBatchingScheduler {
           p.queue->erase(p.queue->begin() + p.at);
         },
         nullptr, put{&queue, at - queue.begin()});
-    queue.insert(at, std::move(id));
+    queue.insert(at, slot);
   }
   // Appends a generated token (its room made first: the undo record cannot then outlive a failed
   // append).
@@ -653,12 +757,14 @@ class ContinuousBatchingScheduler {
            ": the last batch is still in flight; pass it to update() first";
   }
 
-  // A request that has not ended, for a sequence operation.
-  RequestState& live_state(const std::string& id, const char* call) {
+  // A request that has not ended, for a sequence operation (by id or by handle).
+  template <class Key>
+  RequestState& live_state(const Key& key, const char* call) {
     if (in_flight_) throw ValueError(in_flight_message(call));
-    RequestState& st = mutable_state(id);
+    RequestState& st = slot_state(slot_of(key));
     if (st.has_ended())
-      throw ValueError(std::string("kvc::ContinuousBatchingScheduler::") + call + ": request '" + id + "' has ended");
+      throw ValueError(std::string("kvc::ContinuousBatchingScheduler::") + call + ": request '" + st.request_id +
+                       "' has ended");
     return st;
   }
 
@@ -669,26 +775,36 @@ class ContinuousBatchingScheduler {
     undo_.set(st.position_offset, std::int64_t{0});
   }
 
-  RequestState& mutable_state(const std::string& id) {
-    const auto it = states_.find(id);
-    if (it == states_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
-    return it->second;
+  RequestState& mutable_state(const std::string& id) { return slot_state(slot_of(id)); }
+  RequestState& slot_state(std::uint32_t at) noexcept { return slots_[at]->state; }
+  // The slot of a request the scheduler holds (a KeyError otherwise), by id or by handle.
+  std::uint32_t slot_of(const std::string& id) const {
+    const auto it = names_.find(id);
+    if (it == names_.end()) throw KeyError("kvc::ContinuousBatchingScheduler: no request '" + id + "'");
+    return it->second.slot;
+  }
+  std::uint32_t slot_of(RequestHandle h) const {
+    if (h.slot >= slots_.size() || !slots_[h.slot]->live || slots_[h.slot]->generation != h.generation)
+      throw KeyError("kvc::ContinuousBatchingScheduler: no request with handle " + std::to_string(h.slot) + "." +
+                     std::to_string(h.generation) + " (it has left, or was never added)");
+    return h.slot;
   }
 
   // Candidates in the scheduler's order; waiting ones interleave offloaded and fresh requests
   // (offloaded first), as transformers' _get_waiting_candidates does.
-  std::vector<std::string> candidates() const {
-    std::vector<std::string> out;
+  std::vector<std::uint32_t> candidates() const {
+    std::vector<std::uint32_t> out;
     out.reserve(active_.size() + waiting_.size());
     const auto with = [&](RequestStatus s) {
-      for (const std::string& id : active_)
-        if (states_.at(id).status == s) out.push_back(id);
+      for (const std::uint32_t at : active_)
+        if (slots_[at]->state.status == s) out.push_back(at);
     };
     with(prefill_first_ ? RequestStatus::prefilling : RequestStatus::decoding);
     with(prefill_first_ ? RequestStatus::decoding : RequestStatus::prefilling);
     if (block_new_requests_) return out;
-    std::vector<std::string> off, fresh;
-    for (const std::string& id : waiting_) (cache_->is_offloaded(id) ? off : fresh).push_back(id);
+    std::vector<std::uint32_t> off, fresh;
+    for (const std::uint32_t at : waiting_)
+      (cache_->is_offloaded(slots_[at]->state.request_id) ? off : fresh).push_back(at);
     for (std::size_t i = 0; i < std::max(off.size(), fresh.size()); ++i) {
       if (i < off.size()) out.push_back(off[i]);
       if (i < fresh.size()) out.push_back(fresh[i]);
@@ -698,7 +814,7 @@ class ContinuousBatchingScheduler {
 
   void activate(RequestState& st) {
     if (st.is_active()) return;
-    move_id(waiting_, active_, st.request_id);
+    move_id(waiting_, active_, st.handle.slot);
     undo_.set(st.status, RequestStatus::prefilling);
   }
 
@@ -732,8 +848,9 @@ class ContinuousBatchingScheduler {
     // The cache computes these from its groups: once per pass, not per candidate.
     const bool all_sliding = cache_->num_full_attention_groups() == 0;
     const std::int64_t window = cache_->sliding_window();
-    for (const std::string& id : candidates()) {
-      RequestState& st = states_.at(id);
+    for (const std::uint32_t at : candidates()) {
+      RequestState& st = slot_state(at);
+      const std::string& id = st.request_id;
       if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
@@ -762,7 +879,7 @@ class ContinuousBatchingScheduler {
       if (got < 0) {
         p.allocation_failed = true;
         if (!p.first_failed) {
-          p.first_failed = id;
+          p.first_failed = at;
           p.first_failed_need = -got;
           p.first_failed_tokens = q;
         }
@@ -774,7 +891,7 @@ class ContinuousBatchingScheduler {
       }
       activate(st);
       const bool new_token = decoding || q == available;
-      p.scheduled.push_back({id, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
+      p.scheduled.push_back({id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
       fast_path = fast_path && fast;
       token_budget -= q;
       cache_budget -= need;
@@ -793,7 +910,7 @@ class ContinuousBatchingScheduler {
     const bool reads = options_.read_indices && std::any_of(p.scheduled.begin(), p.scheduled.end(),
                                                             [](const ScheduledRequest& r) { return r.past > 0; });
     for (ScheduledRequest& r : p.scheduled) {
-      RequestState& st = states_.at(r.request_id);
+      RequestState& st = slot_state(r.handle.slot);
       if (cache_->is_offloaded(st.request_id)) {  // its new blocks are allocated: copy it back into them
         cache_->restore_request(st.request_id);
         if (sharing_) r.complete_blocks += st.position_offset / cache_->block_size();
@@ -828,8 +945,8 @@ class ContinuousBatchingScheduler {
     const std::int64_t full = cache_->num_full_attention_groups(), sliding = cache_->num_sliding_attention_groups(),
                        window = cache_->sliding_window();
     std::int64_t rows = 0;
-    for (const std::string& id : active_) {
-      const std::int64_t n = states_.at(id).position_offset;
+    for (const std::uint32_t at : active_) {
+      const std::int64_t n = slots_[at]->state.position_offset;
       rows += full * n + sliding * std::min(n, window);
     }
     stats_.peak_blocks_in_use = in_use;
@@ -843,7 +960,7 @@ class ContinuousBatchingScheduler {
         paged::select_offload_victims(starved, cache_->get_num_free_blocks(), num_active(),
                                       [&](const std::string& id) { return cache_->blocks_in_use(id); });
     for (const std::string& id : victims) {
-      RequestState& st = states_.at(id);
+      RequestState& st = mutable_state(id);
       if (cache_->swap_blocks() > 0 && cache_->offload_request(id)) {
         ++stats_.cpu_offloads;  // a decoding request runs its last token again when it is back
       } else {                  // soft reset: everything known so far is prefilled again
@@ -853,7 +970,7 @@ class ContinuousBatchingScheduler {
       }
       undo_.set(st.status, RequestStatus::pending);
       undo_.set(st.preemptions, st.preemptions + 1);
-      move_id(active_, waiting_, id);
+      move_id(active_, waiting_, st.handle.slot);
     }
     if (!victims.empty()) block_new_requests_ = true;
     return static_cast<std::int64_t>(victims.size());
@@ -870,8 +987,8 @@ class ContinuousBatchingScheduler {
   }
   void commit_end(RequestState& st, RequestStatus status, std::string error) {
     drop_cache(st);
-    move_id(active_, ended_, st.request_id);
-    move_id(waiting_, ended_, st.request_id);
+    move_id(active_, ended_, st.handle.slot);
+    move_id(waiting_, ended_, st.handle.slot);
     undo_.set(st.status, status);
     if (status == RequestStatus::failed) {
       undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st);
@@ -918,6 +1035,7 @@ class ContinuousBatchingScheduler {
     if (forks == 0) return requeue_children(parent);
     staged s;
     std::vector<std::string> ids;
+    ids.reserve(forks);
     for (std::size_t i = 0; i < forks; ++i) {
       RequestState child = parent;
       child.request_id = child_id(parent, static_cast<std::int64_t>(i));
@@ -929,10 +1047,10 @@ class ContinuousBatchingScheduler {
     cache_->fork_request(parent.request_id, ids);
     undo_.set(parent.num_children, parent.num_children - static_cast<std::int64_t>(forks));
     // Committed: the children run right after their parent, in order.
-    auto at = std::find(active_.begin(), active_.end(), parent.request_id) + 1;
-    for (std::string& id : s.ids) {
+    auto at = std::find(active_.begin(), active_.end(), parent.handle.slot) + 1;
+    for (const RequestState& child : s.states) {
       const std::ptrdiff_t i = at - active_.begin();
-      insert_id(active_, at, std::move(id));
+      insert_id(active_, at, child.handle.slot);
       at = active_.begin() + i + 1;
     }
     commit(s);
@@ -982,11 +1100,16 @@ class ContinuousBatchingScheduler {
   bool prefill_first_ = false;
   double safety_margin_ = 0.15;
   std::int64_t max_batch_tokens_ = 0, max_requests_per_batch_ = 0, fast_path_blocks_ = 0;
-  std::unordered_map<std::string, RequestState> states_;
-  std::unordered_map<std::string, std::int64_t> live_children_;  // parent id -> its children in states_
-  std::vector<std::string> active_;                              // prefilling and decoding, in the order they started
-  std::vector<std::string> waiting_;                             // pending, in arrival order
-  std::vector<std::string> ended_;
+  // The requests' states, one slot each (a slot on the heap: a reference to a state survives the
+  // vector's growth); the free slots, with room for all; every held request's id, the one lookup
+  // by name (at the API boundary: the step works on slots).
+  std::vector<std::unique_ptr<slot>> slots_;
+  std::vector<std::uint32_t> free_slots_;
+  std::unordered_map<std::string, RequestHandle> names_;
+  std::unordered_map<std::string, std::int64_t> live_children_;  // parent id -> its children held
+  std::vector<std::uint32_t> active_;                            // prefilling and decoding, in the order they started
+  std::vector<std::uint32_t> waiting_;                           // pending, in arrival order
+  std::vector<std::uint32_t> ended_;
   bool sharing_ = false;  // some group hashes its complete blocks
   bool block_new_requests_ = false;
   bool in_flight_ = false;
