@@ -157,7 +157,8 @@ class run {
          std::to_string(cache_->total_prefix_length()) + ";";
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
-      s += id + ":" + std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
+      s += id + "@" + std::to_string(st.handle.slot) + "." + std::to_string(st.handle.generation) + ":" +
+           std::to_string(static_cast<int>(st.status)) + "," + std::to_string(st.position_offset) + "," +
            std::to_string(st.prompt_length) + "," + std::to_string(st.num_children) + "," +
            std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + "," +
            std::to_string(st.preemptions) + "," + st.error + ",";
@@ -232,6 +233,13 @@ class run {
     std::advance(it, src_.pick(std::ssize(known_)));
     return *it;
   }
+  // Every other call on a request is made by handle (what add_request returned, or the handle a
+  // child or a copy has), the others by id: both paths meet the same checks. Drawn from no byte.
+  bool by_handle() { return (++calls_ & 1) != 0; }
+  kvc::RequestHandle handle_of(const std::string& id) const {
+    const auto it = handles_.find(id);
+    return it != handles_.end() ? it->second : sched_->handle(id);
+  }
   bool live(const std::string& id) const {
     if (known_.count(id) == 0) return false;
     const auto s = sched_->request(id).status;
@@ -262,7 +270,12 @@ class run {
       case 13:
         if (src_.pick(4) == 0 && !in_flight_) {
           const std::string id = any_known();
-          if (live(id)) attempt("seq_keep", [&] { sched_->seq_keep(id); });
+          if (live(id) && by_handle()) {
+            const kvc::RequestHandle h = handle_of(id);
+            attempt("seq_keep", [&] { sched_->seq_keep(h); });
+          } else if (live(id)) {
+            attempt("seq_keep", [&] { sched_->seq_keep(id); });
+          }
         }
         return check("seq_keep");
       default:
@@ -285,7 +298,8 @@ class run {
       refused("add_request of a known id", [&] { sched_->add_request(r); });
       return check("add_request (refused)");
     }
-    attempt("add_request", [&] { sched_->add_request(r); });
+    kvc::RequestHandle& added = handles_[r.request_id];  // made here: the call allocates only in add_request
+    attempt("add_request", [&] { added = sched_->add_request(r); });
     known_.insert(r.request_id);
     taken_.erase(r.request_id);
     children_[r.request_id] = r.num_return_sequences - 1;
@@ -334,6 +348,14 @@ class run {
     attempt("take_finished", [&] { ended = sched_->take_finished(); });
     for (kvc::RequestState& st : ended) {
       if (known_.erase(st.request_id) == 0) fail("take_finished returned " + st.request_id + ", not known");
+      const auto h = handles_.find(st.request_id);
+      if (h != handles_.end() && h->second != st.handle) fail(st.request_id + " came back under another handle");
+      if (h != handles_.end()) handles_.erase(h);
+      try {  // its handle now names nothing, whatever holds its slot
+        (void)sched_->request(st.handle);
+        fail("the handle of " + st.request_id + " still names a request after take_finished");
+      } catch (const kvc::KeyError&) {
+      }
       taken_.insert(st.request_id);
       check_tokens(st);
       if (st.status == kvc::RequestStatus::finished) ++c_.finished;
@@ -347,7 +369,14 @@ class run {
       if (live(id)) refused("cancel_request in flight", [&] { sched_->cancel_request(id); });
       return check("cancel_request (refused)");
     }
-    if (known_.count(id) != 0) attempt("cancel_request", [&] { sched_->cancel_request(id); });
+    if (known_.count(id) != 0) {
+      if (by_handle()) {
+        const kvc::RequestHandle h = handle_of(id);
+        attempt("cancel_request", [&] { sched_->cancel_request(h); });
+      } else {
+        attempt("cancel_request", [&] { sched_->cancel_request(id); });
+      }
+    }
     check("cancel_request");
   }
 
@@ -360,7 +389,12 @@ class run {
       refused("seq_rm in flight", [&] { sched_->seq_rm(id, p0, p1); });
       return check("seq_rm (refused)");
     }
-    attempt("seq_rm", [&] { (void)sched_->seq_rm(id, p0, p1); });
+    if (by_handle()) {
+      const kvc::RequestHandle h = handle_of(id);
+      attempt("seq_rm", [&] { (void)sched_->seq_rm(h, p0, p1); });
+    } else {
+      attempt("seq_rm", [&] { (void)sched_->seq_rm(id, p0, p1); });
+    }
     check("seq_rm");
   }
 
@@ -372,7 +406,12 @@ class run {
     const std::int64_t p1 = src_.pick(2) == 0 ? -1 : src_.pick(n + 1);
     const std::int64_t p0 = src_.pick(2) - 1;
     bool copied = false;
-    attempt("seq_cp", [&] { copied = sched_->seq_cp(src, dst, p0, p1); });
+    if (by_handle()) {
+      const kvc::RequestHandle h = handle_of(src);
+      attempt("seq_cp", [&] { copied = sched_->seq_cp(h, dst, p0, p1); });
+    } else {
+      attempt("seq_cp", [&] { copied = sched_->seq_cp(src, dst, p0, p1); });
+    }
     if (copied && exists(dst)) known_.insert(dst);
     check("seq_cp");
   }
@@ -409,6 +448,14 @@ class run {
   void check(const char* after) {
     learn_children();
     const std::string where = std::string(" after ") + after;
+    // Handles: each known request's is the one its id finds and add_request returned.
+    for (const std::string& id : known_) {
+      const kvc::RequestHandle h = sched_->request(id).handle;
+      if (sched_->find(id) != h || &sched_->request(h) != &sched_->request(id))
+        fail("request " + id + "'s handle does not find it" + where);
+      const auto added = handles_.find(id);
+      if (added != handles_.end() && added->second != h) fail("request " + id + "'s handle changed" + where);
+    }
     const auto& m = cache_->manager();
     // Blocks: ref counts, free lists, totals.
     std::map<std::int64_t, std::int64_t> holders;
@@ -491,9 +538,11 @@ class run {
   std::optional<kvc_toy::Cache> cache_;
   std::optional<Scheduler> sched_;
   std::vector<std::vector<std::int64_t>> prefixes_;
-  std::set<std::string> known_;                   // ids the scheduler knows, not yet taken
-  std::set<std::string> taken_;                   // ids take_finished returned
-  std::map<std::string, std::int64_t> children_;  // a request's child count at its last add
+  std::set<std::string> known_;                        // ids the scheduler knows, not yet taken
+  std::set<std::string> taken_;                        // ids take_finished returned
+  std::map<std::string, std::int64_t> children_;       // a request's child count at its last add
+  std::map<std::string, kvc::RequestHandle> handles_;  // what add_request returned, until taken
+  std::int64_t calls_ = 0;                             // by handle on odd calls, by id on even ones
   std::optional<kvc::ScheduledBatch> in_flight_, stale_;
   std::int64_t next_id_ = 0;
   counts c_;
