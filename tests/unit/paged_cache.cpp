@@ -1126,18 +1126,26 @@ TEST_CASE("PagedCache transactions: a rollback undoes every change, a commit kee
   REQUIRE(cache.offload_request("q"));  // room for the fork's copies
   const std::string child = "p2";
   // [snippet:paged_transaction]
-  // A fork and a cut of the child as one: if the cut cannot be made, neither happened.
-  cache.begin_transaction();
-  try {
+  // A fork and a cut of the child as one: if the cut cannot be made, neither happens.
+  cache.transaction([&] {
     cache.fork_request("p", std::span(&child, 1));
     if (!cache.truncate_request(child, 3)) throw std::runtime_error("no block free for the copy");
-    cache.commit_transaction();  // the fork's block copies are made here
-  } catch (...) {
-    cache.rollback_transaction();  // neither the fork nor the cut happened
-    throw;
-  }
+  });  // kept when it returns (the fork's block copies are made then), rolled back if it throws
   // [/snippet]
   CHECK(cache.blocks_in_group(0, child) == 1);
+  CHECK(!cache.in_transaction());
+
+  // transaction(): what throws is rolled back and passed on; a value is returned.
+  Cache thrown = make();
+  CHECK_THROWS_WITH_AS(thrown.transaction([&] {
+    REQUIRE(thrown.offload_request("q"));
+    thrown.fork_request("p", twice);
+  }),
+                       "kvc::paged: fork destination p1 is named twice", kvc::ValueError);
+  CHECK(!thrown.in_transaction());
+  CHECK(kvc_test::take_paged_snapshot(thrown, names) == before);
+  CHECK(thrown.transaction([&] { return thrown.offload_request("q"); }));
+  CHECK(thrown.is_offloaded("q"));
 }
 
 TEST_CASE("PagedCache's parts alone: block tables, page pools, swap pool") {

@@ -100,20 +100,14 @@ class PagedBatchCache {
         reuse ? static_cast<std::int64_t>(indices_.front().reads[gi].size()) : read_rows(gi, past, q);
     T* ok = out_buffer(out_k_, out_v_, batch * cache_.num_key_value_heads() * r * cache_.head_dim());
     T* ov = out_v_.data();
-    if (more > 0 || !reuse) {
-      cache_.begin_transaction();
-      try {
+    if (more > 0 || !reuse)
+      cache_.transaction([&] {
         // All rows or none, and they fit (counted above); were a block missing, the indices
         // below would refuse the step (rolled back).
         if (more > 0) (void)cache_.allocate_blocks(more, ids);
         for (std::size_t b = 0; b < next.size(); ++b)
           cache_.extend_read_and_write_indices(ids[b], past, q, &next[b].reads, next[b].writes);
-        cache_.commit_transaction();
-      } catch (...) {
-        cache_.rollback_transaction();
-        throw;
-      }
-    }
+      });
     // Committed: nothing below allocates or fails.
     allocated_ += more;
     if (!reuse) {
@@ -384,8 +378,12 @@ class PagedBatchCache {
     const std::size_t reused = std::min(spare.size(), copies.size());
     std::vector<std::int64_t> from, to;  // the block copies into the reused rows
     for (std::size_t c = 0; c < reused; ++c) {
-      append_blocks(rows_[static_cast<std::size_t>(copies[c].second)], from);
-      append_blocks(spare[c], to);
+      // (every row of a dense batch holds as many blocks, group by group: the lists pair up)
+      const std::vector<std::int64_t> a =
+          cache_.block_tables().request_blocks(rows_[static_cast<std::size_t>(copies[c].second)]);
+      const std::vector<std::int64_t> b = cache_.block_tables().request_blocks(spare[c]);
+      from.insert(from.end(), a.begin(), a.end());
+      to.insert(to.end(), b.begin(), b.end());
     }
 
     // The forks: new blocks for the copies no dropped row can take, in one call (all or none).
@@ -416,15 +414,6 @@ class PagedBatchCache {
     rows_ = std::move(next);
     indices_.clear();
   }
-  // Appends the blocks of every group's table of `request` (all rows of a dense batch hold as
-  // many blocks, group by group, so two rows' lists pair block for block).
-  void append_blocks(const std::string& request, std::vector<std::int64_t>& out) const {
-    for (std::int64_t g = 0; g < cache_.num_groups(); ++g) {
-      const auto& t = cache_.block_table(g, request);
-      out.insert(out.end(), t.begin(), t.end());
-    }
-  }
-
   PagedCache<S> cache_;
   std::vector<std::int64_t> seen_;  // tokens seen, per layer
   std::vector<std::string> rows_;   // request id of each batch row

@@ -26,6 +26,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -430,6 +431,25 @@ class PagedCache<S> {
     pending_.clear();
     pending_ids_.clear();
     tables_.log().rollback();
+  }
+  // f() as one transaction: kept when it returns, rolled back when it throws (the exception goes
+  // on to the caller).
+  template <class F>
+  std::invoke_result_t<F&> transaction(F&& f) {
+    begin_transaction();
+    try {
+      if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
+        f();
+        commit_transaction();
+      } else {
+        auto result = f();
+        commit_transaction();
+        return result;
+      }
+    } catch (...) {
+      rollback_transaction();
+      throw;
+    }
   }
 
   // ---- request offload ---------------------------------------------------------------------------

@@ -465,15 +465,10 @@ class ContinuousBatchingScheduler {
     if (fork) {
       // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
       // cache's truncation makes its scratch memory first) undoes the fork too.
-      cache_->begin_transaction();
-      try {
+      cache_->transaction([&] {
         cache_->fork_request(src, std::span(&dst, 1));
         if (p1 < n) cut(made, p1);
-        cache_->commit_transaction();
-      } catch (...) {
-        cache_->rollback_transaction();
-        throw;
-      }
+      });
       // Committed: the copy runs right after its source.
       const auto after = std::find(active_.begin(), active_.end(), st.handle.slot);
       active_.insert(after == active_.end() ? after : after + 1, made.handle.slot);
