@@ -545,9 +545,8 @@ class PagedCache<S> {
     std::vector<detail::scatter_job<T>> jobs;
     jobs.reserve(2 * layers);
     for (std::size_t l = 0; l < layers; ++l) {
-      const auto layer = static_cast<std::int64_t>(l);
-      const step s =
-          check_step(keys[l], values[l], layer, {}, write_index[static_cast<std::size_t>(layer_group(layer).first)]);
+      const auto at = layer_group(static_cast<std::int64_t>(l));
+      const step s = check_step(keys[l], values[l], at, {}, write_index[static_cast<std::size_t>(at.first)]);
       const std::size_t n = write_index[s.group].size();
       jobs.push_back(pages_.key_job(s.pool, keys[l], first[s.group], n));
       jobs.push_back(pages_.value_job(s.pool, values[l], first[s.group], n));
@@ -567,10 +566,11 @@ class PagedCache<S> {
     if (read_index.size() != groups || write_index.size() != groups)
       throw ValueError("kvc::PagedCache::update: index lists need one entry per layer group (" +
                        std::to_string(groups) + ")");
-    const auto g = static_cast<std::size_t>(layer_group(layer_idx).first);
+    const auto at = layer_group(layer_idx);
+    const auto g = static_cast<std::size_t>(at.first);
     const std::vector<std::int64_t>& reads = read_index[g];
     if (reads.empty()) {  // the write-only path
-      update_rows(k, v, layer_idx, reads, write_index[g], nullptr, nullptr);
+      update_rows_at(at, k, v, reads, write_index[g], nullptr, nullptr);
       return {k, v};
     }
     const auto r = static_cast<std::int64_t>(reads.size());
@@ -581,7 +581,7 @@ class PagedCache<S> {
       out_k_ = std::move(nk);
       out_v_ = std::move(nv);
     }
-    update_rows(k, v, layer_idx, reads, write_index[g], out_k_.data(), out_v_.data());
+    update_rows_at(at, k, v, reads, write_index[g], out_k_.data(), out_v_.data());
     const std::array<std::int64_t, 4> e{1, h, r, d};
     const std::array<std::int64_t, 4> st{h * r * d, r * d, d, 1};
     return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
@@ -593,11 +593,7 @@ class PagedCache<S> {
   // next new token), then write. Every check comes before the first write; nothing is allocated.
   void update_rows(const view_type& k, const view_type& v, std::int64_t layer_idx, std::span<const std::int64_t> reads,
                    std::span<const std::int64_t> writes, T* out_k, T* out_v) {
-    const step s = check_step(k, v, layer_idx, reads, writes);
-    if (s.sliding && out_k)  // read, then write: a write may reuse a slot read here
-      pages_.gather(s.pool, reads, out_k, out_v, &k, &v, sentinel_index());
-    pages_.scatter(s.pool, k, v, writes);
-    if (!s.sliding && out_k) pages_.gather(s.pool, reads, out_k, out_v);  // the reads include the new tokens
+    update_rows_at(layer_group(layer_idx), k, v, reads, writes, out_k, out_v);
   }
   // The rows of layer `layer_idx`'s pools, gathered into out_k and out_v as update_rows does (rows
   // a request holds: no sentinels, no new tokens).
@@ -697,10 +693,20 @@ class PagedCache<S> {
     std::size_t pool;
     bool sliding;
   };
-  // Every check of an update: shapes, token counts and rows. Nothing is written before it returns.
-  step check_step(const view_type& k, const view_type& v, std::int64_t layer_idx, std::span<const std::int64_t> reads,
-                  std::span<const std::int64_t> writes) const {
-    const auto [g, j] = layer_group(layer_idx);
+  // update_rows for the layer at (group, pool tensor) `at`.
+  void update_rows_at(std::pair<std::int64_t, std::int64_t> at, const view_type& k, const view_type& v,
+                      std::span<const std::int64_t> reads, std::span<const std::int64_t> writes, T* out_k, T* out_v) {
+    const step s = check_step(k, v, at, reads, writes);
+    if (s.sliding && out_k)  // read, then write: a write may reuse a slot read here
+      pages_.gather(s.pool, reads, out_k, out_v, &k, &v, sentinel_index());
+    pages_.scatter(s.pool, k, v, writes);
+    if (!s.sliding && out_k) pages_.gather(s.pool, reads, out_k, out_v);  // the reads include the new tokens
+  }
+  // Every check of an update of the layer at (group, pool tensor) `at`: shapes, token counts and
+  // rows. Nothing is written before it returns.
+  step check_step(const view_type& k, const view_type& v, std::pair<std::int64_t, std::int64_t> at,
+                  std::span<const std::int64_t> reads, std::span<const std::int64_t> writes) const {
+    const auto [g, j] = at;
     const bool sliding = is_sliding_group(g);
     check_input(k, "keys");
     check_input(v, "values");
