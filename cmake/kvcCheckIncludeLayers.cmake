@@ -25,7 +25,7 @@ set(kvc_layer_0
     warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
     paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
-    paged/page_pools.hpp paged/swap_pool.hpp paged/undo_log.hpp
+    paged/page_pools.hpp paged/request_keys.hpp paged/swap_pool.hpp paged/undo_log.hpp
     policies/layers/crop_plan.hpp policies/offload/buffers.hpp policies/offload/none.hpp
     policies/offload/selection.hpp
     concepts/layer_policy.hpp concepts/offload_policy.hpp)
