@@ -1,6 +1,6 @@
 #pragma once
 // Everything a caller can observe of a kvc::PagedCache's state (blocks, tables, free lists, pools,
-// swap pool, prefix statistic), for tests that check that a refused or failed call changed nothing.
+// swap pool, prefix statistic, the requests' keys), for tests that check that a refused or failed call changed nothing.
 
 #include <cstdint>
 #include <map>
@@ -16,6 +16,7 @@ struct paged_snapshot {
   std::int64_t free_blocks = 0, free_swap = 0, prefix = 0;
   std::vector<std::int64_t> uninit, init;
   std::vector<std::map<std::string, std::vector<std::int64_t>>> tables;
+  std::vector<std::string> names;  // every request the cache knows: key, id, and whether it is open
   std::vector<float> keys, values;
   std::vector<bool> offloaded;      // is_offloaded of each request named
   std::vector<std::string> blocks;  // each block's repr and ref count, and whether its hash is registered
@@ -35,6 +36,9 @@ paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string
     for (const std::string& r : c.block_tables().requests(g)) t[r] = c.block_table(g, r);
     s.tables.push_back(std::move(t));
   }
+  for (const kvc::paged::RequestKey k : c.block_tables().names().keys())
+    s.names.push_back(std::to_string(k.index) + "." + std::to_string(k.generation) + " " + c.request_name(k) +
+                      (c.block_tables().names().opened(k) ? " open" : ""));
   const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.head_dim();
   for (std::int64_t j = 0; j < c.group_size(); ++j) {
     s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n);

@@ -358,12 +358,26 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
     s.ops.push_back({"offload a", [](C& r) { (void)r.cache.offload_request("a"); }});
     s.ops.push_back({"release a (offloaded)", [](C& r) { r.cache.release_request("a"); }});
     s.ops.push_back({"free all", [](C& r) { r.cache.free_all_requests(); }});
+    // Requests by key: opened, given blocks, forked into another opened key, closed.
+    s.ops.push_back({"open k", [](C& r) { (void)r.cache.open_request("k"); }});
+    s.ops.push_back(
+        {"allocate k by key", [](C& r) { (void)r.cache.allocate_blocks(2, *r.cache.find_request("k"), 0); }});
+    s.ops.push_back({"open z", [](C& r) { (void)r.cache.open_request("z"); }});
+    s.ops.push_back({"fork k to z by key", [](C& r) {
+                       const kvc::paged::RequestKey z = *r.cache.find_request("z");
+                       (void)r.cache.fork_request(*r.cache.find_request("k"), std::span(&z, 1));
+                     }});
+    s.ops.push_back({"allocate e, too many", [](C& r) { (void)r.cache.allocate_blocks(100, "e", 0); }});
+    s.ops.push_back({"close k", [](C& r) { r.cache.close_request("k"); }});
+    s.ops.push_back({"close z", [](C& r) { r.cache.close_request("z"); }});
     // Every call is strong.
     check_paged_failures<C>(
         s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
         [](C& r) {
           for (const char* id : {"a", "b", "c", "d", "x", "y"}) r.cache.drop_offloaded_request(id);
           r.cache.free_all_requests();
+          r.cache.close_request("k");
+          r.cache.close_request("z");
         },
         [](const std::string&) { return true; },
         [](C& r) {
@@ -374,8 +388,8 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
 }
 
 TEST_CASE("PagedCache: what an all-or-nothing caller commits with allocates nothing") {
-  // release_request, drop_offloaded_request and truncate_request (a cut that copies a shared
-  // block included) are what the scheduler calls after its last allocation: the first allocation
+  // release_request, drop_offloaded_request, truncate_request (a cut that copies a shared block
+  // included) and close_request are what the scheduler calls after its last allocation: the first allocation
   // they would make fails here.
   for (const bool hybrid : {false, true}) {
     CAPTURE(hybrid);
@@ -401,6 +415,9 @@ TEST_CASE("PagedCache: what an all-or-nothing caller commits with allocates noth
     REQUIRE(cache.offload_request("a"));
     quiet("drop_offloaded_request", [&] { cache.drop_offloaded_request("a"); });
     quiet("release_request of a request with nothing", [&] { cache.release_request("nobody"); });
+    const kvc::paged::RequestKey k = cache.open_request("k");
+    REQUIRE(cache.allocate_blocks(1, k, 0));
+    quiet("close_request of an opened request with blocks", [&] { cache.close_request(k); });
     CHECK(cache.get_num_free_blocks() == cache.num_blocks());
     CHECK(cache.free_swap_blocks() == cache.swap_blocks());
   }

@@ -20,8 +20,6 @@
 #include <vector>
 
 using kvc::paged::BlockManager;
-using kvc::paged::FullAttentionCacheAllocator;
-using kvc::paged::SlidingAttentionCacheAllocator;
 using ids = std::vector<std::int64_t>;
 
 namespace {
@@ -46,6 +44,58 @@ ids writes(const auto& alloc, const std::string& r, std::int64_t past, std::int6
   alloc.get_write_indices(r, past, q, out);
   return out;
 }
+// An allocator called by request id, as transformers' tests call theirs: each id gets a key from
+// the adapter's own RequestNames (the ids are what the allocator's messages name).
+template <class A>
+class by_id : public A {
+ public:
+  template <class... Args>
+  explicit by_id(Args... args) : A(args...) {
+    A::set_names(&names_);
+  }
+  by_id(const by_id&) = delete;
+  by_id& operator=(const by_id&) = delete;
+
+  kvc::paged::RequestKey key(const std::string& id) const { return names_.add(log_, id); }
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& id, BlockManager& bm) {
+    return A::allocate_blocks(n, key(id), bm);
+  }
+  const ids& table(const std::string& id) const { return A::table(key(id)); }
+  ids& mutable_table(const std::string& id) { return A::mutable_table(key(id)); }
+  bool has_request(const std::string& id) const { return A::has_request(key(id)); }
+  void set_table(const std::string& id, ids blocks) { A::set_table(key(id), std::move(blocks)); }
+  void free_blocks(const std::string& id, BlockManager& bm) { A::free_blocks(key(id), bm); }
+  std::vector<std::string> requests() const {
+    std::vector<std::string> out;
+    for (const kvc::paged::RequestKey k : A::requests()) out.push_back(names_.name(k.index));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  std::int64_t search_prefix_match(const std::string& id, std::span<const std::int64_t> prompt, BlockManager& bm) {
+    return A::search_prefix_match(key(id), prompt, bm);
+  }
+  std::pair<ids, ids> fork_blocks(const std::string& parent, std::span<const std::string> children, BlockManager& bm) {
+    std::vector<kvc::paged::RequestKey> keys;
+    for (const std::string& c : children) keys.push_back(key(c));
+    return A::fork_blocks(key(parent), keys, bm);
+  }
+  void get_read_indices(const std::string& id, std::int64_t past, std::int64_t q, ids& out) const {
+    A::get_read_indices(key(id), past, q, out);
+  }
+  void get_write_indices(const std::string& id, std::int64_t past, std::int64_t q, ids& out) const {
+    A::get_write_indices(key(id), past, q, out);
+  }
+  void fill_block_table(const std::string& id, std::int64_t past, std::int64_t q, std::span<std::int64_t> out) const {
+    A::fill_block_table(key(id), past, q, out);
+  }
+
+ private:
+  mutable kvc::paged::RequestNames names_;
+  mutable kvc::paged::UndoLog log_;
+};
+using FullAttentionCacheAllocator = by_id<kvc::paged::FullAttentionCacheAllocator>;
+using SlidingAttentionCacheAllocator = by_id<kvc::paged::SlidingAttentionCacheAllocator>;
+
 std::vector<std::string> types(std::string_view letters) {
   std::vector<std::string> out;
   for (const char c : letters) out.push_back(c == 's' ? "sliding_attention" : "full_attention");

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <span>
 #include <random>
 #include <string>
 #include <vector>
@@ -391,7 +393,7 @@ TEST_CASE("PagedCache: random batches of requests read exactly their own tokens"
       std::map<std::int64_t, int> held;
       for (const auto& entry : live)
         for (std::int64_t g = 0; g < c.num_groups(); ++g)
-          if (c.block_tables().has_table(g, entry.first))
+          if (c.blocks_in_group(static_cast<std::size_t>(g), entry.first) > 0)
             for (const std::int64_t b : c.block_table(g, entry.first)) held[b] += 1;
       CHECK(c.get_num_free_blocks() + static_cast<std::int64_t>(held.size()) == c.num_blocks());
     }
@@ -883,7 +885,7 @@ TEST_CASE("a sliding group refuses a step too large for memory before it makes a
   CHECK(reads[0].empty());
   // The step's reads, q sentinels, are checked the same way.
   std::vector<std::int64_t> out;
-  CHECK_THROWS_WITH_AS(whole.block_tables().get_read_indices(0, "r", 0, q, out),
+  CHECK_THROWS_WITH_AS(whole.block_tables().get_read_indices(0, *whole.find_request("r"), 0, q, out),
                        "kvc: a buffer of [1099511627776] elements of 8 bytes is larger than kvc's allocation limit of "
                        "1099511627776 bytes (kvc::set_allocation_limit)",
                        kvc::ValueError);
@@ -1156,16 +1158,20 @@ TEST_CASE("PagedCache's parts alone: block tables, page pools, swap pool") {
   CHECK(!t.is_sliding(0));
   CHECK(t.is_sliding(1));
   CHECK(t.sentinel_index() == 21);
-  const std::vector<std::string> two = {"a", "b"}, three = {"a", "b", "c"};
+  // (requests by key: the tables make one for each id)
+  const kvc::paged::RequestKey a = t.key("a"), b = t.key("b"), c = t.key("c");
+  const std::vector<kvc::paged::RequestKey> two = {a, b}, three = {a, b, c};
   REQUIRE(t.allocate_blocks(1, two) == 1);  // 1 full + 1 sliding each
   CHECK(t.get_num_free_blocks() == 1);
-  CHECK(t.table(0, "a") == ids{0});
-  CHECK(t.table(1, "b") == ids{3});
+  CHECK(t.table(0, a) == ids{0});
+  CHECK(t.table(1, b) == ids{3});
   CHECK(!t.allocate_blocks(1, three));  // c's 2 blocks do not fit beside a's and b's 2 each
   CHECK(t.get_num_free_blocks() == 1);
-  CHECK(t.blocks_in_use("a") == 2);
-  CHECK(!t.has_table(0, "c"));
-  CHECK_THROWS_WITH_AS((void)t.table(2, "a"), "kvc::PagedCache: layer group 2 is out of range for 2 groups",
+  CHECK(t.blocks_in_use(a) == 2);
+  CHECK(!t.has_table(0, c));
+  CHECK(t.names().name(c.index) == "c");
+  CHECK(*t.find("b") == b);
+  CHECK_THROWS_WITH_AS((void)t.table(2, a), "kvc::PagedCache: layer group 2 is out of range for 2 groups",
                        kvc::IndexError);
   const std::vector<std::string> odd = {"full_attention", "linear_attention"};
   CHECK_THROWS_WITH_AS(kvc::paged::BlockTables(odd, 5, 4, 6, true), "Invalid group type: linear_attention",
@@ -1199,19 +1205,20 @@ TEST_CASE("PagedCache's parts alone: block tables, page pools, swap pool") {
   kvc::paged::SwapPool<kvc::HostStorage<float>> swap(geo, 1);
   swap.reserve(4);
   kvc::paged::UndoLog log;
-  CHECK(swap.take(log, "x", {1, 1}).swap_ids == ids{0, 1});
-  CHECK(swap.take(log, "y", {2, 0}).swap_ids == ids{2, 3});
-  swap.give_back(log, "x");
+  const kvc::paged::RequestKey x{0, 0}, y{1, 0}, z{2, 0}, w{3, 0};  // (the swap pool takes any key)
+  CHECK(swap.take(log, x, {1, 1}).swap_ids == ids{0, 1});
+  CHECK(swap.take(log, y, {2, 0}).swap_ids == ids{2, 3});
+  swap.give_back(log, x);
   CHECK(swap.free_blocks() == 2);
   log.begin();
-  swap.give_back(log, "y");
-  CHECK(swap.take(log, "z", {3, 0}).swap_ids == ids{0, 1, 2});
+  swap.give_back(log, y);
+  CHECK(swap.take(log, z, {3, 0}).swap_ids == ids{0, 1, 2});
   log.rollback();
-  CHECK(swap.is_offloaded("y"));
-  CHECK(!swap.is_offloaded("z"));
-  CHECK(swap.find("y")->swap_ids == ids{2, 3});
+  CHECK(swap.is_offloaded(y));
+  CHECK(!swap.is_offloaded(z));
+  CHECK(swap.find(y)->swap_ids == ids{2, 3});
   CHECK(swap.free_blocks() == 2);
-  CHECK(swap.take(log, "w", {2, 0}).swap_ids == ids{0, 1});
+  CHECK(swap.take(log, w, {2, 0}).swap_ids == ids{0, 1});
   CHECK_THROWS_WITH_AS(swap.reserve(2),
                        "kvc::PagedCache: the swap pool cannot be resized while 2 requests are offloaded to it",
                        kvc::ValueError);
@@ -1270,4 +1277,72 @@ TEST_CASE("PagedCache::update_rows and read_rows: update's rows, into the caller
   CHECK_THROWS_WITH_AS(b.read_rows(0, far, buf.data(), buf.data()),
                        "kvc::PagedCache::update: read row 40 is outside the cache's 40 rows", kvc::ValueError);
   CHECK(std::equal(a.key_pool(0), a.key_pool(0) + n, b.key_pool(0)));
+}
+
+TEST_CASE("PagedCache: requests by id and by key") {
+  Cache c(model("fs", 2, 3, 6), cb(4, 8));
+  c.reserve_swap_space(4);
+  using kvc::paged::RequestKey;
+  // An id gets a key when it first gets blocks, and loses it once it holds nothing.
+  CHECK(c.num_requests() == 0);
+  REQUIRE(c.allocate_blocks(2, "a", 0));
+  const RequestKey a = *c.find_request("a");
+  CHECK(c.request_name(a) == "a");
+  CHECK(c.num_requests() == 1);
+  CHECK(c.block_table(0, a) == c.block_table(0, "a"));
+  CHECK(c.blocks_in_use(a) == 4);
+  CHECK(!c.allocate_blocks(9, "big", 0));  // refused: nothing is made for it
+  CHECK(!c.find_request("big"));
+  CHECK(c.search_prefix_match("miss", ids{1, 2, 3, 4}) == 0);  // no hit: no table, no key
+  CHECK(!c.find_request("miss"));
+  CHECK(c.num_requests() == 1);
+  // Offloaded, it holds swap blocks: still known; released, forgotten, and its key refused.
+  REQUIRE(c.offload_request("a"));
+  CHECK(c.find_request("a") == a);
+  c.release_request("a");
+  CHECK(!c.find_request("a"));
+  CHECK(c.num_requests() == 0);
+  CHECK_THROWS_WITH_AS(c.blocks_in_use(a), "kvc::PagedCache: no request with key 0.0 (it was closed, or never opened)",
+                       kvc::KeyError);
+  CHECK(c.blocks_in_use("a") == 0);  // (by id: a request the cache does not know holds nothing)
+
+  // An opened request keeps its key while it holds nothing, until it is closed.
+  // [snippet:request_keys]
+  const RequestKey k = c.open_request("k");  // "k" is known under k until close_request
+  REQUIRE(c.allocate_blocks(1, k, 0));       // every call on a request takes its key or its id
+  c.free_blocks(k);                          // k holds nothing now, and stays open
+  REQUIRE(c.allocate_blocks(2, k, 0));
+  const RequestKey z = c.open_request("z");
+  const auto copies = c.fork_request(k, std::span(&z, 1));  // z: a copy of k
+  // [/snippet]
+  CHECK(k == RequestKey{0, 1});  // the index again, under the next generation
+  CHECK(c.find_request("k") == k);
+  CHECK_THROWS_WITH_AS(c.open_request("k"), "kvc::PagedCache::open_request: request k is already open",
+                       kvc::ValueError);
+  CHECK(copies.first.size() == 4);  // none complete: k's 2 full and 2 ring blocks
+  CHECK(c.block_table(0, "z").size() == 2);
+  CHECK_THROWS_WITH_AS(c.fork_request(k, std::span(&z, 1)), "Block table already exists for request z",
+                       kvc::ValueError);
+  c.close_request(k);
+  CHECK(!c.find_request("k"));
+  CHECK(c.blocks_in_use("z") == 4);
+  CHECK_THROWS_WITH_AS(c.allocate_blocks(1, k, 0),
+                       "kvc::PagedCache: no request with key 0.1 (it was closed, or never opened)", kvc::KeyError);
+  // An id the cache holds blocks for can be opened: the key is the one it has.
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  const RequestKey b = *c.find_request("b");
+  CHECK(c.open_request("b") == b);
+  c.free_blocks("b");
+  CHECK(c.find_request("b") == b);
+
+  // A copy names its requests itself: its messages survive the original.
+  auto copy = std::make_unique<Cache>(c);
+  const Cache moved = [&] {
+    Cache original = std::move(c);
+    return Cache(original);
+  }();
+  CHECK_THROWS_WITH_AS(copy->block_table(0, "b"), "No block table found for request b", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(moved.block_table(0, b), "No block table found for request b", kvc::ValueError);
+  CHECK(moved.request_name(z) == "z");
+  CHECK(moved.num_requests() == 2);
 }

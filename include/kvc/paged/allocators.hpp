@@ -11,6 +11,7 @@
 // slot p % sliding_window. That is the invariant transformers' ring arithmetic breaks at
 // a597f974 (its read drops the newest cached token once past >= sliding_window, and a write of more
 // than sliding_window tokens rotates the ring); kvc keeps it (docs/differences.md).
+// Tables are indexed by the request's key (request_keys.hpp); the ids are only for messages.
 // Tables change through the manager's UndoLog (BlockManager::log()), so that a transaction over
 // the manager and the tables undoes both.
 
@@ -27,6 +28,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/paged/block_manager.hpp>
+#include <kvc/paged/request_keys.hpp>
 #include <kvc/warnings.hpp>
 
 namespace kvc::paged {
@@ -37,41 +39,45 @@ class CacheAllocator {
   std::int64_t index() const noexcept { return index_; }
   std::int64_t block_size() const noexcept { return block_size_; }
   bool uses_block_sharing() const noexcept { return sharing_; }
+  // Where the ids of the keys are (the block tables point their allocators at their RequestNames).
+  void set_names(const RequestNames* names) noexcept { names_ = names; }
 
-  bool has_request(const std::string& request_id) const { return tables_.count(request_id) != 0; }
+  bool has_request(RequestKey request) const { return tables_.count(request.index) != 0; }
   // The request's blocks, in position order (ValueError for a request without a table).
-  const std::vector<std::int64_t>& table(const std::string& request_id) const { return table_of(request_id); }
-  std::vector<std::int64_t>& mutable_table(const std::string& request_id) { return table_of(request_id); }
-  // Every request that has a table, in request-id order.
-  std::vector<std::string> requests() const {
-    std::vector<std::string> out;
+  const std::vector<std::int64_t>& table(RequestKey request) const { return table_of(request); }
+  std::vector<std::int64_t>& mutable_table(RequestKey request) { return table_of(request); }
+  // Every request that has a table, in key order.
+  std::vector<RequestKey> requests() const {
+    std::vector<RequestKey> out;
     out.reserve(tables_.size());
-    for (const auto& [id, t] : tables_) out.push_back(id);
+    for (const auto& [index, t] : tables_) out.push_back(key_of(index));
     return out;
   }
   // Sets a request's table outright (prefix matches, restored requests).
-  void set_table(const std::string& request_id, std::vector<std::int64_t> blocks) {
-    tables_.insert_or_assign(request_id, std::move(blocks));
+  void set_table(RequestKey request, std::vector<std::int64_t> blocks) {
+    tables_.insert_or_assign(request.index, std::move(blocks));
+  }
+
+  // transformers' warning for freeing a request that has no table in group `index`.
+  static void warn_no_table(std::int64_t index, const std::string& request_id) {
+    warn_once("CacheAllocator " + std::to_string(index) +
+              " attempted to free blocks for non-existent request_id: " + request_id);
   }
 
   // Gives the request's blocks back to the manager and forgets its table; a request without one
   // only warns (transformers' text), as cancelling a request that never got blocks does.
-  void free_blocks(const std::string& request_id, BlockManager& bm) {
-    const auto it = tables_.find(request_id);
-    if (it == tables_.end()) {
-      warn_once("CacheAllocator " + std::to_string(index_) +
-                " attempted to free blocks for non-existent request_id: " + request_id);
-      return;
-    }
+  void free_blocks(RequestKey request, BlockManager& bm) {
+    const auto it = tables_.find(request.index);
+    if (it == tables_.end()) return warn_no_table(index_, name(request));
     bm.free_blocks(it->second, sharing_);
     kept_.erase(bm.log(), tables_, it);
   }
 
   // Keeps the first `keep` blocks of the request's table and gives the others back (the table
   // goes when none is kept). Freeing allocates nothing.
-  void truncate(const std::string& request_id, std::int64_t keep, BlockManager& bm) {
-    const auto it = tables_.find(request_id);
-    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+  void truncate(RequestKey request, std::int64_t keep, BlockManager& bm) {
+    const auto it = tables_.find(request.index);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + name(request));
     std::vector<std::int64_t>& t = it->second;
     const auto k = static_cast<std::size_t>(std::clamp<std::int64_t>(keep, 0, std::ssize(t)));
     if (k == 0) {
@@ -87,12 +93,13 @@ class CacheAllocator {
 
   // Gives each child a table for a copy of the parent (see BlockManager::fork_blocks) and returns
   // the block copies to make. Nothing changes when it throws.
-  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_blocks(
-      const std::string& parent_request_id, std::span<const std::string> children_request_ids, BlockManager& bm) {
-    PreparedFork f = prepare_fork(parent_request_id, children_request_ids, bm);
-    if (!commit_fork(parent_request_id, f, bm)) {
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_blocks(RequestKey parent_request,
+                                                                              std::span<const RequestKey> children,
+                                                                              BlockManager& bm) {
+    PreparedFork f = prepare_fork(parent_request, children, bm);
+    if (!commit_fork(parent_request, f, bm)) {
       abandon_fork(f, bm);
-      throw ValueError("Failed to fork blocks for request " + parent_request_id);
+      throw ValueError("Failed to fork blocks for request " + name(parent_request));
     }
     return {std::move(f.blocks.copy_src), std::move(f.blocks.copy_dst)};
   }
@@ -102,33 +109,31 @@ class CacheAllocator {
   // block; commit_fork takes the blocks and fills the tables without allocating (false: too few
   // free blocks, nothing taken); abandon_fork undoes a prepared fork that is not committed.
   struct PreparedFork {
-    std::vector<std::map<std::string, std::vector<std::int64_t>>::iterator> made;
+    std::vector<std::map<std::uint32_t, std::vector<std::int64_t>>::iterator> made;
     ForkedBlocks blocks;
   };
-  PreparedFork prepare_fork(const std::string& parent_request_id, std::span<const std::string> children_request_ids,
-                            BlockManager& bm) {
-    const auto parent = tables_.find(parent_request_id);
-    if (parent == tables_.end()) throw ValueError("No block table found for request " + parent_request_id);
-    for (std::size_t i = 0; i < children_request_ids.size(); ++i) {
-      const std::string& child = children_request_ids[i];
-      if (tables_.count(child) != 0) throw ValueError("Block table already exists for request " + child);
+  PreparedFork prepare_fork(RequestKey parent_request, std::span<const RequestKey> children, BlockManager& bm) {
+    const auto parent = tables_.find(parent_request.index);
+    if (parent == tables_.end()) throw ValueError("No block table found for request " + name(parent_request));
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      const RequestKey child = children[i];
+      if (tables_.count(child.index) != 0) throw ValueError("Block table already exists for request " + name(child));
       for (std::size_t j = 0; j < i; ++j)
-        if (children_request_ids[j] == child)
-          throw ValueError("kvc::paged: fork destination " + child + " is named twice");
+        if (children[j] == child) throw ValueError("kvc::paged: fork destination " + name(child) + " is named twice");
     }
     PreparedFork f;
     try {
-      f.made.reserve(children_request_ids.size());
-      for (const std::string& child : children_request_ids) f.made.push_back(make_table(child, bm.log()).first);
-      f.blocks = bm.prepare_fork(parent->second, static_cast<std::int64_t>(children_request_ids.size()), sharing_);
+      f.made.reserve(children.size());
+      for (const RequestKey child : children) f.made.push_back(make_table(child, bm.log()).first);
+      f.blocks = bm.prepare_fork(parent->second, static_cast<std::int64_t>(children.size()), sharing_);
     } catch (...) {
       abandon_fork(f, bm);
       throw;
     }
     return f;
   }
-  bool commit_fork(const std::string& parent_request_id, PreparedFork& f, BlockManager& bm) {
-    const auto& parent = table_of(parent_request_id);
+  bool commit_fork(RequestKey parent_request, PreparedFork& f, BlockManager& bm) {
+    const auto& parent = table_of(parent_request);
     if (!bm.commit_fork(parent, static_cast<std::int64_t>(f.made.size()), sharing_, index_, f.blocks)) return false;
     for (std::size_t i = 0; i < f.made.size(); ++i) f.made[i]->second = std::move(f.blocks.tables[i]);
     f.made.clear();  // committed: the tables stay
@@ -143,26 +148,34 @@ class CacheAllocator {
   }
 
  protected:
-  CacheAllocator(std::int64_t index, std::int64_t block_size, bool sharing)
-      : index_(index), block_size_(block_size), sharing_(sharing) {}
+  CacheAllocator(std::int64_t index, std::int64_t block_size, bool sharing, const RequestNames* names)
+      : index_(index), block_size_(block_size), sharing_(sharing), names_(names) {}
 
-  std::vector<std::int64_t>& table_of(const std::string& request_id) {
-    const auto it = tables_.find(request_id);
-    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+  // A request's id, for messages ("#index" without a RequestNames).
+  std::string name(RequestKey request) const {
+    return names_ ? names_->name(request.index) : "#" + std::to_string(request.index);
+  }
+  RequestKey key_of(std::uint32_t index) const noexcept {
+    return names_ ? names_->key_at(index) : RequestKey{index, 0};
+  }
+
+  std::vector<std::int64_t>& table_of(RequestKey request) {
+    const auto it = tables_.find(request.index);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + name(request));
     return it->second;
   }
-  const std::vector<std::int64_t>& table_of(const std::string& request_id) const {
-    const auto it = tables_.find(request_id);
-    if (it == tables_.end()) throw ValueError("No block table found for request " + request_id);
+  const std::vector<std::int64_t>& table_of(RequestKey request) const {
+    const auto it = tables_.find(request.index);
+    if (it == tables_.end()) throw ValueError("No block table found for request " + name(request));
     return it->second;
   }
 
   // The cache row of slot s of a table (position for full groups, ring slot for sliding ones).
-  std::int64_t row(const std::vector<std::int64_t>& t, std::int64_t s, const std::string& request_id) const {
+  std::int64_t row(const std::vector<std::int64_t>& t, std::int64_t s, RequestKey request) const {
     const std::int64_t b = s / block_size_;
     if (b >= static_cast<std::int64_t>(t.size()))
-      throw ValueError("kvc::paged: request " + request_id + " has " + std::to_string(t.size()) + " blocks in group " +
-                       std::to_string(index_) + ", too few for slot " + std::to_string(s));
+      throw ValueError("kvc::paged: request " + name(request) + " has " + std::to_string(t.size()) +
+                       " blocks in group " + std::to_string(index_) + ", too few for slot " + std::to_string(s));
     return t[static_cast<std::size_t>(b)] * block_size_ + s % block_size_;
   }
 
@@ -186,8 +199,8 @@ class CacheAllocator {
  public:
   // Makes the request's table if it has none, and room in it for n more blocks (what a later
   // allocate_blocks of up to n then takes without allocating); true if it made the table.
-  bool reserve_table(const std::string& request_id, std::int64_t n, BlockManager& bm) {
-    const auto [it, created] = make_table(request_id, bm.log());
+  bool reserve_table(RequestKey request, std::int64_t n, BlockManager& bm) {
+    const auto [it, created] = make_table(request, bm.log());
     try {
       std::vector<std::int64_t>& t = it->second;
       if (t.capacity() - t.size() < static_cast<std::size_t>(n))
@@ -200,18 +213,18 @@ class CacheAllocator {
   }
   // Forgets a table reserve_table made and nothing filled, on the way out of a failed call (in a
   // transaction its undo does).
-  void drop_empty_table(const std::string& request_id, BlockManager& bm) noexcept {
+  void drop_empty_table(RequestKey request, BlockManager& bm) noexcept {
     if (bm.log().active()) return;
-    const auto it = tables_.find(request_id);
+    const auto it = tables_.find(request.index);
     if (it != tables_.end() && it->second.empty()) tables_.erase(it);
   }
 
  protected:
   // n more blocks at the end of the request's table, all or none (false: too few free). The table
   // and its room are made first: once the manager has handed the blocks out, nothing allocates.
-  bool grow_table(const std::string& request_id, std::int64_t n, bool chained, BlockManager& bm) {
-    const bool created = reserve_table(request_id, n, bm);  // grown geometrically: appends stay amortized O(1)
-    const auto it = tables_.find(request_id);
+  bool grow_table(RequestKey request, std::int64_t n, bool chained, BlockManager& bm) {
+    const bool created = reserve_table(request, n, bm);  // grown geometrically: appends stay amortized O(1)
+    const auto it = tables_.find(request.index);
     try {
       std::vector<std::int64_t>& t = it->second;
       const std::optional<std::int64_t> last =
@@ -226,12 +239,12 @@ class CacheAllocator {
     return false;
   }
 
-  using table_map = std::map<std::string, std::vector<std::int64_t>>;
+  using table_map = std::map<std::uint32_t, std::vector<std::int64_t>>;  // by key index
 
   // The request's table, made (empty) if it has none; its making goes through the log.
-  std::pair<table_map::iterator, bool> make_table(const std::string& request_id, UndoLog& log) {
+  std::pair<table_map::iterator, bool> make_table(RequestKey request, UndoLog& log) {
     log.room(1, insert_undo_bytes);
-    const auto made = tables_.try_emplace(request_id);
+    const auto made = tables_.try_emplace(request.index);
     if (made.second) undo_insert(log, tables_, *made.first);
     return made;
   }
@@ -239,6 +252,7 @@ class CacheAllocator {
   std::int64_t index_;
   std::int64_t block_size_;
   bool sharing_;
+  const RequestNames* names_;  // the ids of the keys (the block tables': docs/paged.md)
   table_map tables_;
   KeptNodes<table_map> kept_;  // tables a transaction erased
 };
@@ -247,16 +261,17 @@ class CacheAllocator {
 // hashes, prefix reuse) when block sharing is allowed.
 class FullAttentionCacheAllocator : public CacheAllocator {
  public:
-  FullAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, bool allow_block_sharing)
-      : CacheAllocator(index, block_size, allow_block_sharing) {}
+  FullAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, bool allow_block_sharing,
+                              const RequestNames* names = nullptr)
+      : CacheAllocator(index, block_size, allow_block_sharing, names) {}
 
   static constexpr bool is_sliding = false;
 
   // n more blocks for the request (chained from its last one); nullopt, with nothing changed, if
   // the manager has not enough. Returns n.
-  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, RequestKey request, BlockManager& bm) {
     if (n < 0) throw ValueError("kvc::paged::BlockManager: cannot take " + std::to_string(n) + " blocks");
-    if (!grow_table(request_id, n, true, bm)) return std::nullopt;
+    if (!grow_table(request, n, true, bm)) return std::nullopt;
     return n;
   }
 
@@ -265,10 +280,9 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   // reference each, stopping at the first miss. Returns the number of prompt tokens they hold
   // (hits * block_size). A request that already has blocks is refused (ValueError): the match is
   // where a request's table starts. Only meaningful with block sharing on.
-  std::int64_t search_prefix_match(const std::string& request_id, std::span<const std::int64_t> prompt_ids,
-                                   BlockManager& bm) {
-    if (const auto it = tables_.find(request_id); it != tables_.end() && !it->second.empty())
-      throw ValueError("kvc::paged: request " + request_id + " already has blocks; a prefix match starts a table");
+  std::int64_t search_prefix_match(RequestKey request, std::span<const std::int64_t> prompt_ids, BlockManager& bm) {
+    if (const auto it = tables_.find(request.index); it != tables_.end() && !it->second.empty())
+      throw ValueError("kvc::paged: request " + name(request) + " already has blocks; a prefix match starts a table");
     std::vector<std::int64_t> hits;
     std::optional<std::uint64_t> parent;
     const auto whole = static_cast<std::int64_t>(prompt_ids.size()) / block_size_;
@@ -283,7 +297,7 @@ class FullAttentionCacheAllocator : public CacheAllocator {
     }
     if (hits.empty()) return 0;
     // First: making the table is the step that can run out of memory.
-    const auto [it, made] = make_table(request_id, bm.log());
+    const auto [it, made] = make_table(request, bm.log());
     try {
       keep_size(bm.log(), it->second);
       it->second.assign(hits.begin(), hits.end());
@@ -296,30 +310,27 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   }
 
   // Rows of positions 0 .. past + q - 1 (the write comes first, so the new tokens are included).
-  void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
-                        std::vector<std::int64_t>& out) const {
+  void get_read_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_read_indices");
-    const auto& t = table_of(request_id);
-    for (std::int64_t p = 0; p < past + q; ++p) out.push_back(row(t, p, request_id));
+    const auto& t = table_of(request);
+    for (std::int64_t p = 0; p < past + q; ++p) out.push_back(row(t, p, request));
   }
   // Rows of positions past .. past + q - 1.
-  void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
-                         std::vector<std::int64_t>& out) const {
+  void get_write_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_write_indices");
-    const auto& t = table_of(request_id);
-    for (std::int64_t p = past; p < past + q; ++p) out.push_back(row(t, p, request_id));
+    const auto& t = table_of(request);
+    for (std::int64_t p = past; p < past + q; ++p) out.push_back(row(t, p, request));
   }
   // The first ceil((past + q) / block_size) blocks of the table, into `row` (a block-table row of
   // a paged attention kernel; the rest of it is left as it is).
-  void fill_block_table(const std::string& request_id, std::int64_t past, std::int64_t q,
-                        std::span<std::int64_t> out) const {
+  void fill_block_table(RequestKey request, std::int64_t past, std::int64_t q, std::span<std::int64_t> out) const {
     check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::fill_block_table");
-    const auto& t = table_of(request_id);
+    const auto& t = table_of(request);
     const std::int64_t n = (past + q + block_size_ - 1) / block_size_;
     if (n > static_cast<std::int64_t>(t.size()) || n > static_cast<std::int64_t>(out.size()))
       throw ValueError("kvc::paged: a block table row of " + std::to_string(out.size()) + " entries cannot hold the " +
-                       std::to_string(n) + " blocks of request " + request_id + " (it has " + std::to_string(t.size()) +
-                       ")");
+                       std::to_string(n) + " blocks of request " + name(request) + " (it has " +
+                       std::to_string(t.size()) + ")");
     std::copy_n(t.begin(), n, out.begin());
   }
 };
@@ -329,8 +340,9 @@ class FullAttentionCacheAllocator : public CacheAllocator {
 class SlidingAttentionCacheAllocator : public CacheAllocator {
  public:
   SlidingAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, std::int64_t sliding_window,
-                                 std::int64_t sentinel_index, std::int64_t write_trash_index)
-      : CacheAllocator(index, block_size, false),
+                                 std::int64_t sentinel_index, std::int64_t write_trash_index,
+                                 const RequestNames* names = nullptr)
+      : CacheAllocator(index, block_size, false, names),
         window_(sliding_window),
         sentinel_(sentinel_index),
         write_trash_(write_trash_index) {
@@ -352,43 +364,41 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
 
   // Up to n more blocks, never past the ring's ceil(sliding_window / block_size); returns how many
   // it took (0 once the ring is whole), nullopt with nothing changed if the manager has too few.
-  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, BlockManager& bm) {
-    const auto it = tables_.find(request_id);
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, RequestKey request, BlockManager& bm) {
+    const auto it = tables_.find(request.index);
     const std::int64_t have = it == tables_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
     const std::int64_t take = blocks_to_take(have, n);
     if (take == 0) {
-      (void)make_table(request_id, bm.log());
+      (void)make_table(request, bm.log());
       return 0;
     }
-    if (!grow_table(request_id, take, false, bm)) return std::nullopt;
+    if (!grow_table(request, take, false, bm)) return std::nullopt;
     return take;
   }
 
   // The cached part of the window, oldest first: the last min(past, sliding_window - 1) positions
   // (slots (past - len) % window ...), then one sentinel row per new token, which update replaces
   // by the new token (read before write: a new token may overwrite a slot read in this step).
-  void get_read_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
-                        std::vector<std::int64_t>& out) const {
+  void get_read_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::SlidingAttentionCacheAllocator::get_read_indices");
-    const auto& t = table_of(request_id);
+    const auto& t = table_of(request);
     const std::int64_t len = std::min(past, window_ - 1);
     check_rows(out, len + q);
-    for (std::int64_t p = past - len; p < past; ++p) out.push_back(row(t, p % window_, request_id));
+    for (std::int64_t p = past - len; p < past; ++p) out.push_back(row(t, p % window_, request));
     out.insert(out.end(), static_cast<std::size_t>(q), sentinel_);
   }
   // Where the new tokens go: the oldest q - min(q, window) of them (which no query of this step
   // keeps after the step) to the write trash, the others to their slots position % window. The
   // slots' rows come first, so that a table without them, or more trash rows than kvc may
   // allocate, is refused before the trash rows are made.
-  void get_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
-                         std::vector<std::int64_t>& out) const {
+  void get_write_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::SlidingAttentionCacheAllocator::get_write_indices");
-    const auto& t = table_of(request_id);
+    const auto& t = table_of(request);
     const std::int64_t kept = std::min(q, window_);
     const std::int64_t pad = q - kept;
     const std::size_t start = out.size();
     try {
-      for (std::int64_t p = past + pad; p < past + q; ++p) out.push_back(row(t, p % window_, request_id));
+      for (std::int64_t p = past + pad; p < past + q; ++p) out.push_back(row(t, p % window_, request));
       if (pad > 0) {
         check_rows(out, pad);
         out.insert(out.begin() + static_cast<std::ptrdiff_t>(start), static_cast<std::size_t>(pad), write_trash_);

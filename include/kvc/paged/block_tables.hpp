@@ -4,7 +4,8 @@
 // group, and does every operation that spans the groups all or nothing: allocate for one request
 // or several, free, truncate, fork, match a prompt's prefix, and list the rows a step reads and
 // writes. It is the only code that knows the allocator kinds (a full-attention table or a
-// sliding-window ring); the rest asks it by group index.
+// sliding-window ring); the rest asks it by group index. Requests are keys (request_keys.hpp): the
+// tables keep each request's id once, for messages and for the cache's lookups by id.
 //
 // It moves no data: where an operation needs blocks copied (a fork's private blocks, a truncation's
 // private last block) it returns the (source, destination) block ids, and the cache copies the
@@ -26,6 +27,7 @@
 #include <kvc/limits.hpp>
 #include <kvc/paged/allocators.hpp>
 #include <kvc/paged/block_manager.hpp>
+#include <kvc/paged/request_keys.hpp>
 #include <kvc/paged/undo_log.hpp>
 
 namespace kvc::paged {
@@ -62,16 +64,47 @@ class BlockTables {
     for (std::size_t g = 0; g < group_types.size(); ++g) {
       const auto index = static_cast<std::int64_t>(g);
       if (group_types[g] == "full_attention") {
-        allocators_.emplace_back(FullAttentionCacheAllocator(index, block_size, allow_block_sharing));
+        allocators_.emplace_back(FullAttentionCacheAllocator(index, block_size, allow_block_sharing, &names_));
       } else {
         if (!sliding_window || *sliding_window < 1)
           throw ValueError("kvc::PagedCache: the model has sliding_attention layers but no sliding_window");
-        allocators_.emplace_back(
-            SlidingAttentionCacheAllocator(index, block_size, *sliding_window, sentinel_index(), write_trash_index()));
+        allocators_.emplace_back(SlidingAttentionCacheAllocator(index, block_size, *sliding_window, sentinel_index(),
+                                                                write_trash_index(), &names_));
       }
     }
     use_prefix_sharing_ = allow_block_sharing && group_types.size() == 1 && group_types[0] == "full_attention";
     reserve_scratch();
+  }
+  // A copy has its own names: its allocators point at them.
+  BlockTables(const BlockTables& o)
+      : manager_(o.manager_),
+        allocators_(o.allocators_),
+        names_(o.names_),
+        use_prefix_sharing_(o.use_prefix_sharing_),
+        total_prefix_length_(o.total_prefix_length_),
+        cut_groups_(o.cut_groups_) {
+    reserve_scratch();
+    point_at_names();
+  }
+  BlockTables(BlockTables&& o) noexcept
+      : manager_(std::move(o.manager_)),
+        allocators_(std::move(o.allocators_)),
+        names_(std::move(o.names_)),
+        use_prefix_sharing_(o.use_prefix_sharing_),
+        total_prefix_length_(o.total_prefix_length_),
+        cut_groups_(std::move(o.cut_groups_)) {
+    point_at_names();
+  }
+  BlockTables& operator=(const BlockTables& o) { return *this = BlockTables(o); }
+  BlockTables& operator=(BlockTables&& o) noexcept {
+    manager_ = std::move(o.manager_);
+    allocators_ = std::move(o.allocators_);
+    names_ = std::move(o.names_);
+    use_prefix_sharing_ = o.use_prefix_sharing_;
+    total_prefix_length_ = o.total_prefix_length_;
+    cut_groups_ = std::move(o.cut_groups_);
+    point_at_names();
+    return *this;
   }
 
   // ---- geometry -----------------------------------------------------------------------------------
@@ -111,39 +144,85 @@ class BlockTables {
   UndoLog& log() noexcept { return manager_.log(); }
   bool in_transaction() const noexcept { return manager_.in_transaction(); }
 
+  // ---- requests: keys and ids ------------------------------------------------------------------
+  // Every operation below takes a request's key; the cache turns ids into keys at its interface.
+
+  const RequestNames& names() const noexcept { return names_; }
+  // The key of a request named by id or key: nullopt for an id the tables do not know; a KeyError
+  // for a key that names no request.
+  std::optional<RequestKey> find(RequestRef r) const {
+    if (r.by_key()) return names_.check(r.key());
+    return names_.find(r.id());
+  }
+  // The same, where the request must be known: an unknown id is transformers' "No block table
+  // found for request {id}" (it has no table).
+  RequestKey find_known(RequestRef r) const {
+    if (const auto k = find(r)) return *k;
+    throw ValueError("No block table found for request " + std::string(r.id()));
+  }
+  // The key, made for an id the tables do not know yet (through the log). Strong guarantee.
+  RequestKey key(RequestRef r) {
+    if (r.by_key()) return names_.check(r.key());
+    return names_.add(log(), r.id());
+  }
+  // The request's id (for a key: the id it was made or opened with).
+  std::string id(RequestRef r) const { return r.by_key() ? names_.name(r.key().index) : std::string(r.id()); }
+  // Opens a request: its key names it until close(); refused for an id already open.
+  RequestKey open(std::string_view id) {
+    if (const auto k = names_.find(id); k && names_.opened(*k))
+      throw ValueError("kvc::PagedCache::open_request: request " + std::string(id) + " is already open");
+    const RequestKey k = names_.add(log(), id);
+    names_.set_opened(log(), k, true);
+    return k;
+  }
+  // Whether the request has a table in some group.
+  bool has_any_table(RequestKey request) const {
+    for (std::int64_t g = 0; g < num_groups(); ++g)
+      if (has_table(g, request)) return true;
+    return false;
+  }
+  // Forgets the request's id and key (its tables must be gone). Outside a transaction it
+  // allocates nothing.
+  void forget(RequestKey request) { names_.remove(log(), request); }
+
   // ---- the tables ---------------------------------------------------------------------------------
 
-  bool has_table(std::int64_t g, const std::string& request_id) const {
-    return visit(g, [&](const auto& al) { return al.has_request(request_id); });
+  bool has_table(std::int64_t g, RequestKey request) const {
+    return visit(g, [&](const auto& al) { return al.has_request(request); });
   }
   // The request's table in group g (a ValueError when it has none).
-  const std::vector<std::int64_t>& table(std::int64_t g, const std::string& request_id) const {
-    return visit(g, [&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(request_id); });
+  const std::vector<std::int64_t>& table(std::int64_t g, RequestKey request) const {
+    return visit(g, [&](const auto& al) -> const std::vector<std::int64_t>& { return al.table(request); });
   }
-  // The requests with a table in group g.
-  std::vector<std::string> requests(std::int64_t g) const {
+  // The requests with a table in group g: their keys (in key order), or their ids (in id order).
+  std::vector<RequestKey> request_keys(std::int64_t g) const {
     return visit(g, [](const auto& al) { return al.requests(); });
   }
+  std::vector<std::string> requests(std::int64_t g) const {
+    std::vector<std::string> out;
+    for (const RequestKey k : request_keys(g)) out.push_back(names_.name(k.index));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
   // Blocks the request holds in group g (0 without a table there), and over all groups.
-  std::int64_t blocks_in_group(std::int64_t g, const std::string& request_id) const {
+  std::int64_t blocks_in_group(std::int64_t g, RequestKey request) const {
     return visit(g, [&](const auto& al) {
-      return al.has_request(request_id) ? static_cast<std::int64_t>(al.table(request_id).size()) : std::int64_t{0};
+      return al.has_request(request) ? static_cast<std::int64_t>(al.table(request).size()) : std::int64_t{0};
     });
   }
-  std::int64_t blocks_in_use(const std::string& request_id) const {
+  std::int64_t blocks_in_use(RequestKey request) const {
     std::int64_t n = 0;
-    for (std::int64_t g = 0; g < num_groups(); ++g) n += blocks_in_group(g, request_id);
+    for (std::int64_t g = 0; g < num_groups(); ++g) n += blocks_in_group(g, request);
     return n;
   }
   // The request's blocks, group after group, and (if asked) each group's count.
-  std::vector<std::int64_t> request_blocks(const std::string& request_id,
-                                           std::vector<std::int64_t>* counts = nullptr) const {
+  std::vector<std::int64_t> request_blocks(RequestKey request, std::vector<std::int64_t>* counts = nullptr) const {
     std::vector<std::int64_t> blocks;
     for (std::int64_t g = 0; g < num_groups(); ++g) {
-      const std::int64_t n = blocks_in_group(g, request_id);
+      const std::int64_t n = blocks_in_group(g, request);
       if (counts) counts->push_back(n);
       if (n > 0) {
-        const auto& t = table(g, request_id);
+        const auto& t = table(g, request);
         blocks.insert(blocks.end(), t.begin(), t.end());
       }
     }
@@ -174,11 +253,11 @@ class BlockTables {
   // changed, when they do not fit (a std::bad_alloc changes nothing either). What each group
   // takes comes from its own table (a sliding ring takes only what it lacks). Returns the most
   // blocks any group took for one request (n for full groups).
-  std::optional<std::int64_t> allocate_blocks(std::int64_t n, std::span<const std::string> request_ids) {
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, std::span<const RequestKey> request_ids) {
     std::vector<std::int64_t> takes;  // per request, then group
     takes.reserve(request_ids.size() * allocators_.size());
     std::int64_t total = 0;
-    for (const std::string& id : request_ids)
+    for (const RequestKey id : request_ids)
       for (std::int64_t g = 0; g < num_groups(); ++g) {
         takes.push_back(visit(g, [&](const auto& al) -> std::int64_t {
           if constexpr (std::decay_t<decltype(al)>::is_sliding) {
@@ -215,25 +294,27 @@ class BlockTables {
     return most;
   }
 
-  void free_blocks(const std::string& request_id) {
-    for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request_id, manager_); }, a);
+  void free_blocks(RequestKey request) {
+    for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request, manager_); }, a);
   }
   // Frees the request's blocks in every group where it has a table (no warning where it has none).
-  void release(const std::string& request_id) {
+  void release(RequestKey request) {
     for (allocator& a : allocators_)
       std::visit(
           [&](auto& al) {
-            if (al.has_request(request_id)) al.free_blocks(request_id, manager_);
+            if (al.has_request(request)) al.free_blocks(request, manager_);
           },
           a);
   }
-  void free_all_requests() {
-    std::vector<std::string> all;
+  // Every request's tables go; returns the keys that had one, ascending.
+  std::vector<RequestKey> free_all_requests() {
+    std::vector<RequestKey> all;
     for (std::int64_t g = 0; g < num_groups(); ++g)
-      for (std::string& r : requests(g)) all.push_back(std::move(r));
-    std::sort(all.begin(), all.end());
+      for (const RequestKey r : request_keys(g)) all.push_back(r);
+    std::sort(all.begin(), all.end(), [](RequestKey a, RequestKey b) { return a.index < b.index; });
     all.erase(std::unique(all.begin(), all.end()), all.end());
-    for (const std::string& r : all) release(r);
+    for (const RequestKey r : all) release(r);
+    return all;
   }
 
   // Keeps the request's first `tokens` positions and gives back the blocks past them, in every
@@ -242,7 +323,7 @@ class BlockTables {
   // False, with nothing changed, when no block is free for a copy. Allocates nothing once the
   // scratch and `copies` have room for one block per group (made here, before anything changes:
   // a caller that keeps them can truncate in the commit half of an all-or-nothing operation).
-  bool truncate(const std::string& request_id, std::int64_t tokens, BlockCopies& copies) {
+  bool truncate(RequestKey request, std::int64_t tokens, BlockCopies& copies) {
     const std::int64_t bs = block_size();
     const std::int64_t keep = (tokens + bs - 1) / bs;
     reserve_scratch();
@@ -255,47 +336,47 @@ class BlockTables {
     if (tokens % bs != 0)
       for (std::size_t g = 0; g < allocators_.size(); ++g) {
         const auto* full = std::get_if<FullAttentionCacheAllocator>(&allocators_[g]);
-        if (!full || !full->uses_block_sharing() || blocks_in_group(static_cast<std::int64_t>(g), request_id) < keep)
+        if (!full || !full->uses_block_sharing() || blocks_in_group(static_cast<std::int64_t>(g), request) < keep)
           continue;
-        const Block* b = manager_.block(full->table(request_id)[static_cast<std::size_t>(keep - 1)]);
+        const Block* b = manager_.block(full->table(request)[static_cast<std::size_t>(keep - 1)]);
         if (b && (b->is_complete() || b->ref_count > 1)) copy.push_back(g);
       }
     if (static_cast<std::int64_t>(copy.size()) > get_num_free_blocks()) return false;
     const auto at = static_cast<std::size_t>(keep - 1);
     for (const std::size_t g : copy) {  // cannot fail: counted above, room reserved
-      const auto& t = std::get<FullAttentionCacheAllocator>(allocators_[g]).table(request_id);
+      const auto& t = std::get<FullAttentionCacheAllocator>(allocators_[g]).table(request);
       const std::optional<std::int64_t> parent = at > 0 ? std::optional(t[at - 1]) : std::nullopt;
       manager_.take_free_blocks(1, parent, true, static_cast<std::int64_t>(g), copies.destination);
       copies.source.push_back(t[at]);
     }
     for (std::size_t i = 0; i < copy.size(); ++i) {  // the old blocks are let go once every fresh one is taken
-      auto& t = std::get<FullAttentionCacheAllocator>(allocators_[copy[i]]).mutable_table(request_id);
+      auto& t = std::get<FullAttentionCacheAllocator>(allocators_[copy[i]]).mutable_table(request);
       keep_entry(log(), t, at);
       t[at] = copies.destination[i];
       manager_.decrease_ref_count(copies.source[i]);
     }
     for (std::size_t g = 0; g < allocators_.size(); ++g)
-      if (blocks_in_group(static_cast<std::int64_t>(g), request_id) > 0)
-        std::visit([&](auto& al) { al.truncate(request_id, keep, manager_); }, allocators_[g]);
+      if (blocks_in_group(static_cast<std::int64_t>(g), request) > 0)
+        std::visit([&](auto& al) { al.truncate(request, keep, manager_); }, allocators_[g]);
     return true;
   }
 
   // ---- rows -----------------------------------------------------------------------------------------
 
   // The request's rows in group g for a step of q tokens after `past`, appended to `out`.
-  void get_read_indices(std::int64_t g, const std::string& request_id, std::int64_t past, std::int64_t q,
+  void get_read_indices(std::int64_t g, RequestKey request, std::int64_t past, std::int64_t q,
                         std::vector<std::int64_t>& out) const {
-    visit(g, [&](const auto& al) { al.get_read_indices(request_id, past, q, out); });
+    visit(g, [&](const auto& al) { al.get_read_indices(request, past, q, out); });
   }
-  void get_write_indices(std::int64_t g, const std::string& request_id, std::int64_t past, std::int64_t q,
+  void get_write_indices(std::int64_t g, RequestKey request, std::int64_t past, std::int64_t q,
                          std::vector<std::int64_t>& out) const {
-    visit(g, [&](const auto& al) { al.get_write_indices(request_id, past, q, out); });
+    visit(g, [&](const auto& al) { al.get_write_indices(request, past, q, out); });
   }
   // Group g's row of a decode kernel's block table (a full group's; sliding groups have none).
-  void fill_block_table(std::int64_t g, const std::string& request_id, std::int64_t past, std::int64_t q,
+  void fill_block_table(std::int64_t g, RequestKey request, std::int64_t past, std::int64_t q,
                         std::span<std::int64_t> row) const {
     if (const auto* full = std::get_if<FullAttentionCacheAllocator>(&allocators_[checked_group(g)]))
-      full->fill_block_table(request_id, past, q, row);
+      full->fill_block_table(request, past, q, row);
     else
       throw NotImplementedError("Sliding window attention layers do not support block table");
   }
@@ -304,27 +385,27 @@ class BlockTables {
 
   // The prompt's leading whole blocks already in the cache (by hash) become the request's first
   // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on.
-  std::int64_t search_prefix_match(const std::string& request_id, std::span<const std::int64_t> prompt_ids) {
+  std::int64_t search_prefix_match(RequestKey request, std::span<const std::int64_t> prompt_ids) {
     if (!use_prefix_sharing_) return 0;
     auto& full = std::get<FullAttentionCacheAllocator>(allocators_[0]);
-    const std::int64_t n = full.search_prefix_match(request_id, prompt_ids, manager_);
+    const std::int64_t n = full.search_prefix_match(request, prompt_ids, manager_);
     log().set(total_prefix_length_, total_prefix_length_ + n);
     return n;
   }
   std::int64_t total_prefix_length() const noexcept { return total_prefix_length_; }
 
   // Hashes the request's newly completed blocks in every group that shares blocks.
-  void mark_shareable_blocks_as_complete(const std::string& request_id, std::int64_t num_complete_blocks,
+  void mark_shareable_blocks_as_complete(RequestKey request, std::int64_t num_complete_blocks,
                                          std::span<const std::int64_t> token_ids) {
     if (num_complete_blocks <= 0) return;
     for (allocator& a : allocators_)
       if (auto* full = std::get_if<FullAttentionCacheAllocator>(&a); full && full->uses_block_sharing())
-        manager_.mark_shareable_blocks_as_complete(num_complete_blocks, full->mutable_table(request_id), token_ids);
+        manager_.mark_shareable_blocks_as_complete(num_complete_blocks, full->mutable_table(request), token_ids);
   }
 
   // The blocks of `source` a fork must copy, over all groups: all but the leading run of complete
   // blocks in groups that share blocks, all of them elsewhere.
-  std::int64_t blocks_copied_per_fork(const std::string& source) const {
+  std::int64_t blocks_copied_per_fork(RequestKey source) const {
     std::int64_t n = 0;
     for (const allocator& a : allocators_)
       std::visit(
@@ -338,21 +419,21 @@ class BlockTables {
 
   // Tables for copies of each source under its destinations in every group, all forks or none;
   // returns the block copies the non-shared blocks need.
-  BlockCopies fork_requests(std::span<const std::pair<std::string, std::span<const std::string>>> forks) {
+  BlockCopies fork_requests(std::span<const std::pair<RequestKey, std::span<const RequestKey>>> forks) {
     std::int64_t copies = 0;
-    std::vector<const std::string*> named;  // every destination so far
+    std::vector<RequestKey> named;  // every destination so far
     for (const auto& [source, destinations] : forks) {
       copies += blocks_copied_per_fork(source) * static_cast<std::int64_t>(destinations.size());
-      for (const std::string& d : destinations) {
-        for (std::int64_t g = 0; g < num_groups(); ++g)
-          if (has_table(g, d)) throw ValueError("Block table already exists for request " + d);
-        for (const std::string* e : named)
-          if (*e == d) throw ValueError("kvc::paged: fork destination " + d + " is named twice");
-        named.push_back(&d);
+      for (const RequestKey d : destinations) {
+        if (has_any_table(d)) throw ValueError("Block table already exists for request " + names_.name(d.index));
+        if (std::find(named.begin(), named.end(), d) != named.end())
+          throw ValueError("kvc::paged: fork destination " + names_.name(d.index) + " is named twice");
+        named.push_back(d);
       }
     }
     if (copies > get_num_free_blocks())
-      throw ValueError("Failed to fork blocks for request " + (forks.empty() ? std::string() : forks.front().first));
+      throw ValueError("Failed to fork blocks for request " +
+                       (forks.empty() ? std::string() : names_.name(forks.front().first.index)));
     // Every fork of every group is prepared (all the memory it needs) before any takes a block.
     std::vector<CacheAllocator::PreparedFork> prepared;  // fork-major, then group
     BlockCopies out;
@@ -386,6 +467,9 @@ class BlockTables {
     return nullptr;
   }
   void reserve_scratch() { cut_groups_.reserve(allocators_.size()); }
+  void point_at_names() noexcept {
+    for (allocator& a : allocators_) std::visit([&](auto& al) { al.set_names(&names_); }, a);
+  }
 
   static std::int64_t saturating_mul(std::int64_t a, std::int64_t b) noexcept {
     std::int64_t out = 0;
@@ -400,6 +484,7 @@ class BlockTables {
 
   BlockManager manager_;
   std::vector<allocator> allocators_;
+  RequestNames names_;  // the requests' ids and keys (the allocators point at it)
   bool use_prefix_sharing_ = false;
   std::int64_t total_prefix_length_ = 0;
   std::vector<std::size_t> cut_groups_;  // truncate's scratch: one entry per group at most

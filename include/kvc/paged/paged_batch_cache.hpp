@@ -379,9 +379,8 @@ class PagedBatchCache {
     std::vector<std::int64_t> from, to;  // the block copies into the reused rows
     for (std::size_t c = 0; c < reused; ++c) {
       // (every row of a dense batch holds as many blocks, group by group: the lists pair up)
-      const std::vector<std::int64_t> a =
-          cache_.block_tables().request_blocks(rows_[static_cast<std::size_t>(copies[c].second)]);
-      const std::vector<std::int64_t> b = cache_.block_tables().request_blocks(spare[c]);
+      const std::vector<std::int64_t> a = cache_.request_blocks(rows_[static_cast<std::size_t>(copies[c].second)]);
+      const std::vector<std::int64_t> b = cache_.request_blocks(spare[c]);
       from.insert(from.end(), a.begin(), a.end());
       to.insert(to.end(), b.begin(), b.end());
     }

@@ -81,26 +81,29 @@ struct PagedSeqlensK {
 namespace paged {
 
 // A request whose blocks could not be allocated this step, with the blocks it asked for
-// (PagedCache::blocks_needed), in scheduling order.
-struct StarvedRequest {
-  std::string request_id;
+// (PagedCache::blocks_needed), in scheduling order. `Id` is what the caller names requests by
+// (the scheduler: its slots).
+template <class Id>
+struct BasicStarvedRequest {
+  Id request_id;
   std::int64_t demand = 0;
 };
+using StarvedRequest = BasicStarvedRequest<std::string>;
 
 // Which requests transformers' offloading manager evicts (offloading_manager.py,
 // offload_requests): while the starved requests' demand exceeds the free blocks, the newest
 // starved request becomes a victim (its demand leaves, its blocks_in_use(id) blocks count as
 // freed), never leaving fewer than one active request. Returns the victims oldest first; empty
 // when nothing can help.
-template <class BlocksInUse>
-std::vector<std::string> select_offload_victims(std::span<const StarvedRequest> starved, std::int64_t free_blocks,
-                                                std::int64_t num_active, BlocksInUse&& blocks_in_use) {
+template <class Id, class BlocksInUse>
+std::vector<Id> select_offload_victims(const std::vector<BasicStarvedRequest<Id>>& starved, std::int64_t free_blocks,
+                                       std::int64_t num_active, BlocksInUse&& blocks_in_use) {
   std::int64_t demand = 0;
-  for (const StarvedRequest& s : starved) demand += s.demand;
-  std::vector<std::string> victims;
+  for (const auto& s : starved) demand += s.demand;
+  std::vector<Id> victims;
   std::size_t left = starved.size();
   while (demand > free_blocks && left > 0 && num_active - static_cast<std::int64_t>(victims.size()) > 1) {
-    const StarvedRequest& v = starved[--left];
+    const auto& v = starved[--left];
     victims.push_back(v.request_id);
     demand -= v.demand;
     free_blocks += blocks_in_use(v.request_id);
@@ -244,8 +247,8 @@ class PagedCache<S> {
   // Bytes of the K and V pools.
   std::int64_t bytes() const noexcept { return pages_.bytes(); }
   // The request's block table in group g (a ValueError when it has none there).
-  const std::vector<std::int64_t>& block_table(std::int64_t g, const std::string& request_id) const {
-    return tables_.table(g, request_id);
+  const std::vector<std::int64_t>& block_table(std::int64_t g, paged::RequestRef request) const {
+    return tables_.table(g, tables_.find_known(request));
   }
   // Pool tensor j, [kv_heads, rows, head_dim] flat, rows = (num_blocks + 2) * block_size (a paged
   // attention kernel reads it through a block table or read indices).
@@ -265,28 +268,85 @@ class PagedCache<S> {
   }
   std::int64_t get_num_free_blocks() const noexcept { return tables_.get_num_free_blocks(); }
   // Blocks the request holds over all groups, and in group g (0 without a table there).
-  std::int64_t blocks_in_use(const std::string& request_id) const { return tables_.blocks_in_use(request_id); }
-  std::int64_t blocks_in_group(std::size_t g, const std::string& request_id) const {
-    return tables_.blocks_in_group(static_cast<std::int64_t>(g), request_id);
+  std::int64_t blocks_in_use(paged::RequestRef request) const {
+    const auto k = tables_.find(request);
+    return k ? tables_.blocks_in_use(*k) : 0;
   }
+  std::int64_t blocks_in_group(std::size_t g, paged::RequestRef request) const {
+    const auto k = tables_.find(request);
+    return k ? tables_.blocks_in_group(static_cast<std::int64_t>(g), *k) : 0;
+  }
+
+  // The request's blocks, group after group, and (if asked) each group's count; none for a request
+  // the cache does not know.
+  std::vector<std::int64_t> request_blocks(paged::RequestRef request,
+                                           std::vector<std::int64_t>* counts = nullptr) const {
+    if (const auto k = tables_.find(request)) return tables_.request_blocks(*k, counts);
+    if (counts) counts->assign(static_cast<std::size_t>(num_groups()), 0);
+    return {};
+  }
+
+  // ---- requests: ids and keys --------------------------------------------------------------------
+  // Every call on a request takes its id or its key. The tables and the swap pool are indexed by
+  // the key; an id is looked up (and, for a call that gives the request blocks, a key made for
+  // it) at the call, and forgotten once the request holds nothing. A caller that makes many calls
+  // for a request opens it: the key then names it until close_request, whatever it holds.
+
+  // Opens a request under `id` (one the cache may already hold blocks for) and returns its key.
+  // Refused (ValueError) for an id already open. Strong guarantee.
+  paged::RequestKey open_request(const std::string& id) { return tables_.open(id); }
+  // Gives back everything the request holds (release_request) and forgets its key and id. A key
+  // that names no request is a KeyError. Allocates nothing outside a transaction.
+  void close_request(paged::RequestRef request) {
+    const auto k = tables_.find(request);
+    if (!k) return;
+    release_request(*k);
+    tables_.forget(*k);
+  }
+  // The key of a request the cache knows (opened, or holding blocks or swap blocks), or nullopt.
+  std::optional<paged::RequestKey> find_request(const std::string& id) const { return tables_.names().find(id); }
+  // The request's id.
+  std::string request_name(paged::RequestRef request) const { return tables_.id(request); }
+  // Requests the cache knows.
+  std::int64_t num_requests() const noexcept { return static_cast<std::int64_t>(tables_.names().size()); }
 
   // n more blocks for the request in every group, all or nothing: nullopt, with nothing changed,
   // when they do not fit. Returns the most blocks any group took (n for full groups).
-  std::optional<std::int64_t> allocate_blocks(std::int64_t n, const std::string& request_id, std::int64_t allocated) {
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, paged::RequestRef request, std::int64_t allocated) {
     check_allocation(n);
     detail::check_size("kvc::PagedCache::allocate_blocks: allocated", allocated, 0, max_extent);
     if (!will_allocation_be_successful(n, allocated)) return std::nullopt;
-    return tables_.allocate_blocks(n, std::span(&request_id, 1));
+    return with_keys(std::span(&request, 1),
+                     [&](std::span<const paged::RequestKey> k) { return tables_.allocate_blocks(n, k); });
   }
   // n more blocks for each of several requests in every group, all or nothing (a dense batch's
   // rows: what each group takes comes from the request's own table).
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, std::span<const std::string> request_ids) {
     check_allocation(n);
-    return tables_.allocate_blocks(n, request_ids);
+    const std::vector<paged::RequestRef> refs(request_ids.begin(), request_ids.end());
+    return with_keys(std::span(refs),
+                     [&](std::span<const paged::RequestKey> k) { return tables_.allocate_blocks(n, k); });
+  }
+  std::optional<std::int64_t> allocate_blocks(std::int64_t n, std::span<const paged::RequestKey> requests) {
+    check_allocation(n);
+    for (const paged::RequestKey k : requests) (void)tables_.find(k);  // (a KeyError for a stale key)
+    return tables_.allocate_blocks(n, requests);
   }
 
-  void free_blocks(const std::string& request_id) { tables_.free_blocks(request_id); }
-  void free_all_requests() { tables_.free_all_requests(); }
+  // Gives back the request's blocks in every group; a group where it has none only warns (as
+  // transformers' allocators do).
+  void free_blocks(paged::RequestRef request) {
+    const auto k = tables_.find(request);
+    if (!k) {
+      for (std::int64_t g = 0; g < num_groups(); ++g) paged::CacheAllocator::warn_no_table(g, tables_.id(request));
+      return;
+    }
+    tables_.free_blocks(*k);
+    settle(*k);
+  }
+  void free_all_requests() {
+    for (const paged::RequestKey k : tables_.free_all_requests()) settle(k);
+  }
 
   // Keeps the request's first `tokens` positions and gives back the blocks past them, in every
   // group (llama.cpp's seq_rm of a suffix; transformers' crop). A partial last block that another
@@ -296,12 +356,15 @@ class PagedCache<S> {
   // not wrapped (the request never passed its window), which the caller checks. False, with
   // nothing changed, when no block is free for a copy. Allocates nothing once called once (so a
   // caller can truncate in the commit half of an all-or-nothing operation).
-  bool truncate_request(const std::string& request_id, std::int64_t tokens) {
+  bool truncate_request(paged::RequestRef request, std::int64_t tokens) {
     if (tokens < 0)
       throw ValueError("kvc::PagedCache::truncate_request: tokens must be >= 0, got " + std::to_string(tokens));
     detail::check_size("kvc::PagedCache::truncate_request: tokens", tokens, 0, max_extent);
-    if (!tables_.truncate(request_id, tokens, cut_)) return false;
+    const auto k = tables_.find(request);
+    if (!k) return true;  // nothing held: nothing to cut
+    if (!tables_.truncate(*k, tokens, cut_)) return false;
     move_blocks(pool::pages, cut_.source, pool::pages, cut_.destination);
+    settle(*k);
     return true;
   }
 
@@ -309,7 +372,7 @@ class PagedCache<S> {
 
   // Appends the request's rows for a step of q tokens after `past` to each group's lists; no read
   // rows when read_index is null (a batch where no request has cache takes the write-only path).
-  void extend_read_and_write_indices(const std::string& request_id, std::int64_t past, std::int64_t q,
+  void extend_read_and_write_indices(paged::RequestRef request, std::int64_t past, std::int64_t q,
                                      PagedIndices* read_index, PagedIndices& write_index) const {
     const auto g = static_cast<std::size_t>(num_groups());
     if (write_index.size() != g || (read_index && read_index->size() != g))
@@ -317,11 +380,12 @@ class PagedCache<S> {
     // (negative lengths: the allocators' message)
     detail::check_size("kvc::PagedCache::extend_read_and_write_indices: past", past, INT64_MIN, max_extent);
     detail::check_size("kvc::PagedCache::extend_read_and_write_indices: q", q, INT64_MIN, max_extent);
+    const paged::RequestKey key = tables_.find_known(request);
     PagedIndices reads(read_index ? g : 0), writes(g);  // appended only once every group succeeded
     for (std::size_t i = 0; i < g; ++i) {
       const auto gi = static_cast<std::int64_t>(i);
-      tables_.get_write_indices(gi, request_id, past, q, writes[i]);
-      if (read_index) tables_.get_read_indices(gi, request_id, past, q, reads[i]);
+      tables_.get_write_indices(gi, key, past, q, writes[i]);
+      if (read_index) tables_.get_read_indices(gi, key, past, q, reads[i]);
     }
     for (std::size_t i = 0; i < g; ++i) write_index[i].reserve(write_index[i].size() + writes[i].size());
     if (read_index)
@@ -334,7 +398,7 @@ class PagedCache<S> {
 
   // The request's block table for a decode kernel: `table` is [num_groups, max_blocks_per_request],
   // row g gets the group's first ceil((past + q) / block_size) blocks. Sliding groups have none.
-  void fill_block_table(const std::string& request_id, std::int64_t past, std::int64_t q,
+  void fill_block_table(paged::RequestRef request, std::int64_t past, std::int64_t q,
                         std::span<std::int64_t> table) const {
     if (static_cast<std::int64_t>(table.size()) != num_groups() * max_blocks_per_request_)
       throw ValueError("kvc::PagedCache: a block table needs num_groups * max_blocks_per_request = " +
@@ -346,8 +410,9 @@ class PagedCache<S> {
     detail::check_size("kvc::PagedCache::fill_block_table: past", past, INT64_MIN, max_extent);
     detail::check_size("kvc::PagedCache::fill_block_table: q", q, INT64_MIN, max_extent);
     const auto width = static_cast<std::size_t>(max_blocks_per_request_);
+    const paged::RequestKey k = tables_.find_known(request);
     for (std::int64_t g = 0; g < num_groups(); ++g)
-      tables_.fill_block_table(g, request_id, past, q, table.subspan(static_cast<std::size_t>(g) * width, width));
+      tables_.fill_block_table(g, k, past, q, table.subspan(static_cast<std::size_t>(g) * width, width));
   }
 
   // (ValueError for a length below 0 or above kvc's limit on a size.)
@@ -364,37 +429,66 @@ class PagedCache<S> {
 
   // The prompt's leading whole blocks already in the cache (by hash) become the request's first
   // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on.
-  std::int64_t search_prefix_match(const std::string& request_id, std::span<const std::int64_t> prompt_ids) {
-    return tables_.search_prefix_match(request_id, prompt_ids);
+  std::int64_t search_prefix_match(paged::RequestRef request, std::span<const std::int64_t> prompt_ids) {
+    if (!use_prefix_sharing()) return 0;
+    return with_keys(std::span(&request, 1), [&](std::span<const paged::RequestKey> k) {
+      return tables_.search_prefix_match(k[0], prompt_ids);
+    });
   }
   // Prompt tokens served from shared blocks so far (the prefix-sharing statistic).
   std::int64_t total_prefix_length() const noexcept { return tables_.total_prefix_length(); }
 
   // Hashes the request's newly completed blocks in every group that shares blocks.
-  void mark_shareable_blocks_as_complete(const std::string& request_id, std::int64_t num_complete_blocks,
+  void mark_shareable_blocks_as_complete(paged::RequestRef request, std::int64_t num_complete_blocks,
                                          std::span<const std::int64_t> token_ids) {
-    tables_.mark_shareable_blocks_as_complete(request_id, num_complete_blocks, token_ids);
+    if (num_complete_blocks <= 0 || !shares_blocks()) return;
+    tables_.mark_shareable_blocks_as_complete(tables_.find_known(request), num_complete_blocks, token_ids);
   }
 
   // How many forks of `source` the free blocks allow (2^31 when a fork needs no new block).
-  std::int64_t compute_max_num_forks(const std::string& source) const {
-    const std::int64_t per_fork = tables_.blocks_copied_per_fork(source);
+  std::int64_t compute_max_num_forks(paged::RequestRef source) const {
+    const std::int64_t per_fork = tables_.blocks_copied_per_fork(tables_.find_known(source));
     return per_fork == 0 ? (std::int64_t{1} << 31) : get_num_free_blocks() / per_fork;
   }
 
   // Tables for copies of `source` under `destinations` in every group, then the block copies the
-  // non-shared blocks need (copy_cache). All or nothing across groups.
+  // non-shared blocks need (copy_cache). All or nothing across groups. The destinations are new
+  // ids, or keys opened for them.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
-      const std::string& source, std::span<const std::string> destinations) {
-    const std::pair<std::string, std::span<const std::string>> one{source, destinations};
+      paged::RequestRef source, std::span<const std::string> destinations) {
+    const std::pair<std::string, std::span<const std::string>> one{tables_.id(source), destinations};
     return fork_requests(std::span(&one, 1));
+  }
+  std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
+      paged::RequestRef source, std::span<const paged::RequestKey> destinations) {
+    for (const paged::RequestKey d : destinations) (void)tables_.find(d);  // (a KeyError for a stale key)
+    const std::pair<paged::RequestKey, std::span<const paged::RequestKey>> one{tables_.find_known(source),
+                                                                               destinations};
+    paged::BlockCopies c = tables_.fork_requests(std::span(&one, 1));
+    copy_cache(c.source, c.destination);
+    return {std::move(c.source), std::move(c.destination)};
   }
   // Several sources at once, each (source, its destinations): all forks or none.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_requests(
       std::span<const std::pair<std::string, std::span<const std::string>>> forks) {
-    paged::BlockCopies c = tables_.fork_requests(forks);
-    copy_cache(c.source, c.destination);
-    return {std::move(c.source), std::move(c.destination)};
+    std::vector<paged::RequestRef> destinations;  // every fork's, one after the other
+    std::vector<paged::RequestKey> sources;
+    for (const auto& [source, d] : forks) {
+      sources.push_back(tables_.find_known(source));
+      destinations.insert(destinations.end(), d.begin(), d.end());
+    }
+    return with_keys(std::span(destinations), [&](std::span<const paged::RequestKey> keys) {
+      std::vector<std::pair<paged::RequestKey, std::span<const paged::RequestKey>>> by_key;
+      by_key.reserve(forks.size());
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < forks.size(); ++i) {
+        by_key.emplace_back(sources[i], keys.subspan(at, forks[i].second.size()));
+        at += forks[i].second.size();
+      }
+      paged::BlockCopies c = tables_.fork_requests(by_key);
+      copy_cache(c.source, c.destination);
+      return std::pair(std::move(c.source), std::move(c.destination));
+    });
   }
 
   // Copies block src[i] to block dst[i] in every pool tensor (in a transaction: when it commits).
@@ -473,52 +567,68 @@ class PagedCache<S> {
   // The swap pool's size in blocks, and how many are free.
   std::int64_t swap_blocks() const noexcept { return swap_.blocks(); }
   std::int64_t free_swap_blocks() const noexcept { return swap_.free_blocks(); }
-  bool is_offloaded(const std::string& request_id) const { return swap_.is_offloaded(request_id); }
+  bool is_offloaded(paged::RequestRef request) const {
+    const auto k = tables_.find(request);
+    return k && swap_.is_offloaded(*k);
+  }
 
   // Copies the request's blocks (every group) to the smallest free swap blocks and frees them in
   // the cache. False, with nothing changed, when the request holds no block or the pool has too
   // few free blocks (transformers then soft-resets it: free_blocks, and prefill it again).
-  bool offload_request(const std::string& request_id) {
-    if (is_offloaded(request_id)) throw ValueError("kvc::PagedCache: request " + request_id + " is already offloaded");
+  bool offload_request(paged::RequestRef request) {
+    const auto k = tables_.find(request);
+    if (!k) return false;  // it holds nothing
+    if (swap_.is_offloaded(*k))
+      throw ValueError("kvc::PagedCache: request " + tables_.id(*k) + " is already offloaded");
     std::vector<std::int64_t> counts;
-    const std::vector<std::int64_t> blocks = tables_.request_blocks(request_id, &counts);
+    const std::vector<std::int64_t> blocks = tables_.request_blocks(*k, &counts);
     if (blocks.empty() || static_cast<std::int64_t>(blocks.size()) > free_swap_blocks()) return false;
-    const auto& entry = swap_.take(tables_.log(), request_id, std::move(counts));
+    const auto& entry = swap_.take(tables_.log(), *k, std::move(counts));
     // Outside a transaction: copies and bookkeeping that cannot fail on the host.
     move_blocks(pool::pages, blocks, pool::swap, entry.swap_ids);
-    free_blocks(request_id);
+    tables_.free_blocks(*k);
     return true;
   }
 
   // Copies an offloaded request back into the first blocks of its new tables (allocate them first:
   // each group needs as many blocks as it had) and returns its swap blocks to the pool.
-  void restore_request(const std::string& request_id) {
-    const auto* entry = swap_.find(request_id);
-    if (!entry) throw ValueError("kvc::PagedCache: request " + request_id + " is not offloaded");
+  void restore_request(paged::RequestRef request) {
+    const auto found = tables_.find(request);
+    const auto* entry = found ? swap_.find(*found) : nullptr;
+    if (!entry) throw ValueError("kvc::PagedCache: request " + tables_.id(request) + " is not offloaded");
+    const paged::RequestKey key = *found;
     std::vector<std::int64_t> dst;
     for (std::int64_t g = 0; g < num_groups(); ++g) {
       const std::int64_t n = entry->group_counts[static_cast<std::size_t>(g)];
       if (n == 0) continue;
-      const std::int64_t have = tables_.blocks_in_group(g, request_id);
+      const std::int64_t have = tables_.blocks_in_group(g, key);
       if (have < n)
-        throw ValueError("kvc::PagedCache: request " + request_id + " needs " + std::to_string(n) +
+        throw ValueError("kvc::PagedCache: request " + tables_.id(key) + " needs " + std::to_string(n) +
                          " blocks in group " + std::to_string(g) + " to be restored, and has " + std::to_string(have));
-      const auto& t = tables_.table(g, request_id);
+      const auto& t = tables_.table(g, key);
       dst.insert(dst.end(), t.begin(), t.begin() + n);
     }
     move_blocks(pool::swap, entry->swap_ids, pool::pages, dst);
-    swap_.give_back(tables_.log(), request_id);
+    swap_.give_back(tables_.log(), key);
   }
   // Forgets an offloaded request (cancelled or failed): its swap blocks return to the pool.
   // Allocates nothing outside a transaction.
-  void drop_offloaded_request(const std::string& request_id) { swap_.give_back(tables_.log(), request_id); }
+  void drop_offloaded_request(paged::RequestRef request) {
+    const auto k = tables_.find(request);
+    if (!k) return;
+    swap_.give_back(tables_.log(), *k);
+    settle(*k);
+  }
 
   // Gives back everything the request holds: its blocks in every group where it has a table, and
   // its swap blocks. Unlike free_blocks, a request that holds nothing is no warning. Allocates
   // nothing, so a caller can use it in the commit half of an all-or-nothing operation.
-  void release_request(const std::string& request_id) {
-    tables_.release(request_id);
-    drop_offloaded_request(request_id);
+  void release_request(paged::RequestRef request) {
+    const auto k = tables_.find(request);
+    if (!k) return;
+    tables_.release(*k);
+    swap_.give_back(tables_.log(), *k);
+    settle(*k);
   }
 
   // ---- update -----------------------------------------------------------------------------------
@@ -615,7 +725,7 @@ class PagedCache<S> {
       throw ValueError("kvc::save_request: request " + request_id + " is offloaded: restore_request it first");
     request_header(ar, request_id);
     std::vector<std::int64_t> counts;
-    const std::vector<std::int64_t> blocks = tables_.request_blocks(request_id, &counts);
+    const std::vector<std::int64_t> blocks = request_blocks(request_id, &counts);
     for (const std::int64_t n : counts) ar.value(n);
     request_rows(ar, blocks);
   }
@@ -661,13 +771,57 @@ class PagedCache<S> {
       out.target_ = this;
     }
     std::vector<std::int64_t> got;
-    const std::vector<std::int64_t> blocks = tables_.request_blocks(request_id, &got);
+    const std::vector<std::int64_t> blocks = request_blocks(request_id, &got);
     if (got != counts) ar.fail("the cache's groups would give the request other block counts than the file's");
     request_rows(ar, blocks);
     return out;
   }
 
  private:
+  // f(keys of the requests), with keys made for ids the cache does not know yet; those that hold
+  // nothing afterwards (a request given no block) are forgotten again, also when f throws outside
+  // a transaction (in one, the rollback does).
+  template <class F>
+  auto with_keys(std::span<const paged::RequestRef> requests, F&& f) {
+    if (requests.size() == 1) {  // (one request, the common call: no list)
+      const paged::RequestKey k = tables_.key(requests[0]);
+      if (requests[0].by_key()) return f(std::span(&k, 1));  // (a key: nothing was made)
+      return settled(std::span(&k, 1), f);
+    }
+    std::vector<paged::RequestKey> keys;
+    keys.reserve(requests.size());
+    try {
+      for (const paged::RequestRef r : requests) keys.push_back(tables_.key(r));
+    } catch (...) {
+      if (!in_transaction())
+        for (const paged::RequestKey k : keys) settle(k);
+      throw;
+    }
+    return settled(std::span<const paged::RequestKey>(keys), f);
+  }
+  // f(keys), then each key settled (also when f throws outside a transaction).
+  template <class F>
+  auto settled(std::span<const paged::RequestKey> keys, F& f) {
+    const auto settle_all = [&] {
+      for (const paged::RequestKey k : keys) settle(k);
+    };
+    try {
+      auto out = f(keys);
+      settle_all();
+      return out;
+    } catch (...) {
+      if (!in_transaction()) settle_all();
+      throw;
+    }
+  }
+  // Forgets a request that holds nothing (no table, no swap blocks) and was not opened. Outside a
+  // transaction it allocates nothing.
+  void settle(paged::RequestKey k) {
+    if (tables_.names().contains(k) && !tables_.names().opened(k) && !swap_.is_offloaded(k) &&
+        !tables_.has_any_table(k))
+      tables_.forget(k);
+  }
+
   template <class A>
   void request_header(A& ar, const std::string& request_id) const {
     state_header<S>(ar, "PagedRequest");

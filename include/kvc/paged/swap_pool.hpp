@@ -2,20 +2,20 @@
 // kvc::paged::SwapPool<S>: where a paged cache offloads whole requests when its blocks run out,
 // one of its three parts (with the block tables and the page pools, docs/paged.md). Pages of the
 // cache's geometry in memory of the storage's kind (host memory for HostStorage), a free list and,
-// per offloaded request, the swap blocks it holds in table order and its block count per group.
+// per offloaded request (by its key), the swap blocks it holds in table order and its block count per group.
 // It keeps the bookkeeping; the cache copies the pages. Changes go through an UndoLog, so that a
 // transaction over the cache undoes them with the rest.
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <string>
 #include <utility>
 #include <vector>
 
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/paged/page_pools.hpp>
+#include <kvc/paged/request_keys.hpp>
 #include <kvc/paged/undo_log.hpp>
 
 namespace kvc::paged {
@@ -50,9 +50,9 @@ class SwapPool {
 
   std::int64_t blocks() const noexcept { return pages_.blocks(); }
   std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_.size()); }
-  bool is_offloaded(const std::string& request_id) const { return swapped_.count(request_id) != 0; }
-  const entry* find(const std::string& request_id) const {
-    const auto it = swapped_.find(request_id);
+  bool is_offloaded(RequestKey request) const { return swapped_.count(request.index) != 0; }
+  const entry* find(RequestKey request) const {
+    const auto it = swapped_.find(request.index);
     return it == swapped_.end() ? nullptr : &it->second;
   }
   PagePools<S>& pages() noexcept { return pages_; }
@@ -60,7 +60,7 @@ class SwapPool {
 
   // The smallest free swap blocks, as many as the counts add up to (there must be that many free),
   // become the request's. Strong guarantee; returns its entry.
-  const entry& take(UndoLog& log, const std::string& request_id, std::vector<std::int64_t> group_counts) {
+  const entry& take(UndoLog& log, RequestKey request, std::vector<std::int64_t> group_counts) {
     entry out;
     std::int64_t n = 0;
     for (const std::int64_t c : group_counts) n += c;
@@ -68,15 +68,15 @@ class SwapPool {
     out.group_counts = std::move(group_counts);
     keep_free(log);
     log.room(1, insert_undo_bytes);
-    auto [slot, inserted] = swapped_.emplace(request_id, std::move(out));
+    auto [slot, inserted] = swapped_.emplace(request.index, std::move(out));
     undo_insert(log, swapped_, *slot);
     free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
     return slot->second;
   }
   // The request's swap blocks return to the free list (kept ascending). Outside a transaction it
   // allocates nothing and cannot fail; in one, a std::bad_alloc is undone by the rollback.
-  void give_back(UndoLog& log, const std::string& request_id) {
-    const auto it = swapped_.find(request_id);
+  void give_back(UndoLog& log, RequestKey request) {
+    const auto it = swapped_.find(request.index);
     if (it == swapped_.end()) return;
     keep_free(log);
     free_.insert(free_.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());  // within its room
@@ -109,11 +109,11 @@ class SwapPool {
   PagePools<S> pages_;
   std::int64_t tensors_;
   std::vector<std::int64_t> free_;  // free swap blocks, ascending, with room for all
-  std::map<std::string, entry> swapped_;
+  std::map<std::uint32_t, entry> swapped_;
   // Transactions: the free list as it was, the entries erased.
   std::vector<std::int64_t> saved_free_;
   bool free_kept_ = false;
-  KeptNodes<std::map<std::string, entry>> kept_;
+  KeptNodes<std::map<std::uint32_t, entry>> kept_;
 };
 
 }  // namespace kvc::paged
