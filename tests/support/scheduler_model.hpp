@@ -494,6 +494,22 @@ class run {
     }
     if (offloaded == 0 && cache_->free_swap_blocks() != cache_->swap_blocks())
       fail("swap blocks are used with no request offloaded" + where);
+    // The cache knows exactly the requests the scheduler runs, each opened under its id (its key
+    // names it whatever it holds), and nothing else.
+    std::int64_t running = 0;
+    for (const std::string& id : known_) {
+      if (!live(id)) {
+        if (cache_->find_request(id)) fail("the cache still knows " + id + ", which has ended" + where);
+        continue;
+      }
+      ++running;
+      const auto key = cache_->find_request(id);
+      if (!key || !cache_->block_tables().names().opened(*key) || cache_->request_name(*key) != id)
+        fail("request " + id + " is not open in the cache under its id" + where);
+    }
+    if (cache_->num_requests() != running)
+      fail("the cache knows " + std::to_string(cache_->num_requests()) + " requests, the scheduler runs " +
+           std::to_string(running) + where);
     // Tokens, and the rows of every request in the cache (not while a batch is in flight: its
     // rows are written, but its requests already count the step's tokens as cached only after
     // update, when they are checked).

@@ -2,9 +2,11 @@
 // different lengths, packed) read straight from the paged pools, against a double-precision
 // reference computed per request from a plain record of its tokens.
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,6 +101,9 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
     for (std::size_t r = 0; r < reqs.size(); ++r)
       cache.extend_read_and_write_indices(reqs[r], pasts[r], cu[r + 1] - cu[r], nullptr, writes);
     const kvc::PagedAttentionStep layout{reqs, cu, pasts};
+    std::vector<kvc::paged::RequestKey> keys;  // the same step by the requests' keys
+    for (const std::string& r : reqs) keys.push_back(cache.find_request(r).value());
+    const kvc::PagedAttentionStep by_key{reqs, cu, pasts, keys};
     for (std::int64_t layer = 0; layer < layers; ++layer) {
       const auto q = kvc_test::random_tensor<T>(1, heads, tokens, D, rng);
       const auto k = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
@@ -113,6 +118,16 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
         kp = k;
         vp = v;
         out = kvc::paged_attention(cache, layer, layout, view(q), view(k), view(v));
+        // By key: the same tables, so the same output bit for bit.
+        const kvc::HostTensor<T> again = kvc::paged_attention(cache, layer, by_key, view(q), view(k), view(v));
+        CHECK(std::equal(out.data(), out.data() + out.size(), again.data()));
+        const kvc::PagedAttentionStep short_keys{reqs, cu, pasts, std::span(keys).first(keys.size() - 1)};
+        if (keys.size() > 1)  // (no keys at all is the step by id)
+          CHECK_THROWS_WITH_AS(kvc::paged_attention(cache, layer, short_keys, view(q), view(k), view(v)),
+                               ("kvc::paged_attention: a step of " + std::to_string(reqs.size()) + " requests has " +
+                                std::to_string(keys.size() - 1) + " keys (give none, or one per request)")
+                                   .c_str(),
+                               kvc::ValueError);
       }
       const bool sliding = types[static_cast<std::size_t>(layer)] == "sliding_attention";
       for (std::size_t r = 0; r < reqs.size(); ++r) {

@@ -106,8 +106,19 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
     throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests needs " +
                      std::to_string(R + 1) + " non-decreasing cu_seqlens_q from 0 to the " + std::to_string(T_) +
                      " query tokens, and " + std::to_string(R) + " cached lengths >= 0");
+  if (!step.keys.empty() && static_cast<std::int64_t>(step.keys.size()) != R)
+    throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests has " +
+                     std::to_string(step.keys.size()) + " keys (give none, or one per request)");
   const bool sliding = cache.is_sliding_group(group);
   return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs};
+}
+
+// Request i's block table in `group`, by its key where the step has keys.
+template <class S>
+const std::vector<std::int64_t>& step_table(const PagedCache<S>& cache, std::int64_t group,
+                                            const PagedAttentionStep& step, std::size_t i) {
+  if (step.keys.empty()) return cache.block_table(group, step.requests[i]);
+  return cache.block_table(group, step.keys[i]);
 }
 
 // The block tables of a step's requests for a kernel: [R, width] (row r: request r's table, padded
@@ -123,7 +134,7 @@ std::vector<std::int64_t> paged_tables(const PagedCache<S>& cache, const paged_c
     const auto i = static_cast<std::size_t>(r);
     if (step.cu_seqlens_q[i + 1] == step.cu_seqlens_q[i]) continue;
     const std::int64_t past = step.past[i];
-    const auto& table = cache.block_table(call.group, step.requests[i]);
+    const auto& table = step_table(cache, call.group, step, i);
     cached_runs(table, call.block_size, call.window,
                 call.window > 0 ? std::max<std::int64_t>(past - call.window + 1, 0) : 0, past, step.requests[i], runs);
     tables[i] = &table;
@@ -203,7 +214,7 @@ HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t laye
     // The cached keys any of its queries sees: all of them, or the window's for a sliding group.
     const std::int64_t lo = sliding ? std::max<std::int64_t>(past - window + 1, 0) : 0;
     if (q > 0) {
-      const auto& table = cache.block_table(call.group, id);
+      const auto& table = step_table(cache, call.group, step, static_cast<std::size_t>(r));
       cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
     }
   }

@@ -121,18 +121,19 @@ struct ScheduledRequest {
 // One step: the requests' tokens packed one request after another.
 struct ScheduledBatch {
   std::vector<ScheduledRequest> requests;
-  std::vector<std::string> request_ids;      // R
-  std::vector<std::int64_t> input_ids;       // T
-  std::vector<std::int64_t> position_ids;    // T
-  std::vector<std::int64_t> cu_seqlens_q;    // R + 1
-  std::vector<std::int64_t> past;            // R
-  std::vector<std::int64_t> logits_indices;  // rows whose logits give a token, in request order
-  PagedIndices read_index;                   // empty lists unless asked for and some request has cache
+  std::vector<std::string> request_ids;         // R
+  std::vector<paged::RequestKey> request_keys;  // R: the requests' keys in the cache
+  std::vector<std::int64_t> input_ids;          // T
+  std::vector<std::int64_t> position_ids;       // T
+  std::vector<std::int64_t> cu_seqlens_q;       // R + 1
+  std::vector<std::int64_t> past;               // R
+  std::vector<std::int64_t> logits_indices;     // rows whose logits give a token, in request order
+  PagedIndices read_index;                      // empty lists unless asked for and some request has cache
   PagedIndices write_index;
   std::int64_t step = 0;
 
   std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(input_ids.size()); }
-  PagedAttentionStep attention_step() const noexcept { return {request_ids, cu_seqlens_q, past}; }
+  PagedAttentionStep attention_step() const noexcept { return {request_ids, cu_seqlens_q, past, request_keys}; }
 };
 
 struct SchedulerOptions {
@@ -246,13 +247,8 @@ class ContinuousBatchingScheduler {
 
   // The logical blocks the request holds: the longest of its block tables (a full group's, which
   // grows with its tokens; 0 while it holds none, or is offloaded).
-  std::int64_t allocated_blocks(const std::string& id) const {
-    std::int64_t most = 0;
-    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
-      most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), id));
-    return most;
-  }
-  std::int64_t allocated_blocks(RequestHandle h) const { return allocated_blocks(request(h).request_id); }
+  std::int64_t allocated_blocks(const std::string& id) const { return blocks_of(*slots_[slot_of(id)]); }
+  std::int64_t allocated_blocks(RequestHandle h) const { return blocks_of(*slots_[slot_of(h)]); }
 
   // The handle of the request with this id (a KeyError for an id the scheduler does not hold), or
   // nullopt.
@@ -400,7 +396,18 @@ class ContinuousBatchingScheduler {
     RequestState state;
     std::uint32_t generation = 0;  // of the handle that names it
     bool live = false;
+    paged::RequestKey key;  // the request's key in the cache (opened when it was added, closed when it ends)
   };
+
+  paged::RequestKey key_of(const RequestState& st) const noexcept { return slots_[st.handle.slot]->key; }
+  // The logical blocks a request holds (none once it has ended: its key is closed).
+  std::int64_t blocks_of(const slot& sl) const {
+    if (sl.state.has_ended()) return 0;
+    std::int64_t most = 0;
+    for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+      most = std::max(most, cache_->blocks_in_group(static_cast<std::size_t>(g), sl.key));
+    return most;
+  }
 
   static constexpr const char* child_mark = "__child#";
 
@@ -433,7 +440,7 @@ class ContinuousBatchingScheduler {
                                       ? stage_children(s, st, 0, std::span(st.tokens).first(1))
                                       : 0;
     prepare(s);
-    cut(st, p0);
+    cut(st, key_of(st), p0);
     if (requeued > 0) {
       st.num_children = 0;
       commit(s);
@@ -443,7 +450,6 @@ class ContinuousBatchingScheduler {
   }
   // seq_cp's work, from a live request.
   bool copy_request(RequestState& st, const std::string& dst, std::int64_t p0, std::int64_t p1) {
-    const std::string& src = st.request_id;
     check_new_id(dst, "kvc::ContinuousBatchingScheduler::seq_cp: request '" + dst + "' ");
     if (p0 > 0) return false;
     const auto n = static_cast<std::int64_t>(st.tokens.size());
@@ -453,6 +459,7 @@ class ContinuousBatchingScheduler {
     copy.request_id = dst;
     copy.num_children = 0;
     copy.preemptions = 0;
+    const paged::RequestKey src = key_of(st);
     const bool fork = st.position_offset > 0 && !cache_->is_offloaded(src) && cache_->compute_max_num_forks(src) >= 1;
     if (!fork) {
       copy.position_offset = 0;
@@ -466,15 +473,15 @@ class ContinuousBatchingScheduler {
       // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
       // cache's truncation makes its scratch memory first) undoes the fork too.
       cache_->transaction([&] {
-        cache_->fork_request(src, std::span(&dst, 1));
-        if (p1 < n) cut(made, p1);
+        cache_->fork_request(src, std::span(s.keys).first(1));
+        if (p1 < n) cut(made, s.keys[0], p1);
       });
       // Committed: the copy runs right after its source.
       const auto after = std::find(active_.begin(), active_.end(), st.handle.slot);
       active_.insert(after == active_.end() ? after : after + 1, made.handle.slot);
       ++stats_.forks;
     } else {
-      if (p1 < n) cut(made, p1);  // nothing cached: cannot fail
+      if (p1 < n) cut(made, s.keys[0], p1);  // nothing cached: cannot fail
       ++stats_.forks_requeued;
     }
     commit(s);
@@ -570,14 +577,14 @@ class ContinuousBatchingScheduler {
           continue;
         }
       }
-      cache_->mark_shareable_blocks_as_complete(st.request_id, r.complete_blocks, st.tokens);
+      cache_->mark_shareable_blocks_as_complete(key_of(st), r.complete_blocks, st.tokens);
     }
     for (const ScheduledRequest& r : batch.requests) maybe_fork(slot_state(r.handle.slot));
   }
 
   struct pass {
     std::vector<ScheduledRequest> scheduled;
-    std::vector<paged::StarvedRequest> starved;
+    std::vector<paged::BasicStarvedRequest<std::uint32_t>> starved;  // by slot
     bool allocation_failed = false;
     std::optional<std::uint32_t> first_failed;  // its slot
     std::int64_t first_failed_need = 0, first_failed_tokens = 0;
@@ -609,6 +616,17 @@ class ContinuousBatchingScheduler {
     std::vector<std::unique_ptr<slot>> fresh;               // slots made for them where no free one is left
     std::unordered_map<std::string, std::int64_t> parents;  // live_children_ entries to make
     std::vector<std::string> child_parents;                 // the parent of each new child, in stage order
+    // Their keys in the cache, opened by prepare; closed again unless commit takes them (in a
+    // transaction of the cache its rollback closes them).
+    std::vector<paged::RequestKey> keys;
+    PagedCache<S>* cache = nullptr;
+    staged() = default;
+    staged(const staged&) = delete;
+    staged& operator=(const staged&) = delete;
+    ~staged() {
+      if (cache && !cache->in_transaction())
+        for (const paged::RequestKey k : keys) cache->close_request(k);  // allocates nothing: cannot fail
+    }
   };
 
   void stage(staged& s, RequestState st, bool to_waiting = true) {
@@ -644,6 +662,10 @@ class ContinuousBatchingScheduler {
       s.states[i].handle = h;
       s.names.find(s.states[i].request_id)->second = h;
     }
+    // Last: their keys in the cache (the staged object closes them if commit does not come).
+    s.keys.reserve(n);
+    s.cache = cache_;
+    for (const RequestState& st : s.states) s.keys.push_back(cache_->open_request(st.request_id));
   }
 
   // Room for n entries, grown geometrically: adding requests one by one must not reallocate every
@@ -678,6 +700,7 @@ class ContinuousBatchingScheduler {
       slot& sl = *slots_[at];
       sl.state = std::move(s.states[i]);
       sl.live = true;
+      sl.key = s.keys[i];
       if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), at);
     }
     while (!s.parents.empty()) {
@@ -694,6 +717,7 @@ class ContinuousBatchingScheduler {
       const auto made = names_.insert(s.names.extract(s.names.begin()));
       paged::undo_insert(undo_, names_, *made.position);
     }
+    s.cache = nullptr;  // the slots have the keys
   }
 
   // Room in each queue for every known request and `more`.
@@ -765,8 +789,8 @@ class ContinuousBatchingScheduler {
 
   // Forgets the request's cached tokens (blocks and swap blocks): it computes them again.
   // Allocates nothing.
-  void drop_cache(RequestState& st) {
-    cache_->release_request(st.request_id);
+  void drop_cache(paged::RequestKey key, RequestState& st) {
+    cache_->release_request(key);
     undo_.set(st.position_offset, std::int64_t{0});
   }
 
@@ -798,8 +822,7 @@ class ContinuousBatchingScheduler {
     with(prefill_first_ ? RequestStatus::decoding : RequestStatus::prefilling);
     if (block_new_requests_) return out;
     std::vector<std::uint32_t> off, fresh;
-    for (const std::uint32_t at : waiting_)
-      (cache_->is_offloaded(slots_[at]->state.request_id) ? off : fresh).push_back(at);
+    for (const std::uint32_t at : waiting_) (cache_->is_offloaded(slots_[at]->key) ? off : fresh).push_back(at);
     for (std::size_t i = 0; i < std::max(off.size(), fresh.size()); ++i) {
       if (i < off.size()) out.push_back(off[i]);
       if (i < fresh.size()) out.push_back(fresh[i]);
@@ -818,7 +841,7 @@ class ContinuousBatchingScheduler {
   // restores and cuts all keep it so), a sliding ring is capped and allocate_blocks reads its own
   // table; none while it is offloaded. allocated_blocks(id) asks the tables.
   std::int64_t held_blocks(const RequestState& st) const {
-    if (!st.is_active() && cache_->is_offloaded(st.request_id)) return 0;
+    if (!st.is_active() && cache_->is_offloaded(key_of(st))) return 0;
     return (st.position_offset + cache_->block_size() - 1) / cache_->block_size();
   }
 
@@ -830,7 +853,7 @@ class ContinuousBatchingScheduler {
     const std::int64_t want = (st.position_offset + q + bs - 1) / bs - held;
     if (want <= 0 && held > 0) return 0;
     const std::int64_t n = std::max<std::int64_t>(want, 1);
-    return cache_->allocate_blocks(n, st.request_id, held) ? n : -n;
+    return cache_->allocate_blocks(n, key_of(st), held) ? n : -n;
   }
 
   pass run_pass() {
@@ -845,12 +868,12 @@ class ContinuousBatchingScheduler {
     const std::int64_t window = cache_->sliding_window();
     for (const std::uint32_t at : candidates()) {
       RequestState& st = slot_state(at);
-      const std::string& id = st.request_id;
+      const paged::RequestKey key = slots_[at]->key;
       if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
-      if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(id)) {
-        const std::int64_t k = cache_->search_prefix_match(id, st.remaining_prefill_tokens());
+      if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(key)) {
+        const std::int64_t k = cache_->search_prefix_match(key, st.remaining_prefill_tokens());
         if (k > 0) {
           activate(st);
           // At least one token is left to compute: its logits start the generation.
@@ -879,14 +902,14 @@ class ContinuousBatchingScheduler {
           p.first_failed_tokens = q;
         }
         if (st.is_active())
-          p.starved.push_back({id, cache_->blocks_needed(-got, held)});
+          p.starved.push_back({at, cache_->blocks_needed(-got, held)});
         else if (cache_->get_num_free_blocks() == 0)
           break;
         continue;
       }
       activate(st);
       const bool new_token = decoding || q == available;
-      p.scheduled.push_back({id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
+      p.scheduled.push_back({st.request_id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
       fast_path = fast_path && fast;
       token_budget -= q;
       cache_budget -= need;
@@ -906,12 +929,13 @@ class ContinuousBatchingScheduler {
                                                             [](const ScheduledRequest& r) { return r.past > 0; });
     for (ScheduledRequest& r : p.scheduled) {
       RequestState& st = slot_state(r.handle.slot);
-      if (cache_->is_offloaded(st.request_id)) {  // its new blocks are allocated: copy it back into them
-        cache_->restore_request(st.request_id);
+      const paged::RequestKey key = key_of(st);
+      if (cache_->is_offloaded(key)) {  // its new blocks are allocated: copy it back into them
+        cache_->restore_request(key);
         if (sharing_) r.complete_blocks += st.position_offset / cache_->block_size();
         ++stats_.restores;
       }
-      cache_->extend_read_and_write_indices(st.request_id, r.past, r.query_length, reads ? &b.read_index : nullptr,
+      cache_->extend_read_and_write_indices(key, r.past, r.query_length, reads ? &b.read_index : nullptr,
                                             b.write_index);
       if (st.status != RequestStatus::decoding) stats_.prefill_tokens += r.query_length;
       const std::span<const std::int64_t> run =
@@ -922,6 +946,7 @@ class ContinuousBatchingScheduler {
       b.cu_seqlens_q.push_back(b.cu_seqlens_q.back() + r.query_length);
       if (r.has_new_token) b.logits_indices.push_back(b.cu_seqlens_q.back() - 1);
       b.request_ids.push_back(r.request_id);
+      b.request_keys.push_back(key);
       b.past.push_back(r.past);
     }
     b.requests = std::move(p.scheduled);
@@ -950,16 +975,17 @@ class ContinuousBatchingScheduler {
 
   // transformers' offload_requests: victims among the starved requests leave the cache, to the
   // swap pool where they fit, else by a soft reset. Returns how many left.
-  std::int64_t offload(const std::vector<paged::StarvedRequest>& starved) {
-    const std::vector<std::string> victims =
+  std::int64_t offload(const std::vector<paged::BasicStarvedRequest<std::uint32_t>>& starved) {
+    const std::vector<std::uint32_t> victims =
         paged::select_offload_victims(starved, cache_->get_num_free_blocks(), num_active(),
-                                      [&](const std::string& id) { return cache_->blocks_in_use(id); });
-    for (const std::string& id : victims) {
-      RequestState& st = mutable_state(id);
-      if (cache_->swap_blocks() > 0 && cache_->offload_request(id)) {
+                                      [&](std::uint32_t at) { return cache_->blocks_in_use(slots_[at]->key); });
+    for (const std::uint32_t at : victims) {
+      RequestState& st = slot_state(at);
+      const paged::RequestKey key = slots_[at]->key;
+      if (cache_->swap_blocks() > 0 && cache_->offload_request(key)) {
         ++stats_.cpu_offloads;  // a decoding request runs its last token again when it is back
       } else {                  // soft reset: everything known so far is prefilled again
-        cache_->free_blocks(id);
+        cache_->free_blocks(key);
         undo_.set(st.position_offset, std::int64_t{0});
         ++stats_.soft_resets;
       }
@@ -981,7 +1007,8 @@ class ContinuousBatchingScheduler {
     commit_end(st, status, status == RequestStatus::failed ? failure_message(st, why) : std::string());
   }
   void commit_end(RequestState& st, RequestStatus status, std::string error) {
-    drop_cache(st);
+    cache_->close_request(key_of(st));
+    undo_.set(st.position_offset, std::int64_t{0});
     move_id(active_, ended_, st.handle.slot);
     move_id(waiting_, ended_, st.handle.slot);
     undo_.set(st.status, status);
@@ -997,12 +1024,12 @@ class ContinuousBatchingScheduler {
   // blocks past them are given back (truncate_request), or, where a sliding group's ring has
   // wrapped or no block is free to copy a shared partial block, the kept tokens are prefilled
   // again (a soft reset). Allocates nothing.
-  void cut(RequestState& st, std::int64_t p0) {
+  void cut(RequestState& st, paged::RequestKey key, std::int64_t p0) {
     std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
     const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
     if (cached < st.position_offset &&
-        (cache_->is_offloaded(st.request_id) || wrapped || !cache_->truncate_request(st.request_id, cached))) {
-      drop_cache(st);
+        (cache_->is_offloaded(key) || wrapped || !cache_->truncate_request(key, cached))) {
+      drop_cache(key, st);
       cached = 0;
     }
     st.tokens.resize(static_cast<std::size_t>(p0));
@@ -1026,20 +1053,17 @@ class ContinuousBatchingScheduler {
   // rest), as many as the free blocks allow; the others queue as new requests with its prompt.
   void fork(RequestState& parent) {  // references into states_ survive its growth
     const auto forks =
-        static_cast<std::size_t>(std::min(parent.num_children, cache_->compute_max_num_forks(parent.request_id)));
+        static_cast<std::size_t>(std::min(parent.num_children, cache_->compute_max_num_forks(key_of(parent))));
     if (forks == 0) return requeue_children(parent);
     staged s;
-    std::vector<std::string> ids;
-    ids.reserve(forks);
     for (std::size_t i = 0; i < forks; ++i) {
       RequestState child = parent;
       child.request_id = child_id(parent, static_cast<std::int64_t>(i));
       child.num_children = 0;
-      ids.push_back(child.request_id);
       stage(s, std::move(child), false);
     }
     prepare(s);
-    cache_->fork_request(parent.request_id, ids);
+    cache_->fork_request(key_of(parent), s.keys);
     undo_.set(parent.num_children, parent.num_children - static_cast<std::int64_t>(forks));
     // Committed: the children run right after their parent, in order.
     auto at = std::find(active_.begin(), active_.end(), parent.handle.slot) + 1;
