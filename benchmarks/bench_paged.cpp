@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -65,6 +66,9 @@ kvc::ContinuousBatchingConfig blocks(std::int64_t block_size, std::int64_t num_b
   return cb;
 }
 
+// By id (each call looks the request up), or by key (the requests opened once, as the scheduler
+// does).
+template <bool ByKey>
 void step_bookkeeping(benchmark::State& state) {
   // Request r starts with past0 + r % span cached tokens and is replaced by a fresh request of
   // past0 tokens once it has decoded `span` more (untimed): one replacement per step, and every
@@ -72,10 +76,14 @@ void step_bookkeeping(benchmark::State& state) {
   const std::int64_t requests = state.range(0), bs = 16, past0 = 512, span = 256;
   Cache cache(one_layer(), blocks(bs, requests * ((past0 + span) / bs + 2)));
   std::vector<std::int64_t> past(static_cast<std::size_t>(requests)), allocated(past.size(), 0);
-  std::vector<std::string> ids;
+  using request = std::conditional_t<ByKey, kvc::paged::RequestKey, std::string>;
+  std::vector<request> ids;
   std::int64_t next = 0;
   auto admit = [&](std::size_t r, std::int64_t tokens) {
-    ids[r] = "req_" + std::to_string(next++);
+    if constexpr (ByKey)
+      ids[r] = cache.open_request("req_" + std::to_string(next++));
+    else
+      ids[r] = "req_" + std::to_string(next++);
     past[r] = tokens;
     allocated[r] = *cache.allocate_blocks((tokens + bs - 1) / bs, ids[r], 0);
   };
@@ -95,7 +103,10 @@ void step_bookkeeping(benchmark::State& state) {
     state.PauseTiming();
     for (std::size_t r = 0; r < ids.size(); ++r)
       if (past[r] >= past0 + span) {  // finished: a new request takes its place
-        cache.free_blocks(ids[r]);
+        if constexpr (ByKey)
+          cache.close_request(ids[r]);
+        else
+          cache.free_blocks(ids[r]);
         admit(r, past0);
       }
     state.ResumeTiming();
@@ -221,7 +232,8 @@ BENCHMARK(attention_contiguous)
     ->ArgNames({"requests", "past"})
     ->Args({64, 2048})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(step_bookkeeping)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
+BENCHMARK(step_bookkeeping<false>)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
+BENCHMARK(step_bookkeeping<true>)->Name("step_bookkeeping_by_key")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(scheduler_step)->Name("scheduler_step")->Arg(256)->Iterations(512)->Unit(benchmark::kMicrosecond);
 BENCHMARK(update)
     ->Name("update/bs")
