@@ -312,15 +312,31 @@ class FullAttentionCacheAllocator : public CacheAllocator {
   // Rows of positions 0 .. past + q - 1 (the write comes first, so the new tokens are included).
   void get_read_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_read_indices");
-    const auto& t = table_of(request);
-    for (std::int64_t p = 0; p < past + q; ++p) out.push_back(row(t, p, request));
+    positions(table_of(request), 0, past + q, request, out);
   }
   // Rows of positions past .. past + q - 1.
   void get_write_indices(RequestKey request, std::int64_t past, std::int64_t q, std::vector<std::int64_t>& out) const {
     check_counts(past, q, "kvc::paged::FullAttentionCacheAllocator::get_write_indices");
-    const auto& t = table_of(request);
-    for (std::int64_t p = past; p < past + q; ++p) out.push_back(row(t, p, request));
+    positions(table_of(request), past, past + q, request, out);
   }
+  // The rows of positions [from, to), a block's run at a time. The table must hold position to - 1
+  // (refused before anything is appended: the first position past the table is named); `out`
+  // grows geometrically, so that a step's lists built request by request stay linear.
+  void positions(const std::vector<std::int64_t>& t, std::int64_t from, std::int64_t to, RequestKey request,
+                 std::vector<std::int64_t>& out) const {
+    if (to <= from) return;
+    const std::int64_t held = static_cast<std::int64_t>(t.size()) * block_size_;
+    if (to > held) (void)row(t, std::max(from, held), request);  // throws, naming the slot
+    const auto n = static_cast<std::size_t>(to - from);
+    if (out.capacity() - out.size() < n) out.reserve(std::max(out.size() + n, 2 * out.capacity()));
+    for (std::int64_t p = from; p < to;) {
+      const std::int64_t off = p % block_size_, len = std::min(block_size_ - off, to - p);
+      const std::int64_t base = t[static_cast<std::size_t>(p / block_size_)] * block_size_ + off;
+      for (std::int64_t i = 0; i < len; ++i) out.push_back(base + i);
+      p += len;
+    }
+  }
+
   // The first ceil((past + q) / block_size) blocks of the table, into `row` (a block-table row of
   // a paged attention kernel; the rest of it is left as it is).
   void fill_block_table(RequestKey request, std::int64_t past, std::int64_t q, std::span<std::int64_t> out) const {
