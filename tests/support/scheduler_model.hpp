@@ -507,6 +507,18 @@ class run {
       if (!key || !cache_->block_tables().names().opened(*key) || cache_->request_name(*key) != id)
         fail("request " + id + " is not open in the cache under its id" + where);
     }
+    // The queues hold the requests of their status: pending ones wait, prefilling and decoding
+    // ones are active.
+    std::int64_t waiting = 0, active = 0;
+    for (const std::string& id : known_) {
+      const kvc::RequestState& st = sched_->request(id);
+      waiting += st.status == kvc::RequestStatus::pending ? 1 : 0;
+      active += st.is_active() ? 1 : 0;
+    }
+    if (sched_->num_waiting() != waiting || sched_->num_active() != active)
+      fail("the queues hold " + std::to_string(sched_->num_waiting()) + " waiting and " +
+           std::to_string(sched_->num_active()) + " active requests, their statuses say " + std::to_string(waiting) +
+           " and " + std::to_string(active) + where);
     if (cache_->num_requests() != running)
       fail("the cache knows " + std::to_string(cache_->num_requests()) + " requests, the scheduler runs " +
            std::to_string(running) + where);

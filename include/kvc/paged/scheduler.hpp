@@ -570,7 +570,7 @@ class ContinuousBatchingScheduler {
       if (r.has_new_token) {
         const std::int64_t token = next_tokens[next++];
         push_token(st, token);
-        undo_.set(st.status, RequestStatus::decoding);
+        set_status(st, RequestStatus::decoding);
         const auto made = static_cast<std::int64_t>(st.generated().size());
         if (made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id)) {
           end_request(st, RequestStatus::finished, {});
@@ -831,9 +831,21 @@ class ContinuousBatchingScheduler {
   }
 
   void activate(RequestState& st) {
-    if (st.is_active()) return;
-    move_id(waiting_, active_, st.handle.slot);
-    undo_.set(st.status, RequestStatus::prefilling);
+    if (!st.is_active()) set_status(st, RequestStatus::prefilling);
+  }
+
+  // The queue of a status: pending requests wait, prefilling and decoding ones are active, ended
+  // ones wait for take_finished.
+  std::vector<std::uint32_t>& queue_of(RequestStatus s) noexcept {
+    if (s == RequestStatus::pending) return waiting_;
+    return s == RequestStatus::prefilling || s == RequestStatus::decoding ? active_ : ended_;
+  }
+  // A request's status, and with it its queue (to the back of the new one when it changes): the
+  // one place a request changes queue, so that its queue is always its status's.
+  void set_status(RequestState& st, RequestStatus to) {
+    std::vector<std::uint32_t>&from = queue_of(st.status), &into = queue_of(to);
+    if (&from != &into) move_id(from, into, st.handle.slot);
+    undo_.set(st.status, to);
   }
 
   // The logical blocks the request holds, from its own position (no table lookup): a full group's
@@ -989,9 +1001,8 @@ class ContinuousBatchingScheduler {
         undo_.set(st.position_offset, std::int64_t{0});
         ++stats_.soft_resets;
       }
-      undo_.set(st.status, RequestStatus::pending);
+      set_status(st, RequestStatus::pending);
       undo_.set(st.preemptions, st.preemptions + 1);
-      move_id(active_, waiting_, st.handle.slot);
     }
     if (!victims.empty()) block_new_requests_ = true;
     return static_cast<std::int64_t>(victims.size());
@@ -1009,9 +1020,7 @@ class ContinuousBatchingScheduler {
   void commit_end(RequestState& st, RequestStatus status, std::string error) {
     cache_->close_request(key_of(st));
     undo_.set(st.position_offset, std::int64_t{0});
-    move_id(active_, ended_, st.handle.slot);
-    move_id(waiting_, ended_, st.handle.slot);
-    undo_.set(st.status, status);
+    set_status(st, status);
     if (status == RequestStatus::failed) {
       undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st);
       st.error = std::move(error);
