@@ -111,8 +111,10 @@ class RequestNames {
       entries_.emplace_back();  // (a deque: recorded addresses of entries stay valid)
       free_.push_back(static_cast<std::uint32_t>(entries_.size() - 1));
     }
-    log.room(3, insert_undo_bytes + 2 * sizeof(void*) + sizeof(entry) + sizeof(void*));
-    const auto made = keys_.try_emplace(std::string(id)).first;  // (the last step that can fail)
+    // The insertion's undo can only be recorded after it: its room first (the other records come
+    // before their changes).
+    log.room(1, insert_undo_bytes);
+    const auto made = keys_.try_emplace(std::string(id)).first;
     undo_insert(log, keys_, *made);
     const std::uint32_t index = free_.back();
     log.on_undo(
@@ -134,7 +136,6 @@ class RequestNames {
     if (!contains(k)) return;
     entry& e = entries_[k.index];
     const auto it = keys_.find(*e.name);
-    log.room(2, 2 * sizeof(void*) + sizeof(entry) + sizeof(void*));
     kept_.erase(log, keys_, it);  // (in a transaction the node, and so the name, stay until it ends)
     keep_size(log, free_);
     log.set(e, entry{nullptr, e.generation + 1, false});
