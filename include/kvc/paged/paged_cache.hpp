@@ -381,18 +381,29 @@ class PagedCache<S> {
     detail::check_size("kvc::PagedCache::extend_read_and_write_indices: past", past, INT64_MIN, max_extent);
     detail::check_size("kvc::PagedCache::extend_read_and_write_indices: q", q, INT64_MIN, max_extent);
     const paged::RequestKey key = tables_.find_known(request);
-    PagedIndices reads(read_index ? g : 0), writes(g);  // appended only once every group succeeded
+    // Appended in place, group by group (a step allocates nothing once the lists have room). Each
+    // group's list is refused or grown before anything is appended to it; when a later group
+    // throws, every list is cut back to its length before the call.
+    constexpr std::size_t inline_groups = 8;
+    std::array<std::size_t, 2 * inline_groups> small{};
+    std::vector<std::size_t> large(g > inline_groups ? 2 * g : 0);
+    std::size_t* before = g > inline_groups ? large.data() : small.data();
     for (std::size_t i = 0; i < g; ++i) {
-      const auto gi = static_cast<std::int64_t>(i);
-      tables_.get_write_indices(gi, key, past, q, writes[i]);
-      if (read_index) tables_.get_read_indices(gi, key, past, q, reads[i]);
+      before[2 * i] = write_index[i].size();
+      before[2 * i + 1] = read_index ? (*read_index)[i].size() : 0;
     }
-    for (std::size_t i = 0; i < g; ++i) write_index[i].reserve(write_index[i].size() + writes[i].size());
-    if (read_index)
-      for (std::size_t i = 0; i < g; ++i) (*read_index)[i].reserve((*read_index)[i].size() + reads[i].size());
-    for (std::size_t i = 0; i < g; ++i) {
-      write_index[i].insert(write_index[i].end(), writes[i].begin(), writes[i].end());
-      if (read_index) (*read_index)[i].insert((*read_index)[i].end(), reads[i].begin(), reads[i].end());
+    try {
+      for (std::size_t i = 0; i < g; ++i) {
+        const auto gi = static_cast<std::int64_t>(i);
+        tables_.get_write_indices(gi, key, past, q, write_index[i]);
+        if (read_index) tables_.get_read_indices(gi, key, past, q, (*read_index)[i]);
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < g; ++i) {
+        write_index[i].resize(before[2 * i]);
+        if (read_index) (*read_index)[i].resize(before[2 * i + 1]);
+      }
+      throw;
     }
   }
 
