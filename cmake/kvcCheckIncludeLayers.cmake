@@ -21,14 +21,14 @@
 
 set(kvc_layer_0
     detail/element_conversion.hpp detail/fixed_name.hpp detail/host_device.hpp detail/json.hpp
-    detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp float8.hpp limits.hpp
-    warnings.hpp
+    detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp execution.hpp float8.hpp
+    limits.hpp warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
     paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
     paged/page_pools.hpp paged/request_keys.hpp paged/swap_pool.hpp paged/undo_log.hpp
     policies/layers/crop_plan.hpp policies/offload/buffers.hpp policies/offload/none.hpp
     policies/offload/selection.hpp
-    concepts/layer_policy.hpp concepts/offload_policy.hpp)
+    concepts/executor.hpp concepts/layer_policy.hpp concepts/offload_policy.hpp)
 set(kvc_layer_1
     config.hpp config_json.hpp generation.hpp layer_types.hpp
     paged/continuous_batching_config_json.hpp paged/layer_groups.hpp

@@ -28,6 +28,7 @@
 #include <Eigen/Core>
 
 #include <kvc/errors.hpp>
+#include <kvc/execution.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/tensor.hpp>
 
@@ -81,21 +82,20 @@ template <class T>
 using row_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 // The [rows, cols] block at `ptr` (row pitch `pitch`) as a matrix of A: a zero-copy map when T is
-// A, else converted into `scratch`.
+// A, else converted into `scratch` (room for rows * cols values).
 template <class A, class T>
 Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>> as_accum(const T* ptr, std::int64_t rows,
                                                                                  std::int64_t cols, std::int64_t pitch,
-                                                                                 row_matrix<A>& scratch) {
+                                                                                 A* scratch) {
   using map = Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
   if constexpr (std::is_same_v<A, T>) {
     return map(ptr, rows, cols, Eigen::OuterStride<>(pitch));
   } else {
-    scratch.resize(rows, cols);
     if constexpr (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<A, float>) {
       // A bfloat16 is the upper half of a float: widening is a shift, which vectorises.
       for (std::int64_t r = 0; r < rows; ++r) {
         const T* src = ptr + r * pitch;
-        A* dst = scratch.data() + r * cols;
+        A* dst = scratch + r * cols;
         for (std::int64_t c = 0; c < cols; ++c) {
           const std::uint32_t bits = static_cast<std::uint32_t>(src[c].value) << 16;
           std::memcpy(dst + c, &bits, sizeof bits);
@@ -103,12 +103,22 @@ Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>> as_accum
       }
     } else if constexpr (std::is_same_v<A, float> && requires(const T* x, float* y) { T::widen(x, y, rows); }) {
       // One-byte codes (kvc::float8_e4m3, float8_e5m2), widened a row at a time.
-      for (std::int64_t r = 0; r < rows; ++r) T::widen(ptr + r * pitch, scratch.data() + r * cols, cols);
+      for (std::int64_t r = 0; r < rows; ++r) T::widen(ptr + r * pitch, scratch + r * cols, cols);
     } else {
       for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t c = 0; c < cols; ++c) scratch(r, c) = static_cast<A>(ptr[r * pitch + c]);
+        for (std::int64_t c = 0; c < cols; ++c) scratch[r * cols + c] = static_cast<A>(ptr[r * pitch + c]);
     }
-    return map(scratch.data(), rows, cols, Eigen::OuterStride<>(cols));
+    return map(scratch, rows, cols, Eigen::OuterStride<>(cols));
+  }
+}
+
+// The same block copied into dst as A (a plain copy when T is A).
+template <class A, class T>
+void widen_rows(const T* ptr, std::int64_t rows, std::int64_t cols, std::int64_t pitch, A* dst) {
+  if constexpr (std::is_same_v<A, T>) {
+    for (std::int64_t r = 0; r < rows; ++r) std::copy(ptr + r * pitch, ptr + r * pitch + cols, dst + r * cols);
+  } else {
+    (void)as_accum<A>(ptr, rows, cols, pitch, dst);
   }
 }
 
@@ -180,114 +190,272 @@ struct unit_scales {
   static constexpr float value_scale(std::int64_t) noexcept { return 1.0f; }
 };
 
-// scaled_dot_product_attention with K/V of element type KV (T, or codes that `as_accum` widens)
+// How host attention cuts its work (dense and paged): a tile is the query rows of one KV head that
+// read the keys together (the query heads of its group, `tile_rows` positions each). A decode tile
+// (at most decode_rows rows) reads its keys in blocks of decode_block rows with matrix-vector
+// products (no packing copy) and, when it sees more than split_keys keys in a problem of few
+// tiles, is cut into splits (at most max_splits, of a multiple of decode_block keys each) that are
+// separate work items, merged afterwards in split order. A prefill tile multiplies blocks of prefill_block keys with matrix
+// products. Every tile keeps an online softmax (running maximum m, sum l and unnormalised output
+// acc per row). The cuts depend on the problem only, never on the executor, so the results do not
+// depend on the thread count.
+struct tile_plan {
+  static constexpr std::int64_t tile_rows = 64, decode_rows = 16, decode_block = 256, prefill_block = 256,
+                                split_keys = 512, max_splits = 8;
+  // Splits are made only where the problem has few tiles of its own: enough for about
+  // target_items items in all.
+  static constexpr std::int64_t target_items = 16;
+  static constexpr std::int64_t block(bool decode) noexcept { return decode ? decode_block : prefill_block; }
+  // The splits of a tile that sees `width` keys in a problem of `tiles` decode tiles.
+  static constexpr std::int64_t splits(bool decode, std::int64_t width, std::int64_t tiles) noexcept {
+    if (!decode || width <= split_keys) return 1;
+    const std::int64_t wanted =
+        (target_items + std::max<std::int64_t>(tiles, 1) - 1) / std::max<std::int64_t>(tiles, 1);
+    return std::min({(width + split_keys - 1) / split_keys, max_splits, wanted});
+  }
+  // The keys of each split of a tile that sees `width` keys.
+  static constexpr std::int64_t split_length(std::int64_t width, std::int64_t splits) noexcept {
+    const std::int64_t n = (width + splits - 1) / splits;
+    return (n + decode_block - 1) / decode_block * decode_block;
+  }
+};
+
+// One work item's scratch, carved from its worker's workspace area: `copies` rows of keys and of
+// values for blocks that are widened or gathered (0 where blocks are read in place).
+template <class A>
+struct tile_scratch {
+  A *q, *k, *v, *s, *acc, *m, *l, *corr;
+  static constexpr std::size_t values(std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
+                                      std::int64_t copies) noexcept {
+    return static_cast<std::size_t>(rows * D + copies * D + copies * Dv + rows * block + rows * Dv + 3 * rows);
+  }
+  static tile_scratch carve(std::byte* area, std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
+                            std::int64_t copies) noexcept {
+    A* p = reinterpret_cast<A*>(area);
+    tile_scratch t{};
+    for (auto [field, n] : {std::pair{&t.q, rows * D},
+                            {&t.k, copies * D},
+                            {&t.v, copies * Dv},
+                            {&t.s, rows * block},
+                            {&t.acc, rows * Dv},
+                            {&t.m, rows},
+                            {&t.l, rows},
+                            {&t.corr, rows}}) {
+      *field = p;
+      p += n;
+    }
+    return t;
+  }
+  // An empty online softmax for `rows` rows.
+  void start(std::int64_t rows, std::int64_t Dv) const noexcept {
+    std::fill(m, m + rows, -std::numeric_limits<A>::infinity());
+    std::fill(l, l + rows, A(0));
+    std::fill(acc, acc + rows * Dv, A(0));
+  }
+};
+
+// Folds keys j0 .. j0 + n - 1 (key rows at kp, pitch kpitch; value rows at vp, pitch vpitch) into
+// the online softmax of a tile of `rows` rows whose queries t.q holds, the scores scaled by sk.
+// vis(row) gives the keys row `row` sees, [lo, hi) in the same key numbering; pad (null:
+// none) is 0 at key j when key j is padding.
+template <class A, class KV, class Vis>
+void fold_keys(const tile_scratch<A>& t, std::int64_t rows, std::int64_t D, std::int64_t Dv, bool decode, const KV* kp,
+               std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t j0, std::int64_t n, A sk,
+               const Vis& vis, const std::uint8_t* pad) {
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  const Eigen::Map<const row_matrix<A>> Q(t.q, rows, D);
+  Eigen::Map<row_matrix<A>> S(t.s, rows, n);
+  Eigen::Map<row_matrix<A>> acc(t.acc, rows, Dv);
+  Eigen::Map<Eigen::Matrix<A, Eigen::Dynamic, 1>> corr(t.corr, rows);
+  const auto K = as_accum<A>(kp, n, D, kpitch, t.k);
+  if (decode)
+    for (std::int64_t r = 0; r < rows; ++r) S.row(r).noalias() = Q.row(r) * K.transpose();
+  else
+    S.noalias() = Q * K.transpose();
+  S *= sk;  // after the products, as the scores' definition has it
+  bool any = false;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto [lo, hi] = vis(r);
+    const std::int64_t jlo = std::clamp<std::int64_t>(lo - j0, 0, n), jhi = std::clamp<std::int64_t>(hi - j0, 0, n);
+    auto sr = S.row(r);
+    auto seg = sr.segment(jlo, std::max<std::int64_t>(jhi - jlo, 0));
+    if (pad != nullptr)
+      for (std::int64_t j = jlo; j < jhi; ++j)
+        if (pad[j0 + j] == 0) sr(j) = neg_inf;
+    const A top = jhi > jlo ? std::max(t.m[r], seg.maxCoeff()) : neg_inf;
+    if (jhi <= jlo || top == neg_inf) {  // nothing visible in this block (or only padding)
+      corr(r) = A(1);
+      sr.setZero();
+      continue;
+    }
+    // Weights far below the row's largest (e^-87: the float range's edge) are floored there, or
+    // for the rescaling dropped, rather than left subnormal: subnormal numbers would slow every
+    // product they enter many times over, and a weight that small changes no result.
+    corr(r) = t.m[r] - top < A(-87) ? A(0) : std::exp(t.m[r] - top);  // 0 while the row saw nothing
+    sr.head(jlo).setZero();
+    sr.tail(n - jhi).setZero();
+    seg = (seg.array() - top).max(A(-87)).exp().matrix();
+    if (pad != nullptr)
+      for (std::int64_t j = jlo; j < jhi; ++j)
+        if (pad[j0 + j] == 0) sr(j) = A(0);
+    t.l[r] = t.l[r] * corr(r) + seg.sum();
+    t.m[r] = top;
+    any = true;
+  }
+  if (!any) return;
+  acc = corr.asDiagonal() * acc;
+  const auto V = as_accum<A>(vp, n, Dv, vpitch, t.v);
+  if (decode)
+    for (std::int64_t r = 0; r < rows; ++r) acc.row(r).noalias() += S.row(r) * V;
+  else
+    acc.noalias() += S * V;
+}
+
+// A tile's row r: its output (acc / l times the value scale sv; zeros when it saw nothing), or its
+// partial (m, l, acc: 2 + Dv values) for a merge.
+template <class A, class T>
+void finish_row(const tile_scratch<A>& t, std::int64_t r, std::int64_t Dv, A sv, T* out) noexcept {
+  const A inv = t.l[r] > A(0) ? sv / t.l[r] : A(0);
+  for (std::int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(t.acc[r * Dv + d] * inv);
+}
+template <class A>
+void store_partial(const tile_scratch<A>& t, std::int64_t r, std::int64_t Dv, A* slot) noexcept {
+  slot[0] = t.m[r];
+  slot[1] = t.l[r];
+  std::copy(t.acc + r * Dv, t.acc + (r + 1) * Dv, slot + 2);
+}
+// The partials of `splits` splits of one row (`pitch` values apart), merged in split order.
+template <class A, class T>
+void merge_partials(const A* first, std::int64_t splits, std::int64_t pitch, std::int64_t Dv, A sv, T* out) noexcept {
+  A top = -std::numeric_limits<A>::infinity(), l = A(0);
+  for (std::int64_t s = 0; s < splits; ++s) top = std::max(top, first[s * pitch]);
+  for (std::int64_t d = 0; d < Dv; ++d) out[d] = T(0);
+  if (top == -std::numeric_limits<A>::infinity()) return;
+  for (std::int64_t s = 0; s < splits; ++s) l += first[s * pitch + 1] * std::exp(first[s * pitch] - top);
+  for (std::int64_t d = 0; d < Dv; ++d) {
+    A acc = A(0);
+    for (std::int64_t s = 0; s < splits; ++s) acc += first[s * pitch + 2 + d] * std::exp(first[s * pitch] - top);
+    out[d] = static_cast<T>(l > A(0) ? acc / l * sv : A(0));
+  }
+}
+
+// The workspace of a call (the context's, or one of its own in `local`), reserved for items of at
+// most `rows` rows reading blocks of at most `block` keys (`copies` of them copied; the plan's
+// blocks are `full_block` keys), and `shared` values of A shared by the workers.
+template <class A>
+AttentionWorkspace& reserve_workspace(const AttentionContext& context, AttentionWorkspace& local, std::int64_t items,
+                                      std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
+                                      std::int64_t copies, std::int64_t full_block, std::size_t shared) {
+  AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
+  // An item may run on any of the executor's workers, however few the items.
+  const int workers = items > 1 ? context.executor.concurrency() : 1;
+  // A kept workspace gets whole blocks of the plan even when this call's keys are fewer, so that a
+  // later call over more keys (the same chunk further on) finds its room.
+  if (context.workspace != nullptr) {
+    if (copies > 0) copies = full_block;
+    block = full_block;
+  }
+  ws.reserve(workers, sizeof(A) * tile_scratch<A>::values(rows, D, Dv, block, copies), sizeof(A) * shared);
+  return ws;
+}
+
+// scaled_dot_product_attention into `out` (resized to [B, Hq, q, Dv]; no allocation when it holds
+// that many elements already), with K/V of element type KV (T, or codes that `as_accum` widens)
 // and KV head hk's keys and values multiplied by scales.key_scale(hk) and value_scale(hk): the key
 // scale joins the softmax scale, the value scale multiplies the output rows.
 template <class T, class KV, class Scales>
-HostTensor<T> attention_impl(const TensorView<T>& queries, const TensorView<KV>& keys, const TensorView<KV>& values,
-                             const AttentionMask& mask, std::optional<double> scale, const Scales& scales) {
+void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const TensorView<KV>& keys,
+                    const TensorView<KV>& values, const AttentionMask& mask, std::optional<double> scale,
+                    const Scales& scales, const AttentionContext& context) {
   using A = accum_t<T>;
-  const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
-  const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3);
+  using plan = tile_plan;
   check_attention_views(queries, keys, values, mask);
-
+  const std::int64_t B = queries.extent(0), Hq = queries.extent(1), Q = queries.extent(2), D = queries.extent(3);
+  const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3), group = Hq / Hkv;
+  out.resize(B, Hq, Q, Dv);
+  if (out.size() == 0) return;
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  const std::int64_t group = Hq / Hkv;
-  HostTensor<T> out(B, Hq, q, Dv);
-  out.setZero();
 
-  // Rows of one (batch, kv head) problem: the q queries of each of the `group` query heads.
-  // Query rows are processed in tiles so that the score matrix stays small during a prefill.
-  // A decode step has few rows (group * q <= decode_rows): it streams K and V once, in blocks
-  // that stay in cache while every row reads them (matrix-vector products, no packing copy of K
-  // and V, and a 16-bit block widened to float only when it is read). A prefill has many rows and
-  // uses matrix-matrix products over the visible range.
-  constexpr std::int64_t tile = 64, decode_rows = 16, block = 64;
-  row_matrix<A> kbuf, vbuf, qbuf, scores, ctx;
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t hk = 0; hk < Hkv; ++hk) {
-      const KV* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
-      const KV* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
-      const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
-      for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
-        const std::int64_t rows_per_head = std::min(tile, q - i0);
-        // Visible key range of this tile: [lo, hi) covers every visible key of its queries.
-        const std::int64_t first_q = mask.query_position + i0, last_q = first_q + rows_per_head - 1;
-        std::int64_t hi = S;
-        if (mask.causal) hi = std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S);
-        const std::int64_t lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
-        const std::int64_t width = std::max<std::int64_t>(hi - lo, 0);
-        const std::int64_t rows = group * rows_per_head;
-        qbuf.resize(rows, D);
-        for (std::int64_t g = 0; g < group; ++g) {
-          const std::int64_t h = hk * group + g;
-          const T* qp = queries.data() + b * queries.stride(0) + h * queries.stride(1) + i0 * D;
-          for (std::int64_t r = 0; r < rows_per_head; ++r)
-            for (std::int64_t d = 0; d < D; ++d) qbuf(g * rows_per_head + r, d) = static_cast<A>(qp[r * D + d]);
-        }
-        const bool decode = rows <= decode_rows;
-        if (decode) {
-          scores.resize(rows, width);
-          for (std::int64_t j0 = 0; j0 < width; j0 += block) {
-            const std::int64_t n = std::min(block, width - j0);
-            const auto Kb = as_accum<A>(kp + (lo + j0) * D, n, D, D, kbuf);
-            for (std::int64_t r = 0; r < rows; ++r)
-              scores.row(r).segment(j0, n).noalias() = qbuf.row(r) * Kb.transpose();
-          }
-          scores *= sk;
-        } else {
-          const auto K = as_accum<A>(kp + lo * D, width, D, D, kbuf);
-          scores.noalias() = (qbuf * K.transpose()) * sk;
-        }
-        // Each row's visible keys are one contiguous range [jlo, jhi) of the tile's columns (the
-        // same rule as AttentionMask::visible), so the softmax runs vectorised on that segment.
-        for (std::int64_t row = 0; row < rows; ++row) {
-          const std::int64_t qpos = mask.query_position + i0 + row % rows_per_head;
-          const std::int64_t first = mask.kv_offset + lo;  // absolute position of column 0
-          const std::int64_t jhi = mask.causal ? std::clamp<std::int64_t>(qpos - first + 1, 0, width) : width;
-          const std::int64_t jlo = std::clamp<std::int64_t>(mask.first_visible(qpos) - first, 0, width);
-          auto r = scores.row(row);
-          if (jhi <= jlo) {  // nothing visible: a zero output row
-            r.setZero();
-            continue;
-          }
-          auto seg = r.segment(jlo, jhi - jlo);
-          if (!mask.key_padding_mask.empty()) {  // padded keys of this batch row drop out
-            const std::uint8_t* keep = mask.key_padding_mask.data() +
-                                       b * static_cast<std::int64_t>(mask.key_padding_mask.size()) / B + first + jlo;
-            for (std::int64_t j = 0; j < jhi - jlo; ++j)
-              if (!keep[j]) seg(j) = -std::numeric_limits<A>::infinity();
-          }
-          const A max = seg.maxCoeff();
-          r.head(jlo).setZero();
-          r.tail(width - jhi).setZero();
-          if (max == -std::numeric_limits<A>::infinity()) {  // every visible key is padding
-            seg.setZero();
-            continue;
-          }
-          seg = (seg.array() - max).exp().matrix();
-          seg /= seg.sum();
-        }
-        if (decode) {
-          ctx.setZero(rows, Dv);
-          for (std::int64_t j0 = 0; j0 < width; j0 += block) {
-            const std::int64_t n = std::min(block, width - j0);
-            const auto Vb = as_accum<A>(vp + (lo + j0) * Dv, n, Dv, Dv, vbuf);
-            for (std::int64_t r = 0; r < rows; ++r) ctx.row(r).noalias() += scores.row(r).segment(j0, n) * Vb;
-          }
-        } else {
-          const auto V = as_accum<A>(vp + lo * Dv, width, Dv, Dv, vbuf);
-          ctx.noalias() = scores * V;
-        }
-        if (sv != A(1)) ctx *= sv;
-        for (std::int64_t g = 0; g < group; ++g) {
-          const std::int64_t h = hk * group + g;
-          for (std::int64_t r = 0; r < rows_per_head; ++r)
-            for (std::int64_t d = 0; d < Dv; ++d) out(b, h, i0 + r, d) = static_cast<T>(ctx(g * rows_per_head + r, d));
-        }
-      }
+  const bool decode = group * Q <= plan::decode_rows;
+  const std::int64_t per_tile = decode ? Q : std::min(plan::tile_rows, Q), tiles = (Q + per_tile - 1) / per_tile;
+  // Tile i's keys [lo, hi): every key any of its rows sees.
+  const auto tile_keys = [&](std::int64_t i) {
+    const std::int64_t first_q = mask.query_position + i * per_tile;
+    const std::int64_t last_q = first_q + std::min(per_tile, Q - i * per_tile) - 1;
+    const std::int64_t hi = mask.causal ? std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S) : S;
+    const std::int64_t lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
+    return std::pair<std::int64_t, std::int64_t>{lo, std::max(lo, hi)};
+  };
+  const std::int64_t width = tile_keys(0).second - tile_keys(0).first;
+  const std::int64_t splits = decode ? plan::splits(true, width, B * Hkv) : 1;
+  const std::int64_t split_length = plan::split_length(width, splits);
+  const std::int64_t items = B * Hkv * tiles * splits, rows_max = group * per_tile, pitch = 2 + Dv;
+  // Blocks of the plan's size, or of every key when there are fewer (scratch sized to the call).
+  const std::int64_t block = std::min(plan::block(decode), std::max<std::int64_t>(S, 1));
+  AttentionWorkspace local;
+  const std::int64_t copies = std::is_same_v<A, KV> ? 0 : block;  // blocks of A are read in place
+  AttentionWorkspace& ws =
+      reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, plan::block(decode),
+                           splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch) : 0);
+  const std::int64_t pad_width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
+
+  context.executor.parallel_for(items, [&](std::int64_t item, int worker) {
+    const std::int64_t split = item % splits, tile = (item / splits) % tiles, bh = item / (splits * tiles);
+    const std::int64_t b = bh / Hkv, hk = bh % Hkv, i0 = tile * per_tile, per_head = std::min(per_tile, Q - i0);
+    const std::int64_t rows = group * per_head;
+    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies);
+    const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
+    for (std::int64_t g = 0; g < group; ++g) {
+      const T* qp = queries.data() + b * queries.stride(0) + (hk * group + g) * queries.stride(1);
+      for (std::int64_t r = 0; r < per_head; ++r)
+        for (std::int64_t d = 0; d < D; ++d)
+          t.q[(g * per_head + r) * D + d] = static_cast<A>(qp[(i0 + r) * queries.stride(2) + d]);
     }
-  }
+    t.start(rows, Dv);
+    const auto vis = [&](std::int64_t r) {
+      const std::int64_t qpos = mask.query_position + i0 + r % per_head;
+      const std::int64_t hi = mask.causal ? std::clamp<std::int64_t>(qpos - mask.kv_offset + 1, 0, S) : S;
+      return std::pair<std::int64_t, std::int64_t>{
+          std::clamp<std::int64_t>(mask.first_visible(qpos) - mask.kv_offset, 0, S), hi};
+    };
+    const std::uint8_t* pad =
+        mask.key_padding_mask.empty() ? nullptr : mask.key_padding_mask.data() + b * pad_width + mask.kv_offset;
+    const KV* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
+    const KV* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
+    auto [lo, hi] = tile_keys(tile);
+    lo = std::min(hi, lo + split * split_length);
+    if (splits > 1) hi = std::min(hi, lo + split_length);
+    for (std::int64_t j0 = lo; j0 < hi; j0 += block) {
+      const std::int64_t n = std::min(block, hi - j0);
+      fold_keys(t, rows, D, Dv, decode, kp + j0 * keys.stride(2), keys.stride(2), vp + j0 * values.stride(2),
+                values.stride(2), j0, n, sk, vis, pad);
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t h = hk * group + r / per_head, i = i0 + r % per_head;
+      if (splits == 1)
+        finish_row(t, r, Dv, sv, &out(b, h, i, 0));
+      else
+        store_partial(t, r, Dv, reinterpret_cast<A*>(ws.shared()) + (item * rows_max + r) * pitch);
+    }
+  });
+  if (splits == 1) return;
+  // Each (batch, KV head)'s rows merged over its splits, in split order.
+  context.executor.parallel_for(B * Hkv, [&](std::int64_t bh, int) {
+    const std::int64_t b = bh / Hkv, hk = bh % Hkv;
+    const A sv = static_cast<A>(scales.value_scale(hk));
+    for (std::int64_t r = 0; r < group * Q; ++r)
+      merge_partials(reinterpret_cast<const A*>(ws.shared()) + (bh * splits * rows_max + r) * pitch, splits,
+                     rows_max * pitch, Dv, sv, &out(b, hk * group + r / Q, r % Q, 0));
+  });
+}
+
+// attention_into's result as a new tensor.
+template <class T, class KV, class Scales>
+HostTensor<T> attention_impl(const TensorView<T>& queries, const TensorView<KV>& keys, const TensorView<KV>& values,
+                             const AttentionMask& mask, std::optional<double> scale, const Scales& scales,
+                             const AttentionContext& context = {}) {
+  HostTensor<T> out;
+  attention_into(out, queries, keys, values, mask, scale, scales, context);
   return out;
 }
 
@@ -312,6 +480,30 @@ HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>
                                          mask, scale);
 }
 
+// The same into `out`, resized to [B, Hq, q, Dv] (no allocation when it holds that many elements
+// already), run by `context`: its executor's threads (default: serial) in its workspace (default:
+// one of the call's own). With a workspace that has served a call of the same sizes, the call
+// allocates nothing. The results are the same on any executor and any number of threads.
+template <class Q, class T>
+  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
+void scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
+                                  const AttentionMask& mask, HostTensor<T>& out, const AttentionContext& context = {},
+                                  std::optional<double> scale = std::nullopt) {
+  detail::attention_into(out, TensorView<T>(detail::tensor_input<std::remove_cvref_t<Q>>::view(queries)), keys, values,
+                         mask, scale, detail::unit_scales{}, context);
+}
+
+// A new tensor, run by `context`.
+template <class Q, class T>
+  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
+HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
+                                           const AttentionMask& mask, const AttentionContext& context,
+                                           std::optional<double> scale = std::nullopt) {
+  HostTensor<T> out;
+  scaled_dot_product_attention(queries, keys, values, mask, out, context, scale);
+  return out;
+}
+
 // How `attend` masks one layer. transformers builds the mask from the model's config, not from
 // the cache: pass the model's window (or chunk size) for the layer. When neither is given, a
 // sliding layer of the cache masks with its own window (get_max_length) and any other layer is
@@ -326,6 +518,9 @@ struct AttendOptions {
   // AttentionMask::key_padding_mask: [batch, width] over absolute positions, width at least the
   // tokens seen after this step (get_seq_length + q), 0 for padding.
   std::span<const std::uint8_t> key_padding_mask = {};
+  // The executor and workspace of the attention (host caches; default: serial, a workspace of its
+  // own per call).
+  AttentionContext context = {};
 };
 
 namespace detail {
@@ -382,10 +577,26 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
 template <class Cache, class Q, class KT, class VT>
 auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             const AttendOptions& options = {}) {
-  return detail::attend_impl(cache, layer_idx, queries, new_keys, new_values, options,
-                             [&](const auto& kv, const AttentionMask& mask) {
-                               return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
-                             });
+  return detail::attend_impl(
+      cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
+        if constexpr (std::remove_cvref_t<decltype(kv.keys)>::space == memory_space::host)
+          return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.context, options.scale);
+        else
+          return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
+      });
+}
+
+// The same into `out` (host caches), as scaled_dot_product_attention's `out` overload: a step
+// with a workspace in options.context that has served a step of the same sizes, through a cache
+// with room for the tokens (reserve), allocates nothing.
+template <class Cache, class Q, class KT, class VT, class T>
+void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
+            HostTensor<T>& out, const AttendOptions& options = {}) {
+  detail::attend_impl(
+      cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
+        scaled_dot_product_attention(queries, kv.keys, kv.values, mask, out, options.context, options.scale);
+        return 0;
+      });
 }
 
 }  // namespace kvc

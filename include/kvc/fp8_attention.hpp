@@ -146,7 +146,7 @@ HostTensor<T> attend_fp8(Cache& cache, std::int64_t layer_idx, const TensorView<
     const HostTensor<F8> k8 = to_fp8<F8>(keys, scales.keys), v8 = to_fp8<F8>(values, scales.values);
     return detail::attend_impl(
         cache, layer_idx, queries, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
-          return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale, scales);
+          return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale, scales, options.context);
         });
   } else {
     return HostTensor<T>();

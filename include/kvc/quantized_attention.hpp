@@ -51,8 +51,8 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
 // the weighted values are matrix products on those tiles (Eigen), with an online softmax between.
 template <class T, class A, class QH>
 void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
-                  const T* nk, const T* nv, std::int64_t fresh, const T* const* queries, std::int64_t group,
-                  std::int64_t dim, std::int64_t past, const AttentionMask& mask, A scale, T* const* outputs) {
+                  const T* nk, const T* nv, std::int64_t fresh, const T* queries, std::int64_t group, std::int64_t dim,
+                  std::int64_t past, const AttentionMask& mask, A scale, T* outputs) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
   constexpr std::int64_t tile = 64, decode_rows = 16;
@@ -64,7 +64,8 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   Mat qm(rows, dim);  // the queries, scaled
   for (std::int64_t h = 0; h < group; ++h)
     for (std::int64_t i = 0; i < fresh; ++i)
-      for (std::int64_t d = 0; d < dim; ++d) qm(h * fresh + i, d) = static_cast<A>(queries[h][i * dim + d]) * scale;
+      for (std::int64_t d = 0; d < dim; ++d)
+        qm(h * fresh + i, d) = static_cast<A>(queries[(h * fresh + i) * dim + d]) * scale;
   Mat acc = Mat::Zero(rows, dim), sc(rows, tile);
   Vec m = Vec::Constant(rows, -std::numeric_limits<A>::infinity()), l = Vec::Zero(rows);
   const A minus_inf = -std::numeric_limits<A>::infinity();
@@ -141,7 +142,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   for (std::int64_t h = 0; h < group; ++h)
     for (std::int64_t i = 0; i < fresh; ++i) {
       const std::int64_t r = h * fresh + i;
-      T* out = outputs[h] + i * dim;
+      T* out = outputs + (h * fresh + i) * dim;
       for (std::int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(l(r) > A(0) ? acc(r, d) / l(r) : A(0));
     }
 }
@@ -188,22 +189,18 @@ HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
         const HostTensor<T> qc = queries.to_tensor(), kc = keys.to_tensor(), vc = values.to_tensor();
         const auto r = st.residual_kv();
         const std::int64_t resid = st.residual_tokens();
-        std::vector<const T*> qs(static_cast<std::size_t>(group));
-        std::vector<T*> os(static_cast<std::size_t>(group));
-        for (std::int64_t b = 0; b < B; ++b)
-          for (std::int64_t hk = 0; hk < Hkv; ++hk) {
-            for (std::int64_t g = 0; g < group; ++g) {
-              qs[static_cast<std::size_t>(g)] = &qc(b, hk * group + g, 0, 0);
-              os[static_cast<std::size_t>(g)] = &out(b, hk * group + g, 0, 0);
-            }
-            const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
-            const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
-            detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
-                                       &kc(b, hk, 0, 0), &vc(b, hk, 0, 0), q, qs.data(), group, D, past, mask, scale,
-                                       os.data());
-          }
+        // One item per (batch row, KV head), each on its own rows: the executor's choice of threads
+        // does not change the results.
+        options.context.executor.parallel_for(B * Hkv, [&](std::int64_t i, int) {
+          const std::int64_t b = i / Hkv, hk = i % Hkv;
+          const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
+          const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
+          detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
+                                     &kc(b, hk, 0, 0), &vc(b, hk, 0, 0), q, &qc(b, hk * group, 0, 0), group, D, past,
+                                     mask, scale, &out(b, hk * group, 0, 0));
+        });
       } else {  // nothing stored yet: attention over the step itself
-        out = scaled_dot_product_attention(queries, keys, values, mask, options.scale);
+        out = scaled_dot_product_attention(queries, keys, values, mask, options.context, options.scale);
       }
       st.append(keys, values);
       return out;

@@ -1,7 +1,8 @@
 #pragma once
 // A replacement of the global operator new that fails on request: arm(n) makes the n-th allocation
 // from then on throw std::bad_alloc (one failure per arming), disarm() stops and says whether it
-// did. For tests/unit/alloc_failure.cpp and the fuzz target's scheduler runs with failures. It
+// did; count_allocations(fn) counts fn's allocations. For tests/unit/alloc_failure.cpp, the fuzz
+// target's scheduler runs with failures and tests/unit/execution.cpp. It
 // defines the replaceable allocation functions: include it in one translation unit of a program.
 // Every thread's allocations count (off_thread counts those of other threads than the first).
 
@@ -43,6 +44,17 @@ void* allocate(std::size_t n, std::size_t alignment) {
     p = nullptr;
   if (!p) throw std::bad_alloc();
   return p;
+}
+
+// How many allocations fn() makes, on every thread (none fails).
+template <class F>
+std::int64_t count_allocations(F&& fn) {
+  constexpr std::int64_t lots = std::int64_t{1} << 62;
+  arm(lots);
+  fn();
+  const std::int64_t left = countdown.load();
+  disarm();
+  return lots - left;
 }
 
 }  // namespace

@@ -54,11 +54,11 @@ struct pool_run {
   std::int64_t count;
 };
 
-// The runs covering positions [lo, hi) of a request's cached keys in a group: cut at block
-// boundaries, and for a sliding group (window > 0) at the ring's wrap.
-inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t block_size, std::int64_t window,
-                        std::int64_t lo, std::int64_t hi, const std::string& request, std::vector<pool_run>& out) {
-  out.clear();
+// fn(run) for the runs covering positions [lo, hi) of a request's cached keys in a group, in
+// position order: cut at block boundaries, and for a sliding group (window > 0) at the ring's wrap.
+template <class Fn>
+void visit_cached_runs(const std::vector<std::int64_t>& table, std::int64_t block_size, std::int64_t window,
+                       std::int64_t lo, std::int64_t hi, const std::string& request, Fn&& fn) {
   for (std::int64_t p = lo; p < hi;) {
     const std::int64_t slot = window > 0 ? p % window : p;
     const std::int64_t block = slot / block_size, offset = slot % block_size;
@@ -67,9 +67,16 @@ inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t blo
                        " blocks, too few for its cached position " + std::to_string(p));
     std::int64_t n = std::min(block_size - offset, hi - p);
     if (window > 0) n = std::min(n, window - slot);  // the ring wraps to slot 0
-    out.push_back({p, table[static_cast<std::size_t>(block)] * block_size + offset, n});
+    fn(pool_run{p, table[static_cast<std::size_t>(block)] * block_size + offset, n});
     p += n;
   }
+}
+
+// The same runs collected in `out`.
+inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t block_size, std::int64_t window,
+                        std::int64_t lo, std::int64_t hi, const std::string& request, std::vector<pool_run>& out) {
+  out.clear();
+  visit_cached_runs(table, block_size, window, lo, hi, request, [&](const pool_run& run) { out.push_back(run); });
 }
 
 // The checked geometry of one paged_attention call (host or device views): the layer's group and
@@ -185,174 +192,175 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
 
 namespace detail {
 
-// paged_attention with queries of type T over a pool of S::element_type (T, or fp8 codes) whose
-// KV head hk's keys and values stand for scales.key_scale(hk) and value_scale(hk) times their
-// values (detail::unit_scales: themselves).
+// paged_attention into `out` (resized to [1, Hq, T, D]) with queries of type T over a pool of
+// S::element_type (T, or fp8 codes) whose KV head hk's keys and values stand for
+// scales.key_scale(hk) and value_scale(hk) times their values (detail::unit_scales: themselves).
+// Work items are (KV head, request, tile, split) as tile_plan cuts them (attention.hpp); a tile
+// reads its request's cached keys run by run from the pools and its own keys from the step's.
 template <class S, class T, class Scales>
-HostTensor<T> paged_attention_impl(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
-                                   const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
-                                   const TensorView<typename S::element_type>& values, std::optional<double> scale,
-                                   const Scales& scales) {
+void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::int64_t layer_idx,
+                          const PagedAttentionStep& step, const TensorView<T>& queries,
+                          const TensorView<typename S::element_type>& keys,
+                          const TensorView<typename S::element_type>& values, std::optional<double> scale,
+                          const Scales& scales, const AttentionContext& context) {
   using KV = typename S::element_type;
   using A = accum_t<T>;
+  using plan = tile_plan;
   const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
   const std::int64_t Hkv = call.Hkv, D = call.D, bs = call.block_size, Hq = call.Hq, R = call.R, T_ = call.T;
-  const bool sliding = call.window > 0;
-  const std::int64_t window = call.window, pool_rows = call.pool_rows;
+  const std::int64_t window = call.window, head_pitch = call.pool_rows * D, group = Hq / Hkv, pitch = 2 + D;
   const auto cu = step.cu_seqlens_q;
+  const auto past_of = [&](std::int64_t r) { return step.past[static_cast<std::size_t>(r)]; };
+  const auto queries_of = [&](std::int64_t r) {
+    return cu[static_cast<std::size_t>(r + 1)] - cu[static_cast<std::size_t>(r)];
+  };
+  std::int64_t active = 0;  // requests with query tokens
+  for (std::int64_t r = 0; r < R; ++r) active += queries_of(r) > 0;
+  // Request r's tiles: whether they decode, their query positions each, their count and splits.
+  struct tiling {
+    bool decode;
+    std::int64_t per_tile, tiles, splits, split_length;
+  };
+  const auto tiling_of = [&](std::int64_t r) {
+    const std::int64_t q = queries_of(r), past = past_of(r);
+    const bool decode = group * q <= plan::decode_rows;
+    const std::int64_t per_tile = decode ? q : plan::tile_rows;
+    const std::int64_t lo = window > 0 ? std::max<std::int64_t>(past - window + 1, 0) : 0;
+    const std::int64_t splits = plan::splits(decode, past + q - lo, Hkv * active);
+    return tiling{decode, per_tile, q > 0 ? (q + per_tile - 1) / per_tile : 0, splits,
+                  plan::split_length(past + q - lo, splits)};
+  };
+
+  // A table too short is refused before anything is computed; then the items are counted.
+  std::int64_t items_per_head = 0, partial_values = 0, rows_max = 1, keys_max = 1;
+  bool any_prefill = false;
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t q = queries_of(r), past = past_of(r);
+    if (q == 0) continue;
+    visit_cached_runs(step_table(cache, call.group, step, static_cast<std::size_t>(r)), bs, window,
+                      window > 0 ? std::max<std::int64_t>(past - window + 1, 0) : 0, past,
+                      step.requests[static_cast<std::size_t>(r)], [](const pool_run&) {});
+    const tiling t = tiling_of(r);
+    items_per_head += t.tiles * t.splits;
+    if (t.splits > 1) partial_values += Hkv * t.splits * group * q * pitch;
+    rows_max = std::max(rows_max, group * std::min(t.per_tile, q));
+    any_prefill = any_prefill || !t.decode;
+    keys_max = std::max(keys_max, past + q);
+  }
+  // Blocks of the plan's sizes, or of every key a request has when that is fewer.
+  const auto block_of = [&](bool decode) { return std::min(plan::block(decode), keys_max); };
+  out.resize(1, Hq, T_, D);  // every row is written below: each token belongs to a request
+  const std::int64_t items = Hkv * items_per_head;
+  if (items == 0) return;
+  // The shared area: each request's first item (R + 1), its partials' offset (R), the partials.
+  const auto index_values = static_cast<std::size_t>((2 * R + 1) * sizeof(std::int64_t) / sizeof(A) + 1);
+  AttentionWorkspace local;
+  // Decode tiles read pool blocks of A in place; prefill tiles gather (and widen) theirs.
+  const auto copies_of = [&](bool decode) { return std::is_same_v<A, KV> && decode ? 0 : block_of(decode); };
+  AttentionWorkspace& ws =
+      reserve_workspace<A>(context, local, items, rows_max, D, D, block_of(!any_prefill), copies_of(!any_prefill),
+                           plan::block(!any_prefill), index_values + static_cast<std::size_t>(partial_values));
+  auto* first_item = reinterpret_cast<std::int64_t*>(ws.shared());
+  std::int64_t* partial_at = first_item + R + 1;
+  A* partials = reinterpret_cast<A*>(ws.shared()) + index_values;
+  first_item[0] = 0;
+  for (std::int64_t r = 0, at = 0; r < R; ++r) {
+    const tiling t = tiling_of(r);
+    first_item[r + 1] = first_item[r] + t.tiles * t.splits;
+    partial_at[r] = at;
+    if (t.splits > 1) at += Hkv * t.splits * group * queries_of(r) * pitch;
+  }
+  const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const KV* kpool = cache.key_pool(call.pool);
   const KV* vpool = cache.value_pool(call.pool);
-  const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  const std::int64_t heads_per_kv = Hq / Hkv;
 
-  // The runs of every request first: a table too short is refused before anything is computed.
-  std::vector<std::vector<pool_run>> runs(static_cast<std::size_t>(R));
-  for (std::int64_t r = 0; r < R; ++r) {
-    const std::string& id = step.requests[static_cast<std::size_t>(r)];
-    const std::int64_t past = step.past[static_cast<std::size_t>(r)];
-    const std::int64_t q = cu[static_cast<std::size_t>(r + 1)] - cu[static_cast<std::size_t>(r)];
-    // The cached keys any of its queries sees: all of them, or the window's for a sliding group.
-    const std::int64_t lo = sliding ? std::max<std::int64_t>(past - window + 1, 0) : 0;
-    if (q > 0) {
-      const auto& table = step_table(cache, call.group, step, static_cast<std::size_t>(r));
-      cached_runs(table, bs, window, lo, past, id, runs[static_cast<std::size_t>(r)]);
+  context.executor.parallel_for(items, [&](std::int64_t item, int worker) {
+    const std::int64_t hk = item / items_per_head, local_item = item % items_per_head;
+    const std::int64_t r = std::upper_bound(first_item, first_item + R + 1, local_item) - first_item - 1;
+    const tiling tl = tiling_of(r);
+    const std::int64_t split = (local_item - first_item[r]) % tl.splits,
+                       tile = (local_item - first_item[r]) / tl.splits;
+    const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = queries_of(r), past = past_of(r);
+    const std::int64_t i0 = tile * tl.per_tile, per_head = std::min(tl.per_tile, q - i0), rows = group * per_head;
+    const std::int64_t block = block_of(tl.decode);
+    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, D, block, copies_of(tl.decode));
+    const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
+    for (std::int64_t g = 0; g < group; ++g) {
+      const T* qp = queries.data() + (hk * group + g) * queries.stride(1) + (t0 + i0) * queries.stride(2);
+      for (std::int64_t i = 0; i < per_head; ++i)
+        for (std::int64_t d = 0; d < D; ++d)
+          t.q[(g * per_head + i) * D + d] = static_cast<A>(qp[i * queries.stride(2) + d]);
     }
-  }
-
-  HostTensor<T> out(1, Hq, T_, D);
-  out.setZero();
-  // A tile of query rows (the query heads of one KV head, `tile` positions each) makes one pass
-  // over the keys. A decode tile (few rows) scores every visible key first, then takes an exact
-  // softmax and one pass over the values: per key (value) row, one dot product (one scaled add)
-  // per query row, which costs less than a matrix product's packing on blocks this small. A
-  // larger tile runs matrix products block by block with an online softmax, so its scores never
-  // outgrow one block.
-  constexpr std::int64_t tile = 64, decode_rows = 16;
-  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
-  const std::int64_t head_pitch = pool_rows * D;
-  struct chunk {
-    const KV* k;
-    const KV* v;
-    std::int64_t kpitch, vpitch, position, count;
-  };
-  std::vector<chunk> chunks;
-  row_matrix<A> qbuf, kbuf, vbuf, scores, acc;
-  Eigen::Matrix<A, Eigen::Dynamic, 1> m, l, corr;
-  for (std::int64_t r = 0; r < R; ++r) {
-    const std::int64_t past = step.past[static_cast<std::size_t>(r)];
-    const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = cu[static_cast<std::size_t>(r + 1)] - t0;
-    for (std::int64_t hk = 0; hk < Hkv; ++hk) {
-      const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
-      // The keys of this request and head in position order: the cached runs, then the step's own.
-      chunks.clear();
-      for (const pool_run& run : runs[static_cast<std::size_t>(r)])
-        chunks.push_back({kpool + hk * head_pitch + run.row * D, vpool + hk * head_pitch + run.row * D, D, D,
-                          run.position, run.count});
-      chunks.push_back({keys.data() + hk * keys.stride(1) + t0 * keys.stride(2),
-                        values.data() + hk * values.stride(1) + t0 * values.stride(2), keys.stride(2), values.stride(2),
-                        past, q});
-      for (std::int64_t i0 = 0; i0 < q; i0 += tile) {
-        const std::int64_t per_head = std::min(tile, q - i0), rows = heads_per_kv * per_head;
-        const std::int64_t first_q = past + i0, last_q = first_q + per_head - 1;
-        // Keys any row of the tile sees: positions [lo, last_q].
-        const std::int64_t lo = sliding ? std::max<std::int64_t>(first_q - window + 1, 0) : 0;
-        qbuf.resize(rows, D);
-        for (std::int64_t g = 0; g < heads_per_kv; ++g) {
-          const std::int64_t h = hk * heads_per_kv + g;
-          for (std::int64_t i = 0; i < per_head; ++i) {
-            const T* qp = queries.data() + h * queries.stride(1) + (t0 + i0 + i) * queries.stride(2);
-            for (std::int64_t d = 0; d < D; ++d) qbuf(g * per_head + i, d) = static_cast<A>(qp[d]);
-          }
-        }
-        // Row `row`'s visible columns [jlo, jhi) of keys at positions p0 .. p0 + n - 1.
-        auto visible = [&](std::int64_t row, std::int64_t p0, std::int64_t n) {
-          const std::int64_t qpos = first_q + row % per_head;
-          const std::int64_t jhi = std::clamp<std::int64_t>(qpos - p0 + 1, 0, n);
-          const std::int64_t jlo = sliding ? std::clamp<std::int64_t>(qpos - window + 1 - p0, 0, n) : 0;
-          return std::pair<std::int64_t, std::int64_t>{jlo, std::max(jlo, jhi)};
-        };
-        // fn(keys, values, p0, n) for each chunk's part in [lo, last_q]: the keys and values at
-        // positions p0 .. p0 + n - 1, each an [n, D] block read as A (in place, or widened) on call.
-        auto for_each_chunk = [&](auto&& fn) {
-          for (const chunk& c : chunks) {
-            const std::int64_t p0 = std::max(c.position, lo), p1 = std::min(c.position + c.count, last_q + 1);
-            if (p1 <= p0) continue;
-            const KV* kp = c.k + (p0 - c.position) * c.kpitch;
-            const KV* vp = c.v + (p0 - c.position) * c.vpitch;
-            fn([&, kp, c, p0, p1] { return as_accum<A>(kp, p1 - p0, D, c.kpitch, kbuf); },
-               [&, vp, c, p0, p1] { return as_accum<A>(vp, p1 - p0, D, c.vpitch, vbuf); }, p0, p1 - p0);
-          }
-        };
-        if (rows <= decode_rows) {
-          const std::int64_t width = last_q + 1 - lo;
-          scores.resize(rows, width);
-          for_each_chunk([&](auto keys_of, auto, std::int64_t p0, std::int64_t n) {
-            const auto K = keys_of();
-            for (std::int64_t j = 0; j < n; ++j) {
-              const Eigen::Map<const Eigen::Matrix<A, 1, Eigen::Dynamic>> key(K.data() + j * K.outerStride(), D);
-              for (std::int64_t row = 0; row < rows; ++row) scores(row, p0 - lo + j) = qbuf.row(row).dot(key);
-            }
+    t.start(rows, D);
+    // Keys are numbered by absolute position.
+    const auto vis = [&](std::int64_t row) {
+      const std::int64_t qpos = past + i0 + row % per_head;
+      return std::pair<std::int64_t, std::int64_t>{window > 0 ? std::max<std::int64_t>(qpos - window + 1, 0) : 0,
+                                                   qpos + 1};
+    };
+    const std::int64_t first_q = past + i0;
+    std::int64_t lo = window > 0 ? std::max<std::int64_t>(first_q - window + 1, 0) : 0, hi = first_q + per_head;
+    lo = std::min(hi, lo + split * tl.split_length);
+    if (tl.splits > 1) hi = std::min(hi, lo + tl.split_length);
+    // The keys [lo, hi) as pieces of rows consecutive in memory: fn(k, kpitch, v, vpitch, p0, n).
+    const auto for_each_piece = [&](auto&& fn) {
+      if (lo < std::min(hi, past))
+        visit_cached_runs(step_table(cache, call.group, step, static_cast<std::size_t>(r)), bs, window, lo,
+                          std::min(hi, past), step.requests[static_cast<std::size_t>(r)], [&](const pool_run& run) {
+                            fn(kpool + hk * head_pitch + run.row * D, D, vpool + hk * head_pitch + run.row * D, D,
+                               run.position, run.count);
+                          });
+      const std::int64_t f0 = std::max(lo, past);
+      if (f0 < hi)
+        fn(keys.data() + hk * keys.stride(1) + (t0 + f0 - past) * keys.stride(2), keys.stride(2),
+           values.data() + hk * values.stride(1) + (t0 + f0 - past) * values.stride(2), values.stride(2), f0, hi - f0);
+    };
+    if (tl.decode) {  // each piece read in place, a block at a time
+      for_each_piece(
+          [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
+            for (std::int64_t j = 0; j < n; j += block)
+              fold_keys(t, rows, D, D, true, kp + j * kpitch, kpitch, vp + j * vpitch, vpitch, p0 + j,
+                        std::min(block, n - j), sk, vis, nullptr);
           });
-          scores *= sk;
-          for (std::int64_t row = 0; row < rows; ++row) {
-            const auto [jlo, jhi] = visible(row, lo, width);
-            auto sr = scores.row(row);
-            sr.head(jlo).setZero();
-            sr.tail(width - jhi).setZero();
-            if (jhi == jlo) continue;  // nothing visible: a zero output row
-            auto seg = sr.segment(jlo, jhi - jlo);
-            const A max = seg.maxCoeff();
-            seg = (seg.array() - max).exp().matrix();
-            seg /= seg.sum();
-          }
-          acc.setZero(rows, D);
-          for_each_chunk([&](auto, auto values_of, std::int64_t p0, std::int64_t n) {
-            const auto V = values_of();
-            for (std::int64_t j = 0; j < n; ++j) {
-              const Eigen::Map<const Eigen::Matrix<A, 1, Eigen::Dynamic>> value(V.data() + j * V.outerStride(), D);
-              for (std::int64_t row = 0; row < rows; ++row) acc.row(row) += scores(row, p0 - lo + j) * value;
-            }
-          });
-          l.setOnes(rows);
-        } else {
-          acc.setZero(rows, D);
-          m.setConstant(rows, neg_inf);
-          l.setZero(rows);
-          corr.resize(rows);
-          for_each_chunk([&](auto keys_of, auto values_of, std::int64_t p0, std::int64_t n) {
-            scores.noalias() = (qbuf * keys_of().transpose()) * sk;
-            for (std::int64_t row = 0; row < rows; ++row) {
-              const auto [jlo, jhi] = visible(row, p0, n);
-              auto sr = scores.row(row);
-              sr.head(jlo).setConstant(neg_inf);
-              sr.tail(n - jhi).setConstant(neg_inf);
-              const A next = jhi > jlo ? std::max(m(row), sr.segment(jlo, jhi - jlo).maxCoeff()) : m(row);
-              if (next == neg_inf) {  // nothing visible yet
-                corr(row) = A(1);
-                sr.setZero();
-                continue;
+    } else {  // pieces gathered into blocks of `block` keys for the matrix products
+      std::int64_t filled = 0, start = lo;
+      for_each_piece(
+          [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
+            for (std::int64_t j = 0; j < n;) {
+              const std::int64_t m = std::min(block - filled, n - j);
+              widen_rows(kp + j * kpitch, m, D, kpitch, t.k + filled * D);
+              widen_rows(vp + j * vpitch, m, D, vpitch, t.v + filled * D);
+              if (filled == 0) start = p0 + j;
+              filled += m;
+              j += m;
+              if (filled == block) {
+                fold_keys<A, A>(t, rows, D, D, false, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
+                filled = 0;
               }
-              corr(row) = std::exp(m(row) - next);
-              sr = (sr.array() - next).exp().matrix();
-              m(row) = next;
             }
-            l = l.cwiseProduct(corr) + scores.rowwise().sum();
-            acc = corr.asDiagonal() * acc;
-            acc.noalias() += scores * values_of();
           });
-        }
-        for (std::int64_t g = 0; g < heads_per_kv; ++g) {
-          const std::int64_t h = hk * heads_per_kv + g;
-          for (std::int64_t i = 0; i < per_head; ++i) {
-            const std::int64_t row = g * per_head + i;
-            const A inv = l(row) > A(0) ? sv / l(row) : A(0);
-            for (std::int64_t d = 0; d < D; ++d) out(0, h, t0 + i0 + i, d) = static_cast<T>(acc(row, d) * inv);
-          }
-        }
-      }
+      if (filled > 0) fold_keys<A, A>(t, rows, D, D, false, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
     }
-  }
-  return out;
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const std::int64_t h = hk * group + row / per_head, i = t0 + i0 + row % per_head;
+      if (tl.splits == 1)
+        finish_row(t, row, D, sv, &out(0, h, i, 0));
+      else
+        store_partial(t, row, D,
+                      partials + partial_at[r] + ((hk * tl.splits + split) * group * q + tile * rows + row) * pitch);
+    }
+  });
+  // Requests cut into splits: each (KV head, request)'s rows merged over its splits, in order.
+  context.executor.parallel_for(Hkv * R, [&](std::int64_t i, int) {
+    const std::int64_t hk = i / R, r = i % R;
+    const tiling tl = tiling_of(r);
+    if (tl.splits == 1 || tl.tiles == 0) return;
+    const std::int64_t q = queries_of(r), t0 = cu[static_cast<std::size_t>(r)];
+    const A sv = static_cast<A>(scales.value_scale(hk));
+    for (std::int64_t row = 0; row < group * q; ++row)
+      merge_partials(partials + partial_at[r] + (hk * tl.splits * group * q + row) * pitch, tl.splits,
+                     group * q * pitch, D, sv, &out(0, hk * group + row / q, t0 + row % q, 0));
+  });
 }
 
 }  // namespace detail
@@ -367,7 +375,23 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
                                                      const TensorView<typename S::element_type>& keys,
                                                      const TensorView<typename S::element_type>& values,
                                                      std::optional<double> scale = std::nullopt) {
-  return detail::paged_attention_impl(cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{});
+  HostTensor<typename S::element_type> out;
+  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{}, {});
+  return out;
+}
+
+// The same into `out`, resized to [1, Hq, T, head_dim] (no allocation when it holds that many
+// elements already), run by `context` (executor and workspace, as scaled_dot_product_attention's):
+// with a workspace that has served a step of the same shape, the call allocates nothing. The
+// results are the same on any executor and any number of threads.
+template <class S>
+void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                     const TensorView<typename S::element_type>& queries,
+                     const TensorView<typename S::element_type>& keys,
+                     const TensorView<typename S::element_type>& values, HostTensor<typename S::element_type>& out,
+                     const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
+  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{},
+                               context);
 }
 
 // The same over a pool of fp8 codes (PagedCache<HostStorage<float8_e4m3>> or <float8_e5m2>,
@@ -383,7 +407,22 @@ HostTensor<T> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx
                               const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
                               const TensorView<typename S::element_type>& values, const Scales& scales,
                               std::optional<double> scale = std::nullopt) {
-  return detail::paged_attention_impl(cache, layer_idx, step, queries, keys, values, scale, scales);
+  HostTensor<T> out;
+  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, scales, {});
+  return out;
+}
+
+// The fp8 pool's attention into `out`, run by `context`.
+template <class S, class T, class Scales>
+  requires requires(const Scales& sc) {
+    { sc.key_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+    { sc.value_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+  }
+void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                     const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
+                     const TensorView<typename S::element_type>& values, const Scales& scales, HostTensor<T>& out,
+                     const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
+  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, scales, context);
 }
 
 }  // namespace kvc

@@ -1,0 +1,385 @@
+// Attention on any executor: the same bits on one thread, on a thread pool of the caller's, and
+// on OpenMP's team, whatever the thread count; and with a workspace, a steady-state step that
+// allocates nothing (counted by the replacement operator new of failing_allocator.hpp).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <kvc/execution.hpp>
+#include <kvc/fp8_attention.hpp>
+#include <kvc/kvc.hpp>
+#include <kvc/paged/paged_attention.hpp>
+#include <kvc/quantized_attention.hpp>
+
+#include "../support/failing_allocator.hpp"
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+// The caller's own pool, as a user would write one: threads - 1 workers that live as long as the
+// pool and the calling thread as worker 0; items handed out one at a time.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) : size_(threads) {
+    for (int w = 1; w < threads; ++w) workers_.emplace_back([this, w] { loop(w); });
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int concurrency() const noexcept { return size_; }
+  template <class Body>
+  void parallel_for(std::int64_t n, Body&& body) const {
+    {
+      std::lock_guard lock(mutex_);
+      fn_ = [](void* b, std::int64_t i, int w) { (*static_cast<std::remove_reference_t<Body>*>(b))(i, w); };
+      body_ = const_cast<void*>(static_cast<const void*>(&body));
+      count_ = n;
+      next_ = 0;
+      busy_ = size_ - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    work(0);
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
+
+ private:
+  void work(int w) const {
+    for (std::int64_t i = next_.fetch_add(1); i < count_; i = next_.fetch_add(1)) fn_(body_, i, w);
+  }
+  void loop(int w) const {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work(w);
+      std::lock_guard lock(mutex_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  int size_;
+  std::vector<std::thread> workers_;
+  mutable std::mutex mutex_;
+  mutable std::condition_variable wake_, done_;
+  mutable void (*fn_)(void*, std::int64_t, int) = nullptr;
+  mutable void* body_ = nullptr;
+  mutable std::int64_t count_ = 0;
+  mutable std::atomic<std::int64_t> next_{0};
+  mutable int busy_ = 0;
+  mutable std::uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+static_assert(kvc::concepts::Executor<ThreadPool>);
+static_assert(kvc::concepts::Executor<kvc::SerialExecutor>);
+static_assert(kvc::concepts::Executor<kvc::ExecutorRef>);
+static_assert(!kvc::concepts::Executor<int>);
+
+template <class T>
+bool same_bits(const kvc::HostTensor<T>& a, const kvc::HostTensor<T>& b) {
+  return a.dimensions() == b.dimensions() && std::memcmp(a.data(), b.data(), sizeof(T) * a.size()) == 0;
+}
+
+template <class T>
+kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
+  return kvc::HostStorage<T>::input_view(t);
+}
+
+// fn(context) for the serial default and for pools of 1 to 4 threads (each with its workspace,
+// used twice: the second call reuses it); every result must equal the first bit for bit.
+template <class Fn>
+void on_every_executor(Fn&& fn) {
+  const auto first = fn(kvc::AttentionContext{});
+  for (int threads = 1; threads <= 4; ++threads) {
+    CAPTURE(threads);
+    const ThreadPool pool(threads);
+    kvc::AttentionWorkspace ws;
+    CHECK(same_bits(fn(kvc::AttentionContext{pool, &ws}), first));
+    CHECK(same_bits(fn(kvc::AttentionContext{pool, &ws}), first));
+  }
+  const kvc::SerialExecutor serial;
+  CHECK(same_bits(fn(kvc::AttentionContext{serial, nullptr}), first));
+#if defined(_OPENMP)
+  for (int threads = 1; threads <= 3; ++threads) {
+    const kvc::OpenMPExecutor omp{threads};
+    kvc::AttentionWorkspace ws;
+    CHECK(same_bits(fn(kvc::AttentionContext{omp, &ws}), first));
+  }
+#endif
+}
+
+// Causal attention of the last q of S positions in double, [B, Hq, q, D] (the mask's
+// query_position is S - q, kv_offset 0).
+template <class T>
+std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v,
+                              std::int64_t window) {
+  const std::int64_t B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
+  const std::int64_t Hkv = k.dimension(1), S = k.dimension(2);
+  std::vector<double> out;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < Q; ++i) {
+        const std::int64_t qp = S - Q + i, hk = h / (Hq / Hkv);
+        std::vector<double> w(static_cast<std::size_t>(S), -INFINITY);
+        double top = -INFINITY, sum = 0;
+        for (std::int64_t j = 0; j <= qp; ++j) {
+          if (window > 0 && j <= qp - window) continue;
+          double dot = 0;
+          for (std::int64_t d = 0; d < D; ++d)
+            dot += static_cast<double>(q(b, h, i, d)) * static_cast<double>(k(b, hk, j, d));
+          w[static_cast<std::size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
+          top = std::max(top, w[static_cast<std::size_t>(j)]);
+        }
+        for (double& x : w) sum += (x = std::exp(x - top));
+        for (std::int64_t d = 0; d < D; ++d) {
+          double acc = 0;
+          for (std::int64_t j = 0; j < S; ++j)
+            acc += w[static_cast<std::size_t>(j)] * static_cast<double>(v(b, hk, j, d));
+          out.push_back(acc / sum);
+        }
+      }
+  return out;
+}
+
+template <class T>
+double worst_difference(const kvc::HostTensor<T>& out, const std::vector<double>& want) {
+  double worst = 0;
+  for (std::int64_t i = 0; i < out.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(out.data()[i]) - want[static_cast<std::size_t>(i)]));
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executor and thread count", T, float, double,
+                   Eigen::bfloat16) {
+  std::mt19937 rng(5);
+  struct shape {
+    std::int64_t B, Hq, Hkv, Q, S, window;
+  };
+  // Decode rows cut into key splits (S > 512), a prefill of three tiles, MQA, a sliding window.
+  for (const shape s : {shape{2, 4, 2, 1, 1300, 0}, shape{1, 2, 1, 150, 190, 0}, shape{1, 6, 1, 2, 2100, 0},
+                        shape{2, 4, 4, 70, 600, 33}, shape{1, 2, 2, 1, 4100, 0}}) {
+    CAPTURE(s.S);
+    CAPTURE(s.Q);
+    const auto q = kvc_test::random_tensor<T>(s.B, s.Hq, s.Q, 16, rng);
+    const auto k = kvc_test::random_tensor<T>(s.B, s.Hkv, s.S, 16, rng);
+    const auto v = kvc_test::random_tensor<T>(s.B, s.Hkv, s.S, 16, rng);
+    kvc::AttentionMask mask{s.S, 0, s.S - s.Q};
+    if (s.window > 0) mask.sliding_window = s.window;
+    std::vector<std::uint8_t> pad(static_cast<std::size_t>(s.B * s.S), 1);
+    on_every_executor([&](const kvc::AttentionContext& context) {
+      kvc::HostTensor<T> out;
+      kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, out, context);
+      return out;
+    });
+    // Against attention in double (random values are multiples of 1/8 up to 8: sharp softmaxes).
+    const auto out = kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask);
+    CHECK(worst_difference(out, reference(q, k, v, s.window)) < (std::is_same_v<T, Eigen::bfloat16> ? 0.07 : 1e-4));
+    // With padding (every third key of batch row 0) too.
+    for (std::int64_t j = 0; j < s.S; j += 3) pad[static_cast<std::size_t>(j)] = 0;
+    mask.key_padding_mask = pad;
+    on_every_executor([&](const kvc::AttentionContext& context) {
+      return kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, context);
+    });
+  }
+}
+
+TEST_CASE("attend_quantized and attend_fp8: the same bits on every executor") {
+  std::mt19937 rng(6);
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.hidden_size = 64;
+  const auto prompt_k = kvc_test::random_tensor<float>(2, 2, 300, 16, rng);
+  const auto prompt_v = kvc_test::random_tensor<float>(2, 2, 300, 16, rng);
+  const auto prompt_q = kvc_test::random_tensor<float>(2, 4, 300, 16, rng);
+  const auto q = kvc_test::random_tensor<float>(2, 4, 3, 16, rng);
+  const auto k = kvc_test::random_tensor<float>(2, 2, 3, 16, rng);
+  const auto v = kvc_test::random_tensor<float>(2, 2, 3, 16, rng);
+  on_every_executor([&](const kvc::AttentionContext& context) {
+    kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>> cache(kvc::QuantoQuantizedLayer{});
+    kvc::AttendOptions options;
+    options.context = context;
+    (void)kvc::attend_quantized(cache, 0, view(prompt_q), view(prompt_k), view(prompt_v), options);
+    return kvc::attend_quantized(cache, 0, view(q), view(k), view(v), options);
+  });
+  on_every_executor([&](const kvc::AttentionContext& context) {
+    auto cache = kvc::make_dynamic_cache<kvc::float8_e4m3>(c);
+    kvc::AttendOptions options;
+    options.context = context;
+    (void)kvc::attend_fp8(cache, 0, view(prompt_q), view(prompt_k), view(prompt_v), kvc::Fp8Scales{}, options);
+    return kvc::attend_fp8(cache, 0, view(q), view(k), view(v), kvc::Fp8Scales{}, options);
+  });
+}
+
+namespace {
+
+// A paged cache holding `pasts[r]` random tokens of request "r<r>" in every layer.
+struct paged_setup {
+  kvc::PagedCache<kvc::HostStorage<float>> cache;
+  std::vector<std::string> ids;
+  std::vector<std::int64_t> allocated;
+
+  paged_setup(const std::vector<std::int64_t>& pasts, std::mt19937& rng)
+      : cache(model(), config()), allocated(pasts.size(), 0) {
+    for (std::size_t r = 0; r < pasts.size(); ++r) {
+      ids.push_back("r" + std::to_string(r));
+      if (pasts[r] > 0) store(r, 0, pasts[r], rng);
+    }
+  }
+  static kvc::ModelConfig model() {
+    kvc::ModelConfig c;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.hidden_size = 64;
+    c.sliding_window = 700;
+    c.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+    return c;
+  }
+  static kvc::ContinuousBatchingConfig config() {
+    kvc::ContinuousBatchingConfig cb;
+    cb.block_size = 16;
+    cb.num_blocks = 800;
+    return cb;
+  }
+  // Room for request r's tokens up to `end`, and the step's write indices.
+  kvc::PagedIndices room(std::size_t r, std::int64_t past, std::int64_t q) {
+    const std::int64_t need = (past + q + 15) / 16 - allocated[r];
+    if (need > 0) allocated[r] += cache.allocate_blocks(need, ids[r], allocated[r]).value();
+    kvc::PagedIndices writes(static_cast<std::size_t>(cache.num_groups()));
+    cache.extend_read_and_write_indices(ids[r], past, q, nullptr, writes);
+    return writes;
+  }
+  void store(std::size_t r, std::int64_t past, std::int64_t q, std::mt19937& rng) {
+    const kvc::PagedIndices none(static_cast<std::size_t>(cache.num_groups()));
+    const kvc::PagedIndices writes = room(r, past, q);
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = kvc_test::random_tensor<float>(1, 2, q, 16, rng);
+      const auto v = kvc_test::random_tensor<float>(1, 2, q, 16, rng);
+      cache.update(view(k), view(v), layer, none, writes);
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("paged_attention: the same bits on every executor and thread count") {
+  std::mt19937 rng(7);
+  // A long decode (cut into splits), a prefill of three tiles, a short decode, a request at rest.
+  const std::vector<std::int64_t> pasts = {1500, 0, 37, 20}, counts = {1, 150, 1, 0};
+  paged_setup setup(pasts, rng);
+  std::vector<std::int64_t> cu = {0};
+  for (std::size_t r = 0; r < pasts.size(); ++r) {
+    (void)setup.room(r, pasts[r], counts[r]);
+    cu.push_back(cu.back() + counts[r]);
+  }
+  const kvc::PagedAttentionStep step{setup.ids, cu, pasts};
+  const auto q = kvc_test::random_tensor<float>(1, 4, cu.back(), 16, rng);
+  const auto k = kvc_test::random_tensor<float>(1, 2, cu.back(), 16, rng);
+  const auto v = kvc_test::random_tensor<float>(1, 2, cu.back(), 16, rng);
+  for (std::int64_t layer = 0; layer < 2; ++layer) {
+    CAPTURE(layer);
+    on_every_executor([&](const kvc::AttentionContext& context) {
+      kvc::HostTensor<float> out;
+      kvc::paged_attention(setup.cache, layer, step, view(q), view(k), view(v), out, context);
+      return out;
+    });
+  }
+}
+
+TEST_CASE("a steady-state step with a workspace allocates nothing, on one thread or a pool") {
+  std::mt19937 rng(8);
+  kvc::ModelConfig c = paged_setup::model();
+  c.layer_types = std::nullopt;
+  c.sliding_window = std::nullopt;
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    const ThreadPool pool(threads);
+    // A static cache has room for its tokens from the start.
+    kvc::StaticCache<float> cache(c, 1200);
+    // [snippet:attention_context]
+    kvc::AttentionWorkspace ws;  // one per calling thread, reused by every step
+    kvc::AttendOptions options;
+    options.context = {pool, &ws};  // pool: any kvc::concepts::Executor
+    kvc::HostTensor<float> out;     // reused too: resized only when its size changes
+    // [/snippet]
+    const auto chunk = [&](std::int64_t n) {
+      const auto q = kvc_test::random_tensor<float>(1, 4, n, 16, rng);
+      const auto k = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
+      const auto v = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
+      return std::array{q, k, v};
+    };
+    const auto prefill = chunk(100), token = chunk(1);
+    // Warm-up: a prefill chunk and a decode step.
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
+      kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
+    }
+    CHECK(count_allocations([&] {
+            for (int step = 0; step < 40; ++step)  // decode steps
+              for (std::int64_t layer = 0; layer < 2; ++layer)
+                kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
+            for (std::int64_t layer = 0; layer < 2; ++layer)  // and a prefill chunk of a size seen
+              kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
+          }) == 0);
+  }
+}
+
+TEST_CASE("a steady-state paged step with a workspace allocates nothing") {
+  std::mt19937 rng(9);
+  const std::vector<std::int64_t> pasts = {300, 40};
+  paged_setup setup(pasts, rng);
+  const ThreadPool pool(2);
+  kvc::AttentionWorkspace ws;
+  const auto q = kvc_test::random_tensor<float>(1, 4, 2, 16, rng);
+  const auto k = kvc_test::random_tensor<float>(1, 2, 2, 16, rng);
+  const auto v = kvc_test::random_tensor<float>(1, 2, 2, 16, rng);
+  // Both requests decode one token a step; the blocks for 64 more tokens are allocated ahead.
+  const kvc::PagedIndices none(static_cast<std::size_t>(setup.cache.num_groups()));
+  for (std::size_t r = 0; r < 2; ++r) (void)setup.room(r, pasts[r], 64);
+  std::vector<std::int64_t> past = pasts, cu = {0, 1, 2};
+  kvc::PagedIndices writes(none.size());
+  for (auto& w : writes) w.reserve(2);
+  kvc::HostTensor<float> out;
+  const auto step = [&] {
+    for (auto& w : writes) w.clear();
+    for (std::size_t r = 0; r < 2; ++r)
+      setup.cache.extend_read_and_write_indices(setup.ids[r], past[r], 1, nullptr, writes);
+    const kvc::PagedAttentionStep layout{setup.ids, cu, past};
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      kvc::paged_attention(setup.cache, layer, layout, view(q), view(k), view(v), out, {pool, &ws});
+      setup.cache.update(view(k), view(v), layer, none, writes);
+    }
+    for (auto& p : past) ++p;
+  };
+  step();
+  CHECK(count_allocations([&] {
+          for (int i = 0; i < 40; ++i) step();
+        }) == 0);
+}
