@@ -265,8 +265,9 @@ void dynamic_append_growth(Record& rec) {
     rec.number("dynamic.capacity", cap);
     rec.number("dynamic.bytes", cache.bytes());
   }
-  // 5 tokens start a buffer of 16; it doubles when full: 16 -> 32 -> 64.
-  CHECK(capacities == std::vector<std::int64_t>{16, 32, 64});
+  // 5 tokens start a buffer of 16; when full it grows by a quarter, or to what the step needs:
+  // 16 -> 29 (13 tokens at 16) -> 36 -> 51 (20 tokens at 31) -> 63.
+  CHECK(capacities == std::vector<std::int64_t>{16, 29, 36, 51, 63});
   CHECK(cache.size() == 2);  // index 1 created index 0 too, empty
   CHECK(cache.get_seq_length(0) == 0);
   CHECK_FALSE(cache.stored(0).keys.data());

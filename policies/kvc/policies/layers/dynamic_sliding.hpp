@@ -51,7 +51,16 @@ class DynamicSlidingWindowLayer::state {
   KV<view> update(const view& k, const view& v) {
     const std::int64_t q = k.extent(2);
     const std::int64_t kv_length = get_mask_sizes(q).first;
-    const std::int64_t grow = std::max({2 * (len_ + q), 2 * window_, detail::min_dynamic_capacity});
+    // Room to slide: about twice what the layer keeps (and never under 16 slots), so that the kept
+    // tokens move to the front of the buffer at most once per window of appends. Reached by
+    // doubling from what the first update needs (its first token does not take twice the window);
+    // a layer that records its past keeps everything, and doubles.
+    const std::int64_t needed = len_ + q;
+    const std::int64_t grow =
+        record_past_
+            ? std::max(2 * needed, detail::min_dynamic_capacity)
+            : std::max(needed, std::min(std::max({2 * needed, 2 * store_.capacity(), detail::min_dynamic_capacity}),
+                                        std::max(2 * window_, detail::min_dynamic_capacity)));
     std::int64_t base = 0;
     if (!initialized_) {
       detail::kv_store<S> fresh(detail::shape_of(k, v), grow, false);

@@ -69,7 +69,7 @@ class dynamic_indexer_keys {
       return;
     }
     const std::int64_t next = len_ + q;
-    const std::int64_t grown = std::max({2 * cap_, next, min_dynamic_capacity});
+    const std::int64_t grown = grown_capacity(cap_, next);
     if (batch_ == 1) {
       if (next > cap_) {
         buffer fresh(checked_elements({grown, dim_}, sizeof(T)));
