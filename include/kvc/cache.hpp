@@ -505,6 +505,27 @@ class Cache<L, S, O> {
     for_each_layer([](auto& l) { l.reset(); });
   }
 
+  // Room for `tokens` tokens in every layer that grows as it is appended to (DynamicLayer), so
+  // that its appends up to that length move nothing: a layer that has a shape moves to a buffer of
+  // that many slots now, one without (and, in a replicated cache, each layer made later) takes
+  // them at its first update. Other layers stay as they are: a static layer has its room from the
+  // start, a sliding layer grows to twice its window. All or nothing: on std::bad_alloc no layer
+  // has moved. ValueError for a negative count or one above kvc's limit on a size.
+  void reserve(std::int64_t tokens) {
+    detail::check_size("kvc::Cache::reserve: tokens", tokens, 0, max_extent);
+    before_access(-1);
+    std::vector<detail::kv_store<S>> fresh(layers_.size());
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      std::visit(
+          [&](const auto& l) {
+            if constexpr (requires { l.reserved(tokens); }) fresh[i] = l.reserved(tokens);
+          },
+          layers_[i]);
+    // Nothing below throws.
+    for (std::size_t i = 0; i < layers_.size(); ++i) apply_reserve(layers_[i], tokens, std::move(fresh[i]));
+    reserved_ = std::max(reserved_, tokens);
+  }
+
   void activate_past_recording() noexcept {
     for_each_layer([](auto& l) {
       if constexpr (concepts::supports_past_recording<std::decay_t<decltype(l)>>) l.activate_past_recording();
@@ -991,7 +1012,10 @@ class Cache<L, S, O> {
           throw IndexError("update: layer_idx " + std::to_string(layer_idx) + " is above kvc's limit of " +
                            std::to_string(max_layers) + " layers");
         layers_.reserve(idx + 1);  // the only allocation; the emplaces below cannot throw
-        while (layers_.size() <= idx) layers_.emplace_back(std::in_place_index<0>, prototype_);
+        while (layers_.size() <= idx) {
+          layers_.emplace_back(std::in_place_index<0>, prototype_);
+          apply_reserve(layers_.back(), reserved_, {});
+        }
       } else {
         throw IndexError("update: layer_idx " + std::to_string(layer_idx) + " is out of range for a Cache with " +
                          std::to_string(old_size) + " layers");
@@ -1055,8 +1079,18 @@ class Cache<L, S, O> {
     layers_.swap(next);
   }
 
+  // reserve's commit on one layer (what it does nothing to: any kind but those that grow).
+  static void apply_reserve(layer_variant& layer, std::int64_t tokens, detail::kv_store<S>&& fresh) noexcept {
+    std::visit(
+        [&](auto& l) {
+          if constexpr (requires { l.reserved(tokens); }) l.reserve(tokens, std::move(fresh));
+        },
+        layer);
+  }
+
   // mutable only for before_access: an offload engine brings layers back from a const method.
   mutable std::vector<layer_variant> layers_;
+  std::int64_t reserved_ = 0;  // reserve's largest count, for the layers a replicated cache makes later
   [[no_unique_address]] std::conditional_t<replicated, boost::mp11::mp_front<kinds>, std::monostate> prototype_{};
   [[no_unique_address]] mutable typename O::template engine<S> offload_{};
 };

@@ -170,6 +170,7 @@ void add_dynamic_ops(std::vector<op<C>>& ops) {
   ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
   ops.push_back({"batch_repeat_interleave(2)", [](C& c) { c.batch_repeat_interleave(2); }});
   ops.push_back({"batch_select_indices({3, 0})", [](C& c) { c.batch_select_indices({3, 0}); }});
+  ops.push_back({"reserve(40)", [](C& c) { c.reserve(40); }});
 }
 // Copy assignment from another cache of the kind (`make()` with its first `layers` layers updated,
 // built once, outside the failing window) and reset.

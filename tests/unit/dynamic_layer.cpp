@@ -262,3 +262,48 @@ TEST_CASE("a sliding layer's first token does not take twice the window") {
   CHECK(most == 2 * window * per_token);
   CHECK(cache.bytes() == 2 * window * per_token);
 }
+
+TEST_CASE("reserve: room for n tokens ahead, so that appends up to n move nothing") {
+  const std::int64_t per_token = 2 * 4 * static_cast<std::int64_t>(sizeof(float));
+  kvc::HostTensor<float> t(1, 1, 1, 4);
+  t.setConstant(1.f);
+  const auto in = kvc::HostStorage<float>::input_view(t);
+  // Before the first update (a replicated cache makes its layers then): the first update takes it.
+  kvc::DynamicCache<float> cache;
+  cache.reserve(1000);
+  const float* first = cache.update(in, in, 0).keys.data();
+  CHECK(cache.bytes() == 1000 * per_token);
+  for (int i = 1; i < 1000; ++i) CHECK(cache.update(in, in, 0).keys.data() == first);
+  CHECK(cache.update(in, in, 1).keys.data() != nullptr);  // a layer made after reserve has the room too
+  CHECK(cache.bytes() == 2000 * per_token);
+  // Past the reserve it grows as before; reserving less than it holds changes nothing.
+  cache.update(in, in, 0);
+  CHECK(cache.bytes() == (1250 + 1000) * per_token);
+  cache.reserve(10);
+  CHECK(cache.bytes() == (1250 + 1000) * per_token);
+  // A layer with tokens moves to the reserved room now, keeping them.
+  kvc::DynamicCache<float> grown;
+  kvc::HostTensor<float> three(1, 1, 3, 4);
+  three.setValues({{{{1, 2, 3, 4}, {5, 6, 7, 8}, {9, 10, 11, 12}}}});
+  grown.update(three, three, 0);
+  grown.reserve(300);
+  CHECK(grown.bytes() == 300 * per_token);
+  CHECK(values_of(grown.stored(0).keys) == V{1, 5, 9});
+  CHECK(grown.get_seq_length(0) == 3);
+  CHECK_THROWS_WITH_AS(grown.reserve(-1), "kvc::Cache::reserve: tokens must be 0 or more, got -1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(grown.reserve(kvc::max_extent + 1),
+                       "kvc::Cache::reserve: tokens is 1099511627777, above kvc's limit of 1099511627776",
+                       kvc::ValueError);
+  CHECK(grown.bytes() == 300 * per_token);
+  // Static layers have their room already: reserve leaves them as they are.
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 1;
+  c.num_key_value_heads = 1;
+  c.head_dim = 4;
+  c.hidden_size = 4;
+  kvc::StaticCache<float> fixed(c, 64);
+  const std::int64_t before = fixed.bytes();
+  fixed.reserve(1000);
+  CHECK(fixed.bytes() == before);
+}

@@ -313,6 +313,40 @@ TEST_CASE("paged_attention: the same bits on every executor and thread count") {
   }
 }
 
+namespace {
+
+// A prefill chunk of 100 tokens and a decode step, then 40 decode steps and a chunk of 100 through
+// `cache`: the allocations of the last part.
+template <class Cache, class Executor>
+std::int64_t steady_state_allocations(Cache& cache, const Executor& pool, std::mt19937& rng) {
+  // [snippet:attention_context]
+  kvc::AttentionWorkspace ws;  // one per calling thread, reused by every step
+  kvc::AttendOptions options;
+  options.context = {pool, &ws};  // pool: any kvc::concepts::Executor
+  kvc::HostTensor<float> out;     // reused too: resized only when its size changes
+  // [/snippet]
+  const auto chunk = [&](std::int64_t n) {
+    const auto q = kvc_test::random_tensor<float>(1, 4, n, 16, rng);
+    const auto k = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
+    const auto v = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
+    return std::array{q, k, v};
+  };
+  const auto prefill = chunk(100), token = chunk(1);
+  for (std::int64_t layer = 0; layer < 2; ++layer) {  // warm-up
+    kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
+    kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
+  }
+  return count_allocations([&] {
+    for (int step = 0; step < 40; ++step)  // decode steps
+      for (std::int64_t layer = 0; layer < 2; ++layer)
+        kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
+    for (std::int64_t layer = 0; layer < 2; ++layer)  // and a prefill chunk of a size seen
+      kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
+  });
+}
+
+}  // namespace
+
 TEST_CASE("a steady-state step with a workspace allocates nothing, on one thread or a pool") {
   std::mt19937 rng(8);
   kvc::ModelConfig c = paged_setup::model();
@@ -321,33 +355,13 @@ TEST_CASE("a steady-state step with a workspace allocates nothing, on one thread
   for (int threads : {1, 2}) {
     CAPTURE(threads);
     const ThreadPool pool(threads);
-    // A static cache has room for its tokens from the start.
-    kvc::StaticCache<float> cache(c, 1200);
-    // [snippet:attention_context]
-    kvc::AttentionWorkspace ws;  // one per calling thread, reused by every step
-    kvc::AttendOptions options;
-    options.context = {pool, &ws};  // pool: any kvc::concepts::Executor
-    kvc::HostTensor<float> out;     // reused too: resized only when its size changes
-    // [/snippet]
-    const auto chunk = [&](std::int64_t n) {
-      const auto q = kvc_test::random_tensor<float>(1, 4, n, 16, rng);
-      const auto k = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
-      const auto v = kvc_test::random_tensor<float>(1, 2, n, 16, rng);
-      return std::array{q, k, v};
-    };
-    const auto prefill = chunk(100), token = chunk(1);
-    // Warm-up: a prefill chunk and a decode step.
-    for (std::int64_t layer = 0; layer < 2; ++layer) {
-      kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
-      kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
-    }
-    CHECK(count_allocations([&] {
-            for (int step = 0; step < 40; ++step)  // decode steps
-              for (std::int64_t layer = 0; layer < 2; ++layer)
-                kvc::attend(cache, layer, view(token[0]), view(token[1]), view(token[2]), out, options);
-            for (std::int64_t layer = 0; layer < 2; ++layer)  // and a prefill chunk of a size seen
-              kvc::attend(cache, layer, view(prefill[0]), view(prefill[1]), view(prefill[2]), out, options);
-          }) == 0);
+    kvc::StaticCache<float> fixed(c, 1200);  // room for its tokens from the start
+    CHECK(steady_state_allocations(fixed, pool, rng) == 0);
+    kvc::DynamicCache<float> reserved;  // room made ahead
+    reserved.reserve(1200);
+    CHECK(steady_state_allocations(reserved, pool, rng) == 0);
+    kvc::DynamicCache<float> growing;  // without it, appends reallocate now and then
+    CHECK(steady_state_allocations(growing, pool, rng) > 0);
   }
 }
 

@@ -69,7 +69,7 @@ class DynamicLayer::state {
 
   KV<view> update(const view& k, const view& v) {
     const std::int64_t q = k.extent(2);
-    const std::int64_t grow = detail::grown_capacity(store_.capacity(), len_ + q);
+    const std::int64_t grow = std::max(detail::grown_capacity(store_.capacity(), len_ + q), reserved_);
     if (!initialized_) {
       detail::kv_store<S> fresh(detail::shape_of(k, v), grow, false);
       fresh.write(0, k, v);
@@ -80,6 +80,18 @@ class DynamicLayer::state {
     }
     len_ += q;
     return store_.kv(0, len_);
+  }
+
+  // Cache::reserve's two steps: the buffer with room for `tokens` tokens that the layer would move
+  // to (empty when it has the room, or no shape yet), then the move (cannot fail). A layer without
+  // a shape keeps the number for its first allocation.
+  detail::kv_store<S> reserved(std::int64_t tokens) const {
+    if (!initialized_ || store_.capacity() >= tokens) return {};
+    return store_.relocated(tokens, 0, len_);
+  }
+  void reserve(std::int64_t tokens, detail::kv_store<S>&& fresh) noexcept {
+    reserved_ = std::max(reserved_, tokens);
+    if (initialized_ && fresh.capacity() > store_.capacity()) store_ = std::move(fresh);
   }
 
   std::int64_t get_seq_length() const noexcept { return len_; }
@@ -130,10 +142,11 @@ class DynamicLayer::state {
   }
 
  private:
-  state(const state& other, int) : len_(other.len_), initialized_(other.initialized_) {}
+  state(const state& other, int) : len_(other.len_), reserved_(other.reserved_), initialized_(other.initialized_) {}
 
   detail::kv_store<S> store_;
   std::int64_t len_ = 0;
+  std::int64_t reserved_ = 0;  // the least capacity reserve asked for (kept by reset)
   bool initialized_ = false;
 };
 
