@@ -255,8 +255,11 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   // The shared area: each request's first item (R + 1), its partials' offset (R), the partials.
   const auto index_values = static_cast<std::size_t>((2 * R + 1) * sizeof(std::int64_t) / sizeof(A) + 1);
   AttentionWorkspace local;
-  // Decode tiles read pool blocks of A in place; prefill tiles gather (and widen) theirs.
-  const auto copies_of = [&](bool decode) { return std::is_same_v<A, KV> && decode ? 0 : block_of(decode); };
+  // Decode tiles read pool blocks of A in place when the blocks are long; otherwise (short blocks,
+  // whose many small folds would cost more than a copy, other element types, prefill tiles) the
+  // keys are gathered (and widened) into blocks of the plan's size.
+  const auto in_place = [&](bool decode) { return std::is_same_v<A, KV> && decode && bs >= plan::decode_block / 4; };
+  const auto copies_of = [&](bool decode) { return in_place(decode) ? 0 : block_of(decode); };
   AttentionWorkspace& ws =
       reserve_workspace<A>(context, local, items, rows_max, D, D, block_of(!any_prefill), copies_of(!any_prefill),
                            plan::block(!any_prefill), index_values + static_cast<std::size_t>(partial_values));
@@ -315,14 +318,14 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
         fn(keys.data() + hk * keys.stride(1) + (t0 + f0 - past) * keys.stride(2), keys.stride(2),
            values.data() + hk * values.stride(1) + (t0 + f0 - past) * values.stride(2), values.stride(2), f0, hi - f0);
     };
-    if (tl.decode) {  // each piece read in place, a block at a time
+    if (in_place(tl.decode)) {  // each piece read in place, a block at a time
       for_each_piece(
           [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
             for (std::int64_t j = 0; j < n; j += block)
               fold_keys(t, rows, D, D, true, kp + j * kpitch, kpitch, vp + j * vpitch, vpitch, p0 + j,
                         std::min(block, n - j), sk, vis, nullptr);
           });
-    } else {  // pieces gathered into blocks of `block` keys for the matrix products
+    } else {  // pieces gathered (widened) into blocks of `block` keys
       std::int64_t filled = 0, start = lo;
       for_each_piece(
           [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
@@ -334,12 +337,12 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
               filled += m;
               j += m;
               if (filled == block) {
-                fold_keys<A, A>(t, rows, D, D, false, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
+                fold_keys<A, A>(t, rows, D, D, tl.decode, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
                 filled = 0;
               }
             }
           });
-      if (filled > 0) fold_keys<A, A>(t, rows, D, D, false, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
+      if (filled > 0) fold_keys<A, A>(t, rows, D, D, tl.decode, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
     }
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t h = hk * group + row / per_head, i = t0 + i0 + row % per_head;
