@@ -38,6 +38,10 @@
 
 #include <Eigen/Core>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace examples {
 
 // The shape of the model: the fields of a transformers config.json it reads. The defaults are the
@@ -169,6 +173,14 @@ inline void parallel_for(std::int64_t count, const std::function<void(std::int64
 // Logits, one row per token: [tokens, vocab_size].
 using Logits = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+// The executor kvc's attention runs on in the examples: OpenMP's team where they are built with
+// OpenMP (OMP_NUM_THREADS threads), else the calling thread.
+#if defined(_OPENMP)
+using AttentionExecutor = kvc::OpenMPExecutor;
+#else
+using AttentionExecutor = kvc::SerialExecutor;
+#endif
+
 // How Decoder::forward attends: through the cache's update (kvc::attend), from a quantized
 // layer's codes (kvc::attend_quantized), or through an fp8 cache (kvc::attend_fp8, scales of 1:
 // vLLM's default k_scale and v_scale).
@@ -287,7 +299,8 @@ class Decoder {
     const Matrix x = run(
         tokens, positions_from(cache.get_seq_length(0), tokens.size()),
         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
-          const kvc::AttendOptions opts{.sliding_window = config_.window(layer)};
+          const AttentionExecutor executor{};
+          const kvc::AttendOptions opts{.sliding_window = config_.window(layer), .context = {executor}};
           if constexpr (How == Attention::codes)
             return kvc::attend_quantized(cache, layer, view(q), view(k), view(v), opts);
           else if constexpr (How == Attention::fp8)
@@ -388,8 +401,26 @@ class Decoder {
   // product with x, which stays in cache), the columns spread over the threads (OpenMP, where the
   // program is built with it). Measured on 768 x 2048 weights, 2 cores: 2 rows 0.38 ms against
   // 1.21, 8 rows 0.59 against 0.96; at 32 rows Eigen's product is ahead (1.29 against 1.43).
+  // With OpenMP, more rows than that run as one matrix product per slice of 64 weight columns,
+  // the slices over the threads (Eigen's own threading leaves products this small on one thread),
+  // and one row too has its columns spread over the threads.
   static Matrix times(const Matrix& x, const Weight& w) {
+#if defined(_OPENMP)
+    if (omp_in_parallel() || omp_get_max_threads() == 1) {
+      if (x.rows() == 1 || x.rows() > 8) return x * w;
+    } else if (x.rows() > 8) {
+      Eigen::MatrixXf y(x.rows(), w.cols());
+      const auto slices = static_cast<std::int64_t>((w.cols() + 63) / 64);
+#pragma omp parallel for schedule(static)
+      for (std::int64_t i = 0; i < slices; ++i) {
+        const Eigen::Index j0 = i * 64, n = std::min<Eigen::Index>(64, w.cols() - j0);
+        y.middleCols(j0, n).noalias() = x * w.middleCols(j0, n);
+      }
+      return y;
+    }
+#else
     if (x.rows() == 1 || x.rows() > 8) return x * w;
+#endif
     Eigen::MatrixXf y(x.rows(), w.cols());  // column-major: each column written whole
     const auto cols = static_cast<std::int64_t>(w.cols());
 #if defined(_OPENMP)
@@ -406,6 +437,9 @@ class Decoder {
 
   Matrix rms_norm(const Matrix& x, const Eigen::RowVectorXf& weight) const {
     Matrix y(x.rows(), x.cols());
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (x.rows() >= 16 && !omp_in_parallel())
+#endif
     for (Eigen::Index r = 0; r < x.rows(); ++r) {
       const float ms = x.row(r).squaredNorm() / static_cast<float>(x.cols());
       y.row(r) = (x.row(r) * (1.0f / std::sqrt(ms + static_cast<float>(config_.rms_norm_eps)))).cwiseProduct(weight);
@@ -418,6 +452,9 @@ class Decoder {
     const auto half = static_cast<Eigen::Index>(inv_freq_.size());
     const auto n = static_cast<Eigen::Index>(positions.size());
     Matrix c(n, half), s(n, half);
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (n >= 16 && !omp_in_parallel())
+#endif
     for (Eigen::Index i = 0; i < n; ++i)
       for (Eigen::Index j = 0; j < half; ++j) {
         const double angle =
@@ -431,6 +468,9 @@ class Decoder {
   // Llama's rotate_half: element j of each head pairs with element j + head_dim / 2.
   void rotate(Matrix& x, std::int64_t heads, const Matrix& cos, const Matrix& sin) const {
     const std::int64_t d = config_.head_dim, half = d / 2;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (x.rows() >= 16 && !omp_in_parallel())
+#endif
     for (Eigen::Index i = 0; i < x.rows(); ++i)
       for (std::int64_t hd = 0; hd < heads; ++hd) {
         float* p = x.row(i).data() + hd * d;

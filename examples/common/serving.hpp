@@ -101,17 +101,19 @@ inline std::int64_t sample(const Logits& logits, Eigen::Index row, const std::st
 
 // [snippet:serve_step]
 // One step of the model over a scheduled batch: each layer attends through the block tables
-// (kvc::paged_attention reads the cached keys in place and the step's own from its inputs), then
-// stores the step's keys and values (write-only update). Returns the logits of the rows that give
-// a token, in batch order.
-inline Logits forward_step(const Decoder<float>& model, ServingCache& cache, const kvc::ScheduledBatch& batch) {
+// (kvc::paged_attention reads the cached keys in place and the step's own from its inputs, on the
+// context's threads and workspace), then stores the step's keys and values (write-only update).
+// Returns the logits of the rows that give a token, in batch order.
+inline Logits forward_step(const Decoder<float>& model, ServingCache& cache, const kvc::ScheduledBatch& batch,
+                           const kvc::AttentionContext& context = {}) {
   const std::vector<std::int32_t> ids(batch.input_ids.begin(), batch.input_ids.end());
   return model.forward_packed(ids, batch.position_ids, batch.logits_indices,
                               [&](std::int64_t layer, const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
                                   const kvc::HostTensor<float>& v) {
                                 using S = ServingStorage;
-                                auto out = kvc::paged_attention(cache, layer, batch.attention_step(), S::input_view(q),
-                                                                S::input_view(k), S::input_view(v));
+                                kvc::HostTensor<float> out;
+                                kvc::paged_attention(cache, layer, batch.attention_step(), S::input_view(q),
+                                                     S::input_view(k), S::input_view(v), out, context);
                                 cache.update(S::input_view(k), S::input_view(v), layer, batch.read_index,
                                              batch.write_index);
                                 return out;
@@ -133,9 +135,11 @@ inline ServeTotals serve(
     const std::function<void()>& on_step) {
   ServeTotals totals;
   const auto start = std::chrono::steady_clock::now();
+  const AttentionExecutor executor{};  // every thread the program is given (OpenMP), or one
+  kvc::AttentionWorkspace workspace;   // the attention's scratch, reused by every step
   // [snippet:serve_loop]
   while (auto batch = scheduler.schedule()) {
-    const Logits logits = forward_step(model, cache, *batch);
+    const Logits logits = forward_step(model, cache, *batch, {executor, &workspace});
     std::vector<std::int64_t> next;  // one token per logits row
     Eigen::Index row = 0;
     for (const kvc::ScheduledRequest& s : batch->requests) {
