@@ -5,7 +5,7 @@
 #   bash tools/plot_benchmarks.sh [json-dir] [png-dir]     (defaults: build/bench/benchmarks docs/plots)
 #
 # json-dir holds what benchmarks/run.sh writes: append.json (kvc_bench_append), decode.json
-# (kvc_bench_decode) and compile_time.json (benchmarks/compile_time.sh); a plot whose input is
+# (kvc_bench_decode), threads.json (kvc_bench_threads) and compile_time.json (benchmarks/compile_time.sh); a plot whose input is
 # missing is skipped. tools/plot_benchmarks.cmake extracts the tables, gnuplot draws:
 #
 #   decode_step.png          step time vs sequence length per cache: append only (32 layers, with the
@@ -16,6 +16,8 @@
 #   compile_time.png         compile time of the probe TUs with g++ and clang++
 #   serving.png              continuous batching: throughput and peak KV memory vs concurrent requests,
 #                            and what prefix sharing saves (serving_*.dat, written by kvc_bench_serving)
+#   threads.png              attention on 1 and 2 threads: a decode step vs context length and a
+#                            prefill vs prompt length (threads.json, kvc_bench_threads; wall-clock)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -183,6 +185,28 @@ set ylabel "saved, against block sharing off"
 set yrange [0:100]
 set format y "%.0f%%"
 plot for [i=2:3] "$in/serving_prefix.dat" using 1:(100 * column(i)) with linespoints ls (i - 1) title columnheader(i)
+unset multiplot
+GNUPLOT
+fi
+
+# ---- attention on 1 and 2 threads -------------------------------------------------------------------
+if [[ -f $tab/threads_decode.dat && -f $tab/threads_prefill.dat ]]; then
+  gnuplot <<GNUPLOT
+$common
+set terminal pngcairo size 1240,560 font "sans,11" noenhanced
+set output "$out/threads.png"
+set multiplot layout 1,2 title "kvc host attention on 1 and 2 threads (kvc::OpenMPExecutor; 8 query / 2 KV heads x 128, float; wall-clock)"
+set logscale xy 2
+set format y "%g"
+set key top left Left reverse font ",10"
+set title "one decode step (1 query token; K/V from memory)\nkvc_bench_threads decode/threads:t/S:s"
+set xlabel "context length S (tokens)"
+set ylabel "time per step (microseconds)"
+plot for [i=2:3] "$tab/threads_decode.dat" using 1:i with linespoints ls (i - 1)
+set title "causal prefill of n tokens\nkvc_bench_threads prefill/threads:t/tokens:n"
+set xlabel "prompt length n (tokens)"
+set ylabel "time per prefill (milliseconds)"
+plot for [i=2:3] "$tab/threads_prefill.dat" using 1:(column(i) / 1000) with linespoints ls (i - 1) title columnheader(i)
 unset multiplot
 GNUPLOT
 fi
