@@ -191,21 +191,19 @@ struct unit_scales {
 };
 
 // How host attention cuts its work (dense and paged): a tile is the query rows of one KV head that
-// read the keys together (the query heads of its group, `tile_rows` positions each). A decode tile
-// (at most decode_rows rows) reads its keys in blocks of decode_block rows with matrix-vector
-// products (no packing copy) and, when it sees more than split_keys keys in a problem of few
-// tiles, is cut into splits (at most max_splits, of a multiple of decode_block keys each) that are
-// separate work items, merged afterwards in split order. A prefill tile multiplies blocks of prefill_block keys with matrix
-// products. Every tile keeps an online softmax (running maximum m, sum l and unnormalised output
-// acc per row). The cuts depend on the problem only, never on the executor, so the results do not
-// depend on the thread count.
+// read the keys together (the query heads of its group, `tile_rows` positions each). A tile reads
+// its keys in blocks of block_keys rows: a decode tile (at most decode_rows rows) with
+// matrix-vector products (no packing copy), a prefill tile with matrix products. A decode tile
+// that sees more than split_keys keys in a problem of few tiles is cut into splits (at most
+// max_splits, of a multiple of block_keys keys each) that are separate work items, merged
+// afterwards in split order. Every tile keeps an online softmax (running maximum m, sum l and
+// unnormalised output acc per row). The cuts depend on the problem only, never on the executor,
+// so the results do not depend on the thread count.
 struct tile_plan {
-  static constexpr std::int64_t tile_rows = 64, decode_rows = 16, decode_block = 256, prefill_block = 256,
-                                split_keys = 512, max_splits = 8;
+  static constexpr std::int64_t tile_rows = 64, decode_rows = 16, block_keys = 256, split_keys = 512, max_splits = 8;
   // Splits are made only where the problem has few tiles of its own: enough for about
   // target_items items in all.
   static constexpr std::int64_t target_items = 16;
-  static constexpr std::int64_t block(bool decode) noexcept { return decode ? decode_block : prefill_block; }
   // The splits of a tile that sees `width` keys in a problem of `tiles` decode tiles.
   static constexpr std::int64_t splits(bool decode, std::int64_t width, std::int64_t tiles) noexcept {
     if (!decode || width <= split_keys) return 1;
@@ -216,7 +214,7 @@ struct tile_plan {
   // The keys of each split of a tile that sees `width` keys.
   static constexpr std::int64_t split_length(std::int64_t width, std::int64_t splits) noexcept {
     const std::int64_t n = (width + splits - 1) / splits;
-    return (n + decode_block - 1) / decode_block * decode_block;
+    return (n + block_keys - 1) / block_keys * block_keys;
   }
 };
 
@@ -340,20 +338,20 @@ void merge_partials(const A* first, std::int64_t splits, std::int64_t pitch, std
 }
 
 // The workspace of a call (the context's, or one of its own in `local`), reserved for items of at
-// most `rows` rows reading blocks of at most `block` keys (`copies` of them copied; the plan's
-// blocks are `full_block` keys), and `shared` values of A shared by the workers.
+// most `rows` rows reading blocks of at most `block` keys (`copies` of them copied), and `shared`
+// values of A shared by the workers.
 template <class A>
 AttentionWorkspace& reserve_workspace(const AttentionContext& context, AttentionWorkspace& local, std::int64_t items,
                                       std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
-                                      std::int64_t copies, std::int64_t full_block, std::size_t shared) {
+                                      std::int64_t copies, std::size_t shared) {
   AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
   // An item may run on any of the executor's workers, however few the items.
   const int workers = items > 1 ? context.executor.concurrency() : 1;
   // A kept workspace gets whole blocks of the plan even when this call's keys are fewer, so that a
   // later call over more keys (the same chunk further on) finds its room.
   if (context.workspace != nullptr) {
-    if (copies > 0) copies = full_block;
-    block = full_block;
+    if (copies > 0) copies = tile_plan::block_keys;
+    block = tile_plan::block_keys;
   }
   ws.reserve(workers, sizeof(A) * tile_scratch<A>::values(rows, D, Dv, block, copies), sizeof(A) * shared);
   return ws;
@@ -391,12 +389,11 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
   const std::int64_t split_length = plan::split_length(width, splits);
   const std::int64_t items = B * Hkv * tiles * splits, rows_max = group * per_tile, pitch = 2 + Dv;
   // Blocks of the plan's size, or of every key when there are fewer (scratch sized to the call).
-  const std::int64_t block = std::min(plan::block(decode), std::max<std::int64_t>(S, 1));
+  const std::int64_t block = std::min(plan::block_keys, std::max<std::int64_t>(S, 1));
   AttentionWorkspace local;
   const std::int64_t copies = std::is_same_v<A, KV> ? 0 : block;  // blocks of A are read in place
-  AttentionWorkspace& ws =
-      reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, plan::block(decode),
-                           splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch) : 0);
+  AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies,
+                                                splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch) : 0);
   const std::int64_t pad_width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
 
   context.executor.parallel_for(items, [&](std::int64_t item, int worker) {

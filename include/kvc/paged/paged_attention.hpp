@@ -247,8 +247,8 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
     any_prefill = any_prefill || !t.decode;
     keys_max = std::max(keys_max, past + q);
   }
-  // Blocks of the plan's sizes, or of every key a request has when that is fewer.
-  const auto block_of = [&](bool decode) { return std::min(plan::block(decode), keys_max); };
+  // Blocks of the plan's size, or of every key a request has when that is fewer.
+  const std::int64_t block = std::min(plan::block_keys, keys_max);
   out.resize(1, Hq, T_, D);  // every row is written below: each token belongs to a request
   const std::int64_t items = Hkv * items_per_head;
   if (items == 0) return;
@@ -258,11 +258,10 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   // Decode tiles read pool blocks of A in place when the blocks are long; otherwise (short blocks,
   // whose many small folds would cost more than a copy, other element types, prefill tiles) the
   // keys are gathered (and widened) into blocks of the plan's size.
-  const auto in_place = [&](bool decode) { return std::is_same_v<A, KV> && decode && bs >= plan::decode_block / 4; };
-  const auto copies_of = [&](bool decode) { return in_place(decode) ? 0 : block_of(decode); };
-  AttentionWorkspace& ws =
-      reserve_workspace<A>(context, local, items, rows_max, D, D, block_of(!any_prefill), copies_of(!any_prefill),
-                           plan::block(!any_prefill), index_values + static_cast<std::size_t>(partial_values));
+  const auto in_place = [&](bool decode) { return std::is_same_v<A, KV> && decode && bs >= plan::block_keys / 4; };
+  const auto copies_of = [&](bool decode) { return in_place(decode) ? 0 : block; };
+  AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, D, block, copies_of(!any_prefill),
+                                                index_values + static_cast<std::size_t>(partial_values));
   auto* first_item = reinterpret_cast<std::int64_t*>(ws.shared());
   std::int64_t* partial_at = first_item + R + 1;
   A* partials = reinterpret_cast<A*>(ws.shared()) + index_values;
@@ -285,7 +284,6 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
                        tile = (local_item - first_item[r]) / tl.splits;
     const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = queries_of(r), past = past_of(r);
     const std::int64_t i0 = tile * tl.per_tile, per_head = std::min(tl.per_tile, q - i0), rows = group * per_head;
-    const std::int64_t block = block_of(tl.decode);
     const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, D, block, copies_of(tl.decode));
     const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
     for (std::int64_t g = 0; g < group; ++g) {
