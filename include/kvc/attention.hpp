@@ -322,17 +322,22 @@ void store_partial(const tile_scratch<A>& t, std::int64_t r, std::int64_t Dv, A*
   slot[1] = t.l[r];
   std::copy(t.acc + r * Dv, t.acc + (r + 1) * Dv, slot + 2);
 }
-// The partials of `splits` splits of one row (`pitch` values apart), merged in split order.
+// The partials of `splits` splits of one row (`pitch` values apart, at most tile_plan::max_splits),
+// merged in split order.
 template <class A, class T>
 void merge_partials(const A* first, std::int64_t splits, std::int64_t pitch, std::int64_t Dv, A sv, T* out) noexcept {
   A top = -std::numeric_limits<A>::infinity(), l = A(0);
   for (std::int64_t s = 0; s < splits; ++s) top = std::max(top, first[s * pitch]);
   for (std::int64_t d = 0; d < Dv; ++d) out[d] = T(0);
   if (top == -std::numeric_limits<A>::infinity()) return;
-  for (std::int64_t s = 0; s < splits; ++s) l += first[s * pitch + 1] * std::exp(first[s * pitch] - top);
+  A weight[tile_plan::max_splits];  // each split's rescaling to the row's maximum
+  for (std::int64_t s = 0; s < splits; ++s) {
+    weight[s] = std::exp(first[s * pitch] - top);
+    l += first[s * pitch + 1] * weight[s];
+  }
   for (std::int64_t d = 0; d < Dv; ++d) {
     A acc = A(0);
-    for (std::int64_t s = 0; s < splits; ++s) acc += first[s * pitch + 2 + d] * std::exp(first[s * pitch] - top);
+    for (std::int64_t s = 0; s < splits; ++s) acc += first[s * pitch + 2 + d] * weight[s];
     out[d] = static_cast<T>(l > A(0) ? acc / l * sv : A(0));
   }
 }

@@ -252,8 +252,11 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   out.resize(1, Hq, T_, D);  // every row is written below: each token belongs to a request
   const std::int64_t items = Hkv * items_per_head;
   if (items == 0) return;
-  // The shared area: each request's first item (R + 1), its partials' offset (R), the partials.
-  const auto index_values = static_cast<std::size_t>((2 * R + 1) * sizeof(std::int64_t) / sizeof(A) + 1);
+  // The shared area: each request's tiling (R), first item (R + 1) and partials' offset (R), then
+  // the partials.
+  const std::size_t index_bytes = static_cast<std::size_t>(R) * sizeof(tiling) +
+                                  static_cast<std::size_t>(2 * R + 1) * sizeof(std::int64_t),
+                    index_values = (index_bytes + sizeof(A) - 1) / sizeof(A);
   AttentionWorkspace local;
   // Decode tiles read pool blocks of A in place when the blocks are long; otherwise (short blocks,
   // whose many small folds would cost more than a copy, other element types, prefill tiles) the
@@ -262,12 +265,13 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   const auto copies_of = [&](bool decode) { return in_place(decode) ? 0 : block; };
   AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, D, block, copies_of(!any_prefill),
                                                 index_values + static_cast<std::size_t>(partial_values));
-  auto* first_item = reinterpret_cast<std::int64_t*>(ws.shared());
+  auto* tilings = reinterpret_cast<tiling*>(ws.shared());
+  auto* first_item = reinterpret_cast<std::int64_t*>(tilings + R);
   std::int64_t* partial_at = first_item + R + 1;
   A* partials = reinterpret_cast<A*>(ws.shared()) + index_values;
   first_item[0] = 0;
   for (std::int64_t r = 0, at = 0; r < R; ++r) {
-    const tiling t = tiling_of(r);
+    const tiling t = tilings[r] = tiling_of(r);
     first_item[r + 1] = first_item[r] + t.tiles * t.splits;
     partial_at[r] = at;
     if (t.splits > 1) at += Hkv * t.splits * group * queries_of(r) * pitch;
@@ -279,7 +283,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   context.executor.parallel_for(items, [&](std::int64_t item, int worker) {
     const std::int64_t hk = item / items_per_head, local_item = item % items_per_head;
     const std::int64_t r = std::upper_bound(first_item, first_item + R + 1, local_item) - first_item - 1;
-    const tiling tl = tiling_of(r);
+    const tiling& tl = tilings[r];
     const std::int64_t split = (local_item - first_item[r]) % tl.splits,
                        tile = (local_item - first_item[r]) / tl.splits;
     const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = queries_of(r), past = past_of(r);
@@ -354,7 +358,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   // Requests cut into splits: each (KV head, request)'s rows merged over its splits, in order.
   context.executor.parallel_for(Hkv * R, [&](std::int64_t i, int) {
     const std::int64_t hk = i / R, r = i % R;
-    const tiling tl = tiling_of(r);
+    const tiling& tl = tilings[r];
     if (tl.splits == 1 || tl.tiles == 0) return;
     const std::int64_t q = queries_of(r), t0 = cu[static_cast<std::size_t>(r)];
     const A sv = static_cast<A>(scales.value_scale(hk));
