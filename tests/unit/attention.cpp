@@ -7,43 +7,6 @@
 
 namespace {
 
-// Reference: double precision, explicit loops, the mask built from absolute positions.
-template <class T>
-std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v,
-                              std::int64_t q_pos0, std::int64_t k_pos0, std::int64_t window /* 0: none */,
-                              std::int64_t chunk = 0 /* 0: none */) {
-  const auto B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
-  const auto Hkv = k.dimension(1), S = k.dimension(2), Dv = v.dimension(3);
-  std::vector<double> out;
-  for (Eigen::Index b = 0; b < B; ++b)
-    for (Eigen::Index h = 0; h < Hq; ++h)
-      for (Eigen::Index i = 0; i < Q; ++i) {
-        const auto hk = h / (Hq / Hkv);
-        std::vector<double> w(static_cast<std::size_t>(S), 0.0);
-        double max = -1e300, sum = 0;
-        for (Eigen::Index j = 0; j < S; ++j) {
-          const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          if (kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk)) continue;
-          double dot = 0;
-          for (Eigen::Index d = 0; d < D; ++d) dot += double(q(b, h, i, d)) * double(k(b, hk, j, d));
-          w[std::size_t(j)] = dot / std::sqrt(double(D));
-          max = std::max(max, w[std::size_t(j)]);
-        }
-        for (Eigen::Index j = 0; j < S; ++j) {
-          const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          const bool vis = !(kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk));
-          w[std::size_t(j)] = vis ? std::exp(w[std::size_t(j)] - max) : 0.0;
-          sum += w[std::size_t(j)];
-        }
-        for (Eigen::Index d = 0; d < Dv; ++d) {
-          double acc = 0;
-          for (Eigen::Index j = 0; j < S; ++j) acc += w[std::size_t(j)] / sum * double(v(b, hk, j, d));
-          out.push_back(acc);
-        }
-      }
-  return out;
-}
-
 template <class T>
 double tolerance() {
   if constexpr (std::is_same_v<T, double>) return 1e-12;
@@ -97,7 +60,8 @@ void check_cache(Cache& cache, const kvc::ModelConfig& c, std::mt19937& rng) {
       all_v[std::size_t(layer)] = kvc_test::cat(all_v[std::size_t(layer)], vs);
       const std::int64_t window =
           (*c.layer_types)[std::size_t(layer)] == "sliding_attention" ? c.sliding_window.value_or(0) : 0;
-      const auto want = reference(qs, all_k[std::size_t(layer)], all_v[std::size_t(layer)], pos, 0, window);
+      const auto want =
+          kvc_test::reference_attention(qs, all_k[std::size_t(layer)], all_v[std::size_t(layer)], pos, 0, window);
       CAPTURE(layer);
       CAPTURE(pos);
       REQUIRE(max_diff<T>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<T>>::view(out)), want) <
@@ -160,7 +124,7 @@ TEST_CASE("explicit masks: static buffer zeros are never attended") {
   kvc::HostTensor<float> v3 =
       v.slice(Eigen::array<Eigen::Index, 4>{0, 0, 0, 0}, Eigen::array<Eigen::Index, 4>{1, 1, 3, 8});
   CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
-                        reference(q, k3, v3, 2, 0, 0)) < 1e-5);
+                        kvc_test::reference_attention(q, k3, v3, 2, 0, 0)) < 1e-5);
   // A custom scale.
   const auto scaled = kvc::scaled_dot_product_attention(q, kv, vv, {5, 0, 4, std::nullopt, true}, 0.0);
   for (std::int64_t d = 0; d < 8; ++d) {  // scale 0: uniform weights, the mean of the values
@@ -209,7 +173,7 @@ TEST_CASE("a DynamicCache() keeps every token; the model's window masks the old 
     all_k = kvc_test::cat(all_k, ks);
     all_v = kvc_test::cat(all_v, vs);
     CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
-                          reference(qs, all_k, all_v, pos, 0, 3)) < 1e-5);
+                          kvc_test::reference_attention(qs, all_k, all_v, pos, 0, 3)) < 1e-5);
     pos += q;
   }
   CHECK(cache.get_seq_length() == 13);
@@ -239,7 +203,7 @@ TEST_CASE("chunked attention: a query sees the keys of its own chunk") {
     all_v = kvc_test::cat(all_v, vs);
     CAPTURE(pos);
     CHECK(max_diff<float>(kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<float>>::view(out)),
-                          reference(qs, all_k, all_v, pos, 0, 0, 4)) < 1e-5);
+                          kvc_test::reference_attention(qs, all_k, all_v, pos, 0, 0, 4)) < 1e-5);
     pos += q;
   }
   const auto q = gaussian<float>(1, 2, 1, 8, rng);

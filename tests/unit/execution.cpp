@@ -129,39 +129,6 @@ void on_every_executor(Fn&& fn) {
 #endif
 }
 
-// Causal attention of the last q of S positions in double, [B, Hq, q, D] (the mask's
-// query_position is S - q, kv_offset 0).
-template <class T>
-std::vector<double> reference(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v,
-                              std::int64_t window) {
-  const std::int64_t B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
-  const std::int64_t Hkv = k.dimension(1), S = k.dimension(2);
-  std::vector<double> out;
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < Hq; ++h)
-      for (std::int64_t i = 0; i < Q; ++i) {
-        const std::int64_t qp = S - Q + i, hk = h / (Hq / Hkv);
-        std::vector<double> w(static_cast<std::size_t>(S), -INFINITY);
-        double top = -INFINITY, sum = 0;
-        for (std::int64_t j = 0; j <= qp; ++j) {
-          if (window > 0 && j <= qp - window) continue;
-          double dot = 0;
-          for (std::int64_t d = 0; d < D; ++d)
-            dot += static_cast<double>(q(b, h, i, d)) * static_cast<double>(k(b, hk, j, d));
-          w[static_cast<std::size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
-          top = std::max(top, w[static_cast<std::size_t>(j)]);
-        }
-        for (double& x : w) sum += (x = std::exp(x - top));
-        for (std::int64_t d = 0; d < D; ++d) {
-          double acc = 0;
-          for (std::int64_t j = 0; j < S; ++j)
-            acc += w[static_cast<std::size_t>(j)] * static_cast<double>(v(b, hk, j, d));
-          out.push_back(acc / sum);
-        }
-      }
-  return out;
-}
-
 template <class T>
 double worst_difference(const kvc::HostTensor<T>& out, const std::vector<double>& want) {
   double worst = 0;
@@ -196,7 +163,8 @@ TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executo
     });
     // Against attention in double (random values are multiples of 1/8 up to 8: sharp softmaxes).
     const auto out = kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask);
-    CHECK(worst_difference(out, reference(q, k, v, s.window)) < (std::is_same_v<T, Eigen::bfloat16> ? 0.07 : 1e-4));
+    CHECK(worst_difference(out, kvc_test::reference_attention(q, k, v, s.S - s.Q, 0, s.window)) <
+          (std::is_same_v<T, Eigen::bfloat16> ? 0.07 : 1e-4));
     // With padding (every third key of batch row 0) too.
     for (std::int64_t j = 0; j < s.S; j += 3) pad[static_cast<std::size_t>(j)] = 0;
     mask.key_padding_mask = pad;
