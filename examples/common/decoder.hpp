@@ -6,7 +6,7 @@
 // mask (`forward_no_cache`, the reference the demo checks the caches against).
 //
 // What runs in which type, for Decoder<T> with T = float, Eigen::bfloat16 or Eigen::half:
-//   float: the weights (Eigen float matrices), the residual stream, RMSNorm, the Q/K/V and output
+//   float: the weights (PackedWeight), the residual stream, RMSNorm, the Q/K/V and output
 //          projections, the rotary embedding, the MLP, the LM head and the logits;
 //   T:     the queries, keys and values after the rotary embedding (converted from float), the
 //          K/V the cache stores and the attention output; kvc::scaled_dot_product_attention
@@ -23,6 +23,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -170,6 +172,111 @@ inline void parallel_for(std::int64_t count, const std::function<void(std::int64
   if (error) std::rethrow_exception(error);
 }
 
+// A weight matrix W, [in, out] (y = x * W), stored once, when the model is made, in the order its
+// products read it: panels of `width` output columns (two of the CPU's SIMD vectors: 32 floats
+// with AVX-512, 16 with AVX, 8 otherwise), each panel's values of input 0, then of input 1, and so
+// on (the last panel padded with zeros). A product then streams each weight once from
+// memory into registers, with no copy per product (Eigen's matrix product packs both operands
+// anew on every call: a third of the decoder's product time at a batch of 32 rows). Each output
+// is one sum over the inputs in order, whatever the number of rows or threads, so a token's
+// result does not depend on the batch it shares or on the thread count. The products run on
+// OpenMP's threads where the program is built with it (the panels divided among them).
+class PackedWeight {
+ public:
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  PackedWeight() = default;
+  explicit PackedWeight(const Eigen::MatrixXf& w)
+      : in_(w.rows()), out_(w.cols()), panels_((w.cols() + width - 1) / width) {
+    data_.assign(static_cast<std::size_t>(panels_ * in_ * (width / lanes)), lane_vector{});
+    float* d = reinterpret_cast<float*>(data_.data());
+    for (std::int64_t p = 0; p < panels_; ++p)
+      for (std::int64_t j = 0; j < width && p * width + j < out_; ++j)
+        for (std::int64_t k = 0; k < in_; ++k) d[(p * in_ + k) * width + j] = w(k, p * width + j);
+  }
+
+  std::int64_t rows() const noexcept { return in_; }
+  std::int64_t cols() const noexcept { return out_; }
+
+  // W as a plain matrix again (for slicing: Decoder::shard).
+  Eigen::MatrixXf unpack() const {
+    Eigen::MatrixXf w(in_, out_);
+    const float* d = reinterpret_cast<const float*>(data_.data());
+    for (std::int64_t p = 0; p < panels_; ++p)
+      for (std::int64_t j = 0; j < width && p * width + j < out_; ++j)
+        for (std::int64_t k = 0; k < in_; ++k) w(k, p * width + j) = d[(p * in_ + k) * width + j];
+    return w;
+  }
+
+  // y = x * W, y resized to [x.rows(), cols()] (no allocation when it has that size already).
+  void times(const Matrix& x, Matrix& y) const {
+    if (x.cols() != in_) throw std::invalid_argument("PackedWeight: x has the wrong number of columns");
+    y.resize(x.rows(), out_);
+    const std::int64_t M = x.rows();
+    // One row reads four panels at once (eight independent sums in flight); more rows read one
+    // panel at a time, in blocks of `block_rows`, 4 and 1 rows that share each weight load.
+    const std::int64_t group = M == 1 && panels_ >= 16 ? 4 : 1, items = (panels_ + group - 1) / group;
+    const auto item = [&](std::int64_t i) {
+      const std::int64_t p0 = i * group, n = std::min(group, panels_ - p0);
+      const lane_vector* panel = data_.data() + p0 * in_ * (width / lanes);
+      float* out = y.data() + p0 * width;
+      if (n == 4) return block<1, 4>(x.data(), panel, out, p0);
+      std::int64_t m = 0;
+      for (; m + block_rows <= M; m += block_rows) block<block_rows, 1>(x.data() + m * in_, panel, out + m * out_, p0);
+      if constexpr (block_rows > 4)
+        for (; m + 4 <= M; m += 4) block<4, 1>(x.data() + m * in_, panel, out + m * out_, p0);
+      for (; m < M; ++m)
+        for (std::int64_t q = 0; q < n; ++q)
+          block<1, 1>(x.data() + m * in_, panel + q * in_ * (width / lanes), out + m * out_ + q * width, p0 + q);
+    };
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (items > 1 && !omp_in_parallel())
+#endif
+    for (std::int64_t i = 0; i < items; ++i) item(i);
+  }
+
+ private:
+  // The CPU's vector of floats (GCC's and clang's vector extension) and the rows a block keeps
+  // in registers: block_rows x 2 vectors of sums, two of weights and a broadcast input fit the
+  // register file (32 vectors with AVX-512, 16 otherwise).
+#if defined(__AVX512F__)
+  static constexpr std::int64_t lanes = 16;
+  static constexpr int block_rows = 8;
+#elif defined(__AVX__)
+  static constexpr std::int64_t lanes = 8;
+  static constexpr int block_rows = 4;
+#else
+  static constexpr std::int64_t lanes = 4;
+  static constexpr int block_rows = 4;
+#endif
+  static constexpr std::int64_t width = 2 * lanes;
+  using lane_vector = float __attribute__((vector_size(lanes * sizeof(float))));
+
+  // Rows [0, R) of x times panels [p0, p0 + P) into y (rows out_ apart): R x P x 2 sums kept in
+  // registers over the whole of the input.
+  template <int R, int P>
+  void block(const float* x, const lane_vector* panel, float* y, std::int64_t p0) const noexcept {
+    lane_vector acc[R][P][2] = {};
+    for (std::int64_t k = 0; k < in_; ++k) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float a = x[r * in_ + k];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) {
+          acc[r][p][0] += a * panel[(p * in_ + k) * 2];
+          acc[r][p][1] += a * panel[(p * in_ + k) * 2 + 1];
+        }
+      }
+    }
+    const std::int64_t cols = std::min<std::int64_t>(P * width, out_ - p0 * width);
+    for (int r = 0; r < R; ++r)
+      std::memcpy(y + r * out_, &acc[r][0][0], sizeof(float) * static_cast<std::size_t>(cols));
+  }
+
+  std::int64_t in_ = 0, out_ = 0, panels_ = 0;
+  std::vector<lane_vector> data_;
+};
+
 // Logits, one row per token: [tokens, vocab_size].
 using Logits = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -190,7 +297,7 @@ template <class T>
 class Decoder {
  public:
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // activations
-  using Weight = Eigen::MatrixXf;                                                        // [in, out]: y = x * W
+  using Weight = PackedWeight;                                                           // [in, out]: y = x * W
 
   // Weights from `seed`: std::mt19937_64 streams (one per 2^20 values of a matrix), approximately
   // normal with std 1/sqrt(fan_in), so every projection keeps activations O(1); RMSNorm weights
@@ -205,9 +312,11 @@ class Decoder {
       float mean, stddev;
     };
     std::vector<Job> jobs;
+    // The weights are drawn into plain column-major matrices, then packed one by one.
+    std::deque<std::pair<Weight*, Eigen::MatrixXf>> drawn;
     auto weight = [&](Weight& w, std::int64_t in, std::int64_t out) {
-      w.resize(in, out);
-      jobs.push_back({w.data(), w.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(in)))});
+      Eigen::MatrixXf& m = drawn.emplace_back(&w, Eigen::MatrixXf(in, out)).second;
+      jobs.push_back({m.data(), m.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(in)))});
     };
     auto norm = [&](Eigen::RowVectorXf& w) {
       w.resize(h);
@@ -230,10 +339,11 @@ class Decoder {
       weight(l.w_down, ff, h);
     }
     norm(final_norm_);
+    Matrix lm_head;  // [vocab, hidden]; empty when tied to embed_
     if (!config_.tie_word_embeddings) {
-      lm_head_.resize(config_.vocab_size, h);
+      lm_head.resize(config_.vocab_size, h);
       jobs.push_back(
-          {lm_head_.data(), lm_head_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
+          {lm_head.data(), lm_head.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
     }
     // Chunks of 2^20 values, each its own stream: the same weights whatever the thread count.
     constexpr std::int64_t chunk = std::int64_t{1} << 20;
@@ -246,6 +356,12 @@ class Decoder {
       fill_normal(j.data + first, std::min(chunk, j.size - first), j.mean, j.stddev,
                   stream_seed(seed, (static_cast<std::uint64_t>(i) << 32) + static_cast<std::uint64_t>(first / chunk)));
     });
+    for (auto& [packed, m] : drawn) {
+      *packed = Weight(m);
+      m = Eigen::MatrixXf();  // the plain copy goes as soon as the packed one exists
+    }
+    head_ = Weight(config_.tie_word_embeddings ? Eigen::MatrixXf(embed_.transpose())
+                                               : Eigen::MatrixXf(lm_head.transpose()));
     inv_freq_.resize(static_cast<std::size_t>(config_.head_dim / 2));
     for (std::size_t i = 0; i < inv_freq_.size(); ++i)
       inv_freq_[i] =
@@ -274,10 +390,10 @@ class Decoder {
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const Layer& full = layers_[l];
       Layer& part = out.layers_[l];
-      part.wq = full.wq.middleCols(rank * q_cols, q_cols);
-      part.wk = full.wk.middleCols(rank * kv_cols, kv_cols);
-      part.wv = full.wv.middleCols(rank * kv_cols, kv_cols);
-      part.wo = full.wo.middleRows(rank * q_cols, q_cols);
+      part.wq = Weight(full.wq.unpack().middleCols(rank * q_cols, q_cols));
+      part.wk = Weight(full.wk.unpack().middleCols(rank * kv_cols, kv_cols));
+      part.wv = Weight(full.wv.unpack().middleCols(rank * kv_cols, kv_cols));
+      part.wo = Weight(full.wo.unpack().middleRows(rank * q_cols, q_cols));
     }
     out.reduce_ = {};
     return out;
@@ -395,45 +511,14 @@ class Decoder {
     return x;
   }
 
-  // x * w. Eigen's matrix product first packs both operands; for a handful of rows against a
-  // large weight matrix that moves the weights through memory twice for little arithmetic. Up to
-  // 8 rows, each weight column is read once instead and met by all the rows (a matrix-vector
-  // product with x, which stays in cache), the columns spread over the threads (OpenMP, where the
-  // program is built with it). Measured on 768 x 2048 weights, 2 cores: 2 rows 0.38 ms against
-  // 1.21, 8 rows 0.59 against 0.96; at 32 rows Eigen's product is ahead (1.29 against 1.43).
-  // With OpenMP, more rows than that run as one matrix product per slice of 64 weight columns,
-  // the slices over the threads (Eigen's own threading leaves products this small on one thread),
-  // and one row too has its columns spread over the threads.
+  // x * w (PackedWeight: on every thread OpenMP gives, the weights read in their packed order).
   static Matrix times(const Matrix& x, const Weight& w) {
-#if defined(_OPENMP)
-    if (omp_in_parallel() || omp_get_max_threads() == 1) {
-      if (x.rows() == 1 || x.rows() > 8) return x * w;
-    } else if (x.rows() > 8) {
-      Eigen::MatrixXf y(x.rows(), w.cols());
-      const auto slices = static_cast<std::int64_t>((w.cols() + 63) / 64);
-#pragma omp parallel for schedule(static)
-      for (std::int64_t i = 0; i < slices; ++i) {
-        const Eigen::Index j0 = i * 64, n = std::min<Eigen::Index>(64, w.cols() - j0);
-        y.middleCols(j0, n).noalias() = x * w.middleCols(j0, n);
-      }
-      return y;
-    }
-#else
-    if (x.rows() == 1 || x.rows() > 8) return x * w;
-#endif
-    Eigen::MatrixXf y(x.rows(), w.cols());  // column-major: each column written whole
-    const auto cols = static_cast<std::int64_t>(w.cols());
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static)
-#endif
-    for (std::int64_t j = 0; j < cols; ++j) y.col(j).noalias() = x * w.col(j);
+    Matrix y;
+    w.times(x, y);
     return y;
   }
 
-  Logits logits(const Matrix& x) const {
-    const Matrix& head = config_.tie_word_embeddings ? embed_ : lm_head_;
-    return rms_norm(x, final_norm_) * head.transpose();
-  }
+  Logits logits(const Matrix& x) const { return times(rms_norm(x, final_norm_), head_); }
 
   Matrix rms_norm(const Matrix& x, const Eigen::RowVectorXf& weight) const {
     Matrix y(x.rows(), x.cols());
@@ -529,8 +614,8 @@ class Decoder {
   }
 
   DecoderConfig config_;
-  Matrix embed_;    // [vocab, hidden]
-  Matrix lm_head_;  // [vocab, hidden]; empty when tied to embed_
+  Matrix embed_;  // [vocab, hidden]
+  Weight head_;   // the LM head, [hidden, vocab]: embed_ transposed when tied, else its own
   std::vector<Layer> layers_;
   Eigen::RowVectorXf final_norm_;
   std::vector<double> inv_freq_;
