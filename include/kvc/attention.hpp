@@ -219,13 +219,20 @@ struct tile_plan {
 };
 
 // One work item's scratch, carved from its worker's workspace area: `copies` rows of keys and of
-// values for blocks that are widened or gathered (0 where blocks are read in place).
+// values for blocks that are widened or gathered (0 where blocks are read in place). Each array
+// starts at a multiple of the workspace's alignment from the area's (aligned) start.
 template <class A>
 struct tile_scratch {
   A *q, *k, *v, *s, *acc, *m, *l, *corr;
+  // n values of A rounded up to whole alignment units.
+  static constexpr std::int64_t padded(std::int64_t n) noexcept {
+    constexpr auto unit = static_cast<std::int64_t>(AttentionWorkspace::alignment / sizeof(A));
+    return (n + unit - 1) / unit * unit;
+  }
   static constexpr std::size_t values(std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
                                       std::int64_t copies) noexcept {
-    return static_cast<std::size_t>(rows * D + copies * D + copies * Dv + rows * block + rows * Dv + 3 * rows);
+    return static_cast<std::size_t>(padded(rows * D) + padded(copies * D) + padded(copies * Dv) + padded(rows * block) +
+                                    padded(rows * Dv) + 3 * padded(rows));
   }
   static tile_scratch carve(std::byte* area, std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
                             std::int64_t copies) noexcept {
@@ -240,7 +247,7 @@ struct tile_scratch {
                             {&t.l, rows},
                             {&t.corr, rows}}) {
       *field = p;
-      p += n;
+      p += padded(n);
     }
     return t;
   }

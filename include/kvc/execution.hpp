@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -95,8 +96,13 @@ class ExecutorRef {
 };
 
 // Scratch memory for attention calls, owned by the caller (one per thread that calls attention).
+// Every area starts at a multiple of `alignment` bytes: vectorized sums over the scratch then
+// group their terms the same way whatever address the allocator returned, so a call's results do
+// not depend on where its workspace lies (nor on which worker's area an item runs in).
 class AttentionWorkspace {
  public:
+  static constexpr std::size_t alignment = 64;
+
   AttentionWorkspace() = default;
   AttentionWorkspace(const AttentionWorkspace&) = delete;
   AttentionWorkspace& operator=(const AttentionWorkspace&) = delete;
@@ -142,10 +148,17 @@ class AttentionWorkspace {
   std::byte* shared() noexcept { return shared_.data.get(); }
 
  private:
+  struct aligned_delete {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{alignment}); }
+  };
   struct area {
-    std::unique_ptr<std::byte[]> data;
+    std::unique_ptr<std::byte[], aligned_delete> data;
     std::size_t size = 0;
-    static area of(std::size_t n) { return {n > 0 ? std::make_unique_for_overwrite<std::byte[]>(n) : nullptr, n}; }
+    static area of(std::size_t n) {
+      return {std::unique_ptr<std::byte[], aligned_delete>(
+                  n > 0 ? static_cast<std::byte*>(::operator new[](n, std::align_val_t{alignment})) : nullptr),
+              n};
+    }
   };
   std::vector<area> workers_;
   area shared_;

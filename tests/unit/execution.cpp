@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <random>
 #include <string>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -171,6 +173,50 @@ TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executo
     on_every_executor([&](const kvc::AttentionContext& context) {
       return kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, context);
     });
+  }
+}
+
+TEST_CASE("AttentionWorkspace: every area starts on a 64-byte boundary") {
+  // Vectorized sums over the scratch peel a different head off an array at each alignment, and so
+  // group (round) their terms differently: with AVX-512 a 16-byte aligned workspace made two
+  // identical calls differ in the last bits. Aligned areas make the grouping a function of the
+  // problem alone.
+  kvc::AttentionWorkspace ws;
+  std::vector<std::unique_ptr<char[]>> held;
+  for (std::size_t i = 1; i <= 8; ++i) {
+    held.push_back(std::make_unique<char[]>(i * 24 + 8));  // other addresses for the next areas
+    ws.reserve(static_cast<int>(i), 100 * i + 4, 1000 * i + 4);
+    for (int w = 0; w < static_cast<int>(i); ++w)
+      CHECK(reinterpret_cast<std::uintptr_t>(ws.worker(w)) % kvc::AttentionWorkspace::alignment == 0);
+    CHECK(reinterpret_cast<std::uintptr_t>(ws.shared()) % kvc::AttentionWorkspace::alignment == 0);
+  }
+  CHECK(kvc::AttentionWorkspace::alignment >= 64);
+}
+
+TEST_CASE("scaled_dot_product_attention: the same bits from call to call, wherever its workspace lies") {
+  // Values of every magnitude (not multiples of 1/8), so that sums grouped differently round
+  // differently; the allocations held in between move the workspaces to other addresses (which
+  // matters where the build's vectors are wider than the allocator's alignment: AVX and up).
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  struct shape {
+    std::int64_t Hq, Hkv, Q, S;
+  };
+  for (const shape s : {shape{12, 2, 20, 20}, shape{12, 2, 65, 65}, shape{8, 2, 1, 700}, shape{4, 4, 3, 300}}) {
+    CAPTURE(s.S);
+    kvc::HostTensor<float> q(1, s.Hq, s.Q, 64), k(1, s.Hkv, s.S, 64), v(1, s.Hkv, s.S, 64);
+    for (auto* t : {&q, &k, &v})
+      for (std::int64_t i = 0; i < t->size(); ++i) t->data()[i] = normal(rng);
+    const kvc::AttentionMask mask{s.S, 0, s.S - s.Q};
+    const auto first = kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask);
+    std::vector<std::unique_ptr<char[]>> held;
+    for (std::size_t i = 1; i <= 12; ++i) {
+      held.push_back(std::make_unique<char[]>(i * 24 + 8));
+      CHECK(same_bits(kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask), first));
+      kvc::AttentionWorkspace ws;
+      const kvc::SerialExecutor serial;
+      CHECK(same_bits(kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, {serial, &ws}), first));
+    }
   }
 }
 
