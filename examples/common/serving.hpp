@@ -99,6 +99,25 @@ inline std::int64_t sample(const Logits& logits, Eigen::Index row, const std::st
   return static_cast<std::int64_t>(best);
 }
 
+// The token of every logits row of a step (`next`, in row order: the requests that give a token, in
+// batch order), the rows sampled on OpenMP's threads where the program is built with it. Each
+// row's draw depends on its own seed only, so the tokens do not depend on the thread count.
+inline void sample_batch(const Logits& logits, const kvc::ScheduledBatch& batch, std::uint64_t seed,
+                         std::vector<std::int64_t>& next) {
+  std::vector<const kvc::ScheduledRequest*> rows;
+  for (const kvc::ScheduledRequest& s : batch.requests)
+    if (s.has_new_token) rows.push_back(&s);
+  next.resize(rows.size());
+  const auto n = static_cast<std::int64_t>(rows.size());
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(static) if (n >= 4)
+#endif
+  for (std::int64_t i = 0; i < n; ++i) {
+    const kvc::ScheduledRequest& s = *rows[static_cast<std::size_t>(i)];
+    next[static_cast<std::size_t>(i)] = sample(logits, i, s.request_id, s.past + s.query_length, seed);
+  }
+}
+
 // [snippet:serve_step]
 // One step of the model over a scheduled batch: each layer attends through the block tables
 // (kvc::paged_attention reads the cached keys in place and the step's own from its inputs, on the
@@ -137,15 +156,15 @@ inline ServeTotals serve(
   const auto start = std::chrono::steady_clock::now();
   const AttentionExecutor executor{};  // every thread the program is given (OpenMP), or one
   kvc::AttentionWorkspace workspace;   // the attention's scratch, reused by every step
+  std::vector<std::int64_t> next;      // one token per logits row
   // [snippet:serve_loop]
   while (auto batch = scheduler.schedule()) {
     const Logits logits = forward_step(model, cache, *batch, {executor, &workspace});
-    std::vector<std::int64_t> next;  // one token per logits row
+    sample_batch(logits, *batch, seed, next);
     Eigen::Index row = 0;
     for (const kvc::ScheduledRequest& s : batch->requests) {
       if (!s.has_new_token) continue;
-      next.push_back(sample(logits, row, s.request_id, s.past + s.query_length, seed));
-      if (on_token) on_token(s, logits, row, next.back());
+      if (on_token) on_token(s, logits, row, next[static_cast<std::size_t>(row)]);
       ++row;
     }
     scheduler.update(*batch, next);
