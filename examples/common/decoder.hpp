@@ -209,10 +209,10 @@ class PackedWeight {
   }
 
   // y = x * W, y resized to [x.rows(), cols()] (no allocation when it has that size already).
-  void times(const Matrix& x, Matrix& y) const {
+  void times(const Eigen::Ref<const Matrix>& x, Matrix& y) const {
     if (x.cols() != in_) throw std::invalid_argument("PackedWeight: x has the wrong number of columns");
     y.resize(x.rows(), out_);
-    const std::int64_t M = x.rows();
+    const std::int64_t M = x.rows(), ld = x.outerStride();
     // One row reads four panels at once (eight independent sums in flight); more rows read one
     // panel at a time, in blocks of `block_rows`, 4 and 1 rows that share each weight load.
     const std::int64_t group = M == 1 && panels_ >= 16 ? 4 : 1, items = (panels_ + group - 1) / group;
@@ -220,14 +220,15 @@ class PackedWeight {
       const std::int64_t p0 = i * group, n = std::min(group, panels_ - p0);
       const lane_vector* panel = data_.data() + p0 * in_ * (width / lanes);
       float* out = y.data() + p0 * width;
-      if (n == 4) return block<1, 4>(x.data(), panel, out, p0);
+      if (n == 4) return block<1, 4>(x.data(), ld, panel, out, p0);
       std::int64_t m = 0;
-      for (; m + block_rows <= M; m += block_rows) block<block_rows, 1>(x.data() + m * in_, panel, out + m * out_, p0);
+      for (; m + block_rows <= M; m += block_rows)
+        block<block_rows, 1>(x.data() + m * ld, ld, panel, out + m * out_, p0);
       if constexpr (block_rows > 4)
-        for (; m + 4 <= M; m += 4) block<4, 1>(x.data() + m * in_, panel, out + m * out_, p0);
+        for (; m + 4 <= M; m += 4) block<4, 1>(x.data() + m * ld, ld, panel, out + m * out_, p0);
       for (; m < M; ++m)
         for (std::int64_t q = 0; q < n; ++q)
-          block<1, 1>(x.data() + m * in_, panel + q * in_ * (width / lanes), out + m * out_ + q * width, p0 + q);
+          block<1, 1>(x.data() + m * ld, ld, panel + q * in_ * (width / lanes), out + m * out_ + q * width, p0 + q);
     };
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (items > 1 && !omp_in_parallel())
@@ -252,15 +253,15 @@ class PackedWeight {
   static constexpr std::int64_t width = 2 * lanes;
   using lane_vector = float __attribute__((vector_size(lanes * sizeof(float))));
 
-  // Rows [0, R) of x times panels [p0, p0 + P) into y (rows out_ apart): R x P x 2 sums kept in
-  // registers over the whole of the input.
+  // Rows [0, R) of x (ld apart) times panels [p0, p0 + P) into y (rows out_ apart): R x P x 2 sums
+  // kept in registers over the whole of the input.
   template <int R, int P>
-  void block(const float* x, const lane_vector* panel, float* y, std::int64_t p0) const noexcept {
+  void block(const float* x, std::int64_t ld, const lane_vector* panel, float* y, std::int64_t p0) const noexcept {
     lane_vector acc[R][P][2] = {};
     for (std::int64_t k = 0; k < in_; ++k) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const float a = x[r * in_ + k];
+        const float a = x[r * ld + k];
 #pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
           acc[r][p][0] += a * panel[(p * in_ + k) * 2];
@@ -412,7 +413,7 @@ class Decoder {
   // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
   template <Attention How = Attention::update, class Cache>
   Logits forward(std::span<const std::int32_t> tokens, Cache& cache, bool all_logits = false) const {
-    const Matrix x = run(
+    const Matrix& x = run(
         tokens, positions_from(cache.get_seq_length(0), tokens.size()),
         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
           const AttentionExecutor executor{};
@@ -424,7 +425,7 @@ class Decoder {
           else
             return kvc::attend(cache, layer, q, k, v, opts);
         });
-    return logits(all_logits ? x : Matrix(x.bottomRows(1)));
+    return all_logits ? logits(x) : logits(x.bottomRows(1));
   }
 
   // One step of a continuous batch: the tokens of several sequences packed one after another,
@@ -435,8 +436,9 @@ class Decoder {
   Logits forward_packed(std::span<const std::int32_t> tokens, std::span<const std::int64_t> positions,
                         std::span<const std::int64_t> logit_rows, Attend&& attend_fn) const {
     if (positions.size() != tokens.size()) throw std::invalid_argument("Decoder: one position per token");
-    const Matrix x = run(tokens, std::vector<std::int64_t>(positions.begin(), positions.end()), attend_fn);
-    Matrix picked(static_cast<Eigen::Index>(logit_rows.size()), x.cols());
+    const Matrix& x = run(tokens, std::vector<std::int64_t>(positions.begin(), positions.end()), attend_fn);
+    Matrix& picked = buffers().picked;
+    picked.resize(static_cast<Eigen::Index>(logit_rows.size()), x.cols());
     for (std::size_t i = 0; i < logit_rows.size(); ++i) {
       const std::int64_t r = logit_rows[i];
       if (r < 0 || r >= x.rows()) throw std::out_of_range("Decoder: logit row " + std::to_string(r));
@@ -449,7 +451,7 @@ class Decoder {
   // an explicit causal mask (and the layer's window for sliding layers). Positions start at 0.
   Logits forward_no_cache(std::span<const std::int32_t> tokens, bool all_logits = false) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
-    const Matrix x = run(
+    const Matrix& x = run(
         tokens, positions_from(0, tokens.size()),
         [&](std::int64_t layer, const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k, const kvc::HostTensor<T>& v) {
           const kvc::AttentionMask mask{.kv_length = n,
@@ -459,7 +461,7 @@ class Decoder {
                                         .causal = true};
           return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
         });
-    return logits(all_logits ? x : Matrix(x.bottomRows(1)));
+    return all_logits ? logits(x) : logits(x.bottomRows(1));
   }
 
  private:
@@ -474,54 +476,73 @@ class Decoder {
     return out;
   }
 
-  // The final hidden states, [tokens, hidden]; token i at positions[i].
+  // The activations of a forward pass, one set per thread (the decoder's methods are const and may
+  // run on several threads at once), kept from pass to pass: Eigen reallocates a matrix only when
+  // its number of elements changes, so a pass over as many tokens as the one before (a decode
+  // step) allocates none of them.
+  struct Buffers {
+    Matrix x, a, q, k, v, attended, projected, gate, up, down, cos, sin, picked;
+    kvc::HostTensor<T> hq, hk, hv;
+  };
+  static Buffers& buffers() {
+    thread_local Buffers b;
+    return b;
+  }
+
+  // The final hidden states, [tokens, hidden] (this thread's buffer, valid until its next pass);
+  // token i at positions[i].
   template <class Attend>
-  Matrix run(std::span<const std::int32_t> tokens, const std::vector<std::int64_t>& positions,
-             Attend&& attend_fn) const {
+  const Matrix& run(std::span<const std::int32_t> tokens, const std::vector<std::int64_t>& positions,
+                    Attend&& attend_fn) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
     const std::int64_t h = config_.hidden_size, hq = config_.num_attention_heads, hkv = config_.num_key_value_heads;
     if (n == 0) throw std::invalid_argument("Decoder: no tokens");
-    Matrix x(n, h);
-    const float normalizer = std::sqrt(static_cast<float>(h));
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int32_t t = tokens[static_cast<std::size_t>(i)];
+    for (const std::int32_t t : tokens)
       if (t < 0 || t >= config_.vocab_size)
         throw std::out_of_range("Decoder: token " + std::to_string(t) + " is outside the vocabulary");
-      x.row(i) = embed_.row(t) * normalizer;
-    }
-    const auto [cos, sin] = rope_table(positions);
+    Buffers& b = buffers();
+    Matrix& x = b.x;
+    x.resize(n, h);
+    const float normalizer = std::sqrt(static_cast<float>(h));
+    for (std::int64_t i = 0; i < n; ++i) x.row(i) = embed_.row(tokens[static_cast<std::size_t>(i)]) * normalizer;
+    rope_table(positions, b.cos, b.sin);
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
-      Matrix a = rms_norm(x, w.attn_norm);
-      Matrix q = times(a, w.wq), k = times(a, w.wk);
-      const Matrix v = times(a, w.wv);
-      rotate(q, hq, cos, sin);
-      rotate(k, hkv, cos, sin);
-      const kvc::HostTensor<T> out =
-          attend_fn(static_cast<std::int64_t>(l), to_heads(q, hq), to_heads(k, hkv), to_heads(v, hkv));
-      Matrix projected = times(from_heads(out), w.wo);
-      if (reduce_) reduce_(projected);  // a tensor-parallel shard's partial sum, summed over the ranks
-      x.noalias() += projected;
-      a = rms_norm(x, w.mlp_norm);
-      Matrix gate = times(a, w.w_gate);
-      const Matrix up = times(a, w.w_up);
-      gate = (gate.array() / (1.0f + (-gate.array()).exp()) * up.array()).matrix();  // SiLU(gate) * up
-      x.noalias() += times(gate, w.w_down);
+      rms_norm(x, w.attn_norm, b.a);
+      w.wq.times(b.a, b.q);
+      w.wk.times(b.a, b.k);
+      w.wv.times(b.a, b.v);
+      rotate(b.q, hq, b.cos, b.sin);
+      rotate(b.k, hkv, b.cos, b.sin);
+      to_heads(b.q, hq, b.hq);
+      to_heads(b.k, hkv, b.hk);
+      to_heads(b.v, hkv, b.hv);
+      const kvc::HostTensor<T> out = attend_fn(static_cast<std::int64_t>(l), b.hq, b.hk, b.hv);
+      from_heads(out, b.attended);
+      w.wo.times(b.attended, b.projected);
+      if (reduce_) reduce_(b.projected);  // a tensor-parallel shard's partial sum, summed over the ranks
+      x.noalias() += b.projected;
+      rms_norm(x, w.mlp_norm, b.a);
+      w.w_gate.times(b.a, b.gate);
+      w.w_up.times(b.a, b.up);
+      b.gate.array() = b.gate.array() / (1.0f + (-b.gate.array()).exp()) * b.up.array();  // SiLU(gate) * up
+      w.w_down.times(b.gate, b.down);
+      x.noalias() += b.down;
     }
     return x;
   }
 
-  // x * w (PackedWeight: on every thread OpenMP gives, the weights read in their packed order).
-  static Matrix times(const Matrix& x, const Weight& w) {
-    Matrix y;
-    w.times(x, y);
-    return y;
+  // The logits of the hidden states x (the LM head on every thread OpenMP gives).
+  Logits logits(const Eigen::Ref<const Matrix>& x) const {
+    Matrix& normed = buffers().a;
+    rms_norm(x, final_norm_, normed);
+    Logits out;
+    head_.times(normed, out);
+    return out;
   }
 
-  Logits logits(const Matrix& x) const { return times(rms_norm(x, final_norm_), head_); }
-
-  Matrix rms_norm(const Matrix& x, const Eigen::RowVectorXf& weight) const {
-    Matrix y(x.rows(), x.cols());
+  void rms_norm(const Eigen::Ref<const Matrix>& x, const Eigen::RowVectorXf& weight, Matrix& y) const {
+    y.resize(x.rows(), x.cols());
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (x.rows() >= 16 && !omp_in_parallel())
 #endif
@@ -529,14 +550,14 @@ class Decoder {
       const float ms = x.row(r).squaredNorm() / static_cast<float>(x.cols());
       y.row(r) = (x.row(r) * (1.0f / std::sqrt(ms + static_cast<float>(config_.rms_norm_eps)))).cwiseProduct(weight);
     }
-    return y;
   }
 
   // cos/sin of position * inv_freq, [n, head_dim / 2], computed in double and rounded once.
-  std::pair<Matrix, Matrix> rope_table(const std::vector<std::int64_t>& positions) const {
+  void rope_table(const std::vector<std::int64_t>& positions, Matrix& c, Matrix& s) const {
     const auto half = static_cast<Eigen::Index>(inv_freq_.size());
     const auto n = static_cast<Eigen::Index>(positions.size());
-    Matrix c(n, half), s(n, half);
+    c.resize(n, half);
+    s.resize(n, half);
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(static) if (n >= 16 && !omp_in_parallel())
 #endif
@@ -547,7 +568,6 @@ class Decoder {
         c(i, j) = static_cast<float>(std::cos(angle));
         s(i, j) = static_cast<float>(std::sin(angle));
       }
-    return {std::move(c), std::move(s)};
   }
 
   // Llama's rotate_half: element j of each head pairs with element j + head_dim / 2.
@@ -568,23 +588,21 @@ class Decoder {
   }
 
   // [tokens, heads * head_dim] float -> [1, heads, tokens, head_dim] in T.
-  kvc::HostTensor<T> to_heads(const Matrix& x, std::int64_t heads) const {
+  void to_heads(const Matrix& x, std::int64_t heads, kvc::HostTensor<T>& out) const {
     const std::int64_t n = x.rows(), d = config_.head_dim;
-    kvc::HostTensor<T> out(1, heads, n, d);
+    out.resize(1, heads, n, d);
     for (std::int64_t hd = 0; hd < heads; ++hd)
       for (std::int64_t i = 0; i < n; ++i)
         for (std::int64_t j = 0; j < d; ++j) out(0, hd, i, j) = static_cast<T>(x(i, hd * d + j));
-    return out;
   }
 
   // [1, heads, tokens, head_dim] in T -> [tokens, heads * head_dim] float.
-  Matrix from_heads(const kvc::HostTensor<T>& t) const {
+  void from_heads(const kvc::HostTensor<T>& t, Matrix& out) const {
     const std::int64_t heads = t.dimension(1), n = t.dimension(2), d = t.dimension(3);
-    Matrix out(n, heads * d);
+    out.resize(n, heads * d);
     for (std::int64_t hd = 0; hd < heads; ++hd)
       for (std::int64_t i = 0; i < n; ++i)
         for (std::int64_t j = 0; j < d; ++j) out(i, hd * d + j) = static_cast<float>(t(0, hd, i, j));
-    return out;
   }
 
   static kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
