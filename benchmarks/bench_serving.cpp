@@ -16,8 +16,11 @@
 //    requests arriving 4 per step, with block sharing on and off (no model: writes only, the
 //    scheduler and cache as they run): peak blocks in use and prompt tokens computed.
 //
-// Writes DIR/serving_throughput.dat, serving_memory.dat and serving_prefix.dat (gnuplot tables
-// with a header of quoted column names) and prints them.
+// 4. Throughput against the threads the program is given (1 .. the OpenMP default, at least 2) at
+//    1, 8, 32 and 128 concurrent requests (built with OpenMP only).
+//
+// Writes DIR/serving_throughput.dat, serving_memory.dat, serving_prefix.dat and serving_threads.dat
+// (gnuplot tables with a header of quoted column names) and prints them.
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -27,6 +30,10 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "common/serving.hpp"
 
@@ -68,7 +75,15 @@ std::int64_t dynamic_bytes(const examples::DecoderConfig& c, std::int64_t prompt
   return cache.bytes();
 }
 
-Point throughput_point(const examples::Decoder<float>& model, std::int64_t n) {
+// n requests served through a paged cache with room for all of them: the finished requests, the
+// serving seconds and the cache's bytes per block and scheduler statistics.
+struct Served {
+  std::vector<kvc::RequestState> done;
+  double seconds = 0;
+  std::int64_t bytes_per_block = 0, block_size = 0;
+  kvc::SchedulerStats stats;
+};
+Served serve_requests(const examples::Decoder<float>& model, std::int64_t n) {
   const examples::DecoderConfig& c = model.config();
   examples::WorkloadShape shape;
   shape.new_min = 32;
@@ -82,10 +97,26 @@ Point throughput_point(const examples::Decoder<float>& model, std::int64_t n) {
   ServingCache cache(c.cache_config(), cb);
   ServingScheduler scheduler(cache, cb);
   for (const auto& r : requests) scheduler.add_request(r);
-  std::vector<kvc::RequestState> done;
-  const examples::ServeTotals t = examples::serve(model, cache, scheduler, seed, {}, [&] {
-    for (auto& st : scheduler.take_finished()) done.push_back(std::move(st));
-  });
+  Served out;
+  out.seconds = examples::serve(model, cache, scheduler, seed, {}, [&] {
+                  for (auto& st : scheduler.take_finished()) out.done.push_back(std::move(st));
+                }).seconds;
+  out.bytes_per_block = cache.bytes_per_block();
+  out.block_size = cache.block_size();
+  out.stats = scheduler.stats();
+  return out;
+}
+
+std::int64_t generated_tokens(const std::vector<kvc::RequestState>& done) {
+  std::int64_t n = 0;
+  for (const auto& st : done) n += static_cast<std::int64_t>(st.generated().size());
+  return n;
+}
+
+Point throughput_point(const examples::Decoder<float>& model, std::int64_t n) {
+  const examples::DecoderConfig& c = model.config();
+  const Served served = serve_requests(model, n);
+  const std::vector<kvc::RequestState>& done = served.done;
   Point p;
   p.requests = n;
   std::int64_t longest = 0, dynamic_sum = 0;
@@ -94,7 +125,7 @@ Point throughput_point(const examples::Decoder<float>& model, std::int64_t n) {
     longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(st.tokens.size()));
     dynamic_sum += dynamic_bytes(c, st.prompt_length, static_cast<std::int64_t>(st.tokens.size()) - 1);
   }
-  p.paged_tps = static_cast<double>(p.generated) / t.seconds;
+  p.paged_tps = static_cast<double>(p.generated) / served.seconds;
   // The baseline: every sequence up to 32, else the first 32 scaled by generated tokens.
   std::vector<const kvc::RequestState*> run;
   std::int64_t run_generated = 0;
@@ -105,9 +136,9 @@ Point throughput_point(const examples::Decoder<float>& model, std::int64_t n) {
   }
   const double seconds = examples::one_cache_per_request(model, run).first;
   p.dynamic_tps = static_cast<double>(run_generated) / seconds;
-  const kvc::SchedulerStats& s = scheduler.stats();
-  p.peak_mib = mib(s.peak_blocks_in_use * cache.bytes_per_block());
-  p.live_mib = mib(s.live_rows_at_peak * cache.bytes_per_block() / cache.block_size());
+  const kvc::SchedulerStats& s = served.stats;
+  p.peak_mib = mib(s.peak_blocks_in_use * served.bytes_per_block);
+  p.live_mib = mib(s.live_rows_at_peak * served.bytes_per_block / served.block_size);
   p.dynamic_mib = mib(dynamic_sum);
   const std::int64_t token_bytes =
       2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * static_cast<std::int64_t>(sizeof(float));
@@ -211,6 +242,38 @@ int main(int argc, char** argv) {
     tput << p.requests << ' ' << p.paged_tps << ' ' << p.dynamic_tps << ' ' << ratio << '\n';
     mem << p.requests << ' ' << p.peak_mib << ' ' << p.live_mib << ' ' << p.dynamic_mib << ' ' << p.static_mib << '\n';
   }
+
+  // Throughput against the threads the program is given (OpenMP: the decoder's products and
+  // norms, the attention, the sampling), the best of 3 runs each.
+#if defined(_OPENMP)
+  const int most_threads = std::max(omp_get_max_threads(), 2);
+  const std::array<std::int64_t, 4> loads{1, 8, 32, 128};
+  std::ofstream thr(out + "/serving_threads.dat");
+  thr << "\"threads\"";
+  for (const std::int64_t n : loads) thr << " \"" << n << (n == 1 ? " request" : " requests") << '"';
+  thr << '\n';
+  std::printf("\n%9s", "threads");
+  for (const std::int64_t n : loads) std::printf(" %9lld req", static_cast<long long>(n));
+  std::printf("   (generated tokens/s)\n");
+  for (int threads = 1; threads <= most_threads; ++threads) {
+    omp_set_num_threads(threads);
+    thr << threads;
+    std::printf("%9d", threads);
+    for (const std::int64_t n : loads) {
+      double best = 0;
+      for (int rep = 0; rep < 3; ++rep) {
+        const Served served = serve_requests(model, n);
+        best = std::max(best, static_cast<double>(generated_tokens(served.done)) / served.seconds);
+      }
+      thr << ' ' << best;
+      std::printf(" %13.0f", best);
+      std::fflush(stdout);
+    }
+    thr << '\n';
+    std::printf("\n");
+  }
+  omp_set_num_threads(most_threads);
+#endif
 
   std::ofstream pre(out + "/serving_prefix.dat");
   pre << "\"shared fraction\" \"KV memory saved (peak blocks)\" \"prefill compute saved (tokens)\"\n";

@@ -18,6 +18,8 @@
 #                            and what prefix sharing saves (serving_*.dat, written by kvc_bench_serving)
 #   threads.png              attention on 1 and 2 threads: a decode step vs context length and a
 #                            prefill vs prompt length (threads.json, kvc_bench_threads; wall-clock)
+#   serving_threads.png      continuous batching's throughput vs the threads it is given, at 1 to
+#                            128 concurrent requests (serving_threads.dat, kvc_bench_serving)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -186,6 +188,22 @@ set yrange [0:100]
 set format y "%.0f%%"
 plot for [i=2:3] "$in/serving_prefix.dat" using 1:(100 * column(i)) with linespoints ls (i - 1) title columnheader(i)
 unset multiplot
+GNUPLOT
+fi
+
+# ---- continuous batching vs threads (kvc_bench_serving built with OpenMP) ---------------------------
+if [[ -f $in/serving_threads.dat ]]; then
+  gnuplot <<GNUPLOT
+$common
+set terminal pngcairo size 760,520 font "sans,11" noenhanced
+set output "$out/serving_threads.png"
+set title "kvc continuous batching vs threads (kvc_bench_serving; OpenMP: the decoder,\nkvc::paged_attention and the sampling), best of 3 runs"
+set xlabel "threads"
+set ylabel "generated tokens/s"
+set xtics 1
+set yrange [0:*]
+set key top left Left reverse font ",9"
+plot for [i=2:5] "$in/serving_threads.dat" using 1:i with linespoints ls (i - 1) title columnheader(i)
 GNUPLOT
 fi
 
