@@ -78,6 +78,7 @@ struct any_cache_iface : typed_iface<host_element_types> {
   virtual void batch_select_indices(std::span<const std::int64_t>) = 0;
   virtual void reset() = 0;
   virtual void make_resident(std::int64_t) = 0;
+  virtual void reserve(std::int64_t) = 0;
   virtual void activate_past_recording() noexcept = 0;
   virtual void set_write_position(std::int64_t) = 0;
   virtual void early_initialization(std::int64_t, const int_or_list&, const int_or_list&) = 0;
@@ -155,6 +156,9 @@ class any_cache_model final : public any_cache_iface {
   }
   void reset() override { cache_.reset(); }
   void make_resident(std::int64_t i) override { cache_.make_resident(i); }
+  void reserve(std::int64_t tokens) override {
+    if constexpr (requires { cache_.reserve(tokens); }) cache_.reserve(tokens);  // else nothing grows
+  }
   void activate_past_recording() noexcept override { cache_.activate_past_recording(); }
   void set_write_position(std::int64_t p) override {
     if constexpr (C::can_set_write_position)
@@ -316,6 +320,9 @@ class AnyCache {
   void reset() {
     if (impl_) impl_->reset();
   }
+  // Room for `tokens` tokens in every layer that grows as it is appended to (Cache::reserve); a
+  // held cache without such layers (the paged one) is left as it is.
+  void reserve(std::int64_t tokens) { self().reserve(tokens); }
   // Brings layer `layer_idx` (-1: every layer) back from an offload tier (Cache::make_resident).
   void make_resident(std::int64_t layer_idx = -1) {
     if (impl_) impl_->make_resident(layer_idx);

@@ -60,6 +60,24 @@ TEST_CASE("an AnyCache behaves like the cache it holds") {
   caches[0].activate_past_recording();
 }
 
+TEST_CASE("AnyCache::reserve reaches the held cache's growing layers") {
+  kvc::HostTensor<float> kv(1, 1, 1, 1);
+  kv.setConstant(1.0f);
+  const auto grown = [&](kvc::AnyCache cache, std::int64_t reserved) {
+    if (reserved > 0) cache.reserve(reserved);
+    for (std::int64_t l = 0; l < 2; ++l) cache.update(kv, kv, l);
+    return cache.bytes();
+  };
+  kvc::DynamicCache<float> typed;
+  typed.reserve(300);
+  for (std::int64_t l = 0; l < 2; ++l) typed.update(kv, kv, l);
+  CHECK(grown(kvc::DynamicCache<float>(), 300) == typed.bytes());
+  CHECK(grown(kvc::DynamicCache<float>(), 300) > grown(kvc::DynamicCache<float>(), 0));
+  // Layers that do not grow keep their room; an empty handle has no cache to reserve in.
+  CHECK(grown(kvc::StaticCache<float>(two_layers(), 4), 300) == grown(kvc::StaticCache<float>(two_layers(), 4), 0));
+  CHECK_THROWS_AS(kvc::AnyCache().reserve(8), kvc::ValueError);
+}
+
 TEST_CASE("get<C>() recovers the held cache") {
   kvc::AnyCache any = kvc::StaticCache<Eigen::bfloat16>(two_layers(), 4);
   REQUIRE(any.get<kvc::StaticCache<Eigen::bfloat16>>() != nullptr);
