@@ -4,7 +4,8 @@
 // kvc::attend on a QuantizedLayer follows transformers: the layer's update returns the whole
 // history dequantized (into a workspace the layer keeps, 1.34x an fp16 cache per token with int4)
 // and attention reads that. attend_quantized reads the layer as it is stored instead: the
-// quantized history a tile of rows at a time, dequantized into a small per-thread buffer and
+// quantized history a tile of rows at a time, dequantized into a small buffer of the attention
+// workspace (AttentionContext; the call makes its own without one) and
 // used at once (online softmax: a running maximum and sum per query row), then the full-precision
 // residual, then the step's own keys and values; the step is stored afterwards with the layer's
 // append, which quantizes at the same moments as update (the same codes) but keeps no workspace.
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -45,29 +47,77 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
   c.residual_kv();
 };
 
-// The attention of one (batch row, KV head) block: the `group` query heads that read it, q query
-// rows each at positions past .. past + q - 1, over the quantized history (its chunks in order),
-// then `resid` and `fresh` full-precision rows. Every source becomes a float tile of up to `tile` rows; scores and
-// the weighted values are matrix products on those tiles (Eigen), with an online softmax between.
+// The scratch of one attend_block call, carved from a workspace area (aligned, as
+// AttentionWorkspace's areas are): float tiles of `tile` key and value rows as dequantized, then
+// in A the scaled queries, the unnormalised outputs and a tile of scores per query row, and the
+// running maximum and sum per row.
+template <class A>
+struct quantized_scratch {
+  static constexpr std::int64_t tile = 64;
+  float *kt, *vt;
+  A *qm, *acc, *sc, *m, *l;
+  static constexpr std::size_t bytes(std::int64_t rows, std::int64_t dim) noexcept {
+    return sizeof(float) * static_cast<std::size_t>(2 * padded<float>(tile * dim)) +
+           sizeof(A) *
+               static_cast<std::size_t>(2 * padded<A>(rows * dim) + padded<A>(rows * tile) + 2 * padded<A>(rows));
+  }
+  static quantized_scratch carve(std::byte* area, std::int64_t rows, std::int64_t dim) noexcept {
+    quantized_scratch t{};
+    auto* f = reinterpret_cast<float*>(area);
+    t.kt = f;
+    t.vt = f + padded<float>(tile * dim);
+    A* a = reinterpret_cast<A*>(t.vt + padded<float>(tile * dim));
+    for (auto [field, n] :
+         {std::pair{&t.qm, rows * dim}, {&t.acc, rows * dim}, {&t.sc, rows * tile}, {&t.m, rows}, {&t.l, rows}}) {
+      *field = a;
+      a += padded<A>(n);
+    }
+    return t;
+  }
+  template <class E>
+  static constexpr std::int64_t padded(std::int64_t n) noexcept {
+    constexpr auto unit = static_cast<std::int64_t>(AttentionWorkspace::alignment / sizeof(E));
+    return (n + unit - 1) / unit * unit;
+  }
+};
+
+// A matrix of rows of T: `rows` rows `row` elements apart, element d of a row `inner` apart.
+template <class T>
+struct strided_rows {
+  const T* data;
+  std::int64_t row, inner;
+  T at(std::int64_t r, std::int64_t d) const noexcept { return data[r * row + d * inner]; }
+};
+
+// The attention of one (batch row, KV head) block: the `group` query heads that read it (head h's
+// rows at queries + h * q_head), q query rows each at positions past .. past + q - 1, over the
+// quantized history (its chunks in order), then `resid` and `fresh` full-precision rows. Every
+// source becomes a float tile of up to `tile` rows; scores and the weighted values are matrix
+// products on those tiles (Eigen), with an online softmax between. Scratch from `area`
+// (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous, [group, fresh, dim].
 template <class T, class A, class QH>
 void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
-                  const T* nk, const T* nv, std::int64_t fresh, const T* queries, std::int64_t group, std::int64_t dim,
-                  std::int64_t past, const AttentionMask& mask, A scale, T* outputs) {
+                  strided_rows<T> nk, strided_rows<T> nv, std::int64_t fresh, strided_rows<T> queries,
+                  std::int64_t q_head, std::int64_t group, std::int64_t dim, std::int64_t past,
+                  const AttentionMask& mask, A scale, std::byte* area, T* outputs) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
-  constexpr std::int64_t tile = 64, decode_rows = 16;
+  constexpr std::int64_t tile = quantized_scratch<A>::tile, decode_rows = 16;
   const std::int64_t rows = group * fresh;
-  // Reused across calls on this thread: the tiles (float rows, as dequantized) and the state.
-  thread_local std::vector<float> kt, vt;
-  kt.resize(static_cast<std::size_t>(tile * dim));
-  vt.resize(static_cast<std::size_t>(tile * dim));
-  Mat qm(rows, dim);  // the queries, scaled
+  const quantized_scratch<A> t = quantized_scratch<A>::carve(area, rows, dim);
+  const auto kt = std::span(t.kt, static_cast<std::size_t>(tile * dim)),
+             vt = std::span(t.vt, static_cast<std::size_t>(tile * dim));
+  Eigen::Map<Mat> qm(t.qm, rows, dim);  // the queries, scaled
   for (std::int64_t h = 0; h < group; ++h)
     for (std::int64_t i = 0; i < fresh; ++i)
       for (std::int64_t d = 0; d < dim; ++d)
-        qm(h * fresh + i, d) = static_cast<A>(queries[(h * fresh + i) * dim + d]) * scale;
-  Mat acc = Mat::Zero(rows, dim), sc(rows, tile);
-  Vec m = Vec::Constant(rows, -std::numeric_limits<A>::infinity()), l = Vec::Zero(rows);
+        qm(h * fresh + i, d) =
+            static_cast<A>(strided_rows<T>{queries.data + h * q_head, queries.row, queries.inner}.at(i, d)) * scale;
+  Eigen::Map<Mat> acc(t.acc, rows, dim), sc(t.sc, rows, tile);
+  Eigen::Map<Vec> m(t.m, rows), l(t.l, rows);
+  acc.setZero();
+  m.setConstant(-std::numeric_limits<A>::infinity());
+  l.setZero();
   const A minus_inf = -std::numeric_limits<A>::infinity();
   // Folds the n rows of the tiles, at absolute positions p0 .., into every query row.
   const auto fold = [&](std::int64_t p0, std::int64_t n) {
@@ -111,8 +161,9 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
       acc.noalias() += s * vf.template cast<A>();
     }
   };
-  const auto load = [&](float* dst, const T* src, std::int64_t n) {
-    for (std::int64_t i = 0; i < n * dim; ++i) dst[i] = static_cast<float>(src[i]);
+  const auto load = [&](float* dst, strided_rows<T> src, std::int64_t r0, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t d = 0; d < dim; ++d) dst[i * dim + d] = static_cast<float>(src.at(r0 + i, d));
   };
   const std::int64_t first = mask.first_visible(past);  // no query sees a key before it
   std::int64_t start = 0;                               // where the chunk starts
@@ -129,14 +180,14 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   const std::int64_t history = start;
   for (std::int64_t t0 = 0; t0 < resid; t0 += tile) {
     const std::int64_t n = std::min(tile, resid - t0);
-    load(kt.data(), rk + t0 * dim, n);
-    load(vt.data(), rv + t0 * dim, n);
+    load(kt.data(), {rk, dim, 1}, t0, n);
+    load(vt.data(), {rv, dim, 1}, t0, n);
     fold(history + t0, n);
   }
   for (std::int64_t t0 = 0; t0 < fresh; t0 += tile) {
     const std::int64_t n = std::min(tile, fresh - t0);
-    load(kt.data(), nk + t0 * dim, n);
-    load(vt.data(), nv + t0 * dim, n);
+    load(kt.data(), nk, t0, n);
+    load(vt.data(), nv, t0, n);
     fold(history + resid + t0, n);
   }
   for (std::int64_t h = 0; h < group; ++h)
@@ -151,19 +202,24 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
 
 // Attention of layer `layer_idx` for queries [batch, Hq, q, head_dim] over the layer's quantized
 // history, its residual and the step's keys and values [batch, Hkv, q, head_dim], which are then
-// stored (append). Returns [batch, Hq, q, head_dim] (empty for a step of q = 0 tokens).
+// stored (append), into `out` (resized to [batch, Hq, q, head_dim]; no allocation when it holds that
+// many elements already). The work, one item per (batch row, KV head), runs on
+// options.context's executor, its scratch in the context's workspace when it has one (else in one
+// of the call's own); the results are the same on any executor and thread count.
 template <class Cache>
-HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
-    Cache& cache, std::int64_t layer_idx, const TensorView<typename Cache::storage_policy::element_type>& queries,
-    const TensorView<typename Cache::storage_policy::element_type>& keys,
-    const TensorView<typename Cache::storage_policy::element_type>& values, const AttendOptions& options = {}) {
+void attend_quantized(Cache& cache, std::int64_t layer_idx,
+                      const TensorView<typename Cache::storage_policy::element_type>& queries,
+                      const TensorView<typename Cache::storage_policy::element_type>& keys,
+                      const TensorView<typename Cache::storage_policy::element_type>& values,
+                      HostTensor<typename Cache::storage_policy::element_type>& out,
+                      const AttendOptions& options = {}) {
   using S = typename Cache::storage_policy;
   using T = typename S::element_type;
   using A = detail::accum_t<T>;
   static_assert(S::space == memory_space::host, "kvc::attend_quantized: host storage only");
   if (!options.key_padding_mask.empty())
     throw ValueError("kvc::attend_quantized: a key_padding_mask is not supported (use kvc::attend)");
-  return cache.update_with(keys, values, layer_idx, [&](auto& st) -> HostTensor<T> {
+  cache.update_with(keys, values, layer_idx, [&](auto& st) -> HostTensor<T>& {
     using St = std::remove_cvref_t<decltype(st)>;
     if constexpr (!detail::quantized_layer_state<St, typename S::view_type>) {
       throw ValueError("kvc::attend_quantized: layer " + std::to_string(layer_idx) + " is a " +
@@ -180,32 +236,53 @@ HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
       const std::int64_t Hkv = keys.extent(1), group = Hq / Hkv;
       const AttentionMask mask{past + q, 0, past, options.sliding_window, true, options.attention_chunk_size, {}};
       const A scale = static_cast<A>(options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(D)));
-      HostTensor<T> out(B, Hq, q, D);
       if (q == 0) {
         // A step of no tokens: kvc::attend's empty [B, Hq, 0, D] (the loop below would take the
         // address of row 0 of empty tensors). The append still runs, as update would.
+        out.resize(B, Hq, q, D);
       } else if (past > 0) {
-        // Contiguous copies of the step's inputs (views may be strided).
-        const HostTensor<T> qc = queries.to_tensor(), kc = keys.to_tensor(), vc = values.to_tensor();
         const auto r = st.residual_kv();
-        const std::int64_t resid = st.residual_tokens();
+        const std::int64_t resid = st.residual_tokens(), items = B * Hkv;
+        // Scratch first (the only allocation, none with a kept workspace of the size), then the output.
+        const AttentionContext& context = options.context;
+        AttentionWorkspace local;
+        AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
+        ws.reserve(items > 1 ? context.executor.concurrency() : 1, detail::quantized_scratch<A>::bytes(group * q, D),
+                   0);
+        out.resize(B, Hq, q, D);
         // One item per (batch row, KV head), each on its own rows: the executor's choice of threads
         // does not change the results.
-        options.context.executor.parallel_for(B * Hkv, [&](std::int64_t i, int) {
+        context.executor.parallel_for(items, [&](std::int64_t i, int worker) {
           const std::int64_t b = i / Hkv, hk = i % Hkv;
           const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
           const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
+          const auto rows_of = [&](const TensorView<T>& x, std::int64_t head) {
+            return detail::strided_rows<T>{x.data() + b * x.stride(0) + head * x.stride(1), x.stride(2), x.stride(3)};
+          };
           detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
-                                     &kc(b, hk, 0, 0), &vc(b, hk, 0, 0), q, &qc(b, hk * group, 0, 0), group, D, past,
-                                     mask, scale, &out(b, hk * group, 0, 0));
+                                     rows_of(keys, hk), rows_of(values, hk), q, rows_of(queries, hk * group),
+                                     queries.stride(1), group, D, past, mask, scale, ws.worker(worker),
+                                     &out(b, hk * group, 0, 0));
         });
       } else {  // nothing stored yet: attention over the step itself
-        out = scaled_dot_product_attention(queries, keys, values, mask, options.context, options.scale);
+        scaled_dot_product_attention(queries, keys, values, mask, out, options.context, options.scale);
       }
       st.append(keys, values);
       return out;
     }
   });
+}
+
+// attend_quantized's result as a new tensor. Returns [batch, Hq, q, head_dim] (empty for a step of
+// q = 0 tokens).
+template <class Cache>
+HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
+    Cache& cache, std::int64_t layer_idx, const TensorView<typename Cache::storage_policy::element_type>& queries,
+    const TensorView<typename Cache::storage_policy::element_type>& keys,
+    const TensorView<typename Cache::storage_policy::element_type>& values, const AttendOptions& options = {}) {
+  HostTensor<typename Cache::storage_policy::element_type> out;
+  attend_quantized(cache, layer_idx, queries, keys, values, out, options);
+  return out;
 }
 
 }  // namespace kvc

@@ -379,6 +379,35 @@ TEST_CASE("a steady-state step with a workspace allocates nothing, on one thread
   }
 }
 
+TEST_CASE("attend_quantized: decode steps between quantizations allocate nothing with a workspace") {
+  std::mt19937 rng(12);
+  const auto tokens = [&](std::int64_t heads, std::int64_t n) {
+    return kvc_test::random_tensor<float>(1, heads, n, 16, rng);
+  };
+  const auto prompt_q = tokens(4, 300), prompt_k = tokens(2, 300), prompt_v = tokens(2, 300);
+  const auto q = tokens(4, 1), k = tokens(2, 1), v = tokens(2, 1);
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    const ThreadPool pool(threads);
+    // The residual (128 tokens by default) takes the steps; once it has held 128 (its room then
+    // kept), the 40 counted steps fall between two quantizations.
+    kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>> cache(kvc::QuantoQuantizedLayer{});
+    kvc::AttentionWorkspace ws;
+    kvc::AttendOptions options;
+    options.context = {pool, &ws};
+    kvc::HostTensor<float> out;
+    kvc::attend_quantized(cache, 0, view(prompt_q), view(prompt_k), view(prompt_v), out, options);
+    for (int step = 0; step < 140; ++step) kvc::attend_quantized(cache, 0, view(q), view(k), view(v), out, options);
+    CHECK(count_allocations([&] {
+            for (int step = 0; step < 40; ++step)
+              kvc::attend_quantized(cache, 0, view(q), view(k), view(v), out, options);
+          }) == 0);
+    // Without a kept workspace each call allocates its own scratch: the count can fail.
+    options.context.workspace = nullptr;
+    CHECK(count_allocations([&] { kvc::attend_quantized(cache, 0, view(q), view(k), view(v), out, options); }) > 0);
+  }
+}
+
 TEST_CASE("a steady-state paged step with a workspace allocates nothing") {
   std::mt19937 rng(9);
   const std::vector<std::int64_t> pasts = {300, 40};

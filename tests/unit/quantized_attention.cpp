@@ -152,6 +152,29 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
   }
 }
 
+TEST_CASE("attend_quantized: views whose heads lie apart read as their contiguous copies") {
+  // Every head's [seq, head_dim] block contiguous (what the cache's update takes), the heads and
+  // batch rows of a larger buffer: twice the tokens' room per head, half of it unused.
+  std::mt19937 rng(21);
+  kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>> spaced(kvc::QuantoQuantizedLayer{}),
+      copied(kvc::QuantoQuantizedLayer{});
+  for (const std::int64_t n : {40, 3, 1, 5}) {
+    CAPTURE(n);
+    const auto qb = kvc_test::random_tensor<float>(2, 4, 2 * n, 16, rng),
+               kb = kvc_test::random_tensor<float>(2, 2, 2 * n, 16, rng),
+               vb = kvc_test::random_tensor<float>(2, 2, 2 * n, 16, rng);
+    const auto apart = [&](const kvc::HostTensor<float>& b) {
+      const std::int64_t heads = b.dimension(1);
+      return kvc::TensorView<float>{b.data(), {2, heads, n, 16}, {heads * 2 * n * 16, 2 * n * 16, 16, 1}};
+    };
+    const auto a = kvc::attend_quantized(spaced, 0, apart(qb), apart(kb), apart(vb));
+    const auto b = kvc::attend_quantized(copied, 0, view(apart(qb).to_tensor()), view(apart(kb).to_tensor()),
+                                         view(apart(vb).to_tensor()));
+    REQUIRE(a.size() == b.size());
+    CHECK(std::equal(a.data(), a.data() + a.size(), b.data()));
+  }
+}
+
 TEST_CASE("attend_quantized: what it refuses, before anything is stored") {
   using Cache = kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>>;
   Cache cache(kvc::QuantoQuantizedLayer{});
