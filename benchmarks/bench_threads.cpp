@@ -55,18 +55,15 @@ long minor_faults() {
 
 // Attention into `out` on `threads` threads (the old tree, or a build without OpenMP: serially).
 struct runner {
-#if defined(KVC_BENCH_HAS_EXECUTORS) && defined(_OPENMP)
+#if defined(KVC_BENCH_HAS_EXECUTORS)
+#if defined(_OPENMP)
   kvc::OpenMPExecutor executor;
-  kvc::AttentionWorkspace workspace;
   explicit runner(int threads) : executor{threads} {}
-  void operator()(const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k, const kvc::HostTensor<float>& v,
-                  const kvc::AttentionMask& mask, kvc::HostTensor<float>& out) {
-    kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, out, {executor, &workspace});
-  }
-#elif defined(KVC_BENCH_HAS_EXECUTORS)
+#else
   kvc::SerialExecutor executor;
-  kvc::AttentionWorkspace workspace;
   explicit runner(int) {}
+#endif
+  kvc::AttentionWorkspace workspace;
   void operator()(const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k, const kvc::HostTensor<float>& v,
                   const kvc::AttentionMask& mask, kvc::HostTensor<float>& out) {
     kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, out, {executor, &workspace});
