@@ -218,24 +218,79 @@ struct tile_plan {
   }
 };
 
+// n values of A rounded up to whole units of the workspace's alignment: scratch arrays carved one
+// after another from an aligned area each start aligned.
+template <class A>
+constexpr std::int64_t aligned_values(std::int64_t n) noexcept {
+  constexpr auto unit = static_cast<std::int64_t>(AttentionWorkspace::alignment / sizeof(A));
+  return (n + unit - 1) / unit * unit;
+}
+
+// A row-major product dst[m, n] += alpha * lhs[m, k] * rhs, by Eigen's blocked product kernel on
+// the calling thread, its packing buffers at `pack` (aligned, pack_values(m, n, k) values). lhs is
+// row-major (pitch ldl); rhs is [k, n] row-major (pitch ldr), or with RhsTransposed the transpose
+// of a row-major [n, k] (pitch ldr). Eigen's own product allocates those buffers on the heap at
+// every call and, in a program built with OpenMP, runs itself on every core when called outside a
+// parallel region: a serial attention call would then use threads the caller did not give it.
+template <class A>
+class packed_product {
+  // Eigen's blocking sizes for a product of dst' [m', n'] over depth k in Eigen's column-major
+  // view (the row-major product is computed as its transpose), with buffers at `pack`.
+  class blocking : public Eigen::internal::level3_blocking<A, A> {
+   public:
+    blocking(A* pack, Eigen::Index m, Eigen::Index n, Eigen::Index k) {
+      Eigen::Index kc = k, mc = m, nc = n;
+      Eigen::internal::computeProductBlockingSizes<A, A, 1>(kc, mc, nc, Eigen::Index{1});
+      this->m_kc = std::clamp<Eigen::Index>(kc, 1, std::max<Eigen::Index>(k, 1));
+      this->m_mc = std::clamp<Eigen::Index>(mc, 1, std::max<Eigen::Index>(m, 1));
+      this->m_nc = std::clamp<Eigen::Index>(nc, 1, std::max<Eigen::Index>(n, 1));
+      this->m_blockA = pack;
+      this->m_blockB = pack + aligned_values<A>(this->m_kc * this->m_mc);
+    }
+  };
+
+ public:
+  // The buffer values a product of these sizes needs at most.
+  static constexpr std::int64_t pack_values(std::int64_t m, std::int64_t n, std::int64_t k) noexcept {
+    return aligned_values<A>(std::max<std::int64_t>(k, 1) * std::max<std::int64_t>(n, 1)) +
+           aligned_values<A>(std::max<std::int64_t>(k, 1) * std::max<std::int64_t>(m, 1));
+  }
+  template <bool RhsTransposed>
+  static void run(std::int64_t m, std::int64_t n, std::int64_t k, const A* lhs, std::int64_t ldl, const A* rhs,
+                  std::int64_t ldr, A* dst, std::int64_t ldd, A alpha, A* pack) {
+    if (m == 0 || n == 0 || k == 0) return;
+    blocking b(pack, n, m, k);
+    Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, Eigen::RowMajor, false, A,
+                                                   RhsTransposed ? Eigen::ColMajor : Eigen::RowMajor, false,
+                                                   Eigen::RowMajor, 1>::run(m, n, k, lhs, ldl, rhs, ldr, dst, 1, ldd,
+                                                                            alpha, b, nullptr);
+  }
+};
+
 // One work item's scratch, carved from its worker's workspace area: `copies` rows of keys and of
-// values for blocks that are widened or gathered (0 where blocks are read in place). Each array
-// starts at a multiple of the workspace's alignment from the area's (aligned) start.
+// values for blocks that are widened or gathered (0 where blocks are read in place), and with
+// `products` (prefill tiles) the packing buffers of the tile's matrix products. Each array starts
+// at a multiple of the workspace's alignment from the area's (aligned) start.
 template <class A>
 struct tile_scratch {
-  A *q, *k, *v, *s, *acc, *m, *l, *corr;
-  // n values of A rounded up to whole alignment units.
-  static constexpr std::int64_t padded(std::int64_t n) noexcept {
-    constexpr auto unit = static_cast<std::int64_t>(AttentionWorkspace::alignment / sizeof(A));
-    return (n + unit - 1) / unit * unit;
+  A *q, *k, *v, *s, *acc, *m, *l, *corr, *pack;
+  // The packing values of a tile's two products, scores [rows, block] over D and outputs
+  // [rows, Dv] over block keys.
+  static constexpr std::int64_t pack_values(bool products, std::int64_t rows, std::int64_t D, std::int64_t Dv,
+                                            std::int64_t block) noexcept {
+    return products ? std::max(packed_product<A>::pack_values(rows, block, D),
+                               packed_product<A>::pack_values(rows, Dv, block))
+                    : 0;
   }
   static constexpr std::size_t values(std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
-                                      std::int64_t copies) noexcept {
-    return static_cast<std::size_t>(padded(rows * D) + padded(copies * D) + padded(copies * Dv) + padded(rows * block) +
-                                    padded(rows * Dv) + 3 * padded(rows));
+                                      std::int64_t copies, bool products) noexcept {
+    return static_cast<std::size_t>(aligned_values<A>(rows * D) + aligned_values<A>(copies * D) +
+                                    aligned_values<A>(copies * Dv) + aligned_values<A>(rows * block) +
+                                    aligned_values<A>(rows * Dv) + 3 * aligned_values<A>(rows) +
+                                    pack_values(products, rows, D, Dv, block));
   }
   static tile_scratch carve(std::byte* area, std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
-                            std::int64_t copies) noexcept {
+                            std::int64_t copies, bool products) noexcept {
     A* p = reinterpret_cast<A*>(area);
     tile_scratch t{};
     for (auto [field, n] : {std::pair{&t.q, rows * D},
@@ -245,9 +300,10 @@ struct tile_scratch {
                             {&t.acc, rows * Dv},
                             {&t.m, rows},
                             {&t.l, rows},
-                            {&t.corr, rows}}) {
+                            {&t.corr, rows},
+                            {&t.pack, pack_values(products, rows, D, Dv, block)}}) {
       *field = p;
-      p += padded(n);
+      p += aligned_values<A>(n);
     }
     return t;
   }
@@ -273,11 +329,13 @@ void fold_keys(const tile_scratch<A>& t, std::int64_t rows, std::int64_t D, std:
   Eigen::Map<row_matrix<A>> acc(t.acc, rows, Dv);
   Eigen::Map<Eigen::Matrix<A, Eigen::Dynamic, 1>> corr(t.corr, rows);
   const auto K = as_accum<A>(kp, n, D, kpitch, t.k);
-  if (decode)
+  if (decode) {
     for (std::int64_t r = 0; r < rows; ++r) S.row(r).noalias() = Q.row(r) * K.transpose();
-  else
-    S.noalias() = Q * K.transpose();
-  S *= sk;  // after the products, as the scores' definition has it
+    S *= sk;  // after the products, as the scores' definition has it
+  } else {    // the product's sums times sk, as above
+    S.setZero();
+    packed_product<A>::template run<true>(rows, n, D, t.q, D, K.data(), K.outerStride(), t.s, n, sk, t.pack);
+  }
   bool any = false;
   for (std::int64_t r = 0; r < rows; ++r) {
     const auto [lo, hi] = vis(r);
@@ -313,7 +371,7 @@ void fold_keys(const tile_scratch<A>& t, std::int64_t rows, std::int64_t D, std:
   if (decode)
     for (std::int64_t r = 0; r < rows; ++r) acc.row(r).noalias() += S.row(r) * V;
   else
-    acc.noalias() += S * V;
+    packed_product<A>::template run<false>(rows, Dv, n, t.s, n, V.data(), V.outerStride(), t.acc, Dv, A(1), t.pack);
 }
 
 // A tile's row r: its output (acc / l times the value scale sv; zeros when it saw nothing), or its
@@ -355,7 +413,7 @@ void merge_partials(const A* first, std::int64_t splits, std::int64_t pitch, std
 template <class A>
 AttentionWorkspace& reserve_workspace(const AttentionContext& context, AttentionWorkspace& local, std::int64_t items,
                                       std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
-                                      std::int64_t copies, std::size_t shared) {
+                                      std::int64_t copies, bool products, std::size_t shared) {
   AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
   // An item may run on any of the executor's workers, however few the items.
   const int workers = items > 1 ? context.executor.concurrency() : 1;
@@ -365,7 +423,7 @@ AttentionWorkspace& reserve_workspace(const AttentionContext& context, Attention
     if (copies > 0) copies = tile_plan::block_keys;
     block = tile_plan::block_keys;
   }
-  ws.reserve(workers, sizeof(A) * tile_scratch<A>::values(rows, D, Dv, block, copies), sizeof(A) * shared);
+  ws.reserve(workers, sizeof(A) * tile_scratch<A>::values(rows, D, Dv, block, copies, products), sizeof(A) * shared);
   return ws;
 }
 
@@ -404,7 +462,7 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
   const std::int64_t block = std::min(plan::block_keys, std::max<std::int64_t>(S, 1));
   AttentionWorkspace local;
   const std::int64_t copies = std::is_same_v<A, KV> ? 0 : block;  // blocks of A are read in place
-  AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies,
+  AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, !decode,
                                                 splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch) : 0);
   const std::int64_t pad_width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
 
@@ -412,7 +470,7 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
     const std::int64_t split = item % splits, tile = (item / splits) % tiles, bh = item / (splits * tiles);
     const std::int64_t b = bh / Hkv, hk = bh % Hkv, i0 = tile * per_tile, per_head = std::min(per_tile, Q - i0);
     const std::int64_t rows = group * per_head;
-    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies);
+    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies, !decode);
     const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
     for (std::int64_t g = 0; g < group; ++g) {
       const T* qp = queries.data() + b * queries.stride(0) + (hk * group + g) * queries.stride(1);

@@ -1,6 +1,18 @@
 // Attention on any executor: the same bits on one thread, on a thread pool of the caller's, and
-// on OpenMP's team, whatever the thread count; and with a workspace, a steady-state step that
-// allocates nothing (counted by the replacement operator new of failing_allocator.hpp).
+// on OpenMP's team, whatever the thread count; a call on one thread starts no other (built with
+// OpenMP, Eigen's products would); and with a workspace, a steady-state step that allocates
+// nothing (counted by the replacement operator new of failing_allocator.hpp, and for Eigen's own
+// heap, which is malloc, by Eigen's run-time malloc check).
+
+// Eigen's heap allocations are checked while forbidden (Eigen::internal::set_is_malloc_allowed):
+// a failed check of any Eigen assertion is counted, not fatal, in this release-mode test.
+#include <atomic>
+namespace kvc_test {
+inline std::atomic<long> eigen_assertion_failures{0};
+}
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x) ((x) ? void(0) : void(kvc_test::eigen_assertion_failures.fetch_add(1)))
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -9,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <string>
@@ -140,6 +153,68 @@ double worst_difference(const kvc::HostTensor<T>& out, const std::vector<double>
 }
 
 }  // namespace
+
+#if defined(_OPENMP) && defined(__linux__)
+namespace {
+// The threads of this process (/proc/self/status).
+int process_threads() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  return -1;
+}
+}  // namespace
+
+// First in this file, and run alone by ctest (unit.execution.one_thread): no OpenMP team exists
+// yet, so a team started by the call would show as threads that were not there before it.
+TEST_CASE("attention on one thread starts no other thread, in a program built with OpenMP") {
+  REQUIRE(omp_get_max_threads() >= 1);
+  REQUIRE(process_threads() == 1);
+  std::mt19937 rng(3);
+  // A prefill large enough for Eigen to have run its products on several threads.
+  const auto q = kvc_test::random_tensor<float>(1, 8, 300, 128, rng);
+  const auto k = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
+  const auto v = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
+  const kvc::AttentionMask mask{300, 0, 0};
+  (void)kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask);
+  const kvc::OpenMPExecutor one{1};
+  (void)kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, kvc::AttentionContext{one, nullptr});
+  CHECK(process_threads() == 1);
+}
+#endif
+
+TEST_CASE("prefill attention with a workspace allocates nothing from Eigen's heap either") {
+  // Sizes whose matrix products need packing buffers above Eigen's stack limit (128 KiB): Eigen's
+  // own products would take them from the heap at every call.
+  std::mt19937 rng(4);
+  const auto q = kvc_test::random_tensor<float>(1, 8, 300, 128, rng);
+  const auto k = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
+  const auto v = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
+  const kvc::AttentionMask mask{300, 0, 0};
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    const ThreadPool pool(threads);
+    kvc::AttentionWorkspace ws;
+    kvc::HostTensor<float> out;
+    kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, out, {pool, &ws});
+    const kvc::HostTensor<float> first = out;
+    const long failures = kvc_test::eigen_assertion_failures.load();
+    Eigen::internal::set_is_malloc_allowed(false);
+    const std::int64_t allocations = count_allocations([&] {
+      kvc::scaled_dot_product_attention(view(q), view(k), view(v), mask, out, {pool, &ws});
+    });
+    Eigen::internal::set_is_malloc_allowed(true);
+    CHECK(allocations == 0);
+    CHECK(kvc_test::eigen_assertion_failures.load() == failures);
+    CHECK(same_bits(out, first));
+  }
+  // The check can fail: a tensor's storage is Eigen's heap.
+  const long failures = kvc_test::eigen_assertion_failures.load();
+  Eigen::internal::set_is_malloc_allowed(false);
+  { const kvc::HostTensor<float> t(1, 1, 1, 1); }
+  Eigen::internal::set_is_malloc_allowed(true);
+  CHECK(kvc_test::eigen_assertion_failures.load() > failures);
+}
 
 TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executor and thread count", T, float, double,
                    Eigen::bfloat16) {

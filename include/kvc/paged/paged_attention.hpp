@@ -264,7 +264,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   const auto in_place = [&](bool decode) { return std::is_same_v<A, KV> && decode && bs >= plan::block_keys / 4; };
   const auto copies_of = [&](bool decode) { return in_place(decode) ? 0 : block; };
   AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, D, block, copies_of(!any_prefill),
-                                                index_values + static_cast<std::size_t>(partial_values));
+                                                any_prefill, index_values + static_cast<std::size_t>(partial_values));
   auto* tilings = reinterpret_cast<tiling*>(ws.shared());
   auto* first_item = reinterpret_cast<std::int64_t*>(tilings + R);
   std::int64_t* partial_at = first_item + R + 1;
@@ -288,7 +288,8 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
                        tile = (local_item - first_item[r]) / tl.splits;
     const std::int64_t t0 = cu[static_cast<std::size_t>(r)], q = queries_of(r), past = past_of(r);
     const std::int64_t i0 = tile * tl.per_tile, per_head = std::min(tl.per_tile, q - i0), rows = group * per_head;
-    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, D, block, copies_of(tl.decode));
+    const tile_scratch<A> t =
+        tile_scratch<A>::carve(ws.worker(worker), rows, D, D, block, copies_of(tl.decode), !tl.decode);
     const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
     for (std::int64_t g = 0; g < group; ++g) {
       const T* qp = queries.data() + (hk * group + g) * queries.stride(1) + (t0 + i0) * queries.stride(2);
