@@ -48,36 +48,51 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
 };
 
 // The scratch of one attend_block call, carved from a workspace area (aligned, as
-// AttentionWorkspace's areas are): float tiles of `tile` key and value rows as dequantized, then
-// in A the scaled queries, the unnormalised outputs and a tile of scores per query row, and the
-// running maximum and sum per row.
+// AttentionWorkspace's areas are): float tiles of `tile` key and value rows as dequantized (and
+// the same widened to A when A is not float), then in A the scaled queries, the unnormalised
+// outputs and a tile of scores per query row, the running maximum and sum per row, and for more
+// than decode_rows rows the packing buffers of the tile's matrix products.
 template <class A>
 struct quantized_scratch {
-  static constexpr std::int64_t tile = 64;
+  static constexpr std::int64_t tile = 64, decode_rows = 16;
+  static constexpr bool widened = !std::is_same_v<A, float>;
   float *kt, *vt;
-  A *qm, *acc, *sc, *m, *l;
+  A *ka, *va, *qm, *acc, *sc, *m, *l, *pack;
+  static constexpr std::int64_t pack_values(std::int64_t rows, std::int64_t dim) noexcept {
+    return rows > decode_rows ? std::max(packed_product<A>::pack_values(rows, tile, dim),
+                                         packed_product<A>::pack_values(rows, dim, tile))
+                              : 0;
+  }
   static constexpr std::size_t bytes(std::int64_t rows, std::int64_t dim) noexcept {
-    return sizeof(float) * static_cast<std::size_t>(2 * padded<float>(tile * dim)) +
-           sizeof(A) *
-               static_cast<std::size_t>(2 * padded<A>(rows * dim) + padded<A>(rows * tile) + 2 * padded<A>(rows));
+    return sizeof(float) * static_cast<std::size_t>(2 * aligned_values<float>(tile * dim)) +
+           sizeof(A) * static_cast<std::size_t>((widened ? 2 * aligned_values<A>(tile * dim) : 0) +
+                                                2 * aligned_values<A>(rows * dim) + aligned_values<A>(rows * tile) +
+                                                2 * aligned_values<A>(rows) + pack_values(rows, dim));
   }
   static quantized_scratch carve(std::byte* area, std::int64_t rows, std::int64_t dim) noexcept {
     quantized_scratch t{};
     auto* f = reinterpret_cast<float*>(area);
     t.kt = f;
-    t.vt = f + padded<float>(tile * dim);
-    A* a = reinterpret_cast<A*>(t.vt + padded<float>(tile * dim));
-    for (auto [field, n] :
-         {std::pair{&t.qm, rows * dim}, {&t.acc, rows * dim}, {&t.sc, rows * tile}, {&t.m, rows}, {&t.l, rows}}) {
+    t.vt = f + aligned_values<float>(tile * dim);
+    A* a = reinterpret_cast<A*>(t.vt + aligned_values<float>(tile * dim));
+    if constexpr (widened) {
+      t.ka = a;
+      t.va = a + aligned_values<A>(tile * dim);
+      a += 2 * aligned_values<A>(tile * dim);
+    } else {
+      t.ka = t.kt;
+      t.va = t.vt;
+    }
+    for (auto [field, n] : {std::pair{&t.qm, rows * dim},
+                            {&t.acc, rows * dim},
+                            {&t.sc, rows * tile},
+                            {&t.m, rows},
+                            {&t.l, rows},
+                            {&t.pack, pack_values(rows, dim)}}) {
       *field = a;
-      a += padded<A>(n);
+      a += aligned_values<A>(n);
     }
     return t;
-  }
-  template <class E>
-  static constexpr std::int64_t padded(std::int64_t n) noexcept {
-    constexpr auto unit = static_cast<std::int64_t>(AttentionWorkspace::alignment / sizeof(E));
-    return (n + unit - 1) / unit * unit;
   }
 };
 
@@ -93,7 +108,7 @@ struct strided_rows {
 // rows at queries + h * q_head), q query rows each at positions past .. past + q - 1, over the
 // quantized history (its chunks in order), then `resid` and `fresh` full-precision rows. Every
 // source becomes a float tile of up to `tile` rows; scores and the weighted values are matrix
-// products on those tiles (Eigen), with an online softmax between. Scratch from `area`
+// products on those tiles (packed_product), with an online softmax between. Scratch from `area`
 // (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous, [group, fresh, dim].
 template <class T, class A, class QH>
 void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
@@ -102,7 +117,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
                   const AttentionMask& mask, A scale, std::byte* area, T* outputs) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
-  constexpr std::int64_t tile = quantized_scratch<A>::tile, decode_rows = 16;
+  constexpr std::int64_t tile = quantized_scratch<A>::tile, decode_rows = quantized_scratch<A>::decode_rows;
   const std::int64_t rows = group * fresh;
   const quantized_scratch<A> t = quantized_scratch<A>::carve(area, rows, dim);
   const auto kt = std::span(t.kt, static_cast<std::size_t>(tile * dim)),
@@ -121,16 +136,18 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   const A minus_inf = -std::numeric_limits<A>::infinity();
   // Folds the n rows of the tiles, at absolute positions p0 .., into every query row.
   const auto fold = [&](std::int64_t p0, std::int64_t n) {
-    const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> kf(kt.data(), n, dim),
-        vf(vt.data(), n, dim);
+    if constexpr (quantized_scratch<A>::widened)
+      for (std::int64_t i = 0; i < n * dim; ++i) {
+        t.ka[i] = static_cast<A>(t.kt[i]);
+        t.va[i] = static_cast<A>(t.vt[i]);
+      }
+    const Eigen::Map<const Mat> kf(t.ka, n, dim), vf(t.va, n, dim);
     auto s = sc.leftCols(n);
-    if constexpr (std::is_same_v<A, float>) {
-      if (rows <= decode_rows)  // a decode step: row by row, without the product's packing copy
-        for (std::int64_t r = 0; r < rows; ++r) s.row(r).noalias() = qm.row(r) * kf.transpose();
-      else
-        s.noalias() = qm * kf.transpose();
-    } else {
-      s.noalias() = qm * kf.template cast<A>().transpose();
+    if (rows <= decode_rows) {  // a decode step: row by row, without the product's packing copy
+      for (std::int64_t r = 0; r < rows; ++r) s.row(r).noalias() = qm.row(r) * kf.transpose();
+    } else {  // on this thread, packing in the scratch (packed_product)
+      s.setZero();
+      packed_product<A>::template run<true>(rows, n, dim, t.qm, dim, t.ka, dim, t.sc, tile, A(1), t.pack);
     }
     for (std::int64_t r = 0; r < rows; ++r) {
       // The row's visible keys are one range [jlo, jhi) of the tile (AttentionMask::visible:
@@ -152,14 +169,10 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
       acc.row(r) *= shrink;
       m(r) = new_m;
     }
-    if constexpr (std::is_same_v<A, float>) {
-      if (rows <= decode_rows)
-        for (std::int64_t r = 0; r < rows; ++r) acc.row(r).noalias() += s.row(r) * vf;
-      else
-        acc.noalias() += s * vf;
-    } else {
-      acc.noalias() += s * vf.template cast<A>();
-    }
+    if (rows <= decode_rows)
+      for (std::int64_t r = 0; r < rows; ++r) acc.row(r).noalias() += s.row(r) * vf;
+    else
+      packed_product<A>::template run<false>(rows, dim, n, t.sc, tile, t.va, dim, t.acc, dim, A(1), t.pack);
   };
   const auto load = [&](float* dst, strided_rows<T> src, std::int64_t r0, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i)
