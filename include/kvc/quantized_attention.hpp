@@ -108,13 +108,17 @@ struct strided_rows {
 // rows at queries + h * q_head), q query rows each at positions past .. past + q - 1, over the
 // quantized history (its chunks in order), then `resid` and `fresh` full-precision rows. Every
 // source becomes a float tile of up to `tile` rows; scores and the weighted values are matrix
-// products on those tiles (packed_product), with an online softmax between. Scratch from `area`
-// (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous, [group, fresh, dim].
+// products on those tiles (packed_product), with an online softmax between. Only the keys at
+// absolute positions [lo, hi) are read (a split of a decode step's keys; [0, past + fresh): all).
+// Scratch from `area` (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous,
+// [group, fresh, dim], or with `partials` each row's partial result there (m, l and the
+// unnormalised output: 2 + dim values a row, rows contiguous) for merge_partials.
 template <class T, class A, class QH>
 void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
                   strided_rows<T> nk, strided_rows<T> nv, std::int64_t fresh, strided_rows<T> queries,
                   std::int64_t q_head, std::int64_t group, std::int64_t dim, std::int64_t past,
-                  const AttentionMask& mask, A scale, std::byte* area, T* outputs) {
+                  const AttentionMask& mask, A scale, std::int64_t lo, std::int64_t hi, std::byte* area, T* outputs,
+                  A* partials) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
   constexpr std::int64_t tile = quantized_scratch<A>::tile, decode_rows = quantized_scratch<A>::decode_rows;
@@ -178,37 +182,48 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
     for (std::int64_t i = 0; i < n; ++i)
       for (std::int64_t d = 0; d < dim; ++d) dst[i * dim + d] = static_cast<float>(src.at(r0 + i, d));
   };
-  const std::int64_t first = mask.first_visible(past);  // no query sees a key before it
-  std::int64_t start = 0;                               // where the chunk starts
+  // Rows [t0, t0 + n) of a source whose row 0 sits at absolute position p0, cut to [lo, hi):
+  // read(first row, count) loads them into the tiles, then they are folded.
+  const auto visit = [&](std::int64_t p0, std::int64_t t0, std::int64_t n, auto&& read) {
+    const std::int64_t a = std::max(p0 + t0, lo), b = std::min(p0 + t0 + n, hi);
+    if (a >= b) return;
+    read(a - p0, b - a);
+    fold(a, b - a);
+  };
+  lo = std::max(lo, mask.first_visible(past));  // no query sees a key before it
+  std::int64_t start = 0;                       // where the chunk starts
   for (std::size_t c = 0; c < qk.chunks(); start += qk.chunk(c++).tokens()) {
     const auto &ck = qk.chunk(c), &cv = qv.chunk(c);
     const std::int64_t len = ck.tokens();
-    for (std::int64_t t0 = std::clamp<std::int64_t>(first - start, 0, len) / tile * tile; t0 < len; t0 += tile) {
-      const std::int64_t n = std::min(tile, len - t0);
-      ck.decode_rows(blk, t0, n, kt.data());
-      cv.decode_rows(blk, t0, n, vt.data());
-      fold(start + t0, n);
-    }
+    for (std::int64_t t0 = std::clamp<std::int64_t>(lo - start, 0, len) / tile * tile; t0 < len && start + t0 < hi;
+         t0 += tile)
+      visit(start, t0, std::min(tile, len - t0), [&](std::int64_t r0, std::int64_t n) {
+        ck.decode_rows(blk, r0, n, kt.data());
+        cv.decode_rows(blk, r0, n, vt.data());
+      });
   }
   const std::int64_t history = start;
-  for (std::int64_t t0 = 0; t0 < resid; t0 += tile) {
-    const std::int64_t n = std::min(tile, resid - t0);
-    load(kt.data(), {rk, dim, 1}, t0, n);
-    load(vt.data(), {rv, dim, 1}, t0, n);
-    fold(history + t0, n);
-  }
-  for (std::int64_t t0 = 0; t0 < fresh; t0 += tile) {
-    const std::int64_t n = std::min(tile, fresh - t0);
-    load(kt.data(), nk, t0, n);
-    load(vt.data(), nv, t0, n);
-    fold(history + resid + t0, n);
-  }
-  for (std::int64_t h = 0; h < group; ++h)
-    for (std::int64_t i = 0; i < fresh; ++i) {
-      const std::int64_t r = h * fresh + i;
-      T* out = outputs + (h * fresh + i) * dim;
+  for (std::int64_t t0 = 0; t0 < resid; t0 += tile)
+    visit(history, t0, std::min(tile, resid - t0), [&](std::int64_t r0, std::int64_t n) {
+      load(kt.data(), {rk, dim, 1}, r0, n);
+      load(vt.data(), {rv, dim, 1}, r0, n);
+    });
+  for (std::int64_t t0 = 0; t0 < fresh; t0 += tile)
+    visit(history + resid, t0, std::min(tile, fresh - t0), [&](std::int64_t r0, std::int64_t n) {
+      load(kt.data(), nk, r0, n);
+      load(vt.data(), nv, r0, n);
+    });
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (partials != nullptr) {
+      A* slot = partials + r * (2 + dim);
+      slot[0] = m(r);
+      slot[1] = l(r);
+      std::copy(t.acc + r * dim, t.acc + (r + 1) * dim, slot + 2);
+    } else {
+      T* out = outputs + r * dim;
       for (std::int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(l(r) > A(0) ? acc(r, d) / l(r) : A(0));
     }
+  }
 }
 
 }  // namespace detail
@@ -255,28 +270,43 @@ void attend_quantized(Cache& cache, std::int64_t layer_idx,
         out.resize(B, Hq, q, D);
       } else if (past > 0) {
         const auto r = st.residual_kv();
-        const std::int64_t resid = st.residual_tokens(), items = B * Hkv;
+        const std::int64_t resid = st.residual_tokens();
+        // A decode step over many keys with few (batch row, KV head) blocks is cut into key
+        // splits of the dense attention's plan, merged in split order: the cuts depend on the
+        // problem alone, so the executor's choice of threads does not change the results.
+        const std::int64_t first = mask.first_visible(past), keys_seen = past + q - first;
+        const std::int64_t splits =
+            detail::tile_plan::splits(group * q <= detail::quantized_scratch<A>::decode_rows, keys_seen, B * Hkv);
+        const std::int64_t split_length = detail::tile_plan::split_length(keys_seen, splits);
+        const std::int64_t items = B * Hkv * splits, rows = group * q, pitch = 2 + D;
         // Scratch first (the only allocation, none with a kept workspace of the size), then the output.
         const AttentionContext& context = options.context;
         AttentionWorkspace local;
         AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
-        ws.reserve(items > 1 ? context.executor.concurrency() : 1, detail::quantized_scratch<A>::bytes(group * q, D),
-                   0);
+        ws.reserve(items > 1 ? context.executor.concurrency() : 1, detail::quantized_scratch<A>::bytes(rows, D),
+                   splits > 1 ? sizeof(A) * static_cast<std::size_t>(items * rows * pitch) : 0);
         out.resize(B, Hq, q, D);
-        // One item per (batch row, KV head), each on its own rows: the executor's choice of threads
-        // does not change the results.
+        A* partials = reinterpret_cast<A*>(ws.shared());
         context.executor.parallel_for(items, [&](std::int64_t i, int worker) {
-          const std::int64_t b = i / Hkv, hk = i % Hkv;
+          const std::int64_t split = i % splits, b = i / splits / Hkv, hk = i / splits % Hkv;
           const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
           const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
           const auto rows_of = [&](const TensorView<T>& x, std::int64_t head) {
             return detail::strided_rows<T>{x.data() + b * x.stride(0) + head * x.stride(1), x.stride(2), x.stride(3)};
           };
+          const std::int64_t lo = splits > 1 ? first + split * split_length : 0,
+                             hi = splits > 1 ? std::min(past + q, lo + split_length) : past + q;
           detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
                                      rows_of(keys, hk), rows_of(values, hk), q, rows_of(queries, hk * group),
-                                     queries.stride(1), group, D, past, mask, scale, ws.worker(worker),
-                                     &out(b, hk * group, 0, 0));
+                                     queries.stride(1), group, D, past, mask, scale, lo, hi, ws.worker(worker),
+                                     &out(b, hk * group, 0, 0), splits > 1 ? partials + i * rows * pitch : nullptr);
         });
+        if (splits > 1)  // each block's rows merged over its splits, in split order
+          context.executor.parallel_for(B * Hkv, [&](std::int64_t bh, int) {
+            for (std::int64_t row = 0; row < rows; ++row)
+              detail::merge_partials(partials + (bh * splits * rows + row) * pitch, splits, rows * pitch, D, A(1),
+                                     &out(bh / Hkv, bh % Hkv * group + row / q, row % q, 0));
+          });
       } else {  // nothing stored yet: attention over the step itself
         scaled_dot_product_attention(queries, keys, values, mask, out, options.context, options.scale);
       }

@@ -91,13 +91,16 @@ std::pair<kvc::HostTensor<double>, kvc::HostTensor<double>> held_then(const Cach
 // Two caches of one quantized layer kind fed the same steps: the fused one (attend_quantized)
 // against attention in double over the values it holds, and against the update path (kvc::attend
 // on the twin) for the codes: quantized at the same moments, to the same codes.
+// The first step is a prompt of `prompt` tokens: past 512 keys, the decode steps after it are cut
+// into key splits.
 template <class T, class Kind>
-void compare(const Kind& kind, std::optional<std::int64_t> window, unsigned seed) {
+void compare(const Kind& kind, std::optional<std::int64_t> window, unsigned seed, std::int64_t prompt = 20) {
   using Cache = kvc::Cache<kvc::Replicate<Kind>, kvc::HostStorage<T>>;
   Cache exact(kind), fused(kind);
   std::mt19937 rng(seed);
   const std::int64_t B = 2, Hq = 4, Hkv = 2, D = 32;
-  const std::vector<std::int64_t> steps = {20, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 9, 1, 1};
+  const std::vector<std::int64_t> steps = {prompt, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1,
+                                           3,      1, 1, 1, 1, 1, 1, 1, 1, 9, 1, 1};
   double worst = 0;
   for (const std::int64_t q : steps) {
     const auto qs = kvc_test::random_tensor<T>(B, Hq, q, D, rng);
@@ -149,6 +152,10 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
     compare<double>(quanto_seq, 12, seed);
     compare<double>(hqq, std::nullopt, seed);
     compare<double>(quanto, 9, seed);
+    compare<float>(kivi, std::nullopt, seed, 700);  // decode steps in key splits
+    compare<float>(quanto, std::nullopt, seed, 700);
+    compare<double>(hqq, std::nullopt, seed, 700);
+    compare<float>(quanto, 600, seed, 700);
   }
 }
 
