@@ -10,6 +10,11 @@
 //                             Counter flops: floating-point operations per second, 4 * heads *
 //                             head_dim * n (n + 1) / 2 per call (the two products over the visible
 //                             keys).
+//   decode_quantized/threads:t/S:s/kv_heads:h  one decode step of kvc::attend_quantized (int4 keys
+//                             and values, QuantoQuantizedLayer's defaults; 8 query heads over h KV
+//                             heads) over s to s + 128 tokens of context: the step's append
+//                             included, the cache rebuilt (untimed) every 128 steps. Not in a tree
+//                             without the executors.
 //   gemm/threads:t            Eigen's float product of 1024 x 1024 matrices (Eigen::setNbThreads(t)):
 //                             the FLOP/s the prefill is compared with.
 //
@@ -20,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -29,6 +35,7 @@
 
 #if __has_include(<kvc/execution.hpp>)
 #include <kvc/execution.hpp>
+#include <kvc/quantized_attention.hpp>
 #define KVC_BENCH_HAS_EXECUTORS 1
 #endif
 
@@ -120,6 +127,37 @@ void BM_Prefill(benchmark::State& state) {
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+#if defined(KVC_BENCH_HAS_EXECUTORS)
+void BM_DecodeQuantized(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const std::int64_t s = state.range(1), kv_heads = state.range(2);
+  using Cache = kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>>;
+  const auto prompt_q = random_tensor(kHeads, s, 1), prompt_k = random_tensor(kv_heads, s, 2),
+             prompt_v = random_tensor(kv_heads, s, 3);
+  const auto q = random_tensor(kHeads, 1, 4), k = random_tensor(kv_heads, 1, 5), v = random_tensor(kv_heads, 1, 6);
+  runner run(threads);
+  kvc::AttendOptions options;
+  options.context = {run.executor, &run.workspace};
+  kvc::HostTensor<float> out;
+  std::optional<Cache> cache;
+  const auto rebuild = [&] {
+    cache.emplace(kvc::QuantoQuantizedLayer{});
+    kvc::attend_quantized(*cache, 0, view(prompt_q), view(prompt_k), view(prompt_v), out, options);
+  };
+  rebuild();
+  std::int64_t steps = 0;
+  for (auto _ : state) {
+    if (steps++ % 128 == 127) {
+      state.PauseTiming();
+      rebuild();
+      state.ResumeTiming();
+    }
+    kvc::attend_quantized(*cache, 0, view(q), view(k), view(v), out, options);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+#endif
+
 void BM_Gemm(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   Eigen::setNbThreads(threads);
@@ -142,6 +180,13 @@ int main(int argc, char** argv) {
     auto* d = benchmark::RegisterBenchmark("decode", BM_Decode)->ArgNames({"threads", "S"});
     for (const std::int64_t s : {128, 512, 2048, 8192}) d->Args({t, s});
     d->UseRealTime()->Unit(benchmark::kMicrosecond);
+#if defined(KVC_BENCH_HAS_EXECUTORS)
+    auto* dq =
+        benchmark::RegisterBenchmark("decode_quantized", BM_DecodeQuantized)->ArgNames({"threads", "S", "kv_heads"});
+    for (const std::int64_t h : {1, 2})
+      for (const std::int64_t s : {2048, 8192}) dq->Args({t, s, h});
+    dq->UseRealTime()->Unit(benchmark::kMicrosecond);
+#endif
     auto* p = benchmark::RegisterBenchmark("prefill", BM_Prefill)->ArgNames({"threads", "tokens"});
     for (const std::int64_t n : {512, 2048, 8192}) p->Args({t, n});
     p->UseRealTime()->Unit(benchmark::kMillisecond);
