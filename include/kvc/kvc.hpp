@@ -17,5 +17,6 @@
 #include <kvc/quantized_cache.hpp>
 #include <kvc/speculative_caches.hpp>
 #include <kvc/tensor.hpp>
+#include <kvc/version.hpp>
 #include <kvc/warnings.hpp>
 #include <kvc/detail/runtime_caches.hpp>  // extern templates when kvc::runtime is linked
