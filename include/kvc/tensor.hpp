@@ -73,7 +73,8 @@ struct state_input<Eigen::Tensor<T, N, Eigen::RowMajor>> {
   template <class M>
   static StateView<element_type> view(const M& t) {
     StateView<element_type> out{t.data(), N, {}};
-    for (int r = 0; r < N; ++r) out.extents[r] = t.dimension(r);
+    for (std::size_t r = 0; r < static_cast<std::size_t>(N); ++r)
+      out.extents[r] = static_cast<std::int64_t>(t.dimensions()[r]);
     return out;
   }
 };

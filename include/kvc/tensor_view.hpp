@@ -76,8 +76,8 @@ struct basic_tensor_view {
   std::array<std::int64_t, 4> strides{};
 
   KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
-  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
-  KVC_HOST_DEVICE constexpr std::int64_t stride(int r) const noexcept { return strides[r]; }
+  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[static_cast<std::size_t>(r)]; }
+  KVC_HOST_DEVICE constexpr std::int64_t stride(int r) const noexcept { return strides[static_cast<std::size_t>(r)]; }
   KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
     return extents[0] * extents[1] * extents[2] * extents[3];
   }
@@ -139,10 +139,10 @@ struct basic_state_view {
   std::array<std::int64_t, 4> extents{};
 
   KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
-  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[r]; }
+  KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[static_cast<std::size_t>(r)]; }
   KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
     std::int64_t n = rank > 0 ? 1 : 0;
-    for (int r = 0; r < rank; ++r) n *= extents[r];
+    for (int r = 0; r < rank; ++r) n *= extents[static_cast<std::size_t>(r)];
     return n;
   }
   KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
@@ -161,8 +161,8 @@ struct basic_state_view {
     requires(Space == memory_space::host)
   {
     static_assert(N >= 1 && N <= 4, "kvc::StateView::to_tensor: rank must be 1 to 4");
-    std::array<Eigen::DenseIndex, N> dims;
-    for (int r = 0; r < N; ++r) dims[r] = r < rank ? extents[r] : 1;
+    std::array<Eigen::DenseIndex, static_cast<std::size_t>(N)> dims;
+    for (std::size_t r = 0; r < static_cast<std::size_t>(N); ++r) dims[r] = static_cast<int>(r) < rank ? extents[r] : 1;
     if (empty()) dims[0] = 0;  // an unset state: no element to read
     Eigen::Tensor<std::remove_const_t<T>, N, Eigen::RowMajor, Eigen::DenseIndex> out;
     out.resize(dims);
@@ -199,7 +199,7 @@ std::string shape_string(const basic_state_view<T, Space>& v) {
   out.push_back('[');
   for (int i = 0; i < v.rank; ++i) {
     if (i) out.append(", ");
-    out.append(std::to_string(v.extents[i]));
+    out.append(std::to_string(v.extents[static_cast<std::size_t>(i)]));
   }
   out.push_back(']');
   return out;

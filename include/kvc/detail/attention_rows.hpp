@@ -54,7 +54,7 @@ template <int PerLane>
 struct row_partial {
   float m;
   float l;
-  float acc[PerLane];
+  float acc[static_cast<std::size_t>(PerLane)];
 };
 
 // One row of a problem: its query and output rows, its visible key range [lo, hi) (key indices of
@@ -244,9 +244,9 @@ dense_problem<T, KV> make_dense_problem(const QView& q, const KVView& k, const K
 // Row `row`'s keys [j0, j1) (within its visible range) into `part`, for this lane's dims of the
 // query, which q holds already multiplied by row.sk.
 template <int PerLane, class Lanes, class T, class Keys>
-KVC_HOST_DEVICE void attend_range(const attention_row<T, Keys>& row, const float (&q)[PerLane], std::int64_t D,
-                                  std::int64_t Dv, std::int64_t j0, std::int64_t j1, const Lanes& lanes,
-                                  row_partial<PerLane>& part) {
+KVC_HOST_DEVICE void attend_range(const attention_row<T, Keys>& row,
+                                  const float (&q)[static_cast<std::size_t>(PerLane)], std::int64_t D, std::int64_t Dv,
+                                  std::int64_t j0, std::int64_t j1, const Lanes& lanes, row_partial<PerLane>& part) {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   const int lane = lanes.index();
   part.m = neg_inf;
@@ -314,7 +314,7 @@ KVC_HOST_DEVICE void attention_row_split(const Problem& p, std::int64_t i, std::
                                          std::int64_t splits, float* row_partials, const Lanes& lanes) {
   const auto row = p.row(i);
   const int lane = lanes.index();
-  float q[PerLane];
+  float q[static_cast<std::size_t>(PerLane)];
   for (int k = 0; k < PerLane; ++k) {
     const std::int64_t d = lane + std::int64_t{k} * Lanes::count;
     q[k] = d < p.D ? to_float(row.q[d]) * row.sk : 0.0f;

@@ -75,7 +75,7 @@ class blake2b_64 {
     }
     v[12] ^= counter_;  // the high word of the 128-bit counter stays 0 (inputs are far below 2^64 bytes)
     if (last) v[14] = ~v[14];
-    auto mix = [&](int a, int b, int c, int d, std::uint64_t x, std::uint64_t y) {
+    auto mix = [&](std::size_t a, std::size_t b, std::size_t c, std::size_t d, std::uint64_t x, std::uint64_t y) {
       v[a] = v[a] + v[b] + x;
       v[d] = rotr(v[d] ^ v[a], 32);
       v[c] = v[c] + v[d];

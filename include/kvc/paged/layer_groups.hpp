@@ -44,7 +44,7 @@ inline LayerGroups group_layers_by_attn_type(std::span<const std::string> layer_
   for (std::size_t b = 0; b < buckets.size(); ++b)
     for (std::size_t at = 0; at < buckets[b].size(); at += static_cast<std::size_t>(out.group_size)) {
       out.groups.emplace_back(buckets[b].begin() + static_cast<std::ptrdiff_t>(at),
-                              buckets[b].begin() + static_cast<std::ptrdiff_t>(at + out.group_size));
+                              buckets[b].begin() + static_cast<std::ptrdiff_t>(at) + out.group_size);
       out.types.push_back(order[b]);
     }
   return out;

@@ -218,9 +218,9 @@ class PagedAttentionMemoryHandler {
  private:
   template <class N>
   static std::array<basic_coefficients<N>, 2> peaks_of(const PagedMemoryModel& m) {
-    const N a(m.dtype_bytes), page = N(m.head_dim) * N(m.num_key_value_heads);
+    const N a = N(m.dtype_bytes), page = N(m.head_dim) * N(m.num_key_value_heads);
     const N k(m.async_batching ? 2 : 1), rows(m.return_logprobs ? 2 : 1);
-    const N g(m.num_groups), s(m.group_size), mbpr(m.max_blocks_per_request);
+    const N g = N(m.num_groups), s = N(m.group_size), mbpr = N(m.max_blocks_per_request);
     const N masks(m.flash_attention ? 0 : m.has_sliding_groups ? 2 : 1);
     const N i(4), two(2), seven(7), eight(8);
     const auto make = [&](N delta_m, N delta_n) {
@@ -231,7 +231,7 @@ class PagedAttentionMemoryHandler {
       c.cmm = k * masks * a;
       return c;
     };
-    const N hidden(m.hidden_size);
+    const N hidden = N(m.hidden_size);
     return {make(hidden * a + N(m.vocab_size) * i, N(0)),                                                 // lm_head
             make(a * (hidden + N(m.num_attention_heads) * N(m.head_dim) + two * page), two * page * a)};  // attention
   }

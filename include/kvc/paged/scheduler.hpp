@@ -750,7 +750,7 @@ class ContinuousBatchingScheduler {
     from.erase(it);
   }
   // Puts a request into a queue at `at`.
-  void insert_id(std::vector<std::uint32_t>& queue, std::vector<std::uint32_t>::iterator at, std::uint32_t slot) {
+  void insert_id(std::vector<std::uint32_t>& queue, std::vector<std::uint32_t>::iterator at, std::uint32_t id) {
     struct put {
       std::vector<std::uint32_t>* queue;
       std::ptrdiff_t at;
@@ -761,13 +761,13 @@ class ContinuousBatchingScheduler {
           p.queue->erase(p.queue->begin() + p.at);
         },
         nullptr, put{&queue, at - queue.begin()});
-    queue.insert(at, slot);
+    queue.insert(at, id);
   }
   // Appends a generated token (its room made first: the undo record cannot then outlive a failed
   // append).
   void push_token(RequestState& st, std::int64_t token) {
     if (st.tokens.size() == st.tokens.capacity()) st.tokens.reserve(2 * st.tokens.capacity() + 1);
-    undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->tokens.pop_back(); }, &st);
+    undo_.on_undo([](void* state) noexcept { static_cast<RequestState*>(state)->tokens.pop_back(); }, &st);
     st.tokens.push_back(token);
   }
 
@@ -1022,7 +1022,7 @@ class ContinuousBatchingScheduler {
     undo_.set(st.position_offset, std::int64_t{0});
     set_status(st, status);
     if (status == RequestStatus::failed) {
-      undo_.on_undo([](void* st) noexcept { static_cast<RequestState*>(st)->error.clear(); }, &st);
+      undo_.on_undo([](void* state) noexcept { static_cast<RequestState*>(state)->error.clear(); }, &st);
       st.error = std::move(error);
       ++stats_.failed;
     }

@@ -44,10 +44,10 @@ struct dense_state {
 
   std::int64_t rows() const noexcept {  // every axis but the last
     std::int64_t n = 1;
-    for (int r = 0; r + 1 < rank; ++r) n *= extents[r];
+    for (int r = 0; r + 1 < rank; ++r) n *= extents[static_cast<std::size_t>(r)];
     return n;
   }
-  std::int64_t last() const noexcept { return rank > 0 ? extents[rank - 1] : 0; }
+  std::int64_t last() const noexcept { return rank > 0 ? extents[static_cast<std::size_t>(rank - 1)] : 0; }
   typename S::state_view_type view() const noexcept { return S::make_state_view(data.data(), rank, extents); }
   std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data.size(); }
 
@@ -60,12 +60,12 @@ struct dense_state {
     std::int64_t n = 0;
     if constexpr (A::loading) {
       ar.check(rank >= 0 && rank <= 4 && (initialized || rank == 0), "a state's rank");
-      for (int r = 0; r < 4; ++r) ar.check(extents[r] >= 0 && extents[r] <= max_extent, "a state's extents");
+      for (const std::int64_t e : extents) ar.check(e >= 0 && e <= max_extent, "a state's extents");
       ar.check(products_fit({extents[0], extents[1], extents[2], extents[3]}), "a state's size");
     }
     if (initialized) {
       n = 1;
-      for (int r = 0; r < rank; ++r) n = checked_elements({n, extents[r]}, sizeof(T));
+      for (int r = 0; r < rank; ++r) n = checked_elements({n, extents[static_cast<std::size_t>(r)]}, sizeof(T));
     }
     ar.buffer(data, n);
   }
@@ -309,7 +309,7 @@ class LinearAttentionLayer::state {
     d.rank = rank;
     d.extents = extents;
     std::int64_t n = 1;
-    for (int r = 0; r < rank; ++r) n = detail::checked_elements({n, extents[r]}, sizeof(T));
+    for (int r = 0; r < rank; ++r) n = detail::checked_elements({n, extents[static_cast<std::size_t>(r)]}, sizeof(T));
     d.data = typename S::buffer_type(n);
     if (zeroed && n > 0) S::zero_2d(d.data.data(), n, n, 1);
     d.initialized = true;
