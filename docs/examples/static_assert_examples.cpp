@@ -22,7 +22,7 @@ static_assert(!kvc::concepts::LayerPolicy<kvc::DynamicLayer>);  // a layer kind 
 // [/snippet]
 
 // [snippet:storage_policy_check]
-// HostStorage<T> is a storage policy for any T; it supports the four element types.
+// HostStorage<T> is a storage policy for any T; it supports the six element types.
 static_assert(kvc::concepts::StoragePolicy<kvc::HostStorage<Eigen::bfloat16>>);
 static_assert(kvc::concepts::supports_its_element_type<kvc::HostStorage<Eigen::half>>);
 
