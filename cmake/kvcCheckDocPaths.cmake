@@ -1,0 +1,37 @@
+# Every program path the README and docs/ quote lies in one of the build directories the README
+# documents, so that a reader can run it as written:
+#   build/examples/, build/tests/   cmake -S . -B build (the README's first commands)
+#   build/bench/benchmarks/         benchmarks/run.sh (Release, the benchmarks only)
+#   build/fuzz/tests/               the clang++ fuzzing build of docs/runtime.md
+# A path to a kvc program (kvc_*, test_*, fuzz_kvc) under another directory (build-q/,
+# build/benchmarks/, ...) is reported. Run as
+#   cmake -DROOT=<source dir> -P cmake/kvcCheckDocPaths.cmake        (ctest: docs.paths)
+if(NOT DEFINED ROOT)
+  message(FATAL_ERROR "kvcCheckDocPaths: -DROOT=<source dir> is required")
+endif()
+set(allowed "^(build/examples|build/tests|build/bench/benchmarks|build/fuzz/tests)/$")
+file(GLOB_RECURSE pages RELATIVE "${ROOT}" "${ROOT}/docs/*.md")
+list(PREPEND pages README.md)
+set(problems "")
+set(count 0)
+foreach(page IN LISTS pages)
+  file(STRINGS "${ROOT}/${page}" lines)
+  set(n 0)
+  foreach(line IN LISTS lines)
+    math(EXPR n "${n} + 1")
+    string(REGEX MATCHALL "(\\./)?build[-A-Za-z0-9_]*/([-A-Za-z0-9_]+/)*(kvc_|test_|fuzz_kvc)" paths "${line}")
+    foreach(path IN LISTS paths)
+      math(EXPR count "${count} + 1")
+      string(REGEX REPLACE "^\\./" "" path "${path}")
+      string(REGEX REPLACE "(kvc_|test_|fuzz_kvc)$" "" dir "${path}")
+      if(NOT dir MATCHES "${allowed}")
+        string(APPEND problems "  ${page}:${n}: a program under ${dir}, not a documented build directory\n")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+if(problems)
+  message(FATAL_ERROR "docs.paths: programs quoted outside build/examples, build/tests, "
+                      "build/bench/benchmarks and build/fuzz/tests:\n${problems}")
+endif()
+message(STATUS "docs.paths: ${count} program path(s), all in the documented build directories")
