@@ -1,0 +1,139 @@
+// The code blocks of docs/quantized.md, paged.md, state.md, linear_attention.md and runtime.md,
+// quoted by docs.snippets and compiled by the build (kvc_docs_examples): each page's block is the
+// body of a function whose parameters are the inputs the page leaves to the reader.
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <string>
+#include <vector>
+
+#include <kvc/fp8_attention.hpp>
+#include <kvc/kvc.hpp>
+#include <kvc/paged.hpp>
+#include <kvc/quantized_attention.hpp>
+#include <kvc/quantized_cache.hpp>
+#include <kvc/runtime.hpp>
+#include <kvc/state.hpp>
+
+namespace docs_examples {
+
+using Half = kvc::HostTensor<Eigen::half>;
+
+void quantized_cache(const Half& keys, const Half& values, std::int64_t layer_idx) {
+  // [snippet:quantized_cache]
+  // #include <kvc/quantized_cache.hpp> and <kvc/runtime.hpp> (ModelConfig::from_file)
+  kvc::ModelConfig config = kvc::ModelConfig::from_file("config.json");  // full attention only
+  kvc::QuantizedCache<Eigen::half> cache(
+      "quanto", config, {.nbits = 4, .axis_key = 0, .axis_value = 0, .q_group_size = 64, .residual_length = 128});
+  auto [k, v] = cache.update(keys, values, layer_idx);  // dequantized history + residual + new
+  // [/snippet]
+  (void)k;
+  (void)v;
+}
+
+void kivi(const kvc::ModelConfig& config, const Half& queries, const Half& keys, const Half& values,
+          std::int64_t layer_idx) {
+  // [snippet:kivi]
+  // keys along seq (axis_key -1), values along head_dim (axis_value 0), groups of 32, the last 128
+  // tokens in full precision, append-only
+  kvc::QuantizedCache<Eigen::half> cache("quanto", config, kvc::kivi_options());
+  // #include <kvc/quantized_attention.hpp>: attention from the codes (the tensors as views)
+  using Storage = kvc::HostStorage<Eigen::half>;
+  auto out = kvc::attend_quantized(cache, layer_idx, Storage::input_view(queries), Storage::input_view(keys),
+                                   Storage::input_view(values));
+  // [/snippet]
+  (void)out;
+}
+
+void fp8(const Half& calib_keys, const Half& calib_values, const Half& queries, const Half& keys, const Half& values,
+         std::int64_t layer_idx) {
+  // [snippet:fp8]
+  // #include <kvc/fp8_attention.hpp>
+  using Storage = kvc::HostStorage<Eigen::half>;  // the model's type: float, half or bfloat16
+  kvc::DynamicCache<kvc::float8_e4m3> cache;
+  // per-head scales from calibration K/V: the largest |x| of each head maps to 448
+  const kvc::Fp8Scales scales = kvc::fp8_scales_for<kvc::float8_e4m3>(
+      Storage::input_view(calib_keys), Storage::input_view(calib_values), kvc::Fp8ScaleGranularity::per_head);
+  // keys and values are encoded (x / scale, round to nearest even, saturating), stored, and
+  // attended over as scale * code
+  kvc::HostTensor<Eigen::half> out = kvc::attend_fp8(cache, layer_idx, Storage::input_view(queries),
+                                                     Storage::input_view(keys), Storage::input_view(values), scales);
+  // [/snippet]
+  (void)out;
+}
+
+void paged(kvc::PagedCache<kvc::HostStorage<float>>& cache, std::int64_t layer,
+           const std::vector<std::string>& request_ids, const std::vector<std::int64_t>& cu_seqlens_q,
+           const std::vector<std::int64_t>& past, const kvc::TensorView<float>& queries,
+           const kvc::TensorView<float>& keys, const kvc::TensorView<float>& values, const kvc::PagedIndices& no_reads,
+           const kvc::PagedIndices& write_index) {
+  // [snippet:paged_attention]
+  kvc::PagedAttentionStep step{request_ids, cu_seqlens_q, past};  // R ids, R + 1 offsets, R lengths
+  kvc::HostTensor<float> out = kvc::paged_attention(cache, layer, step, queries, keys, values);
+  cache.update(keys, values, layer, no_reads, write_index);  // store the step: the write-only path
+  // [/snippet]
+  (void)out;
+}
+
+void state() {
+  // [snippet:save_load]
+  // #include <kvc/state.hpp>
+  kvc::DynamicCache<float> cache;
+  // ... prefill, decode ...
+  kvc::save(cache, "session.kvc");  // or kvc::save(cache, std::ostream&)
+
+  kvc::DynamicCache<float> resumed;
+  kvc::load(resumed, "session.kvc");  // or kvc::load(resumed, std::istream&)
+  // resumed.update(...) now returns exactly what cache.update(...) would
+  // [/snippet]
+}
+
+void linear_attention(std::int64_t batch, std::int64_t channels, std::int64_t time,
+                      const Eigen::Tensor<float, 2, Eigen::RowMajor>& state, const kvc::HostTensor<float>& keys,
+                      const kvc::HostTensor<float>& values) {
+  // [snippet:linear_hybrid]
+  kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer>> cache(kvc::LinearAttentionLayer{},
+                                                                              kvc::DynamicLayer{});
+  Eigen::Tensor<float, 3, Eigen::RowMajor> conv(batch, channels, time);  // [B, C, T], time last
+  auto with_context = cache.update_conv_state(conv, /*layer_idx=*/0, /*state_idx=*/0, /*conv_kernel_size=*/4);
+  auto recurrent = cache.update_recurrent_state(state, 0);  // any rank 1..4
+  auto [k, v] = cache.update(keys, values, 1);              // the attention layer
+  // [/snippet]
+  (void)with_context;
+  (void)recurrent;
+  (void)k;
+  (void)v;
+}
+
+void runtime(const kvc::GenerationConfig& generation_config, const kvc::ModelConfig& model_config,
+             const kvc::CacheRequest& request, const kvc::ContinuousBatchingConfig& cb_config) {
+  // [snippet:make_cache]
+  // template <class T = float> make_cache(generation_config, model_config, request = {}[, cb_config])
+  kvc::AnyCache cache = kvc::make_cache(generation_config, model_config);  // float
+  kvc::AnyCache half = kvc::make_cache<Eigen::half>(generation_config, model_config, request);
+  kvc::AnyCache paged = kvc::make_cache(generation_config, model_config, request, cb_config);  // "paged"
+  // [/snippet]
+  (void)cache;
+  (void)half;
+  (void)paged;
+}
+
+void prepare(const kvc::GenerationConfig& generation_config, const kvc::ModelConfig& model_config,
+             kvc::AnyCache user_cache, const kvc::CacheRequest& request) {
+  // [snippet:prepare_cache_for_generation]
+  // template <class T = float>; user_cache and request may be left out ({}: none, defaults)
+  std::optional<kvc::AnyCache> cache = kvc::prepare_cache_for_generation(
+      generation_config, model_config, /*model_type=*/"llama", std::move(user_cache), request);
+  // [/snippet]
+  (void)cache;
+}
+
+void static_export(const kvc::ModelConfig& config, const std::optional<kvc::GenerationConfig>& generation_config) {
+  // [snippet:static_export]
+  // batch_size and max_cache_len may be left out (std::nullopt: from the generation config's cache_config)
+  kvc::StaticCacheExport<float> exported(config, generation_config, /*batch_size=*/1, /*max_cache_len=*/4096);
+  // [/snippet]
+  (void)exported;
+}
+
+}  // namespace docs_examples
