@@ -332,7 +332,7 @@ void fold_keys(const tile_scratch<A>& t, std::int64_t rows, std::int64_t D, std:
   if (decode) {
     for (std::int64_t r = 0; r < rows; ++r) S.row(r).noalias() = Q.row(r) * K.transpose();
     S *= sk;  // after the products, as the scores' definition has it
-  } else {    // the product's sums times sk, as above
+  } else {    // the product's sums times sk (per depth panel where head_dim exceeds Eigen's kc)
     S.setZero();
     packed_product<A>::template run<true>(rows, n, D, t.q, D, K.data(), K.outerStride(), t.s, n, sk, t.pack);
   }

@@ -274,7 +274,8 @@ void attend_quantized(Cache& cache, std::int64_t layer_idx,
         // A decode step over many keys with few (batch row, KV head) blocks is cut into key
         // splits of the dense attention's plan, merged in split order: the cuts depend on the
         // problem alone, so the executor's choice of threads does not change the results.
-        const std::int64_t first = mask.first_visible(past), keys_seen = past + q - first;
+        // (A window longer than the context starts before position 0: the keys start there.)
+        const std::int64_t first = std::max<std::int64_t>(0, mask.first_visible(past)), keys_seen = past + q - first;
         const std::int64_t splits =
             detail::tile_plan::splits(group * q <= detail::quantized_scratch<A>::decode_rows, keys_seen, B * Hkv);
         const std::int64_t split_length = detail::tile_plan::split_length(keys_seen, splits);

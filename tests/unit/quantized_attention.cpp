@@ -156,6 +156,7 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
     compare<float>(quanto, std::nullopt, seed, 700);
     compare<double>(hqq, std::nullopt, seed, 700);
     compare<float>(quanto, 600, seed, 700);
+    compare<float>(quanto, 4096, seed, 700);  // a window longer than the context
   }
 }
 
