@@ -191,6 +191,7 @@ TEST_CASE("prefill attention with a workspace allocates nothing from Eigen's hea
   const auto k = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
   const auto v = kvc_test::random_tensor<float>(1, 2, 300, 128, rng);
   const kvc::AttentionMask mask{300, 0, 0};
+  CHECK(kvc_test::eigen_assertion_failures.load() == 0);  // no Eigen assertion failed before here
   for (int threads : {1, 2}) {
     CAPTURE(threads);
     const ThreadPool pool(threads);
