@@ -703,3 +703,78 @@ TEST_CASE("kvc::attend over a device cache: the host's results, and its checks b
                        "limit of 256",
                        kvc::ValueError);
 }
+
+// ---- the CUDA code blocks of docs/cuda.md and docs/offload.md ----------------------------------
+// Quoted by docs.snippets and compiled here (never run): each block is the body of a function whose
+// parameters are the inputs the page leaves to the reader.
+namespace docs_examples {
+
+using Half = kvc::DeviceTensor<__half>;
+
+void offload_to_host(const Half& dk, const Half& dv, std::int64_t layer_idx) {
+  // [snippet:offload_to_host]
+  kvc::DynamicCache<__half, kvc::CudaStorage<__half>, kvc::OffloadToHost<>> cache;
+  auto [k, v] = cache.update(dk, dv, layer_idx);  // valid until the next call on the cache
+  // [/snippet]
+  (void)k;
+  (void)v;
+}
+
+void quantized(const kvc::ModelConfig& config, const Half& dk, const Half& dv, std::int64_t layer_idx) {
+  // [snippet:quantized]
+  kvc::QuantizedCache<__half, kvc::CudaStorage<__half>> cache("quanto", config, {4, 0, 0, 64, 128});
+  auto [k, v] = cache.update(dk, dv, layer_idx);  // DeviceTensorViews of the dequantized history + residual
+  // [/snippet]
+  (void)k;
+  (void)v;
+}
+
+void attention(kvc::DynamicCache<__half, kvc::CudaStorage<__half>>& cache, const Half& dq, const Half& dk,
+               const Half& dv, const kvc::KV<kvc::DeviceTensorView<__half>>& kv,
+               const kvc::KV<kvc::DeviceTensorView<kvc::float8_e4m3>>& kv8, const kvc::Fp8Scales& scales,
+               const kvc::AttentionMask& mask, const kvc::PagedCache<kvc::CudaStorage<__half>>& paged,
+               const kvc::PagedAttentionStep& step, std::int64_t layer_idx) {
+  // [snippet:attention]
+  // Contiguous layers: the views a device cache's update returned.
+  kvc::DeviceTensor<__half> out = kvc::scaled_dot_product_attention(dq, kv.keys, kv.values, mask);
+  // kvc::attend works unchanged over a device cache (device queries, keys and values).
+  auto out2 = kvc::attend(cache, layer_idx, dq, dk, dv);
+  // fp8 codes (a cache of kvc::float8_e4m3 in CudaStorage), with the scales they were made with.
+  auto out3 = kvc::scaled_dot_product_attention(dq, kv8.keys, kv8.values, mask, scales);
+  // A continuous-batching step over a PagedCache<CudaStorage<T>> (or of fp8 codes, with scales).
+  auto out4 = kvc::paged_attention(paged, layer_idx, step, dq.view(), dk.view(), dv.view());
+  // [/snippet]
+  (void)out2;
+  (void)out3;
+  (void)out4;
+}
+
+void write_all_layers(kvc::PagedCache<kvc::CudaStorage<__half>>& cache, const kvc::PagedIndices& writes) {
+  // [snippet:write_all_layers]
+  std::vector<kvc::DeviceTensorView<__half>> keys, values;  // layer l's [1, kv_heads, T, head_dim]
+  cache.write_all_layers(keys, values, writes);             // writes: from extend_read_and_write_indices
+  // [/snippet]
+}
+
+// The reader's own attention kernel of docs/offload.md's block.
+__global__ void attention(const __half*, kvc::DeviceTensorView<__half>, kvc::DeviceTensorView<__half>, __half*) {}
+
+void offloaded_decode(const kvc::ModelConfig& config, const std::vector<Half>& keys, const std::vector<Half>& values,
+                      std::int64_t layers, const __half* q, __half* out, dim3 grid, dim3 block) {
+  // [snippet:offloaded_decode]
+  // #include <kvc/cuda.hpp>
+  // transformers' DynamicCache(offloading=True):
+  kvc::DynamicCache<__half, kvc::CudaStorage<__half>, kvc::OffloadToHost<>> cache;
+  // transformers' StaticCache(config, 4096, offloading=True):
+  kvc::StaticCache<__half, kvc::CudaStorage<__half>, kvc::OffloadToHost<true>> fixed(config, 4096);
+
+  for (std::int64_t i = 0; i < layers; ++i) {
+    const auto l = static_cast<std::size_t>(i);
+    auto [k, v] = cache.update(keys[l], values[l], i);  // device views, as without offloading
+    attention<<<grid, block>>>(q, k, v, out);           // on the storage's stream (here the default one)
+  }
+  // [/snippet]
+  (void)fixed;
+}
+
+}  // namespace docs_examples
