@@ -10,7 +10,8 @@
 # after removing the region's common leading indentation (whitespace-only lines count as
 # empty). Marker lines may be indented; a region may not contain another marker. Fails, naming
 # the doc, the snippet and the first differing line, if a block differs or a referenced file or
-# snippet is missing. Code blocks without a marker are not checked.
+# snippet is missing. A C++ block (```cpp, c++, cxx or cuda) without a marker is an error; other
+# blocks (shell, JSON, output) are not checked.
 cmake_minimum_required(VERSION 3.21)
 
 if(NOT ROOT)
@@ -213,6 +214,11 @@ foreach(doc IN LISTS docs)
       string(LENGTH "${CMAKE_MATCH_2}" fence_len)
       string(SUBSTRING "${CMAKE_MATCH_2}" 0 1 fence_char)
       set(block_line ${lineno})
+      # Every C++ or CUDA block is a quote of code the build compiles: a block without a marker
+      # could not compile and no test would notice.
+      if(NOT pending AND line MATCHES "^ *(```+|~~~+)[ \t]*(cpp|c[+][+]|cxx|cuda)[ \t]*$")
+        _kvc_error("${rel_doc}:${lineno}: a C++ block without a snippet marker (quote it from a file the build compiles)")
+      endif()
       set(got)
       set(got_n 0)
       set(checking FALSE)
