@@ -381,11 +381,12 @@ void finish_row(const tile_scratch<A>& t, std::int64_t r, std::int64_t Dv, A sv,
   const A inv = t.l[r] > A(0) ? sv / t.l[r] : A(0);
   for (std::int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(t.acc[r * Dv + d] * inv);
 }
+// A row's partial from its running maximum m, sum l and unnormalised output acc (Dv values).
 template <class A>
-void store_partial(const tile_scratch<A>& t, std::int64_t r, std::int64_t Dv, A* slot) noexcept {
-  slot[0] = t.m[r];
-  slot[1] = t.l[r];
-  std::copy(t.acc + r * Dv, t.acc + (r + 1) * Dv, slot + 2);
+void store_partial(A m, A l, const A* acc, std::int64_t Dv, A* slot) noexcept {
+  slot[0] = m;
+  slot[1] = l;
+  std::copy(acc, acc + Dv, slot + 2);
 }
 // The partials of `splits` splits of one row (`pitch` values apart, at most tile_plan::max_splits),
 // merged in split order.
@@ -502,7 +503,8 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
       if (splits == 1)
         finish_row(t, r, Dv, sv, &out(b, h, i, 0));
       else
-        store_partial(t, r, Dv, reinterpret_cast<A*>(ws.shared()) + (item * rows_max + r) * pitch);
+        store_partial(t.m[r], t.l[r], t.acc + r * Dv, Dv,
+                      reinterpret_cast<A*>(ws.shared()) + (item * rows_max + r) * pitch);
     }
   });
   if (splits == 1) return;

@@ -109,7 +109,8 @@ struct strided_rows {
 // quantized history (its chunks in order), then `resid` and `fresh` full-precision rows. Every
 // source becomes a float tile of up to `tile` rows; scores and the weighted values are matrix
 // products on those tiles (packed_product), with an online softmax between. Only the keys at
-// absolute positions [lo, hi) are read (a split of a decode step's keys; [0, past + fresh): all).
+// absolute positions [lo, hi) are read: from the first any query sees to past + fresh, or a split
+// of that range.
 // Scratch from `area` (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous,
 // [group, fresh, dim], or with `partials` each row's partial result there (m, l and the
 // unnormalised output: 2 + dim values a row, rows contiguous) for merge_partials.
@@ -190,8 +191,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
     read(a - p0, b - a);
     fold(a, b - a);
   };
-  lo = std::max(lo, mask.first_visible(past));  // no query sees a key before it
-  std::int64_t start = 0;                       // where the chunk starts
+  std::int64_t start = 0;  // where the chunk starts
   for (std::size_t c = 0; c < qk.chunks(); start += qk.chunk(c++).tokens()) {
     const auto &ck = qk.chunk(c), &cv = qv.chunk(c);
     const std::int64_t len = ck.tokens();
@@ -215,10 +215,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
     });
   for (std::int64_t r = 0; r < rows; ++r) {
     if (partials != nullptr) {
-      A* slot = partials + r * (2 + dim);
-      slot[0] = m(r);
-      slot[1] = l(r);
-      std::copy(t.acc + r * dim, t.acc + (r + 1) * dim, slot + 2);
+      store_partial(m(r), l(r), t.acc + r * dim, dim, partials + r * (2 + dim));
     } else {
       T* out = outputs + r * dim;
       for (std::int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(l(r) > A(0) ? acc(r, d) / l(r) : A(0));
@@ -295,8 +292,8 @@ void attend_quantized(Cache& cache, std::int64_t layer_idx,
           const auto rows_of = [&](const TensorView<T>& x, std::int64_t head) {
             return detail::strided_rows<T>{x.data() + b * x.stride(0) + head * x.stride(1), x.stride(2), x.stride(3)};
           };
-          const std::int64_t lo = splits > 1 ? first + split * split_length : 0,
-                             hi = splits > 1 ? std::min(past + q, lo + split_length) : past + q;
+          // One split: split_length covers every key, so [lo, hi) is [first, past + q).
+          const std::int64_t lo = first + split * split_length, hi = std::min(past + q, lo + split_length);
           detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
                                      rows_of(keys, hk), rows_of(values, hk), q, rows_of(queries, hk * group),
                                      queries.stride(1), group, D, past, mask, scale, lo, hi, ws.worker(worker),

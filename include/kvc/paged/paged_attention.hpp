@@ -352,7 +352,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
       if (tl.splits == 1)
         finish_row(t, row, D, sv, &out(0, h, i, 0));
       else
-        store_partial(t, row, D,
+        store_partial(t.m[row], t.l[row], t.acc + row * D, D,
                       partials + partial_at[r] + ((hk * tl.splits + split) * group * q + tile * rows + row) * pitch);
     }
   });
