@@ -37,10 +37,8 @@ void kivi(const kvc::ModelConfig& config, const Half& queries, const Half& keys,
   // keys along seq (axis_key -1), values along head_dim (axis_value 0), groups of 32, the last 128
   // tokens in full precision, append-only
   kvc::QuantizedCache<Eigen::half> cache("quanto", config, kvc::kivi_options());
-  // #include <kvc/quantized_attention.hpp>: attention from the codes (the tensors as views)
-  using Storage = kvc::HostStorage<Eigen::half>;
-  auto out = kvc::attend_quantized(cache, layer_idx, Storage::input_view(queries), Storage::input_view(keys),
-                                   Storage::input_view(values));
+  // #include <kvc/quantized_attention.hpp>: attention from the codes
+  auto out = kvc::attend_quantized(cache, layer_idx, queries, keys, values);
   // [/snippet]
   (void)out;
 }
@@ -48,16 +46,15 @@ void kivi(const kvc::ModelConfig& config, const Half& queries, const Half& keys,
 void fp8(const Half& calib_keys, const Half& calib_values, const Half& queries, const Half& keys, const Half& values,
          std::int64_t layer_idx) {
   // [snippet:fp8]
-  // #include <kvc/fp8_attention.hpp>
-  using Storage = kvc::HostStorage<Eigen::half>;  // the model's type: float, half or bfloat16
+  // #include <kvc/fp8_attention.hpp>; queries, keys and values in the model's type (float, half
+  // or bfloat16)
   kvc::DynamicCache<kvc::float8_e4m3> cache;
   // per-head scales from calibration K/V: the largest |x| of each head maps to 448
-  const kvc::Fp8Scales scales = kvc::fp8_scales_for<kvc::float8_e4m3>(
-      Storage::input_view(calib_keys), Storage::input_view(calib_values), kvc::Fp8ScaleGranularity::per_head);
+  const kvc::Fp8Scales scales =
+      kvc::fp8_scales_for<kvc::float8_e4m3>(calib_keys, calib_values, kvc::Fp8ScaleGranularity::per_head);
   // keys and values are encoded (x / scale, round to nearest even, saturating), stored, and
   // attended over as scale * code
-  kvc::HostTensor<Eigen::half> out = kvc::attend_fp8(cache, layer_idx, Storage::input_view(queries),
-                                                     Storage::input_view(keys), Storage::input_view(values), scales);
+  kvc::HostTensor<Eigen::half> out = kvc::attend_fp8(cache, layer_idx, queries, keys, values, scales);
   // [/snippet]
   (void)out;
 }

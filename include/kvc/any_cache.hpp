@@ -250,18 +250,22 @@ class AnyCache {
     return impl_ && impl_->type() == typeid(C) ? static_cast<const C*>(impl_->address()) : nullptr;
   }
 
+  // Keys and values: any kvc::tensor_input on the host, both of the held cache's element type
+  // (checked at run time: kvc::TypeError otherwise).
   template <class KeysT, class ValuesT>
-    requires(detail::tensor_input<std::remove_cvref_t<KeysT>>::valid &&
-             detail::tensor_input<std::remove_cvref_t<ValuesT>>::valid)
   auto update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
-    using T = typename detail::tensor_input<std::remove_cvref_t<KeysT>>::element_type;
-    constexpr bool same = std::is_same_v<T, typename detail::tensor_input<std::remove_cvref_t<ValuesT>>::element_type>;
-    static_assert(same, "kvc::AnyCache::update: keys and values must have the same element type");
-    if constexpr (same)
-      return self().update(detail::tensor_input<std::remove_cvref_t<KeysT>>::view(keys),
-                           detail::tensor_input<std::remove_cvref_t<ValuesT>>::view(values), layer_idx);
-    else
+    using T = detail::input_element_or_t<KeysT>;
+    if constexpr (!detail::require_inputs < detail::input_in<KeysT, memory_space::host> && detail::input_in < ValuesT,
+                  memory_space::host >> ()) {
       return KV<TensorView<T>>{};
+    } else {
+      constexpr bool same = std::is_same_v<T, input_element_t<ValuesT>>;
+      static_assert(same, "kvc::AnyCache::update: keys and values must have the same element type");
+      if constexpr (same)
+        return self().update(input_view(keys), input_view(values), layer_idx);
+      else
+        return KV<TensorView<T>>{};
+    }
   }
   template <class T>
   KV<TensorView<T>> stored(std::int64_t layer_idx) const {

@@ -530,9 +530,34 @@ HostTensor<T> attention_impl(const TensorView<T>& queries, const TensorView<KV>&
 
 }  // namespace detail
 
+namespace detail {
+
+// Queries, keys and values all in device memory: a call for the overloads of <kvc/cuda.hpp>. Every
+// other call goes to the host overloads, which take host inputs and refuse the rest.
+template <class... X>
+inline constexpr bool device_call = (input_in<X, memory_space::device> && ...);
+
+}  // namespace detail
+
 // out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
 // queries: [B, Hq, q, D]; keys: [B, Hkv, kv_length, D]; values: [B, Hkv, kv_length, Dv]; Hq a
-// multiple of Hkv. `scale` defaults to 1 / sqrt(D). Returns [B, Hq, q, Dv].
+// multiple of Hkv; each any kvc::tensor_input of one element type T on the host. `scale` defaults
+// to 1 / sqrt(D). Returns [B, Hq, q, Dv]. Throws kvc::ValueError for shapes that do not fit.
+template <class Q, class K, class V>
+  requires(!detail::device_call<Q, K, V>)
+HostTensor<detail::input_element_or_t<K>> scaled_dot_product_attention(const Q& queries, const K& keys, const V& values,
+                                                                       const AttentionMask& mask,
+                                                                       std::optional<double> scale = std::nullopt) {
+  using T = detail::input_element_or_t<K>;
+  if constexpr (detail::check_inputs<T, memory_space::host, Q, K, V>())
+    return detail::attention_impl<T, T>(input_view(queries), input_view(keys), input_view(values), mask, scale,
+                                        detail::unit_scales{});
+  else
+    return {};
+}
+
+// The same over views of T (what a call with explicit template arguments or an explicit
+// instantiation names: scaled_dot_product_attention<T>).
 template <class T>
 HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
                                            const TensorView<T>& values, const AttentionMask& mask,
@@ -540,35 +565,28 @@ HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const T
   return detail::attention_impl(queries, keys, values, mask, scale, detail::unit_scales{});
 }
 
-// Accepts what Cache::update accepts (HostTensor, TensorMap, TensorView) for the queries.
-template <class Q, class T>
-  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
-HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
-                                           const AttentionMask& mask, std::optional<double> scale = std::nullopt) {
-  return scaled_dot_product_attention<T>(detail::tensor_input<std::remove_cvref_t<Q>>::view(queries), keys, values,
-                                         mask, scale);
-}
-
 // The same into `out`, resized to [B, Hq, q, Dv] (no allocation when it holds that many elements
 // already), run by `context`: its executor's threads (default: serial) in its workspace (default:
 // one of the call's own). With a workspace that has served a call of the same sizes, the call
 // allocates nothing. The results are the same on any executor and any number of threads.
-template <class Q, class T>
-  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
-void scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
-                                  const AttentionMask& mask, HostTensor<T>& out, const AttentionContext& context = {},
+template <class Q, class K, class V, class T>
+  requires(!detail::device_call<Q, K, V>)
+void scaled_dot_product_attention(const Q& queries, const K& keys, const V& values, const AttentionMask& mask,
+                                  HostTensor<T>& out, const AttentionContext& context = {},
                                   std::optional<double> scale = std::nullopt) {
-  detail::attention_into(out, TensorView<T>(detail::tensor_input<std::remove_cvref_t<Q>>::view(queries)), keys, values,
-                         mask, scale, detail::unit_scales{}, context);
+  if constexpr (detail::check_inputs<T, memory_space::host, Q, K, V>())
+    detail::attention_into<T, T>(out, input_view(queries), input_view(keys), input_view(values), mask, scale,
+                                 detail::unit_scales{}, context);
 }
 
 // A new tensor, run by `context`.
-template <class Q, class T>
-  requires detail::tensor_input<std::remove_cvref_t<Q>>::valid
-HostTensor<T> scaled_dot_product_attention(const Q& queries, const TensorView<T>& keys, const TensorView<T>& values,
-                                           const AttentionMask& mask, const AttentionContext& context,
-                                           std::optional<double> scale = std::nullopt) {
-  HostTensor<T> out;
+template <class Q, class K, class V>
+  requires(!detail::device_call<Q, K, V>)
+HostTensor<detail::input_element_or_t<K>> scaled_dot_product_attention(const Q& queries, const K& keys, const V& values,
+                                                                       const AttentionMask& mask,
+                                                                       const AttentionContext& context,
+                                                                       std::optional<double> scale = std::nullopt) {
+  HostTensor<detail::input_element_or_t<K>> out;
   scaled_dot_product_attention(queries, keys, values, mask, out, context, scale);
   return out;
 }
@@ -594,12 +612,18 @@ struct AttendOptions {
 
 namespace detail {
 
-// The [batch, heads, seq, head_dim] shape of an input attend takes: host inputs (tensor_input) here,
-// device tensors and views in <kvc/detail/cuda_attention.cuh>.
-template <class X>
-struct input_extents {
-  static constexpr bool valid = tensor_input<X>::valid;
-  static std::array<std::int64_t, 4> of(const X& x) { return tensor_input<X>::view(x).extents; }
+// The element type and memory space attend checks its inputs against: the cache's
+// storage (AnyCache, which has none, takes host inputs of the queries' type).
+template <class Cache, class Q>
+struct attend_inputs {
+  using element_type = input_element_or_t<Q>;
+  static constexpr memory_space space = memory_space::host;
+};
+template <class Cache, class Q>
+  requires requires { typename Cache::storage_policy; }
+struct attend_inputs<Cache, Q> {
+  using element_type = typename Cache::storage_policy::element_type;
+  static constexpr memory_space space = Cache::storage_policy::space;
 };
 
 // attend's steps, with `finish(kv, mask)` attending over what the update returned (kvc::attend:
@@ -607,7 +631,7 @@ struct input_extents {
 template <class Cache, class Q, class KT, class VT, class Finish>
 auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
                  const AttendOptions& options, Finish&& finish) {
-  const std::array<std::int64_t, 4> qe = input_extents<std::remove_cvref_t<Q>>::of(queries);
+  const std::array<std::int64_t, 4> qe = input_view(queries).extents;
   const std::int64_t q = qe[2];
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
   AttentionMask mask{kv_length,
@@ -617,15 +641,15 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
                      true,
                      options.attention_chunk_size,
                      options.key_padding_mask};
-  if constexpr (input_extents<std::remove_cvref_t<KT>>::valid && input_extents<std::remove_cvref_t<VT>>::valid) {
-    const std::array<std::int64_t, 4> kv_in = input_extents<std::remove_cvref_t<KT>>::of(new_keys);
+  {
+    const std::array<std::int64_t, 4> kv_in = input_view(new_keys).extents;
     if (kv_in[2] != q)  // the mask sizes were asked for q new tokens
       throw ValueError("attend: queries of shape " + shape_string(qe) + " and new keys of shape " +
                        shape_string(kv_in) + " must have the same seq length");
     // What the update will return: [batch, kv heads, kv_length, head_dim] of the new keys/values.
     // (A copy of kv_length: clang 14 lambdas cannot capture a structured binding.)
     auto returned = [length = mask.kv_length](const auto& x) {
-      auto e = input_extents<std::remove_cvref_t<decltype(x)>>::of(x);
+      auto e = input_view(x).extents;
       e[2] = length;
       return e;
     };
@@ -643,16 +667,22 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
 // new keys/values in layer `layer_idx`, and attends over what the layer returns.
 // Queries that attention would refuse (their shape against the new keys, or a bad option) are
 // refused before the update, so a throwing attend leaves the cache as it was.
+// Queries, keys and values: any kvc::tensor_input of the cache's element type in its memory space.
+// Returns [batch, Hq, q, head_dim] (a HostTensor, or a DeviceTensor for a device cache).
 template <class Cache, class Q, class KT, class VT>
 auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             const AttendOptions& options = {}) {
-  return detail::attend_impl(
-      cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
-        if constexpr (std::remove_cvref_t<decltype(kv.keys)>::space == memory_space::host)
-          return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.context, options.scale);
-        else
-          return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
-      });
+  using in = detail::attend_inputs<Cache, Q>;
+  if constexpr (detail::check_inputs<typename in::element_type, in::space, Q, KT, VT>())
+    return detail::attend_impl(
+        cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
+          if constexpr (in::space == memory_space::host)
+            return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.context, options.scale);
+          else
+            return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
+        });
+  else
+    return HostTensor<typename in::element_type>();
 }
 
 // The same into `out` (host caches), as scaled_dot_product_attention's `out` overload: a step
@@ -661,11 +691,12 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
 template <class Cache, class Q, class KT, class VT, class T>
 void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             HostTensor<T>& out, const AttendOptions& options = {}) {
-  detail::attend_impl(
-      cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
-        scaled_dot_product_attention(queries, kv.keys, kv.values, mask, out, options.context, options.scale);
-        return 0;
-      });
+  if constexpr (detail::check_inputs<T, memory_space::host, Q, KT, VT>())
+    detail::attend_impl(
+        cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
+          scaled_dot_product_attention(queries, kv.keys, kv.values, mask, out, options.context, options.scale);
+          return 0;
+        });
 }
 
 }  // namespace kvc

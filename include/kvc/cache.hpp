@@ -328,13 +328,12 @@ class Cache<L, S, O> {
   // Stores `keys`/`values` ([batch, heads, q, head_dim]) in layer `layer_idx` and returns the views
   // attention reads (valid until the next call that changes this layer). The inputs must not alias
   // this cache's own buffers.
+  // Keys and values: what the storage accepts (HostStorage and CudaStorage: any kvc::tensor_input of
+  // the cache's element type in their memory space).
   template <class KeysT, class ValuesT>
   kv_type update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
-    static_assert(S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>,
-                  "kvc::Cache::update: keys and values must have the cache's element type and be kvc::HostTensor, an "
-                  "Eigen::TensorMap of one or a kvc::TensorView (HostStorage), or kvc::DeviceTensor or "
-                  "kvc::DeviceTensorView (CudaStorage)");
-    if constexpr (S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>)
+    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
+                  S::template accepts_input < ValuesT >> ())
       return update_views(S::input_view(keys), S::input_view(values), layer_idx);
     else
       return {};

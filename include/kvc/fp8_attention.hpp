@@ -95,26 +95,32 @@ float fp8_max() noexcept {
 }  // namespace detail
 
 // x [batch, heads, seq, head_dim] as F8 codes of x / scale(head); scales: one, or one per head.
-template <class F8, class T>
-HostTensor<F8> to_fp8(const TensorView<T>& x, std::span<const float> scales) {
+// x: any kvc::tensor_input on the host (of any element type a float converts from).
+template <class F8, class X>
+HostTensor<F8> to_fp8(const X& input, std::span<const float> scales) {
   static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
-  detail::check_fp8_scales(scales, x.extent(1), "the");
-  HostTensor<F8> out(x.extent(0), x.extent(1), x.extent(2), x.extent(3));
-  F8* o = out.data();
-  for (std::int64_t b = 0; b < x.extent(0); ++b)
-    for (std::int64_t h = 0; h < x.extent(1); ++h) {
-      const float inv = 1.0f / detail::scale_at(scales, h);
-      for (std::int64_t s = 0; s < x.extent(2); ++s)
-        for (std::int64_t d = 0; d < x.extent(3); ++d) *o++ = F8(static_cast<float>(x(b, h, s, d)) * inv);
-    }
-  return out;
+  if constexpr (!detail::require_inputs<detail::input_in<X, memory_space::host>>()) {
+    return {};
+  } else {
+    const auto x = input_view(input);
+    detail::check_fp8_scales(scales, x.extent(1), "the");
+    HostTensor<F8> out(x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+    F8* o = out.data();
+    for (std::int64_t b = 0; b < x.extent(0); ++b)
+      for (std::int64_t h = 0; h < x.extent(1); ++h) {
+        const float inv = 1.0f / detail::scale_at(scales, h);
+        for (std::int64_t s = 0; s < x.extent(2); ++s)
+          for (std::int64_t d = 0; d < x.extent(3); ++d) *o++ = F8(static_cast<float>(x(b, h, s, d)) * inv);
+      }
+    return out;
+  }
 }
 
-// Scales that map the largest |x| of keys and values (per tensor, or per KV head) to F8's largest
-// finite value; an all-zero tensor or head gets 1.
+namespace detail {
+
+// fp8_scales_for over host views of T.
 template <class F8, class T>
-Fp8Scales fp8_scales_for(const TensorView<T>& keys, const TensorView<T>& values, Fp8ScaleGranularity granularity) {
-  static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
+Fp8Scales fp8_scales_of(const TensorView<T>& keys, const TensorView<T>& values, Fp8ScaleGranularity granularity) {
   const auto amax = [&](const TensorView<T>& x) {
     std::vector<float> m(granularity == Fp8ScaleGranularity::per_head ? static_cast<std::size_t>(x.extent(1)) : 1, 0.f);
     for (std::int64_t b = 0; b < x.extent(0); ++b)
@@ -124,30 +130,49 @@ Fp8Scales fp8_scales_for(const TensorView<T>& keys, const TensorView<T>& values,
           for (std::int64_t d = 0; d < x.extent(3); ++d)
             slot = std::max(slot, std::abs(static_cast<float>(x(b, h, s, d))));
       }
-    for (float& v : m) v = v > 0.f && std::isfinite(v) ? v / detail::fp8_max<F8>() : 1.0f;
+    for (float& v : m) v = v > 0.f && std::isfinite(v) ? v / fp8_max<F8>() : 1.0f;
     return m;
   };
   return {amax(keys), amax(values)};
 }
 
+}  // namespace detail
+
+// Scales that map the largest |x| of keys and values (per tensor, or per KV head) to F8's largest
+// finite value; an all-zero tensor or head gets 1. Keys and values: any kvc::tensor_input on the
+// host, both of one element type.
+template <class F8, class KT, class VT>
+Fp8Scales fp8_scales_for(const KT& keys, const VT& values, Fp8ScaleGranularity granularity) {
+  static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
+  if constexpr (!detail::check_inputs<detail::input_element_or_t<KT>, memory_space::host, KT, VT>())
+    return {};
+  else
+    return detail::fp8_scales_of<F8>(input_view(keys), input_view(values), granularity);
+}
+
 // One attention layer's step through an fp8 cache (see the header comment): as kvc::attend, with
 // the step's keys and values encoded with `scales` before they are stored. Everything that can be
 // refused is refused before the cache changes.
-template <class Cache, class T>
-HostTensor<T> attend_fp8(Cache& cache, std::int64_t layer_idx, const TensorView<T>& queries, const TensorView<T>& keys,
-                         const TensorView<T>& values, const Fp8Scales& scales, const AttendOptions& options = {}) {
+// Queries, keys and values: any kvc::tensor_input on the host of the model's element type T.
+// Returns [batch, Hq, q, head_dim] in T.
+template <class Cache, class QT, class KT, class VT>
+HostTensor<detail::input_element_or_t<QT>> attend_fp8(Cache& cache, std::int64_t layer_idx, const QT& queries,
+                                                      const KT& keys, const VT& values, const Fp8Scales& scales,
+                                                      const AttendOptions& options = {}) {
   using F8 = typename Cache::storage_policy::element_type;
+  using T = detail::input_element_or_t<QT>;
   static_assert(is_float8_v<F8>,
                 "kvc::attend_fp8: the cache's element type must be kvc::float8_e4m3 or kvc::float8_e5m2 (e.g. "
                 "kvc::DynamicCache<kvc::float8_e4m3>); use kvc::attend for other caches");
-  if constexpr (is_float8_v<F8>) {  // (only the assertion above, not a cascade, when it fails)
-    detail::check_fp8_scales(scales.keys, keys.extent(1), "key");
-    detail::check_fp8_scales(scales.values, values.extent(1), "value");
-    const HostTensor<F8> k8 = to_fp8<F8>(keys, scales.keys), v8 = to_fp8<F8>(values, scales.values);
-    return detail::attend_impl(
-        cache, layer_idx, queries, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
-          return detail::attention_impl(queries, kv.keys, kv.values, mask, options.scale, scales, options.context);
-        });
+  // (only one assertion, not a cascade, when one fails)
+  if constexpr (is_float8_v<F8> && detail::check_inputs<T, memory_space::host, QT, KT, VT>()) {
+    const TensorView<T> q = input_view(queries), k = input_view(keys), v = input_view(values);
+    detail::check_fp8_scales(scales.keys, k.extent(1), "key");
+    detail::check_fp8_scales(scales.values, v.extent(1), "value");
+    const HostTensor<F8> k8 = to_fp8<F8>(k, scales.keys), v8 = to_fp8<F8>(v, scales.values);
+    return detail::attend_impl(cache, layer_idx, q, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
+      return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
+    });
   } else {
     return HostTensor<T>();
   }

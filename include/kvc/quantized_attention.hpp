@@ -223,21 +223,14 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   }
 }
 
-}  // namespace detail
-
-// Attention of layer `layer_idx` for queries [batch, Hq, q, head_dim] over the layer's quantized
-// history, its residual and the step's keys and values [batch, Hkv, q, head_dim], which are then
-// stored (append), into `out` (resized to [batch, Hq, q, head_dim]; no allocation when it holds that
-// many elements already). The work, one item per (batch row, KV head), runs on
-// options.context's executor, its scratch in the context's workspace when it has one (else in one
-// of the call's own); the results are the same on any executor and thread count.
+// attend_quantized over host views of the cache's element type.
 template <class Cache>
-void attend_quantized(Cache& cache, std::int64_t layer_idx,
-                      const TensorView<typename Cache::storage_policy::element_type>& queries,
-                      const TensorView<typename Cache::storage_policy::element_type>& keys,
-                      const TensorView<typename Cache::storage_policy::element_type>& values,
-                      HostTensor<typename Cache::storage_policy::element_type>& out,
-                      const AttendOptions& options = {}) {
+void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
+                            const TensorView<typename Cache::storage_policy::element_type>& queries,
+                            const TensorView<typename Cache::storage_policy::element_type>& keys,
+                            const TensorView<typename Cache::storage_policy::element_type>& values,
+                            HostTensor<typename Cache::storage_policy::element_type>& out,
+                            const AttendOptions& options) {
   using S = typename Cache::storage_policy;
   using T = typename S::element_type;
   using A = detail::accum_t<T>;
@@ -314,13 +307,34 @@ void attend_quantized(Cache& cache, std::int64_t layer_idx,
   });
 }
 
+}  // namespace detail
+
+// Attention of layer `layer_idx` for queries [batch, Hq, q, head_dim] over the layer's quantized
+// history, its residual and the step's keys and values [batch, Hkv, q, head_dim], which are then
+// stored (append), into `out` (resized to [batch, Hq, q, head_dim]; no allocation when it holds that
+// many elements already). The work, one item per (batch row, KV head), runs on
+// options.context's executor, its scratch in the context's workspace when it has one (else in one
+// of the call's own); the results are the same on any executor and thread count.
+// Queries, keys and values: any kvc::tensor_input of the cache's element type on the host.
+// Throws kvc::ValueError for a layer that is not quantized, shapes that do not fit it, or a
+// key_padding_mask; the cache is then unchanged.
+template <class Cache, class QT, class KT, class VT>
+void attend_quantized(Cache& cache, std::int64_t layer_idx, const QT& queries, const KT& keys, const VT& values,
+                      HostTensor<typename Cache::storage_policy::element_type>& out,
+                      const AttendOptions& options = {}) {
+  using T = typename Cache::storage_policy::element_type;
+  if constexpr (detail::check_inputs<T, memory_space::host, QT, KT, VT>())
+    detail::attend_quantized_views(cache, layer_idx, input_view(queries), input_view(keys), input_view(values), out,
+                                   options);
+}
+
 // attend_quantized's result as a new tensor. Returns [batch, Hq, q, head_dim] (empty for a step of
 // q = 0 tokens).
-template <class Cache>
-HostTensor<typename Cache::storage_policy::element_type> attend_quantized(
-    Cache& cache, std::int64_t layer_idx, const TensorView<typename Cache::storage_policy::element_type>& queries,
-    const TensorView<typename Cache::storage_policy::element_type>& keys,
-    const TensorView<typename Cache::storage_policy::element_type>& values, const AttendOptions& options = {}) {
+template <class Cache, class QT, class KT, class VT>
+HostTensor<typename Cache::storage_policy::element_type> attend_quantized(Cache& cache, std::int64_t layer_idx,
+                                                                          const QT& queries, const KT& keys,
+                                                                          const VT& values,
+                                                                          const AttendOptions& options = {}) {
   HostTensor<typename Cache::storage_policy::element_type> out;
   attend_quantized(cache, layer_idx, queries, keys, values, out, options);
   return out;

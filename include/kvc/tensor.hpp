@@ -1,7 +1,7 @@
 #pragma once
 // Tensors at kvc's boundary: the views (<kvc/tensor_view.hpp>), the owning `HostTensor<T>` (an
-// Eigen::Tensor, complete here with the Eigen Tensor module), and what `update` accepts: a
-// HostTensor, an Eigen::TensorMap of one, or a view (detail::tensor_input / detail::state_input).
+// Eigen::Tensor, complete here with the Eigen Tensor module), and HostTensor and Eigen::TensorMap
+// as kvc::tensor_input (<kvc/tensor_view.hpp>) and as linear-attention states (detail::state_input).
 
 #include <array>
 #include <cstdint>
@@ -15,13 +15,7 @@ namespace kvc {
 
 namespace detail {
 
-// Turns what a caller may pass to `update` into a TensorView. Specialised for HostTensor,
-// Eigen::TensorMap of one, and TensorView; `valid` is false for everything else.
-template <class X>
-struct tensor_input {
-  static constexpr bool valid = false;
-};
-
+// HostTensor<T> and Eigen::TensorMaps of one are kvc::tensor_input (<kvc/tensor_view.hpp>).
 template <class T>
 struct tensor_input<Eigen::Tensor<T, 4, Eigen::RowMajor>> {
   static constexpr bool valid = true;
@@ -48,14 +42,6 @@ struct tensor_input<Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>, Optio
 template <class T, int Options, template <class> class MakePointer>
 struct tensor_input<Eigen::TensorMap<const Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>>
     : tensor_input<Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>> {};
-
-template <class T>
-struct tensor_input<TensorView<T>> {
-  static constexpr bool valid = true;
-  static constexpr memory_space space = memory_space::host;
-  using element_type = std::remove_const_t<T>;
-  static TensorView<element_type> view(const TensorView<T>& t) { return {t.ptr, t.extents, t.strides}; }
-};
 
 // Turns what a caller may pass as a linear-attention state or as indexer keys into a StateView:
 // an Eigen::Tensor<T, N, RowMajor> (N = 1..4), a TensorMap of one, or a StateView.

@@ -3,7 +3,8 @@
 // takes (non-owning, trivially copyable windows into a layer's storage: `TensorView<T>` and
 // `StateView<T>` on the host, `DeviceTensorView<T>` and `DeviceStateView<T>` on a CUDA device, all
 // aliases of `basic_tensor_view` / `basic_state_view`) and `KV<View>` (the pair that
-// `Cache::update` returns). Tensor shapes are always [batch, heads, seq, head_dim]. The owning
+// `Cache::update` returns), and kvc::tensor_input: what every function that takes queries, keys or
+// values accepts, with kvc::input_view. Tensor shapes are always [batch, heads, seq, head_dim]. The owning
 // `HostTensor<T>` (an Eigen::Tensor) and the views' `to_tensor()` copies need the Eigen Tensor
 // module: include <kvc/tensor.hpp> for them.
 
@@ -236,4 +237,105 @@ inline std::string shape_string(const std::array<std::int64_t, 4>& e) {
   return out;
 }
 
+// ---- what kvc's functions take as queries, keys and values ----------------------------------------
+
+namespace detail {
+
+// Turns what a caller may pass as queries, keys or values into a view. Specialised here for the
+// views, in <kvc/tensor.hpp> for HostTensor and Eigen::TensorMaps of one, and in <kvc/cuda.hpp> for
+// DeviceTensor; `valid` is false for everything else.
+template <class X>
+struct tensor_input {
+  static constexpr bool valid = false;
+};
+
+// A view of either space (DeviceTensor<T>, the device's owning tensor, is added by <kvc/cuda.hpp>).
+template <class T, memory_space Space>
+struct tensor_input<basic_tensor_view<T, Space>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = Space;
+  using element_type = std::remove_const_t<T>;
+  static basic_tensor_view<element_type, Space> view(const basic_tensor_view<T, Space>& t) {
+    return {t.ptr, t.extents, t.strides};
+  }
+};
+
+}  // namespace detail
+
+// kvc::tensor_input: every kvc function that takes queries, keys or values takes any of these, the
+// same way: on the host a HostTensor<T>, an Eigen::TensorMap of one (row-major, rank 4) or a
+// TensorView<T>; on a CUDA device (<kvc/cuda.hpp>) a DeviceTensor<T> of rank 4 or a
+// DeviceTensorView<T>. Other memory is passed as a view over it: TensorView<T>{data, extents,
+// strides} (the last dimension contiguous).
+template <class X>
+concept tensor_input = detail::tensor_input<std::remove_cvref_t<X>>::valid;
+
+// The element type and the memory space of a tensor_input.
+template <tensor_input X>
+using input_element_t = typename detail::tensor_input<std::remove_cvref_t<X>>::element_type;
+template <tensor_input X>
+inline constexpr memory_space input_space_v = detail::tensor_input<std::remove_cvref_t<X>>::space;
+
+// The view of a tensor_input: a TensorView<T> on the host, a DeviceTensorView<T> on a device. It
+// copies nothing and is valid while `x`'s memory is.
+template <tensor_input X>
+auto input_view(const X& x) {
+  return detail::tensor_input<std::remove_cvref_t<X>>::view(x);
+}
+
+namespace detail {
+
+// X is a tensor_input of T in Space.
+template <class X, class T, memory_space Space>
+inline constexpr bool input_of = [] {
+  if constexpr (tensor_input<std::remove_cvref_t<X>>::valid)
+    return std::is_same_v<input_element_t<X>, T> && input_space_v<X> == Space;
+  else
+    return false;
+}();
+
+// X is a tensor_input in Space (of any element type).
+template <class X, memory_space Space>
+inline constexpr bool input_in = [] {
+  if constexpr (tensor_input<std::remove_cvref_t<X>>::valid)
+    return input_space_v<X> == Space;
+  else
+    return false;
+}();
+
+// The element type of X if X is a tensor_input, else `Otherwise` (the return types of a call that
+// check_inputs refuses).
+template <class X, class Otherwise>
+struct input_element_or {
+  using type = Otherwise;
+};
+template <class X, class Otherwise>
+  requires kvc::tensor_input<X>
+struct input_element_or<X, Otherwise> {
+  using type = input_element_t<X>;
+};
+template <class X, class Otherwise = float>
+using input_element_or_t = typename input_element_or<X, Otherwise>::type;
+
+// The one diagnostic of every function that takes queries, keys or values: true when the inputs
+// are accepted (Ok), else a failed static_assert (one error, whose context names the call).
+// Callers branch on it with `if constexpr`, so that nothing else fails after it.
+template <bool Ok>
+constexpr bool require_inputs() {
+  static_assert(Ok,
+                "kvc: queries, keys and values must be kvc::tensor_input of the element type and memory space "
+                "the call expects: kvc::HostTensor<T>, an Eigen::TensorMap of one or kvc::TensorView<T> on the "
+                "host (other memory: kvc::TensorView<T>{data, extents, strides}; kvc::input_view(x) is the view "
+                "of any input), kvc::DeviceTensor<T> or kvc::DeviceTensorView<T> on a CUDA device (kvc::to_device "
+                "copies a host tensor there)");
+  return Ok;
+}
+
+// require_inputs for inputs X... that must each be a tensor_input of T in Space.
+template <class T, memory_space Space, class... X>
+constexpr bool check_inputs() {
+  return require_inputs<(input_of<X, T, Space> && ...)>();
+}
+
+}  // namespace detail
 }  // namespace kvc

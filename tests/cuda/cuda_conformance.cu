@@ -583,6 +583,10 @@ void long_context_matches_host(float tolerance) {
                                                             kvc::HostStorage<H>::input_view(k),
                                                             kvc::HostStorage<H>::input_view(v), mask);
         CHECK(kc::largest_difference(got, want) <= tolerance);
+        // The owning tensors as inputs (kvc::tensor_input), on both sides: the same bits.
+        const auto owning = kvc::to_host(kvc::scaled_dot_product_attention(dq, dk, dv, mask).view());
+        CHECK(kc::largest_difference(owning, got) == 0.0f);
+        CHECK(kc::largest_difference(kvc::scaled_dot_product_attention(queries, k, v, mask), want) == 0.0f);
       }
     }
   }
@@ -615,6 +619,8 @@ TEST_CASE("device attention over fp8 codes (per-head scales, both formats) match
         kvc::detail::attention_impl(kvc::HostStorage<float>::input_view(q), kvc::HostStorage<F8>::input_view(k8),
                                     kvc::HostStorage<F8>::input_view(v8), mask, std::nullopt, scales);
     CHECK(kc::largest_difference(got, want) <= 1e-5f);
+    const auto owning = kvc::to_host(kvc::scaled_dot_product_attention(dq, dk, dv, mask, scales).view());
+    CHECK(kc::largest_difference(owning, got) == 0.0f);
     const kvc::Fp8Scales wrong{{1.f, 1.f, 1.f}, {1.f}};
     CHECK_THROWS_AS(kvc::scaled_dot_product_attention(dq, dk.view(), dv.view(), mask, wrong), kvc::ValueError);
   };
@@ -671,6 +677,11 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
                                              kvc::HostStorage<F8>::input_view(v8[l]), scales);
       INFO("step at " << past << ", layer " << layer);
       CHECK(kc::largest_difference(got, want) <= 1e-5f);
+      // The owning tensors as inputs (kvc::tensor_input), on both sides: the same bits.
+      const auto owning = kvc::to_host(kvc::paged_attention(device, layer, step, dq, dk[l], dv[l], scales).view());
+      CHECK(kc::largest_difference(owning, got) == 0.0f);
+      CHECK(kc::largest_difference(kvc::paged_attention(host, layer, step, queries, k8[l], v8[l], scales), want) ==
+            0.0f);
       host.update(kvc::HostStorage<F8>::input_view(k8[l]), kvc::HostStorage<F8>::input_view(v8[l]), layer, none,
                   writes);
     }

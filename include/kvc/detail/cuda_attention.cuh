@@ -189,72 +189,79 @@ DeviceTensor<T> device_paged_attention(const PagedCache<CudaStorage<KV, Stream>>
   return out;
 }
 
-// What attend checks of device inputs before the update: their shape.
-template <class T>
-struct input_extents<DeviceTensor<T>> {
-  static constexpr bool valid = true;
-  static std::array<std::int64_t, 4> of(const DeviceTensor<T>& x) { return x.view().extents; }
-};
-template <class T>
-struct input_extents<DeviceTensorView<T>> {
-  static constexpr bool valid = true;
-  static std::array<std::int64_t, 4> of(const DeviceTensorView<T>& x) { return x.extents; }
-};
-
 }  // namespace detail
 
 // ---- public API ----------------------------------------------------------------------------------
 
-// scaled_dot_product_attention (attention.hpp) on a CUDA device: queries [B, Hq, q, D] (a
-// DeviceTensor or DeviceTensorView), keys and values the views a device cache returns. The same
-// checks and messages as the host function, and ValueError for a head_dim above 256. Returns
-// [B, Hq, q, Dv] in device memory; the work is queued on the legacy default stream.
-template <class Q, class T>
-  requires detail::device_input<std::remove_cvref_t<Q>>::valid &&
-           std::is_same_v<typename detail::device_input<std::remove_cvref_t<Q>>::element_type, T>
-DeviceTensor<T> scaled_dot_product_attention(const Q& queries, const DeviceTensorView<T>& keys,
-                                             const DeviceTensorView<T>& values, const AttentionMask& mask,
-                                             std::optional<double> scale = std::nullopt) {
-  return detail::device_attention<T, T>(detail::device_input<std::remove_cvref_t<Q>>::view(queries), keys, values, mask,
-                                        scale, nullptr, nullptr);
+// scaled_dot_product_attention (attention.hpp) on a CUDA device: queries [B, Hq, q, D], keys and
+// values [B, Hkv, kv_length, D], each a DeviceTensor or DeviceTensorView of one element type T
+// (kvc::tensor_input in device memory). The same checks and messages as the host function, and
+// ValueError for a head_dim above 256. Returns [B, Hq, q, Dv] in device memory; the work is queued
+// on the legacy default stream.
+template <class Q, class K, class V>
+  requires detail::device_call<Q, K, V>
+DeviceTensor<input_element_t<K>> scaled_dot_product_attention(const Q& queries, const K& keys, const V& values,
+                                                              const AttentionMask& mask,
+                                                              std::optional<double> scale = std::nullopt) {
+  using T = input_element_t<K>;
+  if constexpr (detail::check_inputs<T, memory_space::device, Q, K, V>())
+    return detail::device_attention<T, T>(input_view(queries), input_view(keys), input_view(values), mask, scale,
+                                          nullptr, nullptr);
+  else
+    return {};
 }
 
-// The same over fp8 codes (a DynamicCache<F8, CudaStorage<F8>>'s views), with the scales the codes
-// were made with (kvc::Fp8Scales: per tensor or per KV head; checked as attend_fp8 checks them).
-template <class Q, class F8>
-  requires detail::device_input<std::remove_cvref_t<Q>>::valid && is_float8_v<F8>
-DeviceTensor<typename detail::device_input<std::remove_cvref_t<Q>>::element_type> scaled_dot_product_attention(
-    const Q& queries, const DeviceTensorView<F8>& keys, const DeviceTensorView<F8>& values, const AttentionMask& mask,
-    const Fp8Scales& scales, std::optional<double> scale = std::nullopt) {
-  using T = typename detail::device_input<std::remove_cvref_t<Q>>::element_type;
-  detail::check_fp8_scales(scales.keys, keys.extent(1), "key");
-  detail::check_fp8_scales(scales.values, values.extent(1), "value");
-  return detail::device_attention<T, F8>(detail::device_input<std::remove_cvref_t<Q>>::view(queries), keys, values,
-                                         mask, scale, &scales.keys, &scales.values);
+// The same over fp8 codes (a DynamicCache<F8, CudaStorage<F8>>'s views, or DeviceTensors of codes),
+// with the scales the codes were made with (kvc::Fp8Scales: per tensor or per KV head; checked as
+// attend_fp8 checks them). Queries in the model's type T.
+template <class Q, class K, class V>
+  requires detail::device_call<Q, K, V> && is_float8_v<input_element_t<K>>
+DeviceTensor<input_element_t<Q>> scaled_dot_product_attention(const Q& queries, const K& keys, const V& values,
+                                                              const AttentionMask& mask, const Fp8Scales& scales,
+                                                              std::optional<double> scale = std::nullopt) {
+  using T = input_element_t<Q>;
+  using F8 = input_element_t<K>;
+  if constexpr (detail::check_inputs<F8, memory_space::device, K, V>()) {
+    const DeviceTensorView<F8> k = input_view(keys), v = input_view(values);
+    detail::check_fp8_scales(scales.keys, k.extent(1), "key");
+    detail::check_fp8_scales(scales.values, v.extent(1), "value");
+    return detail::device_attention<T, F8>(input_view(queries), k, v, mask, scale, &scales.keys, &scales.values);
+  } else {
+    return {};
+  }
 }
 
 // paged_attention (paged/paged_attention.hpp) over a PagedCache in device memory: the same step,
 // checks and result, computed on the device from the pools through the requests' block tables.
-template <class T, class Stream>
+// Queries, keys and values: DeviceTensors or DeviceTensorViews of T.
+template <class T, class Stream, class QT, class KT, class VT>
+  requires detail::device_call<QT, KT, VT>
 DeviceTensor<T> paged_attention(const PagedCache<CudaStorage<T, Stream>>& cache, std::int64_t layer_idx,
-                                const PagedAttentionStep& step, const DeviceTensorView<T>& queries,
-                                const DeviceTensorView<T>& keys, const DeviceTensorView<T>& values,
+                                const PagedAttentionStep& step, const QT& queries, const KT& keys, const VT& values,
                                 std::optional<double> scale = std::nullopt) {
-  return detail::device_paged_attention(cache, layer_idx, step, queries, keys, values, scale, nullptr, nullptr);
+  if constexpr (detail::check_inputs<T, memory_space::device, QT, KT, VT>())
+    return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),
+                                          input_view(values), scale, nullptr, nullptr);
+  else
+    return {};
 }
 
 // The same over fp8 pools (PagedCache<CudaStorage<float8_e4m3>> or <float8_e5m2>): queries of the
-// model's type T, keys and values the step's codes made with `scales`.
-template <class F8, class Stream, class T>
-  requires is_float8_v<F8>
-DeviceTensor<T> paged_attention(const PagedCache<CudaStorage<F8, Stream>>& cache, std::int64_t layer_idx,
-                                const PagedAttentionStep& step, const DeviceTensorView<T>& queries,
-                                const DeviceTensorView<F8>& keys, const DeviceTensorView<F8>& values,
-                                const Fp8Scales& scales, std::optional<double> scale = std::nullopt) {
-  detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
-  detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
-  return detail::device_paged_attention(cache, layer_idx, step, queries, keys, values, scale, &scales.keys,
-                                        &scales.values);
+// model's type, keys and values the step's codes made with `scales`.
+template <class F8, class Stream, class QT, class KT, class VT>
+  requires is_float8_v<F8> && detail::device_call<QT, KT, VT>
+DeviceTensor<input_element_t<QT>> paged_attention(const PagedCache<CudaStorage<F8, Stream>>& cache,
+                                                  std::int64_t layer_idx, const PagedAttentionStep& step,
+                                                  const QT& queries, const KT& keys, const VT& values,
+                                                  const Fp8Scales& scales, std::optional<double> scale = std::nullopt) {
+  if constexpr (detail::check_inputs<F8, memory_space::device, KT, VT>()) {
+    detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
+    detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
+    return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),
+                                          input_view(values), scale, &scales.keys, &scales.values);
+  } else {
+    return {};
+  }
 }
 
 }  // namespace kvc

@@ -371,18 +371,38 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
 
 }  // namespace detail
 
+namespace detail {
+
+// The scale lists of an fp8 pool's attention (kvc::Fp8Scales, detail::unit_scales).
+template <class Scales>
+concept fp8_scale_lists = requires(const Scales& sc) {
+  { sc.key_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+  { sc.value_scale(std::int64_t{0}) } -> std::convertible_to<float>;
+};
+
+// What paged_attention takes: queries any tensor_input of Q in the pool's memory space; keys and
+// values tensor_inputs of the pool's element type there.
+template <class S, class Q, class QT, class KT, class VT>
+constexpr bool check_paged_inputs() {
+  return require_inputs < input_of<QT, Q, S::space> && input_of<KT, typename S::element_type, S::space> &&
+             input_of < VT,
+         typename S::element_type, S::space >> ();
+}
+
+}  // namespace detail
+
 // Attention of layer `layer_idx` for the step: queries [1, Hq, T, head_dim], keys and values
 // [1, Hkv, T, head_dim] (the step's new tokens, packed as the queries), Hkv the cache's KV heads
-// and Hq a multiple of it. Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim).
-template <class S>
+// and Hq a multiple of it; each any kvc::tensor_input of the pool's element type on the host.
+// Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim). Throws kvc::ValueError for
+// a step or shapes that do not fit the cache.
+template <class S, class QT, class KT, class VT>
+  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
 HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
-                                                     const PagedAttentionStep& step,
-                                                     const TensorView<typename S::element_type>& queries,
-                                                     const TensorView<typename S::element_type>& keys,
-                                                     const TensorView<typename S::element_type>& values,
-                                                     std::optional<double> scale = std::nullopt) {
+                                                     const PagedAttentionStep& step, const QT& queries, const KT& keys,
+                                                     const VT& values, std::optional<double> scale = std::nullopt) {
   HostTensor<typename S::element_type> out;
-  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{}, {});
+  paged_attention(cache, layer_idx, step, queries, keys, values, out, {}, scale);
   return out;
 }
 
@@ -390,45 +410,41 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
 // elements already), run by `context` (executor and workspace, as scaled_dot_product_attention's):
 // with a workspace that has served a step of the same shape, the call allocates nothing. The
 // results are the same on any executor and any number of threads.
-template <class S>
+template <class S, class QT, class KT, class VT>
+  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
-                     const TensorView<typename S::element_type>& queries,
-                     const TensorView<typename S::element_type>& keys,
-                     const TensorView<typename S::element_type>& values, HostTensor<typename S::element_type>& out,
+                     const QT& queries, const KT& keys, const VT& values, HostTensor<typename S::element_type>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
-  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, detail::unit_scales{},
-                               context);
+  using T = typename S::element_type;
+  if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
+    detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
+                                 scale, detail::unit_scales{}, context);
 }
 
-// The same over a pool of fp8 codes (PagedCache<HostStorage<float8_e4m3>> or <float8_e5m2>,
+// The same over a pool of fp8 codes (`PagedCache<HostStorage<float8_e4m3>>` or `<float8_e5m2>`,
 // <kvc/fp8_attention.hpp>): queries of the model's type T; keys and values the step's tokens as
 // the codes kvc::to_fp8 made with `scales` (kvc::Fp8Scales: per tensor or per KV head), which the
 // pool's codes share. Returns [1, Hq, T, head_dim] in T.
-template <class S, class T, class Scales>
-  requires requires(const Scales& sc) {
-    { sc.key_scale(std::int64_t{0}) } -> std::convertible_to<float>;
-    { sc.value_scale(std::int64_t{0}) } -> std::convertible_to<float>;
-  }
-HostTensor<T> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
-                              const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
-                              const TensorView<typename S::element_type>& values, const Scales& scales,
-                              std::optional<double> scale = std::nullopt) {
-  HostTensor<T> out;
-  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, scales, {});
+template <class S, class QT, class KT, class VT, detail::fp8_scale_lists Scales>
+  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
+HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
+                                                           const PagedAttentionStep& step, const QT& queries,
+                                                           const KT& keys, const VT& values, const Scales& scales,
+                                                           std::optional<double> scale = std::nullopt) {
+  HostTensor<detail::input_element_or_t<QT>> out;
+  paged_attention(cache, layer_idx, step, queries, keys, values, scales, out, {}, scale);
   return out;
 }
 
 // The fp8 pool's attention into `out`, run by `context`.
-template <class S, class T, class Scales>
-  requires requires(const Scales& sc) {
-    { sc.key_scale(std::int64_t{0}) } -> std::convertible_to<float>;
-    { sc.value_scale(std::int64_t{0}) } -> std::convertible_to<float>;
-  }
+template <class S, class QT, class KT, class VT, detail::fp8_scale_lists Scales, class T>
+  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
-                     const TensorView<T>& queries, const TensorView<typename S::element_type>& keys,
-                     const TensorView<typename S::element_type>& values, const Scales& scales, HostTensor<T>& out,
+                     const QT& queries, const KT& keys, const VT& values, const Scales& scales, HostTensor<T>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
-  detail::paged_attention_into(out, cache, layer_idx, step, queries, keys, values, scale, scales, context);
+  if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
+    detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
+                                 scale, scales, context);
 }
 
 }  // namespace kvc

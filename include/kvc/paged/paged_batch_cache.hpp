@@ -64,12 +64,14 @@ class PagedBatchCache {
 
   // ---- update and what the layers hold -------------------------------------------------------------
 
-  // Any input the storage accepts (HostTensor<T>, a TensorMap of one, a TensorView<T>).
+  // Keys and values: any input the storage accepts (a kvc::tensor_input of T in its memory space).
   template <class KeysT, class ValuesT>
-    requires(S::template accepts_input<KeysT> && S::template accepts_input<ValuesT> &&
-             !(std::is_same_v<KeysT, view_type> && std::is_same_v<ValuesT, view_type>))
   KV<view_type> update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
-    return update(S::input_view(keys), S::input_view(values), layer_idx);
+    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
+                  S::template accepts_input < ValuesT >> ())
+      return update(S::input_view(keys), S::input_view(values), layer_idx);
+    else
+      return {};
   }
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
     const std::int64_t group = cache_.layer_group(layer_idx).first;

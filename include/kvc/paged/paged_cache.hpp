@@ -681,6 +681,16 @@ class PagedCache<S> {
   // each request's cached tokens then its new ones. With no read rows (no request of the batch
   // has cache) it only writes and returns its inputs. The returned views point into a buffer of
   // the cache that the next update overwrites. Every check comes before the first write.
+  // Keys and values: any input the storage accepts (a kvc::tensor_input of T in its memory space).
+  template <class KeysT, class ValuesT>
+  KV<view_type> update(const KeysT& k, const ValuesT& v, std::int64_t layer_idx, const PagedIndices& read_index,
+                       const PagedIndices& write_index) {
+    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
+                  S::template accepts_input < ValuesT >> ())
+      return update(S::input_view(k), S::input_view(v), layer_idx, read_index, write_index);
+    else
+      return {};
+  }
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
                        const PagedIndices& write_index) {
     const auto groups = static_cast<std::size_t>(num_groups());

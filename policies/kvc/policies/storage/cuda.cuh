@@ -92,24 +92,14 @@ class DeviceTensor {
 
 namespace detail {
 
-// What CudaStorage::update accepts as keys/values, and as linear-attention states / indexer keys.
+// What CudaStorage takes as linear-attention states / indexer keys (keys and values: a
+// kvc::tensor_input on the device, below).
 template <class X>
 struct device_input {
-  static constexpr bool valid = false;
   static constexpr bool valid_state = false;
-};
-template <class T>
-struct device_input<DeviceTensorView<T>> {
-  static constexpr bool valid = true;
-  static constexpr bool valid_state = false;
-  using element_type = std::remove_const_t<T>;
-  static DeviceTensorView<element_type> view(const DeviceTensorView<T>& x) noexcept {
-    return {x.ptr, x.extents, x.strides};
-  }
 };
 template <class T>
 struct device_input<DeviceStateView<T>> {
-  static constexpr bool valid = false;
   static constexpr bool valid_state = true;
   using element_type = std::remove_const_t<T>;
   static DeviceStateView<element_type> state_view(const DeviceStateView<T>& x) noexcept {
@@ -118,11 +108,18 @@ struct device_input<DeviceStateView<T>> {
 };
 template <class T>
 struct device_input<DeviceTensor<T>> {
-  static constexpr bool valid = true;
   static constexpr bool valid_state = true;
   using element_type = T;
-  static DeviceTensorView<T> view(const DeviceTensor<T>& x) { return x.view(); }
   static DeviceStateView<T> state_view(const DeviceTensor<T>& x) noexcept { return x.state_view(); }
+};
+
+// A DeviceTensor is a kvc::tensor_input (the views of both spaces are, in <kvc/tensor.hpp>).
+template <class T>
+struct tensor_input<DeviceTensor<T>> {
+  static constexpr bool valid = true;
+  static constexpr memory_space space = memory_space::device;
+  using element_type = T;
+  static DeviceTensorView<T> view(const DeviceTensor<T>& x) { return x.view(); }
 };
 
 }  // namespace detail
@@ -229,19 +226,14 @@ struct CudaStorage {
     return {ptr, extents, strides};
   }
 
-  // What update() accepts: a DeviceTensorView<T> or a DeviceTensor<T> (rank 4). Host tensors are
-  // not accepted: copy them with kvc::to_device first, so that every transfer is explicit.
+  // What update() accepts: a kvc::tensor_input of T on the device (a DeviceTensorView<T> or a
+  // DeviceTensor<T> of rank 4), and its view. Host tensors are not accepted: copy them with
+  // kvc::to_device first, so that every transfer is explicit.
   template <class X>
-  static constexpr bool accepts_input = [] {
-    using traits = detail::device_input<std::remove_cvref_t<X>>;
-    if constexpr (traits::valid)
-      return std::is_same_v<typename traits::element_type, T>;
-    else
-      return false;
-  }();
+  static constexpr bool accepts_input = detail::input_of<X, T, memory_space::device>;
   template <class X>
   static view_type input_view(const X& x) {
-    return detail::device_input<std::remove_cvref_t<X>>::view(x);
+    return kvc::input_view(x);
   }
 
   // Linear-attention states and indexer keys: a DeviceStateView<T> or a DeviceTensor<T>.

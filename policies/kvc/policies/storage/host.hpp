@@ -126,19 +126,14 @@ struct HostStorage {
     return {ptr, extents, strides};
   }
 
-  // What update() accepts: HostTensor<T>, an Eigen::TensorMap of one, or a TensorView<T>.
+  // What update() accepts: a kvc::tensor_input of T on the host (HostTensor<T>, an
+  // Eigen::TensorMap of one, or a TensorView<T>), and its view.
   template <class X>
-  static constexpr bool accepts_input = [] {
-    using traits = detail::tensor_input<std::remove_cvref_t<X>>;
-    if constexpr (traits::valid)
-      return std::is_same_v<typename traits::element_type, T> && traits::space == memory_space::host;
-    else
-      return false;
-  }();
+  static constexpr bool accepts_input = detail::input_of<X, T, memory_space::host>;
 
   template <class X>
   static view_type input_view(const X& x) {
-    return detail::tensor_input<std::remove_cvref_t<X>>::view(x);
+    return kvc::input_view(x);
   }
 
   // Linear-attention states and indexer keys: dense tensors of rank 1..4 (detail::state_input).
