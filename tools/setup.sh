@@ -6,6 +6,7 @@ packages=(cmake make g++ clang libclang-rt-14-dev
           libeigen3-dev libboost-dev doctest-dev libbenchmark-dev nlohmann-json3-dev
           valgrind      # the memcheck stage of tools/test-all.sh
           pkgconf       # pkg-config: the package.pkgconfig test (kvc.pc)
+          doxygen       # the API reference (kvc_api_reference) and the docs.api_reference test
           clang-format-16  # tools/check-format.sh, the first stage of tools/test-all.sh
           gnuplot-nox   # gnuplot: tools/plot_benchmarks.sh
           openmpi-bin libopenmpi-dev)  # kvc::mpi: examples/07_distributed, kvc_bench_mpi (docs/distributed.md)

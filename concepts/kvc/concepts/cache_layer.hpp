@@ -79,7 +79,7 @@ struct buffer_visitor {
 template <class St>
 concept has_buffer_walk = requires(St& st, buffer_visitor f) { st.for_each_buffer(f); };
 
-// StoragePolicy<S> comes first: the conjunction stops there, before naming K::state<S> for an S
+// `StoragePolicy<S>` comes first: the conjunction stops there, before naming `K::state<S>` for an S
 // that has no view_type (which would be a hard error, not a false).
 template <class K, class S>
 concept CacheLayer =

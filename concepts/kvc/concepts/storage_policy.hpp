@@ -79,14 +79,14 @@ concept StoragePolicy =
     has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> && has_buffer_type<S> &&
     has_view_type<S> && has_copy_kernels<S> && has_make_view<S> && has_input_adapter<S>;
 
-// The paged write kvc::PagedCache makes: S::scatter_rows(jobs, rows, heads, width, dst_head_pitch).
+// The paged write `kvc::PagedCache` makes: `S::scatter_rows(jobs, rows, heads, width, dst_head_pitch)`.
 template <class S>
 concept has_scatter_rows =
     has_element_type<S> &&
     requires(std::span<const detail::scatter_job<typename S::element_type>> jobs, std::span<const std::int64_t> rows,
              std::int64_t n) { S::scatter_rows(jobs, rows, n, n, n); };
 
-// What kvc::PagedCache<S> requires: a storage policy with the paged write.
+// What `kvc::PagedCache<S>` requires: a storage policy with the paged write.
 template <class S>
 concept PagedStoragePolicy = StoragePolicy<S> && has_scatter_rows<S>;
 

@@ -64,7 +64,7 @@ class PagePools {
   const T* keys(std::int64_t j) const { return keys_.at(static_cast<std::size_t>(j)).data(); }
   const T* values(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
 
-  // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to buffer j's rows first_row ..
+  // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to buffer j's rows first_row to
   // first_row + tokens - 1 of a rows list (one per token), keys or values.
   kvc::detail::scatter_job<T> key_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return job(keys_[j].data(), x, first_row, tokens);
