@@ -143,7 +143,6 @@ struct PagedRun {
 
 PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<kvc::GenerationRequest>& requests) {
   PagedRun run;
-  // [snippet:serve_setup]
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = o.block_size;
   std::int64_t need = 0;  // blocks every sequence needs at its end
@@ -157,7 +156,6 @@ PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<
   cache.reserve_swap_space(o.swap_blocks.value_or(*cb.num_blocks / 8));
   kvc::ContinuousBatchingScheduler<Storage> scheduler(cache, cb);
   for (const auto& r : requests) scheduler.add_request(r);
-  // [/snippet]
 
   std::int64_t expected = 0, done = 0;  // sequences
   for (const auto& r : requests) expected += r.num_return_sequences;

@@ -118,7 +118,6 @@ inline void sample_batch(const Logits& logits, const kvc::ScheduledBatch& batch,
   }
 }
 
-// [snippet:serve_step]
 // One step of the model over a scheduled batch: each layer attends through the block tables
 // (kvc::paged_attention reads the cached keys in place and the step's own from its inputs, on the
 // context's threads and workspace), then stores the step's keys and values (write-only update).
@@ -129,16 +128,12 @@ inline Logits forward_step(const Decoder<float>& model, ServingCache& cache, con
   return model.forward_packed(ids, batch.position_ids, batch.logits_indices,
                               [&](std::int64_t layer, const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
                                   const kvc::HostTensor<float>& v) {
-                                using S = ServingStorage;
                                 kvc::HostTensor<float> out;
-                                kvc::paged_attention(cache, layer, batch.attention_step(), S::input_view(q),
-                                                     S::input_view(k), S::input_view(v), out, context);
-                                cache.update(S::input_view(k), S::input_view(v), layer, batch.read_index,
-                                             batch.write_index);
+                                kvc::paged_attention(cache, layer, batch.attention_step(), q, k, v, out, context);
+                                cache.update(k, v, layer, batch.read_index, batch.write_index);
                                 return out;
                               });
 }
-// [/snippet]
 
 struct ServeTotals {
   std::int64_t steps = 0, batch_tokens = 0;
@@ -157,7 +152,6 @@ inline ServeTotals serve(
   const AttentionExecutor executor{};  // every thread the program is given (OpenMP), or one
   kvc::AttentionWorkspace workspace;   // the attention's scratch, reused by every step
   std::vector<std::int64_t> next;      // one token per logits row
-  // [snippet:serve_loop]
   while (auto batch = scheduler.schedule()) {
     const Logits logits = forward_step(model, cache, *batch, {executor, &workspace});
     sample_batch(logits, *batch, seed, next);
@@ -168,7 +162,6 @@ inline ServeTotals serve(
       ++row;
     }
     scheduler.update(*batch, next);
-    // [/snippet]
     ++totals.steps;
     totals.batch_tokens += batch->num_tokens();
     if (on_step) on_step();
