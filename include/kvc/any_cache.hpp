@@ -226,18 +226,24 @@ class any_cache_model final : public any_cache_iface {
 
 }  // namespace detail
 
+// A move-only, type-erased handle over one host cache (a kvc::Cache<...> or a cache with its
+// method set), chosen at run time. Methods forward to the held cache and throw what it throws;
+// on an empty handle most of them throw kvc::ValueError.
 class AnyCache {
  public:
   // kvc::EncoderDecoderCache<AnyCache, AnyCache> asks the two methods below at run time.
   static constexpr bool is_type_erased_cache = true;
 
   AnyCache() = default;
+  // Takes ownership of `cache` (moved or copied in); implicit, like std::any.
   template <class C>
     requires(detail::host_cache<std::remove_cvref_t<C>> && !std::is_same_v<std::remove_cvref_t<C>, AnyCache>)
   AnyCache(C&& cache)  // NOLINT: implicit, like std::any
       : impl_(std::make_unique<detail::any_cache_model<std::remove_cvref_t<C>>>(std::forward<C>(cache))) {}
 
+  // Whether the handle holds a cache.
   bool has_value() const noexcept { return impl_ != nullptr; }
+  // kvc's name of the held cache's element type ("float", "half", ...); ValueError when empty.
   std::string_view element_type_name() const { return self().element_type_name(); }
 
   // The held cache if it is a C, else nullptr.
@@ -245,6 +251,7 @@ class AnyCache {
   C* get() noexcept {
     return impl_ && impl_->type() == typeid(C) ? static_cast<C*>(const_cast<void*>(impl_->address())) : nullptr;
   }
+  // The held cache if it is a C, else nullptr (const access).
   template <class C>
   const C* get() const noexcept {
     return impl_ && impl_->type() == typeid(C) ? static_cast<const C*>(impl_->address()) : nullptr;
@@ -267,12 +274,18 @@ class AnyCache {
         return KV<TensorView<T>>{};
     }
   }
+  // What layer `layer_idx` holds, as T views (Cache::stored). TypeError if T is not the held
+  // element type, IndexError for a layer out of range, ValueError when empty.
   template <class T>
   KV<TensorView<T>> stored(std::int64_t layer_idx) const {
     return self().stored(layer_idx, std::type_identity<T>{});
   }
 
+  // The number of tokens layer `layer_idx` holds (Cache::get_seq_length). IndexError for a
+  // negative index, ValueError for a linear-attention layer or an empty handle.
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self().get_seq_length(layer_idx); }
+  // Where the query of layer `layer_idx` starts, as the held cache says (MtpCache and DFlashCache
+  // shift it). Throws as get_seq_length.
   std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self().get_query_offset(layer_idx); }
 
   // Linear-attention states and indexer keys (Cache::update_conv_state and friends).
@@ -284,6 +297,8 @@ class AnyCache {
                                detail::state_input<std::remove_cvref_t<X>>::view(conv_states), layer_idx, state_idx,
                                conv_kernel_size);
   }
+  // Overwrites recurrent state `state_idx` of linear-attention layer `layer_idx` and returns it.
+  // TypeError for another element type; the held cache's errors for a bad index or layer.
   template <class X>
     requires detail::state_input<std::remove_cvref_t<X>>::valid
   auto update_recurrent_state(const X& recurrent_states, std::int64_t layer_idx, std::int64_t state_idx = 0) {
@@ -291,36 +306,59 @@ class AnyCache {
                                detail::state_input<std::remove_cvref_t<X>>::view(recurrent_states), layer_idx,
                                state_idx, 0);
   }
+  // Appends indexer keys to indexed layer `layer_idx` and returns what the layer holds. TypeError
+  // for another element type; IndexError or ValueError from the held cache (no such layer).
   template <class X>
     requires detail::state_input<std::remove_cvref_t<X>>::valid
   auto update_indexer(const X& indexer_key_states, std::int64_t layer_idx) {
     return self().update_state(detail::state_update::indexer,
                                detail::state_input<std::remove_cvref_t<X>>::view(indexer_key_states), layer_idx, 0, 0);
   }
+  // Whether the linear-attention layer (default: the last one) has seen a conv update. ValueError
+  // when asked of an attention layer, when there is none, or when empty.
   bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
                           std::optional<std::int64_t> state_idx = std::nullopt) const {
     return self().has_previous_state(layer_idx, state_idx);
   }
+  // Per layer: whether it is a pure linear-attention layer. ValueError when empty.
   std::vector<bool> is_linear() const { return self().is_linear(); }
   // Whether the held cache is what transformers calls a DynamicCache (every layer kind can crop
   // and change its batch), and transformers' repr of it, `DynamicCache(layers=[...])`.
   bool is_dynamic_cache() const { return self().is_dynamic_cache(); }
+  // The held cache's repr (transformers' style for a Cache). ValueError when empty.
   std::string repr() const { return self().repr(); }
+  // (kv_length, kv_offset) for a query of `q` new tokens at layer `layer_idx`, asked before the
+  // update. IndexError for a negative index, ValueError for a linear layer or an empty handle.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q, std::int64_t layer_idx) const {
     return self().get_mask_sizes(q, layer_idx);
   }
+  // The largest number of tokens any layer can return, -1 when some layer is unbounded.
+  // ValueError when the held cache has no layers yet or the handle is empty.
   std::int64_t get_max_length() const { return self().get_max_length(); }
+  // The number of tokens layer `layer_idx` can return (-1: unbounded, or past the last layer).
+  // IndexError for a negative index; ValueError when empty.
   std::int64_t get_max_length(std::int64_t layer_idx) const { return self().get_max_length(layer_idx); }
+  // Removes tokens from every layer (Cache::crop). AttributeError naming the layer when the held
+  // cache cannot crop (a StaticCache); ValueError when empty.
   void crop(std::int64_t tokens_to_remove) { self().crop(tokens_to_remove); }
+  // Picks batch rows by beam index in every layer (beam search). IndexError for an index out of
+  // bounds, ValueError for an empty list or an empty handle.
   void reorder_cache(std::span<const std::int64_t> beam_idx) { self().reorder_cache(beam_idx); }
+  // reorder_cache for a braced list of beam indices; throws as the span overload.
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
     self().reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
   }
+  // Repeats every batch row `repeats` times. AttributeError when the held cache has no batch
+  // operations (a StaticCache); ValueError for repeats < 1 or an empty handle.
   void batch_repeat_interleave(std::int64_t repeats) { self().batch_repeat_interleave(repeats); }
+  // Keeps only the batch rows named by `indices`, in that order. AttributeError without batch
+  // operations, IndexError for an index out of bounds, ValueError for none or an empty handle.
   void batch_select_indices(std::span<const std::int64_t> indices) { self().batch_select_indices(indices); }
+  // batch_select_indices for a braced list of rows; throws as the span overload.
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     self().batch_select_indices(std::span(indices.begin(), indices.size()));
   }
+  // Empties or rewinds every layer of the held cache (Cache::reset); does nothing when empty.
   void reset() {
     if (impl_) impl_->reset();
   }
@@ -331,20 +369,37 @@ class AnyCache {
   void make_resident(std::int64_t layer_idx = -1) {
     if (impl_) impl_->make_resident(layer_idx);
   }
+  // Turns on the recording of past states in the layers that support it; nothing when empty.
   void activate_past_recording() noexcept {
     if (impl_) impl_->activate_past_recording();
   }
+  // Sets every layer's write position (the export path). AttributeError when a layer has none,
+  // IndexError for a negative position or one past a layer's max_cache_len; ValueError when empty.
   void set_write_position(std::int64_t position) { self().set_write_position(position); }
+  // Allocates every layer that supports it now instead of at its first update. ValueError for
+  // bad sizes or an empty handle.
   void early_initialization(std::int64_t batch_size, detail::int_or_list num_heads, detail::int_or_list head_dim) {
     self().early_initialization(batch_size, num_heads, head_dim);
   }
+  // Per layer: whether it is a sliding-window layer. ValueError when empty.
   std::vector<bool> is_sliding() const { return self().is_sliding(); }
+  // Whether layer `layer_idx` is a sliding layer (false past the last layer). IndexError for a
+  // negative index; ValueError when empty.
   bool is_sliding(std::int64_t layer_idx) const { return self().is_sliding(layer_idx); }
+  // Whether the held cache has layers and every one is compileable. ValueError when empty.
   bool is_compileable() const { return self().is_compileable(); }
+  // Whether some layer supports early initialization and all those are initialized. ValueError
+  // when empty.
   bool is_initialized() const { return self().is_initialized(); }
+  // The batch size shared by the initialized layers, -1 when none is. ValueError when layers
+  // disagree or the handle is empty.
   std::int64_t batch_size() const { return self().batch_size(); }
+  // The number of layers of the held cache. ValueError when empty.
   std::int64_t size() const { return self().size(); }
+  // The kind name of layer `layer_idx`, e.g. "DynamicLayer". IndexError for a layer out of range;
+  // ValueError when empty.
   std::string_view layer_name(std::int64_t layer_idx) const { return self().layer_name(layer_idx); }
+  // Bytes of K/V memory the held cache's layers hold (allocated capacity). ValueError when empty.
   std::int64_t bytes() const { return self().bytes(); }
 
  private:

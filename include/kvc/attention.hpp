@@ -51,6 +51,7 @@ struct AttentionMask {
   std::int64_t kv_offset = 0;       // from get_mask_sizes(q)
   std::int64_t query_position = 0;  // absolute position of the first query (tokens seen before it)
   std::optional<std::int64_t> sliding_window = std::nullopt;  // none: full causal attention
+  // Whether a query is hidden from keys after its own position (false: bidirectional, an encoder).
   bool causal = true;
   // Chunked attention (transformers' chunked_attention layers): a query sees only keys of its own
   // chunk, kv_pos / chunk == q_pos / chunk.
@@ -599,7 +600,10 @@ HostTensor<detail::input_element_or_t<K>> scaled_dot_product_attention(const Q& 
 // chunk mask: pass attention_chunk_size for them. A DynamicCache() keeps every token in every
 // layer, so with it the model's window must always be given.
 struct AttendOptions {
+  // The model's sliding window for this layer; with neither this nor attention_chunk_size, a
+  // sliding layer of the cache masks with its own window.
   std::optional<std::int64_t> sliding_window = std::nullopt;
+  // The model's attention chunk size for this layer (chunked_attention layers need it).
   std::optional<std::int64_t> attention_chunk_size = std::nullopt;
   std::optional<double> scale = std::nullopt;  // default 1 / sqrt(head_dim)
   // AttentionMask::key_padding_mask: [batch, width] over absolute positions, width at least the

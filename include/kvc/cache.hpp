@@ -186,10 +186,13 @@ class Cache {
   // misconfigured Cache reports only the asserts above.
   template <class... Args>
   explicit Cache(Args&&...) {}
+  // Stand-in for update on a misconfigured Cache: takes any arguments and returns a placeholder
+  // (keys, values) pair. Never runs: the static_asserts above stop the build.
   template <class... Args>
   detail::misconfigured_kv update(Args&&...) {
     return {};
   }
+  // Stand-in for stored on a misconfigured Cache: returns a placeholder (keys, values) pair.
   template <class... Args>
   detail::misconfigured_kv stored(Args&&...) const {
     return {};
@@ -199,52 +202,101 @@ class Cache {
   type name(Args&&...) const {               \
     return type();                           \
   }
+  // Stand-in for get_seq_length on a misconfigured Cache: returns a placeholder length (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, get_seq_length)
+  // Stand-in for get_query_offset on a misconfigured Cache: returns a placeholder offset (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, get_query_offset)
+  // Stand-in for get_max_length on a misconfigured Cache: returns a placeholder length (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, get_max_length)
+  // Stand-in for batch_size on a misconfigured Cache: returns a placeholder batch size (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, batch_size)
+  // Stand-in for size on a misconfigured Cache: returns a placeholder layer count (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, size)
+  // Stand-in for bytes on a misconfigured Cache: returns a placeholder byte count (0).
   KVC_DETAIL_MISCONFIGURED(std::int64_t, bytes)
+  // get_mask_sizes' result type: a (kv_length, kv_offset) pair.
   using mask_sizes = std::pair<std::int64_t, std::int64_t>;
+  // Stand-in for get_mask_sizes on a misconfigured Cache: returns a placeholder (0, 0) pair.
   KVC_DETAIL_MISCONFIGURED(mask_sizes, get_mask_sizes)
+  // Stand-in for is_compileable on a misconfigured Cache: returns false.
   KVC_DETAIL_MISCONFIGURED(bool, is_compileable)
+  // Stand-in for is_initialized on a misconfigured Cache: returns false.
   KVC_DETAIL_MISCONFIGURED(bool, is_initialized)
+  // Stand-in for has_previous_state on a misconfigured Cache: returns false.
   KVC_DETAIL_MISCONFIGURED(bool, has_previous_state)
+  // Stand-in for layer_name on a misconfigured Cache: returns an empty name.
   KVC_DETAIL_MISCONFIGURED(std::string_view, layer_name)
+  // Stand-in for is_linear on a misconfigured Cache: returns a placeholder that converts to any
+  // type.
   KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, is_linear)
+  // Stand-in for is_sliding on a misconfigured Cache: returns a placeholder that converts to any
+  // type.
   KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, is_sliding)
+  // Stand-in for update_conv_state on a misconfigured Cache: returns a placeholder that converts to
+  // any type.
   KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_conv_state)
+  // Stand-in for update_recurrent_state on a misconfigured Cache: returns a placeholder that
+  // converts to any type.
   KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_recurrent_state)
+  // Stand-in for update_indexer on a misconfigured Cache: returns a placeholder that converts to
+  // any type.
   KVC_DETAIL_MISCONFIGURED(detail::misconfigured_result, update_indexer)
+  // Stand-in for crop on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, crop)
+  // Stand-in for reorder_cache on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, reorder_cache)
+  // Stand-in for batch_repeat_interleave on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, batch_repeat_interleave)
+  // Stand-in for batch_select_indices on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, batch_select_indices)
+  // Stand-in for reset on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, reset)
+  // Stand-in for make_resident on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, make_resident)
+  // Stand-in for early_initialization on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, early_initialization)
+  // Stand-in for set_write_position on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, set_write_position)
+  // Stand-in for activate_past_recording on a misconfigured Cache: does nothing.
   KVC_DETAIL_MISCONFIGURED(void, activate_past_recording)
 #undef KVC_DETAIL_MISCONFIGURED
+  // Stand-in for reorder_cache({...}) (a braced list) on a misconfigured Cache: does nothing.
   void reorder_cache(std::initializer_list<std::int64_t>) const {}
+  // Stand-in for batch_select_indices({...}) (a braced list) on a misconfigured Cache: does
+  // nothing.
   void batch_select_indices(std::initializer_list<std::int64_t>) const {}
 };
 
+// The cache for a valid configuration: a list of layers, each the state of one of the LayerPolicy's
+// kinds in StoragePolicy S's memory, offloaded by OffloadPolicy O, with transformers' Cache method
+// set (update, get_seq_length, crop, reorder_cache, ...) for a model's attention to store K/V in.
 template <class L, class S, class O>
   requires concepts::ValidCacheConfig<L, S, O>
 class Cache<L, S, O> {
  public:
+  // The LayerPolicy: kvc::Layers<Kinds...> (a fixed list) or kvc::Replicate<Kind> (made on demand).
   using layer_policy = L;
+  // The StoragePolicy: where the layers' buffers live and which element type they hold.
   using storage_policy = S;
+  // The OffloadPolicy: where layers go between their updates (kvc::NoOffload: nowhere).
   using offload_policy = O;
+  // The element type of the stored keys and values (e.g. float).
   using element_type = typename S::element_type;
+  // The storage's [batch, heads, seq, head_dim] tensor view type: kv_type's keys and values.
   using view_type = typename S::view_type;
+  // A (keys, values) pair of views: what update and stored return.
   using kv_type = KV<view_type>;
+  // The LayerPolicy's layer kinds, as a boost::mp11 list.
   using kinds = detail::layer_kinds<L>;
+  // The state type of layer kind K in this storage: what the cache holds for a layer of kind K.
   template <class K>
   using state_of = typename K::template state<S>;
+  // A std::variant of the layer kinds: one entry of a layer list known only at run time.
   using kind_variant = boost::mp11::mp_rename<kinds, std::variant>;
+  // A std::variant of the layer kinds' states: what the cache holds for each layer.
   using layer_variant = boost::mp11::mp_rename<boost::mp11::mp_transform<state_of, kinds>, std::variant>;
+  // True for a replicated LayerPolicy (kvc::Replicate): a layer is made from the prototype on the
+  // first update of each new layer index.
   static constexpr bool replicated = concepts::has_layer_class_to_replicate<L>;
 
  private:
@@ -269,7 +321,9 @@ class Cache<L, S, O> {
  public:
   // Which optional operations some layer kind of this cache has (the others do not compile).
   static constexpr bool can_crop = any_kind<has_crop>;
+  // True when some layer kind supports batch_repeat_interleave and batch_select_indices.
   static constexpr bool can_batch_ops = any_kind<has_batch_ops>;
+  // True when some layer kind has a write position (set_write_position; StaticLayer).
   static constexpr bool can_set_write_position = any_kind<has_write_position>;
 
   // ---- construction --------------------------------------------------------------------------
@@ -277,7 +331,10 @@ class Cache<L, S, O> {
   // Copies are deep; a copy assignment that throws (out of memory, a spill file that cannot be
   // copied) leaves the cache as it was.
   Cache(const Cache&) = default;
+  // Moves: takes over the other cache's layers and offload state.
   Cache(Cache&&) = default;
+  // Deep copy assignment, copied aside then moved in; returns *this. On std::bad_alloc or a spill
+  // file that cannot be copied (kvc::RuntimeError) the cache is left as it was.
   Cache& operator=(const Cache& other) {
     if (this != &other) {
       Cache copy(other);
@@ -285,6 +342,7 @@ class Cache<L, S, O> {
     }
     return *this;
   }
+  // Move assignment: takes over the other cache's layers and offload state; returns *this.
   Cache& operator=(Cache&&) = default;
 
   // Replicated: layers are copies of `prototype` (checked now, so a bad prototype throws here).
@@ -292,6 +350,8 @@ class Cache<L, S, O> {
   template <bool R = replicated>
     requires R
   Cache() : Cache(boost::mp11::mp_front<kinds>{}) {}
+  // Replicated: every layer is made as a copy of `prototype`. kvc::ValueError now for a bad
+  // prototype (e.g. a sliding_window or max_cache_len below 1).
   template <bool R = replicated>
     requires R
   explicit Cache(boost::mp11::mp_front<kinds> prototype) : prototype_(prototype) {
@@ -400,6 +460,8 @@ class Cache<L, S, O> {
     }
     return out;
   }
+  // The largest number of tokens layer `layer_idx` can return; -1 when it is unbounded, a pure
+  // linear-attention layer or past the last layer. kvc::IndexError for a negative index.
   std::int64_t get_max_length(std::int64_t layer_idx) const {
     check_index(layer_idx, "get_max_length");
     if (layer_idx >= size()) return -1;
@@ -466,6 +528,9 @@ class Cache<L, S, O> {
     gather_all<false>("reorder_cache",
                       [&](std::int64_t) { return std::vector<std::int64_t>(beam_idx.begin(), beam_idx.end()); });
   }
+  // reorder_cache with a braced list of beam indices, e.g. reorder_cache({1, 0}).
+  // kvc::IndexError for an index outside a layer's batch, kvc::ValueError for an empty list once a layer holds
+  // tokens.
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
     reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
   }
@@ -492,6 +557,9 @@ class Cache<L, S, O> {
     gather_all<true>("batch_select_indices",
                      [&](std::int64_t) { return std::vector<std::int64_t>(indices.begin(), indices.end()); });
   }
+  // batch_select_indices with a braced list, e.g. batch_select_indices({2, 0}). kvc::IndexError
+  // for an index outside a layer's batch, kvc::ValueError for an empty list once a layer holds
+  // tokens, kvc::AttributeError for a layer kind without batch operations.
   template <int = 0>
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     batch_select_indices(std::span(indices.begin(), indices.size()));
@@ -525,6 +593,9 @@ class Cache<L, S, O> {
     reserved_ = std::max(reserved_, tokens);
   }
 
+  // Has every layer that can record its past (dynamic sliding-window and linear-attention layers,
+  // hybrids) keep it, so that crop can roll back past the window (transformers'
+  // activate_past_recording). Other layers are skipped.
   void activate_past_recording() noexcept {
     for_each_layer([](auto& l) {
       if constexpr (concepts::supports_past_recording<std::decay_t<decltype(l)>>) l.activate_past_recording();
@@ -674,8 +745,10 @@ class Cache<L, S, O> {
 
   // ---- properties ----------------------------------------------------------------------------
 
+  // The number of layers (for a replicated cache, those made so far).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(layers_.size()); }
 
+  // Per layer: whether it is a sliding-window layer (transformers' Cache.is_sliding).
   std::vector<bool> is_sliding() const {
     std::vector<bool> out;
     out.reserve(layers_.size());
@@ -691,6 +764,8 @@ class Cache<L, S, O> {
     return visit_layer(layer_idx, [](const auto& l) { return std::decay_t<decltype(l)>::is_sliding; });
   }
 
+  // Whether every layer kind is compileable (fixed-shape buffers, as transformers' is_compileable);
+  // false for a cache with no layers.
   bool is_compileable() const noexcept {
     bool all = !layers_.empty();
     for_each_layer([&](const auto& l) { all = all && std::decay_t<decltype(l)>::is_compileable; });
@@ -792,9 +867,14 @@ class Cache<L, S, O> {
     for (std::int64_t i = 0; i < n; ++i) out.layers.push_back(read_layer(ar, i));
     return out;
   }
+  // What transfer returns with a reading archive: the layers read and checked, held aside until
+  // commit() swaps them into the cache; dropping it leaves the cache as it was.
   struct loaded_layers {
+    // The cache that commit() puts the layers into.
     Cache* target;
+    // The layers read from the archive, in order.
     std::vector<layer_variant> layers;
+    // Swaps the read layers into the target cache (its old layers end up here); cannot throw.
     void commit() noexcept { target->layers_.swap(layers); }
   };
 
@@ -812,6 +892,8 @@ class Cache<L, S, O> {
       ar.fail("the file has " + std::to_string(n) + " layers and the cache " + std::to_string(size()));
     return n;
   }
+  // Reads layer i from `ar` and puts it in the cache (a replicated cache grows to hold it);
+  // kvc::StateError for a layer that does not match the cache's, which is then left as it was.
   template <class A>
   void transfer_layer(A& ar, std::int64_t i) {
     layer_variant layer = read_layer(ar, i);
@@ -828,6 +910,7 @@ class Cache<L, S, O> {
     }
     layers_[idx].swap(layer);
   }
+  // Drops the layers past the first `n` (a replicated cache loaded from a file with fewer layers).
   void transfer_end(std::int64_t n) noexcept {
     if (static_cast<std::size_t>(n) < layers_.size())
       layers_.erase(layers_.begin() + static_cast<std::ptrdiff_t>(n), layers_.end());

@@ -31,10 +31,13 @@ namespace kvc {
 // The layer policy a description with `layers` builds: every host layer kind.
 using AnyHostLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
 
+// The ValueError message for a description with both `layers` and `layer_class_to_replicate`
+// (transformers' Cache.__init__ text).
 inline constexpr std::string_view both_layer_sources_message =
     "You can construct a Cache either from a list `layers` of all the predefined `CacheLayer`, or from a "
     "`layer_class_to_replicate`, in which case the Cache will append a new layer corresponding to "
     "`layer_class_to_replicate` for each new call to `update` with an idx not already in the Cache.";
+// The ValueError message for a description with neither (transformers' text).
 inline constexpr std::string_view no_layer_source_message =
     "You should provide exactly one of `layers` or `layer_class_to_replicate` to initialize a Cache.";
 

@@ -21,6 +21,7 @@ template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 class DynamicCache : public Cache<Replicate<DynamicLayer>, Storage, Offload> {
  public:
   using Cache<Replicate<DynamicLayer>, Storage, Offload>::Cache;
+  // A cache with no layers yet: each layer index gets a DynamicLayer on its first update.
   DynamicCache() = default;
 };
 
@@ -32,6 +33,7 @@ template <class T, class Storage = HostStorage<T>, class Offload = NoOffload>
 class ConfiguredDynamicCache : public Cache<ConfiguredDynamicLayers, Storage, Offload> {
  public:
   using Cache<ConfiguredDynamicLayers, Storage, Offload>::Cache;
+  // The name the cache prints as: transformers' DynamicCache.
   static constexpr std::string_view class_name = "DynamicCache";
 };
 
@@ -67,6 +69,8 @@ class StaticCache : public Cache<StaticCacheLayers, Storage, Offload> {
   using base = Cache<StaticCacheLayers, Storage, Offload>;
 
  public:
+  // One static layer per config layer, each holding `max_cache_len` tokens. ValueError for a
+  // max_cache_len below 1, a config out of range or a missing window; KeyError for an unknown type.
   StaticCache(const ModelConfig& config, std::int64_t max_cache_len)
       : base(detail::widen_kinds<typename base::kind_variant>(static_layer_kinds(config, max_cache_len))) {}
 
@@ -74,23 +78,28 @@ class StaticCache : public Cache<StaticCacheLayers, Storage, Offload> {
   // config always has one (transformers raises AttributeError from StaticLayer): rejected here at
   // compile time, as for a cache of static kinds only.
   static constexpr bool can_crop = false;
+  // False: a StaticCache keeps a fixed batch, so the batch operations do not compile.
   static constexpr bool can_batch_ops = false;
+  // Rejected at compile time: a StaticCache cannot be cropped.
   template <int = 0>
   void crop(std::int64_t) {
     static_assert(detail::always_false<Storage>,
                   "kvc::StaticCache::crop: a StaticCache cannot be cropped. Its static layers keep a fixed buffer; "
                   "use a dynamic cache to roll back");
   }
+  // Rejected at compile time: a StaticCache keeps a fixed batch.
   template <int = 0>
   void batch_repeat_interleave(std::int64_t) {
     static_assert(detail::always_false<Storage>,
                   "kvc::StaticCache::batch_repeat_interleave: a StaticCache keeps a fixed batch; use a dynamic cache");
   }
+  // Rejected at compile time: a StaticCache keeps a fixed batch.
   template <int = 0>
   void batch_select_indices(std::span<const std::int64_t>) {
     static_assert(detail::always_false<Storage>,
                   "kvc::StaticCache::batch_select_indices: a StaticCache keeps a fixed batch; use a dynamic cache");
   }
+  // Rejected at compile time (the braced-list form): a StaticCache keeps a fixed batch.
   template <int = 0>
   void batch_select_indices(std::initializer_list<std::int64_t>) {
     static_assert(detail::always_false<Storage>,

@@ -27,9 +27,13 @@ namespace kvc {
 
 // Per-layer values that override the model-wide ones (transformers' per_layer_config).
 struct LayerOverride {
+  // The layer's window (a full-attention layer with one becomes a sliding layer).
   std::optional<std::int64_t> sliding_window;
+  // The layer's number of query heads.
   std::optional<std::int64_t> num_attention_heads;
+  // The layer's number of key/value heads.
   std::optional<std::int64_t> num_key_value_heads;
+  // The layer's head dimension.
   std::optional<std::int64_t> head_dim;
 };
 
@@ -39,18 +43,30 @@ template <class Config>
 struct include_kvc_runtime_hpp_to_read_json;
 }  // namespace detail
 
+// The fields of a transformers config.json that caches need: layer count, heads, head_dim, windows
+// and layer types. Filled in code or read by from_json / from_file.
 struct ModelConfig {
+  // The number of decoder layers.
   std::int64_t num_hidden_layers = 0;
+  // The number of query heads per layer.
   std::int64_t num_attention_heads = 0;
   std::optional<std::int64_t> num_key_value_heads;  // defaults to num_attention_heads
   std::optional<std::int64_t> head_dim;             // defaults to hidden_size / num_attention_heads
+  // The model width: head_dim defaults to hidden_size / num_attention_heads.
   std::int64_t hidden_size = 0;
+  // The window of sliding layers; without layer_types, it makes every layer a sliding layer.
   std::optional<std::int64_t> sliding_window;
+  // The chunk of chunked-attention layers; without layer_types and sliding_window, it makes every
+  // layer a chunked one.
   std::optional<std::int64_t> attention_chunk_size;
+  // Each layer's type ("full_attention", "sliding_attention", ...: known_layer_types); unset, every
+  // layer is full, sliding or chunked as the fields above say.
   std::optional<std::vector<std::string>> layer_types;
+  // The number of last layers that reuse earlier layers' keys and values and have no cache layer.
   std::int64_t num_kv_shared_layers = 0;
   // States per linear-attention layer (transformers reads getattr(config, "number_of_conv_states", 1)).
   std::int64_t number_of_conv_states = 1;
+  // Per-layer overrides, by layer index (transformers' per_layer_config).
   std::map<std::int64_t, LayerOverride> per_layer_config;
   // The model_type of the (text) config the layout came from: transformers'
   // get_text_config(decoder=True).model_type ("gemma3_text" for a Gemma 3 multimodal file, "llama"
@@ -76,9 +92,12 @@ struct ModelConfig {
     return Reader::from_file(path);
   }
 
+  // The number of query heads of layer `layer`: its override, else num_attention_heads.
   std::int64_t layer_num_attention_heads(std::int64_t layer) const {
     return override_or(layer, &LayerOverride::num_attention_heads, num_attention_heads);
   }
+  // The number of key/value heads of layer `layer`: its override, else its overridden query heads
+  // (when num_key_value_heads is unset), else num_key_value_heads, else num_attention_heads.
   std::int64_t layer_num_key_value_heads(std::int64_t layer) const {
     const auto it = per_layer_config.find(layer);
     if (it != per_layer_config.end() && it->second.num_key_value_heads) return *it->second.num_key_value_heads;
@@ -86,6 +105,8 @@ struct ModelConfig {
       return *it->second.num_attention_heads;
     return num_key_value_heads.value_or(num_attention_heads);
   }
+  // The head dimension of layer `layer`: its override, else head_dim, else hidden_size divided by
+  // the layer's query heads; ValueError when it is not set and cannot be derived.
   std::int64_t layer_head_dim(std::int64_t layer) const {
     const auto it = per_layer_config.find(layer);
     if (it != per_layer_config.end() && it->second.head_dim) return *it->second.head_dim;
@@ -175,10 +196,14 @@ inline std::vector<LayerSpec> layer_specs(const ModelConfig& config) {
 // num_kv_shared_layers shared ones. transformers slices layer_types[:-0] when there are none,
 // which gives an empty list (docs/differences.md item 20); kvc keeps every layer.
 struct HeadShapes {
+  // The key/value head count of each cache layer.
   std::vector<std::int64_t> num_heads;
+  // The head dimension of each cache layer.
   std::vector<std::int64_t> head_dim;
 };
 
+// The HeadShapes of `config`'s cache layers. ValueError for a field out of range (as
+// layer_specs) or a head_dim that cannot be derived.
 inline HeadShapes get_head_shapes(const ModelConfig& config) {
   HeadShapes out;
   const auto specs = layer_specs(config);

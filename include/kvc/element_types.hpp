@@ -23,14 +23,19 @@
 
 namespace kvc {
 
+// One row of the element-type table: a C++ element type, kvc's name for it and torch's dtype name.
 template <class T, detail::fixed_name Name, detail::fixed_name TorchDtype>
 struct element_type_row {
+  // The C++ element type.
   using type = T;
+  // kvc's name for it ("float", "half", ...).
   static constexpr std::string_view name = Name.view();
+  // torch's dtype name for it ("float32", "float16", ...).
   static constexpr std::string_view torch_dtype = TorchDtype.view();
 };
 
 #define KVC_DETAIL_ELEMENT_ROW(T, NAME, TORCH) , element_type_row<T, NAME, TORCH>
+// The table: one element_type_row per element type, in KVC_ELEMENT_TYPES' order.
 using element_type_table =
     boost::mp11::mp_pop_front<boost::mp11::mp_list<void KVC_ELEMENT_TYPES(KVC_DETAIL_ELEMENT_ROW)>>;
 #undef KVC_DETAIL_ELEMENT_ROW

@@ -52,12 +52,17 @@ class EncoderDecoderCache {
   explicit EncoderDecoderCache(Args&&...) {}
 };
 
+// The decoder's self-attention cache and the cross-attention cache over the encoder's output, as
+// one object with transformers' EncoderDecoderCache methods (both halves are kvc caches).
 template <class SelfCache, class CrossCache>
   requires(detail::is_cache_v<SelfCache> && detail::is_cache_v<CrossCache>)
 class EncoderDecoderCache<SelfCache, CrossCache> {
  public:
+  // The type of the decoder's self-attention half.
   using self_attention_cache_type = SelfCache;
+  // The type of the cross-attention half (the encoder's keys and values).
   using cross_attention_cache_type = CrossCache;
+  // The self-attention cache's element type.
   using element_type = typename detail::cache_element<SelfCache>::type;
   // Whether crop and the batch operations are defined (both halves dynamic).
   static constexpr bool is_dynamic = detail::is_dynamic_cache_v<SelfCache> && detail::is_dynamic_cache_v<CrossCache>;
@@ -87,7 +92,10 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   // Copies are deep; a copy assignment that throws leaves both halves as they were (member by
   // member, a failed copy of the cross-attention half would leave the new self-attention half).
   EncoderDecoderCache(const EncoderDecoderCache&) = default;
+  // Moves both halves and the is_updated record.
   EncoderDecoderCache(EncoderDecoderCache&&) = default;
+  // Deep copy assignment with the strong guarantee (copies aside, then moves in); returns *this.
+  // Throws what copying a half throws (std::bad_alloc).
   EncoderDecoderCache& operator=(const EncoderDecoderCache& other)
     requires(std::is_copy_constructible_v<SelfCache> && std::is_copy_constructible_v<CrossCache>)
   {
@@ -97,6 +105,7 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
     }
     return *this;
   }
+  // Move assignment of both halves and the is_updated record; returns *this.
   EncoderDecoderCache& operator=(EncoderDecoderCache&&) = default;
 
   // Two empty caches (an extension: transformers always takes the two caches).
@@ -125,9 +134,13 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
 
   // ---- the two halves --------------------------------------------------------------------------
 
+  // The decoder's self-attention cache, for the model to update.
   SelfCache& self_attention_cache() noexcept { return self_; }
+  // The decoder's self-attention cache (read-only).
   const SelfCache& self_attention_cache() const noexcept { return self_; }
+  // The cross-attention cache over the encoder's output, for the model to update.
   CrossCache& cross_attention_cache() noexcept { return cross_; }
+  // The cross-attention cache over the encoder's output (read-only).
   const CrossCache& cross_attention_cache() const noexcept { return cross_; }
 
   // Whether the cross-attention cache of layer `layer_idx` is filled (models compute the encoder's
@@ -148,17 +161,33 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
 
   // ---- the self-attention cache answers ---------------------------------------------------------
 
+  // The number of layers of the self-attention cache.
   std::int64_t size() const noexcept { return self_.size(); }
+  // The number of tokens the self-attention cache holds at layer `layer_idx`; throws what its
+  // get_seq_length throws (IndexError for a negative index, ValueError for a linear layer).
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const { return self_.get_seq_length(layer_idx); }
+  // Where the query of layer `layer_idx` starts in the self-attention cache; throws as
+  // get_seq_length.
   std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return self_.get_query_offset(layer_idx); }
+  // The self-attention cache's largest returnable length (-1: unbounded); ValueError when it has
+  // no layers yet.
   std::int64_t get_max_length() const { return self_.get_max_length(); }
+  // The self-attention cache's returnable length at layer `layer_idx` (-1: unbounded or past the
+  // last layer); IndexError for a negative index.
   std::int64_t get_max_length(std::int64_t layer_idx) const { return self_.get_max_length(layer_idx); }
+  // (kv_length, kv_offset) of the self-attention cache for a query of `query_length` tokens at
+  // layer `layer_idx`; IndexError for a negative index, ValueError for a bad length.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
     return self_.get_mask_sizes(query_length, layer_idx);
   }
+  // Per layer of the self-attention cache: whether it is a sliding-window layer.
   std::vector<bool> is_sliding() const { return self_.is_sliding(); }
+  // Whether self-attention layer `layer_idx` is a sliding layer (false past the last layer);
+  // IndexError for a negative index.
   bool is_sliding(std::int64_t layer_idx) const { return self_.is_sliding(layer_idx); }
+  // Whether the self-attention cache is compileable (has layers, all of a compileable kind).
   bool is_compileable() const noexcept { return self_.is_compileable(); }
+  // Turns on past-state recording in the self-attention cache.
   void activate_past_recording() noexcept { self_.activate_past_recording(); }
 
   // ---- both caches -------------------------------------------------------------------------------
@@ -178,6 +207,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
   void reorder_cache(std::span<const std::int64_t> beam_idx) {
     on_both([&](auto& c) { c.reorder_cache(beam_idx); });
   }
+  // reorder_cache for a braced list of beam indices: IndexError for an index out of bounds,
+  // ValueError for an empty list.
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
     reorder_cache(std::span(beam_idx.begin(), beam_idx.size()));
   }
@@ -188,15 +219,20 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
     if constexpr (is_dynamic) self_.crop(tokens_to_remove);
   }
 
+  // Repeats every batch row `repeats` times in both caches. TypeError unless both halves are
+  // dynamic caches; ValueError for repeats < 1.
   void batch_repeat_interleave(std::int64_t repeats) {
     check_dynamic_cache("batch_repeat_interleave");
     if constexpr (is_dynamic) on_both([&](auto& c) { c.batch_repeat_interleave(repeats); });
   }
 
+  // Keeps only the batch rows named by `indices`, in that order, in both caches. TypeError unless
+  // both are dynamic; IndexError for an index out of bounds, ValueError for an empty list.
   void batch_select_indices(std::span<const std::int64_t> indices) {
     check_dynamic_cache("batch_select_indices");
     if constexpr (is_dynamic) on_both([&](auto& c) { c.batch_select_indices(indices); });
   }
+  // batch_select_indices for a braced list of rows; throws as the span overload.
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     batch_select_indices(std::span(indices.begin(), indices.size()));
   }
@@ -224,6 +260,8 @@ class EncoderDecoderCache<SelfCache, CrossCache> {
       ar.value(updated);
     }
   }
+  // With a reading archive: reads both halves and is_updated aside and returns them; their
+  // commit() swaps them in and cannot throw. kvc::StateError when the payload does not match.
   template <class A>
     requires A::loading
   [[nodiscard]] auto transfer(A& ar) {

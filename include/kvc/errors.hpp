@@ -14,9 +14,13 @@
 
 namespace kvc {
 
+// Python's ValueError: an argument of the right type with a wrong value (a size, a shape, an
+// option, a name the cache does not accept).
 struct ValueError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
+// Python's TypeError: a value of the wrong type (another element type than the cache holds, an
+// operation only a dynamic cache defines).
 struct TypeError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
@@ -25,6 +29,7 @@ struct TypeError : std::invalid_argument {
 struct AttributeError : std::logic_error {
   using std::logic_error::logic_error;
 };
+// Python's RuntimeError: a failure outside the arguments (reading a file, an MPI call).
 struct RuntimeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -32,12 +37,16 @@ struct RuntimeError : std::runtime_error {
 struct NotImplementedError : RuntimeError {
   using RuntimeError::RuntimeError;
 };
+// Python's IndexError: a layer, batch row or position out of range.
 struct IndexError : std::out_of_range {
   using std::out_of_range::out_of_range;
 };
+// Python's KeyError: an unknown key (a layer type or kind the table does not name, a request).
 struct KeyError : std::out_of_range {
   using std::out_of_range::out_of_range;
 };
+// Python's AssertionError: a precondition transformers asserts (StaticCacheExport's generation
+// config).
 struct AssertionError : std::logic_error {
   using std::logic_error::logic_error;
 };

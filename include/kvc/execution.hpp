@@ -32,7 +32,9 @@ namespace kvc {
 
 // Runs every item on the calling thread, in order.
 struct SerialExecutor {
+  // Returns 1: the calling thread is the one worker.
   static constexpr int concurrency() noexcept { return 1; }
+  // Calls body(i, 0) for every i in [0, n), in order, on the calling thread.
   template <class Body>
   void parallel_for(std::int64_t n, Body&& body) const {
     for (std::int64_t i = 0; i < n; ++i) body(i, 0);
@@ -44,8 +46,12 @@ struct SerialExecutor {
 // handed out one at a time. OpenMP keeps its threads between calls; a call made from inside a
 // parallel region runs on the calling thread alone.
 struct OpenMPExecutor {
+  // The number of threads to use; 0: omp_get_max_threads().
   int threads = 0;
+  // The number of workers: `threads`, or omp_get_max_threads() when it is 0 (at least 1).
   int concurrency() const noexcept { return threads > 0 ? threads : std::max(1, omp_get_max_threads()); }
+  // Calls body(i, worker) for every i in [0, n) on the team (worker: OpenMP's thread number), on
+  // the calling thread alone when one worker suffices or inside a parallel region.
   template <class Body>
   void parallel_for(std::int64_t n, Body&& body) const {
     const int team = static_cast<int>(std::min<std::int64_t>(concurrency(), std::max<std::int64_t>(n, 1)));
@@ -62,12 +68,15 @@ struct OpenMPExecutor {
 // A non-owning reference to an executor (the executor must outlive it). Default: serial.
 class ExecutorRef {
  public:
+  // A reference to no executor: parallel_for runs the items serially.
   ExecutorRef() noexcept = default;
+  // Refers to `executor` (which must outlive the reference); records its concurrency, at least 1.
   template <concepts::Executor E>
     requires(!std::is_same_v<std::remove_cvref_t<E>, ExecutorRef>)
   ExecutorRef(const E& executor) noexcept  // NOLINT(google-explicit-constructor): a reference
       : executor_(&executor), concurrency_(std::max(1, static_cast<int>(executor.concurrency()))), run_(&run<E>) {}
 
+  // The referred executor's number of workers (1 for the default, serial one).
   int concurrency() const noexcept { return concurrency_; }
 
   // body(item, worker) for every item in [0, n); body must not throw.
@@ -101,12 +110,16 @@ class ExecutorRef {
 // not depend on where its workspace lies (nor on which worker's area an item runs in).
 class AttentionWorkspace {
  public:
+  // The alignment, in bytes, of every area's start.
   static constexpr std::size_t alignment = 64;
 
+  // An empty workspace: the first reserve allocates.
   AttentionWorkspace() = default;
   AttentionWorkspace(const AttentionWorkspace&) = delete;
   AttentionWorkspace& operator=(const AttentionWorkspace&) = delete;
+  // Takes over the other workspace's areas.
   AttentionWorkspace(AttentionWorkspace&&) noexcept = default;
+  // Takes over the other workspace's areas, freeing its own; returns *this.
   AttentionWorkspace& operator=(AttentionWorkspace&&) noexcept = default;
 
   // The bytes it holds.
@@ -144,7 +157,9 @@ class AttentionWorkspace {
     workers_ = std::move(next);
     if (grow_shared) shared_ = std::move(next_shared);
   }
+  // The start of worker `w`'s area (w below the workers reserved: not checked); nullptr when empty.
   std::byte* worker(int w) noexcept { return workers_[static_cast<std::size_t>(w)].data.get(); }
+  // The start of the area the workers share; nullptr when none was reserved.
   std::byte* shared() noexcept { return shared_.data.get(); }
 
  private:
@@ -167,7 +182,9 @@ class AttentionWorkspace {
 // How one attention call runs: its executor and workspace (none: a workspace of the call's own,
 // allocated and freed by it).
 struct AttentionContext {
+  // The threads the call runs on (default: the calling thread).
   ExecutorRef executor{};
+  // The scratch memory the call computes in; nullptr: the call allocates its own.
   AttentionWorkspace* workspace = nullptr;
 };
 

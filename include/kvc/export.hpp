@@ -25,9 +25,13 @@ namespace kvc {
 
 // One buffer an exporter registers: name, address, shape and dtype (torch's names).
 struct ExportedBuffer {
+  // The name the exporter registers: key_cache_{i} or value_cache_{i}.
   std::string name;
+  // The address of the buffer's first element.
   const void* data = nullptr;
+  // The buffer's shape, [batch_size, heads, max_cache_len, head_dim].
   std::array<std::int64_t, 4> shape{};
+  // torch's dtype name of the elements ("float32", "bfloat16", ...).
   std::string_view dtype;
 };
 
@@ -49,9 +53,12 @@ inline std::int64_t export_size(std::optional<std::int64_t> argument, const Gene
 }
 }  // namespace detail
 
+// A static cache prepared for export (transformers' TorchExportableModuleWithStaticCache): every
+// layer a full StaticLayer allocated up front, a per-step write position, and the buffer list.
 template <class T = float>
 class StaticCacheExport {
  public:
+  // The exported cache: full StaticLayers on the host.
   using cache_type = Cache<Layers<StaticLayer>, HostStorage<T>>;
 
   // `generation_config` is the model's (std::nullopt: the model has none).
@@ -60,9 +67,13 @@ class StaticCacheExport {
                     std::optional<std::int64_t> max_cache_len = std::nullopt)
       : cache_(make(config, generation_config, batch_size, max_cache_len)) {}
 
+  // The cache the exported model updates.
   cache_type& cache() noexcept { return cache_; }
+  // The cache (read-only).
   const cache_type& cache() const noexcept { return cache_; }
+  // The batch size the buffers are allocated for.
   std::int64_t batch_size() const noexcept { return batch_size_; }
+  // The number of token slots each layer holds.
   std::int64_t max_cache_len() const noexcept { return max_cache_len_; }
 
   // Call before each forward: every layer writes next at cache_position[0] (what the exported
@@ -71,6 +82,8 @@ class StaticCacheExport {
     if (cache_position.empty()) throw ValueError("begin_step: cache_position must hold at least one position");
     cache_.set_write_position(cache_position.front());
   }
+  // begin_step for a braced list of positions: ValueError when it is empty, IndexError for a
+  // negative first position or one past max_cache_len.
   void begin_step(std::initializer_list<std::int64_t> cache_position) {
     begin_step(std::span(cache_position.begin(), cache_position.size()));
   }

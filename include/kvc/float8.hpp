@@ -29,6 +29,8 @@
 
 namespace kvc {
 
+// What a float too large for the format converts to: the largest finite value of its sign
+// (saturate), or infinity / NaN (non_saturating).
 enum class fp8_overflow : std::uint8_t { saturate, non_saturating };
 
 namespace detail {
@@ -233,7 +235,9 @@ struct float8 {
 
 }  // namespace detail
 
+// The OFP8 E4M3 format: 4 exponent bits, 3 mantissa bits, largest finite 448, no infinity.
 using float8_e4m3 = detail::float8<detail::e4m3_format>;
+// The OFP8 E5M2 format: 5 exponent bits, 2 mantissa bits, largest finite 57344, with infinities.
 using float8_e5m2 = detail::float8<detail::e5m2_format>;
 
 }  // namespace kvc

@@ -35,6 +35,7 @@
 
 namespace kvc {
 
+// Whether T is one of kvc's fp8 code types (kvc::float8_e4m3, kvc::float8_e5m2).
 template <class T>
 inline constexpr bool is_float8_v = false;
 template <class Format>
@@ -50,13 +51,18 @@ inline float scale_at(std::span<const float> scales, std::int64_t h) noexcept {
 // The dequantization scales of one layer's K and V: x ~ scale * code. One entry: the whole tensor
 // (per tensor); Hkv entries: one per KV head (per head).
 struct Fp8Scales {
+  // The key scales: one for the whole tensor, or one per KV head.
   std::vector<float> keys{1.0f};
+  // The value scales: one for the whole tensor, or one per KV head.
   std::vector<float> values{1.0f};
 
+  // The key scale of KV head `head` (the one scale when per tensor); `head` is not checked.
   float key_scale(std::int64_t head) const noexcept { return detail::scale_at(keys, head); }
+  // The value scale of KV head `head` (the one scale when per tensor); `head` is not checked.
   float value_scale(std::int64_t head) const noexcept { return detail::scale_at(values, head); }
 };
 
+// What fp8_scales_for computes: one scale for each whole tensor, or one per KV head.
 enum class Fp8ScaleGranularity { per_tensor, per_head };
 
 namespace detail {

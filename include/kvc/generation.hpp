@@ -49,12 +49,15 @@ constexpr bool contains_name(const std::array<std::string_view, N>& names, std::
 
 // ---- the constant lists (generation/configuration_utils.py, module level) -------------------
 inline constexpr std::array<std::string_view, 2> STATIC_CACHE_IMPLEMENTATIONS{"static", "offloaded_static"};
+// The cache_implementation values that pick a dynamic cache.
 inline constexpr std::array<std::string_view, 3> DYNAMIC_CACHE_IMPLEMENTATIONS{"dynamic", "offloaded", "quantized"};
 // "All the following are redundant and deprecated, but kept for BC" (transformers' comment).
 inline constexpr std::array<std::string_view, 5> DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS{
     "sliding_window", "hybrid", "hybrid_chunked", "offloaded_hybrid", "offloaded_hybrid_chunked"};
+// STATIC_CACHE_IMPLEMENTATIONS, then the deprecated static values.
 inline constexpr auto ALL_STATIC_CACHE_IMPLEMENTATIONS =
     detail::concat_names(STATIC_CACHE_IMPLEMENTATIONS, DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS);
+// Every cache_implementation value generate() knows ("paged" aside): static, deprecated, dynamic.
 inline constexpr auto ALL_CACHE_IMPLEMENTATIONS =
     detail::concat_names(ALL_STATIC_CACHE_IMPLEMENTATIONS, DYNAMIC_CACHE_IMPLEMENTATIONS);
 
@@ -82,9 +85,13 @@ struct GenerationConfig {
   nlohmann::ordered_json cache_config;
   std::optional<std::int64_t> max_cache_len;       // static caches only
   std::optional<std::int64_t> prefill_chunk_size;  // static caches are initialized eagerly when set
+  // The largest total length, prompt included (default 20); max_new_tokens wins when set.
   std::int64_t max_length = 20;
+  // The number of tokens to generate, the prompt not counted (None: max_length decides).
   std::optional<std::int64_t> max_new_tokens;
+  // The number of beams of beam search (1: no beam search).
   std::int64_t num_beams = 1;
+  // The number of sequences returned for each input.
   std::int64_t num_return_sequences = 1;
   std::optional<bool> is_assistant;  // generate() calls activate_past_recording() when true
 
@@ -93,6 +100,8 @@ struct GenerationConfig {
   // unset. Wrong types, out-of-range sizes and malformed JSON throw ValueError. Like
   // transformers' constructor, it ends with validate() (not strict).
   static GenerationConfig from_json(std::string_view text);
+  // The same from a generation_config.json file: RuntimeError when it cannot be read, ValueError
+  // for a file above kvc's size limit, malformed JSON or a wrong field.
   static GenerationConfig from_file(const std::filesystem::path& path);
 
   // transformers' GenerationConfig.validate, restricted to the fields above (docs/generation.md):
@@ -103,6 +112,7 @@ struct GenerationConfig {
   // >= 1; max_length >= 0).
   void validate(bool strict = false) const;
 
+  // Whether two configs hold equal values in every field.
   friend bool operator==(const GenerationConfig&, const GenerationConfig&) = default;
 };
 

@@ -27,7 +27,9 @@ namespace kvc {
 
 // One layer of a config: its type string and the window it uses (sliding and chunked layers).
 struct LayerSpec {
+  // The layer type string, as in a config's layer_types ("full_attention", ...).
   std::string type;
+  // The layer's window (sliding window or attention chunk), if it uses one.
   std::optional<std::int64_t> sliding_window;
   std::int64_t number_of_states = 1;  // linear-attention layers and hybrids
 };
@@ -35,11 +37,17 @@ struct LayerSpec {
 // The config field a layer type takes its window from.
 enum class window_field { none, sliding_window, attention_chunk_size };
 
+// One row of the layer-type table: a layer_types string, the layer kinds the dynamic and static
+// mappings build for it, and the config field its window comes from.
 template <detail::fixed_name Name, class Dynamic, class Static, window_field Window = window_field::none>
 struct layer_type_row {
+  // The layer_types string.
   static constexpr std::string_view name = Name.view();
+  // The layer kind DYNAMIC_LAYER_TYPE_MAPPING builds.
   using dynamic_kind = Dynamic;
+  // The layer kind STATIC_LAYER_TYPE_MAPPING builds.
   using static_kind = Static;
+  // The config field the layer's window comes from (none: no window).
   static constexpr window_field window = Window;
 };
 
@@ -73,12 +81,18 @@ inline constexpr auto known_layer_types = detail::row_names(layer_type_table{});
 // Every kind each mapping builds, once each, in the order the table first names them.
 using dynamic_layer_kind_list =
     boost::mp11::mp_unique<boost::mp11::mp_transform<detail::dynamic_kind_of, layer_type_table>>;
+// Every kind the static mapping builds, once each, in the order the table first names them.
 using static_layer_kind_list =
     boost::mp11::mp_unique<boost::mp11::mp_transform<detail::static_kind_of, layer_type_table>>;
+// One layer's kind from the dynamic mapping (a std::variant of dynamic_layer_kind_list), as
+// dynamic_layer_kinds returns them.
 using DynamicLayerKind = boost::mp11::mp_rename<dynamic_layer_kind_list, std::variant>;
+// One layer's kind from the static mapping (a std::variant of static_layer_kind_list), as
+// static_layer_kinds returns them.
 using StaticLayerKind = boost::mp11::mp_rename<static_layer_kind_list, std::variant>;
 // The layer policies of make_dynamic_cache's cache and of StaticCache.
 using ConfiguredDynamicLayers = boost::mp11::mp_rename<dynamic_layer_kind_list, Layers>;
+// The layer policy of StaticCache.
 using StaticCacheLayers = boost::mp11::mp_rename<static_layer_kind_list, Layers>;
 
 namespace detail {

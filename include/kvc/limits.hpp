@@ -55,6 +55,7 @@ inline std::int64_t set_allocation_limit(std::int64_t bytes) {
 // handlers of that keep working; its message names the bytes and is built without allocating.
 class MemoryError : public std::bad_alloc {
  public:
+  // The system refused `bytes` bytes; the message names them.
   explicit MemoryError(std::int64_t bytes) noexcept {
     std::snprintf(what_, sizeof what_, "kvc: the system cannot allocate %lld bytes (out of memory)",
                   static_cast<long long>(bytes));
@@ -66,6 +67,7 @@ class MemoryError : public std::bad_alloc {
     std::memcpy(what_, message.data(), n);
     what_[n] = '\0';
   }
+  // The message, kept in the exception itself.
   const char* what() const noexcept override { return what_; }
 
  private:

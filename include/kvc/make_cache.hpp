@@ -109,6 +109,7 @@ inline std::string lower(std::string_view s) {
 
 // How generate() sizes a cache (the arguments of _prepare_cache_for_generation).
 struct CacheRequest {
+  // The number of input sequences (before beams and returned sequences multiply it).
   std::int64_t batch_size = 1;
   // The longest sequence the cache must hold; -1: generation_config.max_length - 1.
   std::int64_t max_cache_length = -1;
@@ -135,6 +136,7 @@ template <class T = float>
 AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
                     const CacheRequest& request, const ContinuousBatchingConfig& continuous_batching_config);
 
+// make_cache with the default ContinuousBatchingConfig (used for "paged"); throws as make_cache.
 template <class T = float>
 AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig& model_config,
                     const CacheRequest& request = {}) {
@@ -208,6 +210,8 @@ AnyCache make_cache(const GenerationConfig& generation_config, const ModelConfig
 // config's dynamic cache (offloaded for "offloaded").
 using AnyEncoderDecoderCache = EncoderDecoderCache<AnyCache, AnyCache>;
 
+// Builds the self-attention and cross-attention pair described above. ValueError for a static
+// name without a positive request.encoder_length; otherwise throws what make_cache throws.
 template <class T = float>
 AnyEncoderDecoderCache make_encoder_decoder_cache(const GenerationConfig& generation_config,
                                                   const ModelConfig& model_config, const CacheRequest& request = {}) {

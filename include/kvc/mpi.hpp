@@ -126,6 +126,7 @@ class ErrorsReturn {
 // from where it is); write_state reads a cache that the caller does not change meanwhile.
 class Sink {
  public:
+  // A channel to rank `dest` on `comm` with tag `tag`. RuntimeError when MPI is not initialized.
   Sink(int dest, int tag, MPI_Comm comm) : dest_(dest), tag_(tag), comm_(comm) { detail::require_initialized(); }
   Sink(const Sink&) = delete;
   Sink& operator=(const Sink&) = delete;
@@ -150,6 +151,8 @@ class Sink {
     if (previous != MPI_ERRHANDLER_NULL) MPI_Errhandler_free(&previous);
   }
 
+  // Sends `bytes` bytes from `data`: batched below batch_threshold, else as messages of their own
+  // (then `data` must stay alive until finish()). RuntimeError after finish() or on an MPI error.
   void put(const void* data, std::size_t bytes) {
     if (finished_) throw RuntimeError("kvc::mpi::Sink: put after finish()");
     if (bytes == 0) return;
@@ -188,7 +191,9 @@ class Sink {
     detail::check(rc, "MPI_Waitall");
   }
 
-  std::uint64_t bytes() const noexcept { return bytes_; }        // bytes put so far
+  // The number of bytes put so far.
+  std::uint64_t bytes() const noexcept { return bytes_; }  // bytes put so far
+  // The number of messages sent so far, the end marker included.
   std::uint64_t messages() const noexcept { return messages_; }  // messages sent so far, the end marker too
 
  private:
@@ -222,6 +227,8 @@ class Sink {
 // threw), it receives and drops the rest of the stream, so that the sender is not left waiting.
 class Source {
  public:
+  // A channel from rank `source` (or MPI_ANY_SOURCE) on `comm` with tag `tag`, allowing at most
+  // `max_bytes` to be read. RuntimeError when MPI is not initialized.
   Source(int source, int tag, MPI_Comm comm, std::uint64_t max_bytes = std::numeric_limits<std::uint64_t>::max())
       : peer_(source), tag_(tag), comm_(comm), max_bytes_(max_bytes) {
     detail::require_initialized();
@@ -240,6 +247,9 @@ class Source {
     }
   }
 
+  // Reads the next `bytes` bytes of the stream into `data`, mirroring the sender's put. StateError
+  // past available(), when the stream ended or the reads do not mirror the puts; RuntimeError on an
+  // MPI error.
   void get(void* data, std::size_t bytes) {
     if (bytes == 0) return;
     if (bytes > available())
@@ -301,7 +311,9 @@ class Source {
                                    " bytes): the reads do not mirror the writes"}));
   }
 
+  // The number of bytes still allowed to be read: max_bytes minus what was read.
   std::uint64_t available() const noexcept { return max_bytes_ - received_; }
+  // The number of bytes read so far.
   std::uint64_t bytes() const noexcept { return received_; }  // bytes read so far
 
  private:
@@ -381,13 +393,18 @@ void receive(Cache& cache, int source, int tag, MPI_Comm comm) {
 template <class Cache>
 class LayerReceiver {
  public:
+  // Receives the stream's header from rank `source` and checks it against `cache`. StateError when
+  // it does not match or the stream ends; RuntimeError on an MPI error or without MPI initialized.
   LayerReceiver(Cache& cache, int source, int tag, MPI_Comm comm)
       : channel_(source, tag, comm), loader_(cache, channel_) {}
   LayerReceiver(const LayerReceiver&) = delete;
   LayerReceiver& operator=(const LayerReceiver&) = delete;
 
+  // The number of layers in the stream.
   std::int64_t layers() const { return loader_.layers(); }  // layers in the stream
+  // The number of layers received into the cache so far.
   std::int64_t loaded() const { return loader_.loaded(); }  // layers in the cache so far
+  // Whether every layer of the stream is in the cache.
   bool done() const { return loaded() == layers(); }
 
   // Layers past the stream's last are ignored (a model layer the sender had no state for).
@@ -401,6 +418,7 @@ class LayerReceiver {
     channel_.finish();
   }
 
+  // The number of bytes received so far.
   std::uint64_t bytes() const noexcept { return channel_.bytes(); }  // bytes received so far
 
  private:

@@ -61,7 +61,10 @@ class QuantizedCache : public Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLay
   using base = Cache<Layers<QuantoQuantizedLayer, HQQQuantizedLayer>, Storage, Offload>;
 
  public:
+  // The name the cache prints as: transformers' QuantizedCache.
   static constexpr std::string_view class_name = "QuantizedCache";
+  // One QuantizedLayer of `backend`'s codec per layer of `config`, with the options `opts`.
+  // ValueError for an unknown backend, a layer type other than full_attention or a bad option.
   QuantizedCache(std::string_view backend, const ModelConfig& config, QuantizedOptions opts = {})
       : base(detail::quantized_layer_kinds<typename base::kind_variant>(backend, config, opts)) {}
 };

@@ -29,9 +29,11 @@ class MtpCache : public DynamicCache<T, Storage, Offload> {
   using base = DynamicCache<T, Storage, Offload>;
 
  public:
+  // The name cache_repr prints: transformers' MtpCache.
   static constexpr std::string_view class_name = "MtpCache";  // what cache_repr prints
 
   using base::base;
+  // A cache with no layers yet, as DynamicCache().
   MtpCache() = default;
 
   // The base offset (the layer's length) plus layer_idx + 1.
@@ -52,9 +54,11 @@ class DFlashCache : public DynamicCache<T, Storage, Offload> {
   using base = DynamicCache<T, Storage, Offload>;
 
  public:
+  // The name cache_repr prints: transformers' DFlashCache.
   static constexpr std::string_view class_name = "DFlashCache";  // what cache_repr prints
 
   using base::base;
+  // A cache with no layers yet and no accepted tokens, as DynamicCache().
   DFlashCache() = default;
 
   // How many tokens the target model accepted in the previous round (0 at first). Negative
@@ -66,6 +70,7 @@ class DFlashCache : public DynamicCache<T, Storage, Offload> {
                        std::to_string(n));
     accepted_ = n;
   }
+  // The number of tokens accepted in the previous round, as last set (0 at first).
   std::int64_t previous_accepted_tokens() const noexcept { return accepted_; }
 
   // The base offset plus the accepted tokens.

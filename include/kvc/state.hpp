@@ -224,6 +224,8 @@ template <class C>
 void save(const C& cache, std::ostream& os) {
   detail::save_stream(os, [&](auto& ar) { cache.transfer(ar); });
 }
+// Writes the cache's state to the file `path` (through path.tmp, renamed over it). kvc::StateError
+// when the file cannot be written (an existing file is then left as it was).
 template <class C>
 void save(const C& cache, const std::filesystem::path& path) {
   detail::save_file(path, [&](auto& ar) { cache.transfer(ar); });
@@ -238,6 +240,8 @@ template <class C>
 void load(C& cache, std::istream& is) {
   detail::load_stream(is, [&](auto& ar) { return cache.transfer(ar); });
 }
+// Replaces the cache's state by the one in the file `path`. kvc::StateError when it is not a
+// regular file, cannot be opened, or does not match (the cache is then unchanged).
 template <class C>
 void load(C& cache, const std::filesystem::path& path) {
   detail::load_file(path, [&](auto& ar) { return cache.transfer(ar); });
@@ -256,15 +260,23 @@ void write_state(const C& cache, Sink& sink) {
 template <class C, class Source>
 class StateLoader {
  public:
+  // Reads the payload's header from `source` and checks it against `cache` (an empty state empties
+  // the cache at once); kvc::StateError when it does not match or is malformed.
   StateLoader(C& cache, Source& source) : cache_(cache), ar_(source) {
     layers_ = cache_.transfer_header(ar_);
     if (layers_ == 0) cache_.transfer_end(0);  // an empty state empties the cache
   }
 
+  // The number of layers the state holds.
   std::int64_t layers() const noexcept { return layers_; }
+  // The number of layers loaded into the cache so far.
   std::int64_t loaded() const noexcept { return loaded_; }
+  // Whether every layer of the state is loaded.
   bool done() const noexcept { return loaded_ == layers_; }
 
+  // Loads the next layer into the cache (the last one also drops layers past the state's count).
+  // kvc::StateError when every layer is loaded already or the layer does not match (the cache
+  // keeps the layers loaded before it).
   void load_next() {
     if (done()) throw StateError("kvc::StateLoader: every layer is loaded already");
     cache_.transfer_layer(ar_, loaded_);
@@ -278,6 +290,7 @@ class StateLoader {
                        std::to_string(layers_) + " layers of the state");
     while (loaded_ <= layer) load_next();
   }
+  // Loads every layer not loaded yet; throws as load_next.
   void load_all() {
     while (!done()) load_next();
   }
@@ -298,6 +311,8 @@ template <class S>
 void save_request(const PagedCache<S>& cache, const std::string& request_id, std::ostream& os) {
   detail::save_stream(os, [&](auto& ar) { cache.transfer_request(ar, request_id); });
 }
+// Writes the request's state to the file `path` (through path.tmp). ValueError for an offloaded
+// request; kvc::StateError when the file cannot be written.
 template <class S>
 void save_request(const PagedCache<S>& cache, const std::string& request_id, const std::filesystem::path& path) {
   detail::save_file(path, [&](auto& ar) { cache.transfer_request(ar, request_id); });
@@ -308,6 +323,8 @@ template <class S>
 void load_request(PagedCache<S>& cache, const std::string& request_id, std::istream& is) {
   detail::load_stream(is, [&](auto& ar) { return cache.transfer_request(ar, request_id); });
 }
+// Loads a request saved by save_request from the file `path` under `request_id`. kvc::StateError
+// for a file that cannot be read or does not match, and nothing allocated.
 template <class S>
 void load_request(PagedCache<S>& cache, const std::string& request_id, const std::filesystem::path& path) {
   detail::load_file(path, [&](auto& ar) { return cache.transfer_request(ar, request_id); });
@@ -319,6 +336,8 @@ void write_request(const PagedCache<S>& cache, const std::string& request_id, Si
   detail::state_writer<Sink> ar(sink);
   cache.transfer_request(ar, request_id);
 }
+// Reads write_request's payload from `source` into `cache` under `request_id`. kvc::StateError
+// when it does not match the cache, and nothing allocated.
 template <class S, class Source>
 void read_request(PagedCache<S>& cache, const std::string& request_id, Source& source) {
   detail::state_reader<Source> ar(source);

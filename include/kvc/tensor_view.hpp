@@ -26,6 +26,7 @@ class Tensor;
 
 namespace kvc {
 
+// Where a view's memory lives: host memory, or a CUDA device's.
 enum class memory_space { host, device };
 
 // What callers own: a dense row-major [batch, heads, seq, head_dim] tensor (complete with
@@ -66,25 +67,36 @@ struct view_head_block<T, memory_space::host> {
 // (stride(2) == extent(3)), so `head(b, h)` is one dense [seq, head_dim] matrix.
 template <class T, memory_space Space>
 struct basic_tensor_view {
+  // The element type (the view reads const T).
   using element_type = T;
+  // The memory space the pointer lives in.
   static constexpr memory_space space = Space;
   // What head(b, h) returns: an Eigen::Map of the [seq, head_dim] block (host), or a pointer to its
   // first element (device).
   using head_matrix = typename detail::view_head_block<T, Space>::type;
 
+  // The pointer to element (0, 0, 0, 0) (nullptr by default).
   const T* ptr = nullptr;
+  // The sizes of [batch, heads, seq, head_dim].
   std::array<std::int64_t, 4> extents{};
+  // The element strides of the four dimensions (strides[3] is always 1).
   std::array<std::int64_t, 4> strides{};
 
+  // The pointer to element (0, 0, 0, 0).
   KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
+  // The size of dimension `r` (0 to 3); not checked.
   KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[static_cast<std::size_t>(r)]; }
+  // The stride, in elements, of dimension `r` (0 to 3); not checked.
   KVC_HOST_DEVICE constexpr std::int64_t stride(int r) const noexcept { return strides[static_cast<std::size_t>(r)]; }
+  // The number of elements, the product of the four extents.
   KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
     return extents[0] * extents[1] * extents[2] * extents[3];
   }
+  // Whether the view has no element (some extent is 0).
   KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
 
   // ---- host views: elements are read in place, Eigen maps and owning copies ----------------------
+  // Element (b, h, s, d), read in place; the indices are not checked.
   KVC_HOST_DEVICE constexpr const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s,
                                                 std::int64_t d) const noexcept
     requires(Space == memory_space::host)
@@ -113,6 +125,7 @@ struct basic_tensor_view {
 
   // ---- device views: elements are read by device code only (nvcc) --------------------------------
 #if defined(__CUDACC__)
+  // Element (b, h, s, d), read from device code; the indices are not checked.
   __device__ const T& operator()(std::int64_t b, std::int64_t h, std::int64_t s, std::int64_t d) const noexcept
     requires(Space == memory_space::device)
   {
@@ -132,20 +145,29 @@ struct basic_tensor_view {
 // and the indexer keys of indexed layers ([batch, seq, index_head_dim]).
 template <class T, memory_space Space>
 struct basic_state_view {
+  // The element type (the view reads const T).
   using element_type = T;
+  // The memory space the pointer lives in.
   static constexpr memory_space space = Space;
 
+  // The pointer to the first element of the dense row-major data (nullptr by default).
   const T* ptr = nullptr;
+  // The number of dimensions in use, 0 to 4 (0: an unset state).
   int rank = 0;
+  // The sizes of the first `rank` dimensions; the rest are unused.
   std::array<std::int64_t, 4> extents{};
 
+  // The pointer to the first element.
   KVC_HOST_DEVICE constexpr const T* data() const noexcept { return ptr; }
+  // The size of dimension `r` (below rank); not checked.
   KVC_HOST_DEVICE constexpr std::int64_t extent(int r) const noexcept { return extents[static_cast<std::size_t>(r)]; }
+  // The number of elements: the product of the first `rank` extents, 0 when rank is 0.
   KVC_HOST_DEVICE constexpr std::int64_t size() const noexcept {
     std::int64_t n = rank > 0 ? 1 : 0;
     for (int r = 0; r < rank; ++r) n *= extents[static_cast<std::size_t>(r)];
     return n;
   }
+  // Whether the view has no element (rank 0 or some extent 0).
   KVC_HOST_DEVICE constexpr bool empty() const noexcept { return size() == 0; }
 
   // ---- host views ---------------------------------------------------------------------------------
@@ -173,6 +195,7 @@ struct basic_state_view {
 
   // ---- device views: element i of the flattened tensor, from device code only (nvcc) -------------
 #if defined(__CUDACC__)
+  // Element i of the flattened (row-major) tensor, read from device code; i is not checked.
   __device__ const T& operator[](std::int64_t i) const noexcept
     requires(Space == memory_space::device)
   {
@@ -184,11 +207,13 @@ struct basic_state_view {
 // The host views: what HostStorage's caches return and take.
 template <class T>
 using TensorView = basic_tensor_view<T, memory_space::host>;
+// The host state view (linear-attention states, indexer keys).
 template <class T>
 using StateView = basic_state_view<T, memory_space::host>;
 // The device views: what CudaStorage's caches return and take (<kvc/policies/storage/cuda.cuh>).
 template <class T>
 using DeviceTensorView = basic_tensor_view<T, memory_space::device>;
+// The device state view (linear-attention states, indexer keys).
 template <class T>
 using DeviceStateView = basic_state_view<T, memory_space::device>;
 
@@ -209,17 +234,24 @@ std::string shape_string(const basic_state_view<T, Space>& v) {
 // What a layer holds besides its length: fixed by the first update or by early_initialization.
 // K and V may have different head dims (MLA-style attention).
 struct LayerShape {
+  // The batch size.
   std::int64_t batch = 0;
+  // The number of key/value heads.
   std::int64_t heads = 0;
+  // The head dimension of the keys.
   std::int64_t key_head_dim = 0;
+  // The head dimension of the values (may differ from the keys').
   std::int64_t value_head_dim = 0;
+  // Whether two shapes are equal in every field.
   friend constexpr bool operator==(const LayerShape&, const LayerShape&) = default;
 };
 
 // What `Cache::update` returns. `auto [k, v] = cache.update(...)` works.
 template <class View>
 struct KV {
+  // The keys, [batch, heads, seq, key_head_dim].
   View keys;
+  // The values, [batch, heads, seq, value_head_dim].
   View values;
 };
 
@@ -273,6 +305,7 @@ concept tensor_input = detail::tensor_input<std::remove_cvref_t<X>>::valid;
 // The element type and the memory space of a tensor_input.
 template <tensor_input X>
 using input_element_t = typename detail::tensor_input<std::remove_cvref_t<X>>::element_type;
+// The memory space a tensor_input's data lives in.
 template <tensor_input X>
 inline constexpr memory_space input_space_v = detail::tensor_input<std::remove_cvref_t<X>>::space;
 

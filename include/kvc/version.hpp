@@ -11,8 +11,12 @@
 #define KVC_VERSION (KVC_VERSION_MAJOR * 10000 + KVC_VERSION_MINOR * 100 + KVC_VERSION_PATCH)
 
 namespace kvc {
+// kvc's major version (KVC_VERSION_MAJOR).
 inline constexpr int version_major = KVC_VERSION_MAJOR;
+// kvc's minor version (KVC_VERSION_MINOR).
 inline constexpr int version_minor = KVC_VERSION_MINOR;
+// kvc's patch version (KVC_VERSION_PATCH).
 inline constexpr int version_patch = KVC_VERSION_PATCH;
+// kvc's version as text, "major.minor.patch" (KVC_VERSION_STRING).
 inline constexpr const char* version_string = KVC_VERSION_STRING;
 }  // namespace kvc

@@ -14,6 +14,7 @@
 
 namespace kvc {
 
+// What receives kvc's warnings: called with each message (default: printed to std::cerr).
 using WarningHandler = std::function<void(std::string_view)>;
 
 namespace detail {
@@ -49,6 +50,8 @@ inline void warn(std::string_view message) {
   if (h) h(message);
 }
 
+// Sends `message` to the handler the first time it is seen in the process; later identical
+// messages are dropped. Out of memory drops the warning instead of throwing.
 inline void warn_once(std::string_view message) {
   auto& s = detail::warnings();
   try {

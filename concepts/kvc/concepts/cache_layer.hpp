@@ -32,10 +32,13 @@
 
 namespace kvc::concepts {
 
+// K names a state for storage S, `K::template state<S>`, constructible from `const K&`.
 template <class K, class S>
 concept has_layer_state =
     requires { typename K::template state<S>; } && std::constructible_from<typename K::template state<S>, const K&>;
 
+// St has the static traits is_sliding, is_compileable and supports_early_init (bool) and name
+// (a string_view).
 template <class St>
 concept has_layer_traits = requires {
   { St::is_sliding } -> std::convertible_to<bool>;
@@ -44,11 +47,13 @@ concept has_layer_traits = requires {
   { St::name } -> std::convertible_to<std::string_view>;
 };
 
+// St has update(k, v), taking and returning views of S (`KV<S::view_type>`).
 template <class St, class S>
 concept has_update = requires(St& st, typename S::view_type v) {
   { st.update(v, v) } -> std::same_as<KV<typename S::view_type>>;
 };
 
+// St answers get_seq_length(), get_max_length() and get_mask_sizes(q), a pair of int64_t.
 template <class St>
 concept has_length_queries = requires(const St& st, std::int64_t q) {
   { st.get_seq_length() } -> std::convertible_to<std::int64_t>;
@@ -56,6 +61,8 @@ concept has_length_queries = requires(const St& st, std::int64_t q) {
   { st.get_mask_sizes(q) } -> std::same_as<std::pair<std::int64_t, std::int64_t>>;
 };
 
+// St has is_initialized(), shape(), lazy_initialization(shape), reset(), stored(),
+// gathered(indices) and bytes(), with the types listed at the top of this header.
 template <class St, class S>
 concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::span<const std::int64_t> idx) {
   { cst.is_initialized() } -> std::convertible_to<bool>;
@@ -70,6 +77,7 @@ concept has_lifecycle = requires(St& st, const St& cst, LayerShape shape, std::s
 // What for_each_buffer is called with when the concept is checked: any buffer type is accepted
 // (the walk's body is not instantiated by the check).
 struct buffer_visitor {
+  // Takes any buffer and does nothing.
   template <class Buffer>
   void operator()(Buffer&) const noexcept {}
 };
@@ -88,15 +96,20 @@ concept CacheLayer =
     has_lifecycle<typename K::template state<S>, S> && has_buffer_walk<typename K::template state<S>>;
 
 // Optional capabilities.
+// supports_crop: St has check_crop(n) (const) and crop(n), so Cache::crop applies to it.
 template <class St>
 concept supports_crop = requires(St& st, const St& cst, std::int64_t n) {
   cst.check_crop(n);
   st.crop(n);
 };
+// St has activate_past_recording(), which the Cache calls to allow a later crop.
 template <class St>
 concept supports_past_recording = requires(St& st) { st.activate_past_recording(); };
+// St has set_write_position(p), which moves where its next update writes.
 template <class St>
 concept supports_write_position = requires(St& st, std::int64_t p) { st.set_write_position(p); };
+// St::supports_batch_ops is true: the Cache's batch_repeat_interleave and batch_select_indices
+// apply to it.
 template <class St>
 concept supports_batch_ops = requires { requires static_cast<bool>(St::supports_batch_ops); };
 

@@ -16,9 +16,12 @@ namespace kvc::concepts {
 
 // A body of the shape kvc passes to parallel_for.
 struct executor_body_probe {
+  // Takes (item, worker) and does nothing.
   void operator()(std::int64_t, int) const noexcept {}
 };
 
+// E spreads work over threads for kvc: concurrency() and parallel_for(n, body), as the top of
+// this header describes.
 template <class E>
 concept Executor = requires(const E& e, std::int64_t n, executor_body_probe body) {
   { e.concurrency() } -> std::convertible_to<int>;

@@ -12,12 +12,15 @@
 
 namespace kvc::concepts {
 
+// L names a Boost.Mp11 list of layer kinds, `L::layers`.
 template <class L>
 concept has_layers_list = requires { typename L::layers; } && boost::mp11::mp_is_list<typename L::layers>::value;
 
+// L names the one layer kind the cache replicates, `L::layer_class_to_replicate`.
 template <class L>
 concept has_layer_class_to_replicate = requires { typename L::layer_class_to_replicate; };
 
+// L is a layer policy: it has exactly one of those two member types.
 template <class L>
 concept LayerPolicy = has_layers_list<L> != has_layer_class_to_replicate<L>;
 

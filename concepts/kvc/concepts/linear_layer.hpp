@@ -20,6 +20,7 @@
 
 namespace kvc::concepts {
 
+// St has the linear-attention members listed at the top of this header.
 template <class St, class S>
 concept has_linear_states =
     requires(St& st, const St& cst, typename S::state_view_type sv, std::int64_t i, std::span<const std::int64_t> idx) {
@@ -34,9 +35,12 @@ concept has_linear_states =
       st.reset();
     };
 
+// S names a view type for linear states, `S::state_view_type`.
 template <class S>
 concept has_state_views = requires { typename S::state_view_type; };
 
+// K's state for S holds linear-attention states: the traits, the linear members and the
+// buffer walk, over a storage policy with state views.
 template <class K, class S>
 concept LinearCacheLayer =
     StoragePolicy<S> && has_state_views<S> && has_layer_state<K, S> &&

@@ -22,18 +22,22 @@ namespace kvc::concepts {
 template <class O>
 concept has_plain_serves = requires { &O::serves; };
 
+// `O::template serves<S>` converts to bool (a template, not a plain member).
 template <class O, class S>
 concept has_serves_flag = !has_plain_serves<O> && requires {
   { O::template serves<S> } -> std::convertible_to<bool>;
 };
 
+// `O::template engine<S>` names a default-constructible type, the per-cache engine.
 template <class O, class S>
 concept has_offload_engine =
     requires { typename O::template engine<S>; } && std::default_initializable<typename O::template engine<S>>;
 
+// O is an offload policy for S: it has the serves flag and the engine.
 template <class O, class S>
 concept OffloadPolicy = has_serves_flag<O, S> && has_offload_engine<O, S>;
 
+// O is an offload policy for S whose serves flag is true for S.
 template <class O, class S>
 concept serves_storage = OffloadPolicy<O, S> && static_cast<bool>(O::template serves<S>);
 

@@ -26,19 +26,24 @@
 
 namespace kvc::concepts {
 
+// S names its element type, `S::element_type`.
 template <class S>
 concept has_element_type = requires { typename S::element_type; };
 
+// S::space converts to kvc::memory_space.
 template <class S>
 concept has_memory_space = requires {
   { S::space } -> std::convertible_to<memory_space>;
 };
 
+// S::element_supported converts to bool.
 template <class S>
 concept has_element_support_flag = requires {
   { S::element_supported } -> std::convertible_to<bool>;
 };
 
+// `S::buffer_type` is constructible from an element count and has data(), a pointer to the
+// element type, and size().
 template <class S>
 concept has_buffer_type = has_element_type<S> && requires(typename S::buffer_type b, const typename S::buffer_type cb) {
   typename S::buffer_type;
@@ -47,9 +52,12 @@ concept has_buffer_type = has_element_type<S> && requires(typename S::buffer_typ
   { cb.size() } -> std::convertible_to<std::int64_t>;
 };
 
+// S names its view type, `S::view_type`.
 template <class S>
 concept has_view_type = requires { typename S::view_type; };
 
+// S has the kernels copy_2d(dst, dpitch, src, spitch, width, height) and
+// zero_2d(dst, dpitch, width, height).
 template <class S>
 concept has_copy_kernels = has_element_type<S> && requires(typename S::element_type* dst,
                                                            const typename S::element_type* src, std::int64_t n) {
@@ -57,6 +65,7 @@ concept has_copy_kernels = has_element_type<S> && requires(typename S::element_t
   S::zero_2d(dst, n, n, n);
 };
 
+// S::make_view(ptr, extents, strides) returns an `S::view_type`.
 template <class S>
 concept has_make_view = has_element_type<S> && has_view_type<S> &&
                         requires(const typename S::element_type* p, std::array<std::int64_t, 4> a) {
@@ -67,6 +76,8 @@ concept has_make_view = has_element_type<S> && has_view_type<S> &&
 template <class S>
 concept has_plain_accepts_input = requires { &S::accepts_input; };
 
+// `S::template accepts_input<X>` converts to bool and S::input_view(x) returns an
+// `S::view_type` (checked with X = `S::view_type`).
 template <class S>
 concept has_input_adapter =
     has_view_type<S> && !has_plain_accepts_input<S> && requires(const typename S::view_type& v) {
@@ -74,6 +85,7 @@ concept has_input_adapter =
       { S::input_view(v) } -> std::same_as<typename S::view_type>;
     };
 
+// S is a storage policy: it meets every requirement listed at the top of this header.
 template <class S>
 concept StoragePolicy =
     has_element_type<S> && has_memory_space<S> && has_element_support_flag<S> && has_buffer_type<S> &&

@@ -36,15 +36,20 @@ namespace kvc::paged {
 // What both allocators share: the block table of each request of one group.
 class CacheAllocator {
  public:
+  // Returns the index of the allocator's layer group (part of its blocks' hashes).
   std::int64_t index() const noexcept { return index_; }
+  // Returns the number of tokens per block.
   std::int64_t block_size() const noexcept { return block_size_; }
+  // Returns true when the group's blocks are shareable (ref-counted, hashed once complete).
   bool uses_block_sharing() const noexcept { return sharing_; }
   // Where the ids of the keys are (the block tables point their allocators at their RequestNames).
   void set_names(const RequestNames* names) noexcept { names_ = names; }
 
+  // Returns true when the request (by its key's index) has a table in the group.
   bool has_request(RequestKey request) const { return tables_.count(request.index) != 0; }
   // The request's blocks, in position order (ValueError for a request without a table).
   const std::vector<std::int64_t>& table(RequestKey request) const { return table_of(request); }
+  // The request's blocks, to change in place (ValueError for a request without a table).
   std::vector<std::int64_t>& mutable_table(RequestKey request) { return table_of(request); }
   // Every request that has a table, in key order.
   std::vector<RequestKey> requests() const {
@@ -109,9 +114,13 @@ class CacheAllocator {
   // block; commit_fork takes the blocks and fills the tables without allocating (false: too few
   // free blocks, nothing taken); abandon_fork undoes a prepared fork that is not committed.
   struct PreparedFork {
+    // The children's tables prepare_fork made, still empty; cleared once committed or abandoned.
     std::vector<std::map<std::uint32_t, std::vector<std::int64_t>>::iterator> made;
+    // The manager's prepared fork: the children's tables and, once committed, the copies to make.
     ForkedBlocks blocks;
   };
+  // The first step: throws kvc::ValueError for a parent without a table or a child that has one or
+  // is named twice; nothing changes when it throws (std::bad_alloc included).
   PreparedFork prepare_fork(RequestKey parent_request, std::span<const RequestKey> children, BlockManager& bm) {
     const auto parent = tables_.find(parent_request.index);
     if (parent == tables_.end()) throw ValueError("No block table found for request " + name(parent_request));
@@ -132,6 +141,8 @@ class CacheAllocator {
     }
     return f;
   }
+  // The second step: returns false, with nothing taken, when the manager has too few free blocks.
+  // Throws kvc::ValueError for a parent without a table.
   bool commit_fork(RequestKey parent_request, PreparedFork& f, BlockManager& bm) {
     const auto& parent = table_of(parent_request);
     if (!bm.commit_fork(parent, static_cast<std::int64_t>(f.made.size()), sharing_, index_, f.blocks)) return false;
@@ -148,6 +159,8 @@ class CacheAllocator {
   }
 
  protected:
+  // The allocator of layer group `index` (blocks of `block_size` tokens, shareable when `sharing`);
+  // `names` gives the requests' ids for messages (null: "#index").
   CacheAllocator(std::int64_t index, std::int64_t block_size, bool sharing, const RequestNames* names)
       : index_(index), block_size_(block_size), sharing_(sharing), names_(names) {}
 
@@ -155,15 +168,18 @@ class CacheAllocator {
   std::string name(RequestKey request) const {
     return names_ ? names_->name(request.index) : "#" + std::to_string(request.index);
   }
+  // The current key of the request at dense index `index` (generation 0 without a RequestNames).
   RequestKey key_of(std::uint32_t index) const noexcept {
     return names_ ? names_->key_at(index) : RequestKey{index, 0};
   }
 
+  // The request's block table. Throws kvc::ValueError when it has none.
   std::vector<std::int64_t>& table_of(RequestKey request) {
     const auto it = tables_.find(request.index);
     if (it == tables_.end()) throw ValueError("No block table found for request " + name(request));
     return it->second;
   }
+  // The request's block table, read-only. Throws kvc::ValueError when it has none.
   const std::vector<std::int64_t>& table_of(RequestKey request) const {
     const auto it = tables_.find(request.index);
     if (it == tables_.end()) throw ValueError("No block table found for request " + name(request));
@@ -249,10 +265,14 @@ class CacheAllocator {
     return made;
   }
 
+  // The layer group this allocator serves.
   std::int64_t index_;
+  // Tokens per block.
   std::int64_t block_size_;
+  // Whether blocks may be shared between requests (ref counts, prefix reuse).
   bool sharing_;
   const RequestNames* names_;  // the ids of the keys (the block tables': docs/paged.md)
+  // Each request's block table, by dense request index.
   table_map tables_;
   KeptNodes<table_map> kept_;  // tables a transaction erased
 };
@@ -261,10 +281,13 @@ class CacheAllocator {
 // hashes, prefix reuse) when block sharing is allowed.
 class FullAttentionCacheAllocator : public CacheAllocator {
  public:
+  // The allocator of full-attention group `index`, its blocks shareable when `allow_block_sharing`;
+  // `names` gives the requests' ids for messages.
   FullAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, bool allow_block_sharing,
                               const RequestNames* names = nullptr)
       : CacheAllocator(index, block_size, allow_block_sharing, names) {}
 
+  // False: a full-attention group (how BlockTables tells the kinds apart).
   static constexpr bool is_sliding = false;
 
   // n more blocks for the request (chained from its last one); nullopt, with nothing changed, if
@@ -355,6 +378,8 @@ class FullAttentionCacheAllocator : public CacheAllocator {
 // ceil(sliding_window / block_size) blocks, never shared (forks copy it).
 class SlidingAttentionCacheAllocator : public CacheAllocator {
  public:
+  // The allocator of sliding-window group `index`; new tokens read as row `sentinel_index`, dropped
+  // ones are written to row `write_trash_index`. Throws kvc::ValueError for sliding_window < 1.
   SlidingAttentionCacheAllocator(std::int64_t index, std::int64_t block_size, std::int64_t sliding_window,
                                  std::int64_t sentinel_index, std::int64_t write_trash_index,
                                  const RequestNames* names = nullptr)
@@ -367,10 +392,15 @@ class SlidingAttentionCacheAllocator : public CacheAllocator {
     max_blocks_ = (sliding_window + block_size - 1) / block_size;
   }
 
+  // True: a sliding-window group.
   static constexpr bool is_sliding = true;
+  // Returns the window: the slots of a request's ring.
   std::int64_t sliding_window() const noexcept { return window_; }
+  // Returns the most blocks a request's ring takes: ceil(sliding_window / block_size).
   std::int64_t max_blocks_per_request() const noexcept { return max_blocks_; }
+  // Returns the row a read list gives each new token (the step reads the token itself there).
   std::int64_t sentinel_index() const noexcept { return sentinel_; }
+  // Returns the row a write list gives the new tokens that no query of the step keeps.
   std::int64_t write_trash_index() const noexcept { return write_trash_; }
   // What allocate_blocks(n) takes from a table of `have` blocks: min(n, what the ring lacks), and
   // 0 for n <= 0 (without forming have + n, which a huge n would overflow).

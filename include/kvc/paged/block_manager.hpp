@@ -40,11 +40,16 @@ namespace kvc::paged {
 // A block of a shareable allocation. `parent_id` is the block before it in its request's table
 // (bookkeeping; the hash chain follows the table).
 struct Block {
+  // The block's id (global: 0 .. num_blocks - 1).
   std::int64_t id = -1;
+  // The block before it in its request's table; unset for a table's first block.
   std::optional<std::int64_t> parent_id;
+  // The layer group whose table holds the block (part of its hash).
   std::int64_t group_id = 0;
   std::optional<std::uint64_t> hash;  // set once the block is complete
+  // How many tables hold the block; 0 for a complete block nobody holds (initialized, free).
   std::int64_t ref_count = 1;
+  // Returns true once the block is complete (its tokens are known and its hash is set).
   bool is_complete() const noexcept { return hash.has_value(); }
 };
 
@@ -61,13 +66,21 @@ inline std::string block_repr(const Block& b) {
 // What fork_blocks returns: one block list per fork, and the copies to make (source block i to
 // destination block i) for the blocks that could not be shared.
 struct ForkedBlocks {
+  // One block table per fork: the shared blocks, then the fork's new blocks.
   std::vector<std::vector<std::int64_t>> tables;
+  // The blocks to copy from (the parent's), one per copy.
   std::vector<std::int64_t> copy_src;
+  // The blocks to copy to, one per entry of copy_src.
   std::vector<std::int64_t> copy_dst;
 };
 
+// Who owns which block of a paged cache, as transformers' BlockManager: a FIFO of free blocks,
+// ref-counted shareable blocks found by hash for prefix sharing, LIFO eviction. Sized when built,
+// so taking and giving back blocks never allocates; every change goes through log().
 class BlockManager {
  public:
+  // `num_blocks` free blocks of `block_size` tokens, uninitialized, in id order. Throws
+  // kvc::ValueError for num_blocks < 0 or block_size < 1; may throw std::bad_alloc.
   BlockManager(std::int64_t num_blocks, std::int64_t block_size) : num_blocks_(num_blocks), block_size_(block_size) {
     if (num_blocks < 0)
       throw ValueError("kvc::paged::BlockManager: num_blocks must be >= 0, got " + std::to_string(num_blocks));
@@ -86,14 +99,19 @@ class BlockManager {
     hash_to_id_.reserve(n);
   }
 
+  // Returns the number of blocks it manages.
   std::int64_t num_blocks() const noexcept { return num_blocks_; }
+  // Returns the number of tokens per block.
   std::int64_t block_size() const noexcept { return block_size_; }
   // The undo log of the manager and of the tables that use it (allocators.hpp, PagedCache).
   UndoLog& log() noexcept { return log_; }
+  // Returns true while log() is in a transaction.
   bool in_transaction() const noexcept { return log_.active(); }
   // Free blocks: never used or given back (uninitialized), plus complete ones nobody holds (initialized).
   std::int64_t num_free_blocks() const noexcept { return uninit_count_ + init_count_; }
+  // Returns the number of free blocks that hold nothing reusable (the FIFO's length).
   std::int64_t num_uninitialized_blocks() const noexcept { return uninit_count_; }
+  // Returns the number of free complete blocks, still findable by their hash until evicted.
   std::int64_t num_initialized_blocks() const noexcept { return init_count_; }
 
   // The uninitialized free blocks in allocation order, and the initialized ones from the next to be
@@ -103,6 +121,7 @@ class BlockManager {
     for (std::int64_t i = 0; i < uninit_count_; ++i) out[static_cast<std::size_t>(i)] = uninit_at(i);
     return out;
   }
+  // Returns the initialized free blocks, the next to be evicted (the most recently freed) first.
   std::vector<std::int64_t> initialized_blocks() const {
     std::vector<std::int64_t> out;
     out.reserve(static_cast<std::size_t>(init_count_));
@@ -360,6 +379,8 @@ class BlockManager {
     out.copy_dst.reserve(n_copies);
     return out;
   }
+  // The second step of fork_blocks (see prepare_fork()): returns false, with nothing changed, when
+  // there are not enough free blocks. Throws kvc::ValueError for an `out` of another fork count.
   bool commit_fork(std::span<const std::int64_t> parent_blocks, std::int64_t num_forks, bool shareable,
                    std::int64_t group_id, ForkedBlocks& out) {
     const std::size_t shared = shareable ? complete_prefix(parent_blocks) : 0;

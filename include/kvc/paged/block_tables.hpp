@@ -34,9 +34,14 @@ namespace kvc::paged {
 
 // Block ids to copy, source[i] to destination[i].
 struct BlockCopies {
-  std::vector<std::int64_t> source, destination;
+  // The blocks to copy from.
+  std::vector<std::int64_t> source;
+  // The block each source block is copied to (same index).
+  std::vector<std::int64_t> destination;
 };
 
+// The block tables of a paged cache: the BlockManager and one allocator per layer group, with every
+// operation that spans the groups done all or nothing. It moves no data: it returns block copies.
 class BlockTables {
   using allocator = std::variant<FullAttentionCacheAllocator, SlidingAttentionCacheAllocator>;
 
@@ -86,6 +91,8 @@ class BlockTables {
     reserve_scratch();
     point_at_names();
   }
+  // Takes over the other object's manager, tables and names (the allocators point at the new
+  // names).
   BlockTables(BlockTables&& o) noexcept
       : manager_(std::move(o.manager_)),
         allocators_(std::move(o.allocators_)),
@@ -95,7 +102,10 @@ class BlockTables {
         cut_groups_(std::move(o.cut_groups_)) {
     point_at_names();
   }
+  // Copies `o` (copy, then move): may throw std::bad_alloc, leaving this object unchanged.
   BlockTables& operator=(const BlockTables& o) { return *this = BlockTables(o); }
+  // Takes over the other object's manager, tables and names (the allocators point at the new
+  // names).
   BlockTables& operator=(BlockTables&& o) noexcept {
     manager_ = std::move(o.manager_);
     allocators_ = std::move(o.allocators_);
@@ -109,26 +119,35 @@ class BlockTables {
 
   // ---- geometry -----------------------------------------------------------------------------------
 
+  // Returns the number of tokens per block.
   std::int64_t block_size() const noexcept { return manager_.block_size(); }
+  // Returns the number of blocks requests can get (the two padding blocks not counted).
   std::int64_t num_blocks() const noexcept { return manager_.num_blocks(); }
+  // Returns the number of layer groups.
   std::int64_t num_groups() const noexcept { return static_cast<std::int64_t>(allocators_.size()); }
+  // Returns true when group g is a sliding-window group; throws kvc::IndexError for g out of range.
   bool is_sliding(std::int64_t g) const {
     return visit(g, [](const auto& al) { return std::decay_t<decltype(al)>::is_sliding; });
   }
+  // Returns the number of sliding-window groups.
   std::int64_t num_sliding_attention_groups() const noexcept {
     return std::count_if(allocators_.begin(), allocators_.end(),
                          [](const allocator& a) { return std::holds_alternative<SlidingAttentionCacheAllocator>(a); });
   }
+  // Returns the number of full-attention groups.
   std::int64_t num_full_attention_groups() const noexcept { return num_groups() - num_sliding_attention_groups(); }
   // The sliding groups' window (every sliding group has the same), 0 without one.
   std::int64_t sliding_window() const noexcept {
     const auto* a = sliding_allocator();
     return a ? a->sliding_window() : 0;
   }
+  // Returns the most blocks a sliding group's ring takes per request; 0 without sliding groups.
   std::int64_t max_sliding_window_blocks_per_request() const noexcept {
     const auto* a = sliding_allocator();
     return a ? a->max_blocks_per_request() : 0;
   }
+  // Returns true when prompts are matched against cached blocks: block sharing is allowed and the
+  // model has one full-attention group only.
   bool use_prefix_sharing() const noexcept { return use_prefix_sharing_; }
   // Whether some full-attention group hashes its complete blocks (allow_block_sharing).
   bool shares_blocks() const noexcept {
@@ -137,16 +156,24 @@ class BlockTables {
       return full && full->uses_block_sharing();
     });
   }
+  // Returns the read-trash row (num_blocks * block_size, zeros): what padded reads see.
   std::int64_t read_trash_index() const noexcept { return num_blocks() * block_size(); }
+  // Returns the sentinel row (the next one): "a new token goes here" in a sliding group's reads.
   std::int64_t sentinel_index() const noexcept { return read_trash_index() + 1; }
+  // Returns the write-trash row ((num_blocks + 1) * block_size): where padded and dropped writes
+  // go.
   std::int64_t write_trash_index() const noexcept { return (num_blocks() + 1) * block_size(); }
+  // Returns the block manager.
   const BlockManager& manager() const noexcept { return manager_; }
+  // Returns the undo log every change goes through (the manager's).
   UndoLog& log() noexcept { return manager_.log(); }
+  // Returns true while log() is in a transaction.
   bool in_transaction() const noexcept { return manager_.in_transaction(); }
 
   // ---- requests: keys and ids ------------------------------------------------------------------
   // Every operation below takes a request's key; the cache turns ids into keys at its interface.
 
+  // Returns the requests' ids and keys.
   const RequestNames& names() const noexcept { return names_; }
   // The key of a request named by id or key: nullopt for an id the tables do not know; a KeyError
   // for a key that names no request.
@@ -187,6 +214,7 @@ class BlockTables {
 
   // ---- the tables ---------------------------------------------------------------------------------
 
+  // Returns true when the request has a table in group g; throws kvc::IndexError for a bad g.
   bool has_table(std::int64_t g, RequestKey request) const {
     return visit(g, [&](const auto& al) { return al.has_request(request); });
   }
@@ -198,6 +226,7 @@ class BlockTables {
   std::vector<RequestKey> request_keys(std::int64_t g) const {
     return visit(g, [](const auto& al) { return al.requests(); });
   }
+  // Returns the ids of the requests with a table in group g, in id order (IndexError for a bad g).
   std::vector<std::string> requests(std::int64_t g) const {
     std::vector<std::string> out;
     for (const RequestKey k : request_keys(g)) out.push_back(names_.name(k.index));
@@ -210,6 +239,7 @@ class BlockTables {
       return al.has_request(request) ? static_cast<std::int64_t>(al.table(request).size()) : std::int64_t{0};
     });
   }
+  // Returns the number of blocks the request holds over all groups.
   std::int64_t blocks_in_use(RequestKey request) const {
     std::int64_t n = 0;
     for (std::int64_t g = 0; g < num_groups(); ++g) n += blocks_in_group(g, request);
@@ -231,6 +261,7 @@ class BlockTables {
 
   // ---- allocation ---------------------------------------------------------------------------------
 
+  // Returns the number of free blocks (uninitialized, plus initialized ones that can be evicted).
   std::int64_t get_num_free_blocks() const noexcept { return manager_.num_free_blocks(); }
   // Blocks an allocation of n (logical) blocks takes over all groups, for a request holding
   // `allocated` logical blocks (its full-group count): n per full group, and per sliding group what
@@ -294,6 +325,8 @@ class BlockTables {
     return most;
   }
 
+  // Gives the request's blocks back in every group; a group where it has no table warns (as
+  // transformers does) and goes on.
   void free_blocks(RequestKey request) {
     for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request, manager_); }, a);
   }
@@ -368,6 +401,8 @@ class BlockTables {
                         std::vector<std::int64_t>& out) const {
     visit(g, [&](const auto& al) { al.get_read_indices(request, past, q, out); });
   }
+  // The rows group g writes the step's q new tokens after `past` to, appended to `out`. Throws
+  // kvc::IndexError for a bad g, kvc::ValueError for a missing or too short table.
   void get_write_indices(std::int64_t g, RequestKey request, std::int64_t past, std::int64_t q,
                          std::vector<std::int64_t>& out) const {
     visit(g, [&](const auto& al) { al.get_write_indices(request, past, q, out); });
@@ -392,6 +427,7 @@ class BlockTables {
     log().set(total_prefix_length_, total_prefix_length_ + n);
     return n;
   }
+  // Returns the prompt tokens that prefix matches have found in the cache, in total.
   std::int64_t total_prefix_length() const noexcept { return total_prefix_length_; }
 
   // Hashes the request's newly completed blocks in every group that shares blocks.

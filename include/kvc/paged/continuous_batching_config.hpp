@@ -11,6 +11,8 @@
 
 namespace kvc {
 
+// The paged-cache fields of transformers' ContinuousBatchingConfig, with its defaults: what
+// PagedCache, the memory planner and the scheduler are configured from. Checks nothing itself.
 struct ContinuousBatchingConfig {
   // Tokens per block ("Default used to be 32, now it's 256 to be compatible with
   // flash_with_kvcache"); the cache needs at least 4.
@@ -45,6 +47,7 @@ struct ContinuousBatchingConfig {
 
   // transformers' fallback_max_blocks_per_request property.
   static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }
+  // Returns max_blocks_per_request, or fallback_max_blocks_per_request() (32) when it is unset.
   std::int64_t resolved_max_blocks_per_request() const noexcept {
     return max_blocks_per_request.value_or(fallback_max_blocks_per_request());
   }

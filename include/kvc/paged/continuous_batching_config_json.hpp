@@ -107,6 +107,8 @@ inline ContinuousBatchingConfig from(const json& doc) {
 
 }  // namespace detail::cb_json
 
+// Reads a ContinuousBatchingConfig from JSON text: transformers' fields, alone or as a generation
+// config's "continuous_batching_config" entry. kvc::ValueError for malformed JSON or a bad field.
 inline ContinuousBatchingConfig continuous_batching_config_from_json(std::string_view text) {
   nlohmann::json doc;
   try {
@@ -117,6 +119,7 @@ inline ContinuousBatchingConfig continuous_batching_config_from_json(std::string
   return detail::cb_json::from(doc);
 }
 
+// The same from a JSON file; kvc::RuntimeError when the file cannot be read.
 inline ContinuousBatchingConfig continuous_batching_config_from_file(const std::filesystem::path& path) {
   return continuous_batching_config_from_json(detail::read_json_file(path, "ContinuousBatchingConfig"));
 }

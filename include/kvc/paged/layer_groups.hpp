@@ -19,6 +19,8 @@
 
 namespace kvc::paged {
 
+// A model's layers grouped by attention type (group_layers_by_attn_type's result): the groups in
+// order, each group's type, and the common group size.
 struct LayerGroups {
   std::vector<std::vector<std::int64_t>> groups;  // layer indices of each group
   std::vector<std::string> types;                 // the attention type of each group
@@ -58,6 +60,7 @@ inline std::vector<std::string> paged_layer_types(const ModelConfig& config) {
                                   config.sliding_window ? "sliding_attention" : "full_attention");
 }
 
+// Groups the layers a paged cache sees for `config` (paged_layer_types(config)) by attention type.
 inline LayerGroups group_layers_by_attn_type(const ModelConfig& config) {
   const std::vector<std::string> types = paged_layer_types(config);
   return group_layers_by_attn_type(std::span<const std::string>(types));

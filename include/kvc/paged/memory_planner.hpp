@@ -100,38 +100,63 @@ inline std::string py_int_str(planner_int128 x) {
 
 // What the planner needs to know of the model and of the way it will run.
 struct PagedMemoryModel {
+  // The model's hidden size (activations at both peaks).
   std::int64_t hidden_size = 0;
+  // The vocabulary size (the fp32 logits at the lm_head peak).
   std::int64_t vocab_size = 0;
+  // Query heads (the query activations at the attention peak).
   std::int64_t num_attention_heads = 0;
   std::int64_t num_key_value_heads = 0;  // of the whole model (transformers does not divide by TP here)
+  // Elements per attention head.
   std::int64_t head_dim = 0;
+  // Bytes per element of the activations and the cache (`a` above).
   std::int64_t dtype_bytes = 2;
   std::int64_t num_groups = 1;  // G
   std::int64_t group_size = 1;  // layers per group: pool tensors of each of K and V
+  // Whether some layer group uses sliding-window attention (two attention masks instead of one).
   bool has_sliding_groups = false;
   bool flash_attention = false;  // no attention mask
+  // Two sets of batch IO buffers (k = 2).
   bool async_batching = false;
+  // Log-probabilities next to the tokens (two output rows).
   bool return_logprobs = false;
   std::int64_t max_blocks_per_request = 32;  // 0 when the decode fast path is off
+  // Tokens per block: N = num_blocks * block_size.
   std::int64_t block_size = 256;
 };
 
+// transformers' PagedAttentionMemoryHandler, with its arithmetic: how many blocks and query
+// tokens per batch fit a memory budget, from the memory at two activation peaks (lm_head and
+// attention).
 class PagedAttentionMemoryHandler {
  public:
+  // The most query tokens per batch the planner picks when it solves for them.
   static constexpr std::int64_t default_max_batch_tokens = 8192;
+  // The fewest query tokens per batch the planner picks when it solves for them.
   static constexpr std::int64_t min_max_batch_tokens = 256;
 
   // The polynomial's coefficients at one activation peak (transformers computes them on ints).
   template <class N>
   struct basic_coefficients {
-    N cm{}, cn{}, cmn{}, cmm{};
+    // The coefficient of M (M query tokens).
+    N cm{};
+    // The coefficient of N (N pages).
+    N cn{};
+    // The coefficient of M * N.
+    N cmn{};
+    // The coefficient of M^2.
+    N cmm{};
   };
+  // The coefficients in doubles, as the planner computes the footprint.
   using coefficients = basic_coefficients<double>;
 
+  // The planner for `m`: computes the coefficients of both peaks.
   explicit PagedAttentionMemoryHandler(const PagedMemoryModel& m)
       : m_(m), peaks_(peaks_of<double>(m)), exact_peaks_(peaks_of<detail::py_int>(m)) {}
 
+  // Returns the coefficients at the lm_head peak.
   const coefficients& lm_head() const noexcept { return peaks_[0]; }
+  // Returns the coefficients at the attention peak.
   const coefficients& attention() const noexcept { return peaks_[1]; }
 
   // The memory at the worse peak for M query tokens and `num_blocks` blocks.

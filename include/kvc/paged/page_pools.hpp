@@ -18,17 +18,27 @@ namespace kvc::paged {
 
 // What a page is: block_size rows per block, kv_heads heads of head_dim elements per row.
 struct PageGeometry {
+  // Tokens (rows) per block.
   std::int64_t block_size = 0;
+  // Key/value heads per row.
   std::int64_t kv_heads = 0;
+  // Elements per head.
   std::int64_t head_dim = 0;
+  // Returns the elements of one token's row over every head: kv_heads * head_dim.
   std::int64_t row_elems() const noexcept { return kv_heads * head_dim; }  // one token's row, every head
 };
 
+// The pages of a paged cache or of its swap pool: `tensors` K and V buffers of the storage policy
+// S, each [kv_heads, blocks * block_size, head_dim] flat (head-major). It scatters new tokens to
+// rows, gathers rows and copies blocks; it knows nothing of requests.
 template <class S>
 class PagePools {
  public:
+  // The element type of the pages (S's element_type).
   using T = typename S::element_type;
+  // S's tensor view: how new tokens are handed in.
   using view_type = typename S::view_type;
+  // S's buffer: one K or V buffer of the pages.
   using buffer_type = typename S::buffer_type;
 
   // No buffers (a swap pool before its space is reserved).
@@ -50,18 +60,25 @@ class PagePools {
     }
   }
 
+  // Returns the geometry of a page.
   const PageGeometry& geometry() const noexcept { return geo_; }
+  // Returns the number of K buffers (as many as V buffers); 0 without buffers.
   std::int64_t tensors() const noexcept { return static_cast<std::int64_t>(keys_.size()); }
+  // Returns the number of blocks in each buffer; 0 without buffers.
   std::int64_t blocks() const noexcept {
     return keys_.empty() ? 0 : static_cast<std::int64_t>(keys_.front().size()) / (geo_.block_size * geo_.row_elems());
   }
+  // Returns the number of rows in each buffer: blocks() * block_size.
   std::int64_t rows() const noexcept { return blocks() * geo_.block_size; }
   // Bytes of one block in every K and V buffer, and of all of them.
   std::int64_t bytes_per_block() const noexcept {
     return 2 * tensors() * geo_.block_size * geo_.row_elems() * static_cast<std::int64_t>(sizeof(T));
   }
+  // Returns the bytes of all the buffers: blocks() * bytes_per_block().
   std::int64_t bytes() const noexcept { return blocks() * bytes_per_block(); }
+  // Returns the data of K buffer j; throws std::out_of_range for j outside [0, tensors()).
   const T* keys(std::int64_t j) const { return keys_.at(static_cast<std::size_t>(j)).data(); }
+  // Returns the data of V buffer j; throws std::out_of_range for j outside [0, tensors()).
   const T* values(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
 
   // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to buffer j's rows first_row to
@@ -69,6 +86,7 @@ class PagePools {
   kvc::detail::scatter_job<T> key_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return job(keys_[j].data(), x, first_row, tokens);
   }
+  // The same write to V buffer j (see key_job()).
   kvc::detail::scatter_job<T> value_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return job(values_[j].data(), x, first_row, tokens);
   }
@@ -76,6 +94,8 @@ class PagePools {
   void scatter(std::span<const kvc::detail::scatter_job<T>> jobs, std::span<const std::int64_t> rows) {
     S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, pitch());
   }
+  // Writes the tokens of k and v (one per entry of `rows`) to those rows of K and V buffer j, in
+  // one storage call.
   void scatter(std::size_t j, const view_type& k, const view_type& v, std::span<const std::int64_t> rows) {
     const kvc::detail::scatter_job<T> jobs[2] = {key_job(j, k, 0, rows.size()), value_job(j, v, 0, rows.size())};
     scatter(jobs, rows);

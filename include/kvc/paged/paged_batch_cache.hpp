@@ -39,25 +39,37 @@
 
 namespace kvc {
 
+// A PagedCache behind a dynamic cache's method set, for code that runs one dense batch and picks
+// its cache at run time (make_cache("paged"), AnyCache): each batch row is one request.
 template <class S>
 class PagedBatchCache {
  public:
+  // The storage policy: where the pages live.
   using storage_policy = S;
+  // The element type of keys and values.
   using element_type = typename S::element_type;
+  // S's tensor view: what update() takes and returns.
   using view_type = typename S::view_type;
+  // Keys and values as a pair of views (what update() returns).
   using kv_type = KV<view_type>;
+  // Shorthand for element_type.
   using T = element_type;
 
   // What AnyCache asks of a cache it holds.
   static constexpr bool can_crop = false;
+  // reorder_cache, batch_select_indices and batch_repeat_interleave exist.
   static constexpr bool can_batch_ops = true;
+  // set_write_position does not exist (as on transformers' PagedAttentionCache).
   static constexpr bool can_set_write_position = false;
   // transformers' class: its repr, and the object an AttributeError names.
   static constexpr std::string_view class_name = "PagedAttentionCache";
 
+  // A paged cache for `config` sized by `cb` (cb.num_blocks must be set), holding no batch yet.
+  // Throws PagedCache's errors (kvc::ValueError for a bad config).
   PagedBatchCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
       : cache_(config, cb), seen_(paged::paged_layer_types(config).size(), 0) {}
 
+  // Returns the paged cache behind the batch, read-only.
   const PagedCache<S>& paged() const noexcept { return cache_; }
   // The request id of batch row `row` in paged().
   const std::string& row_request(std::int64_t row) const { return rows_.at(static_cast<std::size_t>(row)); }
@@ -73,6 +85,9 @@ class PagedBatchCache {
     else
       return {};
   }
+  // update() on views of the storage ([batch, kv_heads, q, head_dim]). kvc::MemoryError, with
+  // nothing changed, when the step's blocks are not free; kvc::ValueError or kvc::IndexError for a
+  // bad shape or layer.
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
     const std::int64_t group = cache_.layer_group(layer_idx).first;
     check_input(k, v);
@@ -155,11 +170,17 @@ class PagedBatchCache {
 
   // ---- lengths and masks (DynamicLayer's and DynamicSlidingWindowLayer's) ---------------------------
 
+  // Returns the tokens layer `layer_idx` has seen (0 past the last layer); throws kvc::IndexError
+  // for a negative index.
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const {
     check_index(layer_idx, "get_seq_length");
     return layer_idx < size() ? seen_[static_cast<std::size_t>(layer_idx)] : 0;
   }
+  // Returns the position of the next query token: get_seq_length(layer_idx).
   std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return get_seq_length(layer_idx); }
+  // Returns (kv_length, kv_offset) of the attention mask for `query_length` new tokens, as
+  // DynamicLayer or DynamicSlidingWindowLayer does. kvc::IndexError for a negative layer index,
+  // kvc::ValueError for a negative query_length.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t query_length, std::int64_t layer_idx) const {
     check_index(layer_idx, "get_mask_sizes");
     detail::check_size("get_mask_sizes: query_length", query_length, 0, max_extent);
@@ -169,6 +190,7 @@ class PagedBatchCache {
     const std::int64_t w = cache_.sliding_window();
     return {std::min(past, w - 1) + query_length, std::max<std::int64_t>(past - w + 1, 0)};
   }
+  // Returns the sliding window when every layer is a sliding one; -1 otherwise (no maximum).
   std::int64_t get_max_length() const {
     std::int64_t out = -1;
     for (std::int64_t i = 0; i < size(); ++i) {
@@ -177,6 +199,8 @@ class PagedBatchCache {
     }
     return out;
   }
+  // Returns the sliding window for a sliding layer, -1 for a full one or past the last layer;
+  // throws kvc::IndexError for a negative index.
   std::int64_t get_max_length(std::int64_t layer_idx) const {
     check_index(layer_idx, "get_max_length");
     return layer_idx < size() && is_sliding(layer_idx) ? cache_.sliding_window() : -1;
@@ -184,14 +208,22 @@ class PagedBatchCache {
 
   // ---- the batch ------------------------------------------------------------------------------------
 
+  // Row i becomes old row beam_idx[i] (beam search), moving block tables, not tokens.
+  // kvc::IndexError or kvc::ValueError for bad indices, kvc::MemoryError when copies lack blocks;
+  // strong guarantee.
   void reorder_cache(std::span<const std::int64_t> beam_idx) { select_rows("reorder_cache", beam_idx); }
+  // The same for a braced list of indices.
   void reorder_cache(std::initializer_list<std::int64_t> beam_idx) {
     select_rows("reorder_cache", std::span(beam_idx.begin(), beam_idx.size()));
   }
+  // Keeps the rows `indices` names, in that order; as reorder_cache, with its errors.
   void batch_select_indices(std::span<const std::int64_t> indices) { select_rows("batch_select_indices", indices); }
+  // The same for a braced list of indices.
   void batch_select_indices(std::initializer_list<std::int64_t> indices) {
     select_rows("batch_select_indices", std::span(indices.begin(), indices.size()));
   }
+  // Repeats each row `repeats` times in place (copies are forks); kvc::ValueError for repeats < 1,
+  // kvc::MemoryError when the forks' blocks are not free.
   void batch_repeat_interleave(std::int64_t repeats) {
     detail::check_size("batch_repeat_interleave: repeats", repeats, 1, max_batch);
     select_rows("batch_repeat_interleave", detail::repeated_rows(batch_size(), repeats));
@@ -224,24 +256,34 @@ class PagedBatchCache {
 
   // ---- what the cache is ----------------------------------------------------------------------------
 
+  // Returns the number of layers.
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(seen_.size()); }
+  // Returns the number of batch rows (0 before the first update or early_initialization).
   std::int64_t batch_size() const noexcept { return static_cast<std::int64_t>(rows_.size()); }
+  // Returns true once the cache holds a batch.
   bool is_initialized() const noexcept { return !rows_.empty(); }
+  // Returns false: a paged cache is not compileable.
   bool is_compileable() const noexcept { return false; }
+  // Returns, for each layer, whether it is a sliding-window layer.
   std::vector<bool> is_sliding() const {
     std::vector<bool> out(seen_.size());
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = is_sliding(static_cast<std::int64_t>(i));
     return out;
   }
+  // Returns true when layer `layer_idx` is a sliding-window layer; kvc::IndexError out of range.
   bool is_sliding(std::int64_t layer_idx) const {
     return group_is_sliding(static_cast<std::size_t>(cache_.layer_group(layer_idx).first));
   }
+  // Returns false for every layer: none is a linear-attention layer.
   std::vector<bool> is_linear() const { return std::vector<bool>(seen_.size(), false); }
+  // Returns class_name for every layer.
   std::string_view layer_name(std::int64_t) const noexcept { return class_name; }
+  // Returns transformers' repr: PagedAttentionCache(num_blocks=..., block_size=...).
   std::string repr() const {
     return std::string(class_name) + "(num_blocks=" + std::to_string(cache_.num_blocks()) +
            ", block_size=" + std::to_string(cache_.block_size()) + ")";
   }
+  // Returns the bytes of the paged cache's K and V pools.
   std::int64_t bytes() const noexcept { return cache_.bytes(); }
 
   // No layer is a linear-attention layer: Cache's messages for a cache of attention layers.
@@ -257,14 +299,17 @@ class PagedBatchCache {
         "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
         "contain Attention layers.");
   }
+  // Throws kvc::AttributeError: no layer has a convolution state.
   template <class X>
   typename S::state_view_type update_conv_state(const X&, std::int64_t, std::int64_t = 0, std::int64_t = 0) {
     no_linear_layer("update_conv_state");
   }
+  // Throws kvc::AttributeError: no layer has a recurrent state.
   template <class X>
   typename S::state_view_type update_recurrent_state(const X&, std::int64_t, std::int64_t = 0) {
     no_linear_layer("update_recurrent_state");
   }
+  // Throws kvc::AttributeError: no layer has an indexer.
   template <class X>
   typename S::state_view_type update_indexer(const X&, std::int64_t) {
     no_linear_layer("update_indexer");
@@ -272,6 +317,7 @@ class PagedBatchCache {
 
   // Nothing is offloaded layer by layer; past recording is a DynamicSlidingWindowLayer option.
   void make_resident(std::int64_t = -1) noexcept {}
+  // Does nothing: past recording is a DynamicSlidingWindowLayer option.
   void activate_past_recording() noexcept {}
 
  private:

@@ -51,10 +51,15 @@ namespace kvc {
 // device or host memory times max_memory_percent, which kvc does not probe), the vocabulary (the
 // logits peak) and how the model runs.
 struct PagedMemoryBudget {
+  // Bytes the cache may use: the free memory times max_memory_percent, measured by the caller.
   std::int64_t available_bytes = 0;
+  // The vocabulary size (the logits at the lm_head peak).
   std::int64_t vocab_size = 0;
+  // The model runs flash attention: no attention mask to plan for.
   bool flash_attention = false;
+  // Two sets of batch IO buffers (use_async_batching, resolved).
   bool async_batching = false;
+  // Log-probabilities next to the tokens (two output rows).
   bool return_logprobs = false;
 };
 
@@ -64,8 +69,12 @@ struct PagedMemoryBudget {
 // all-reduce MIN: NCCL or gloo upstream, MPI or anything else here); unset, this rank's values
 // stand, as on a single rank.
 struct PagedTensorParallel {
+  // The number of tensor-parallel ranks (1: no tensor parallelism).
   std::int64_t tp_size = 1;
+  // Whether the K/V projections are sharded: each rank then keeps num_key_value_heads / tp_size
+  // heads.
   bool kv_is_tp = false;
+  // Replaces each value by its minimum over the ranks; unset: this rank's values stand.
   std::function<void(std::span<std::int64_t>)> min_over_ranks;
 };
 
@@ -74,7 +83,9 @@ using PagedIndices = std::vector<std::vector<std::int64_t>>;
 
 // The key lengths of a request's next step per attention type (transformers' get_seqlens_k).
 struct PagedSeqlensK {
+  // past + q for the full-attention groups; unset when the model has none.
   std::optional<std::int64_t> full_attention;
+  // q + min(past, sliding_window - 1) for the sliding groups; unset when the model has none.
   std::optional<std::int64_t> sliding_attention;
 };
 
@@ -85,9 +96,12 @@ namespace paged {
 // (the scheduler: its slots).
 template <class Id>
 struct BasicStarvedRequest {
+  // The request, as the caller names it.
   Id request_id;
+  // The blocks it asked for (PagedCache::blocks_needed).
   std::int64_t demand = 0;
 };
+// A starved request named by its id.
 using StarvedRequest = BasicStarvedRequest<std::string>;
 
 // Which requests transformers' offloading manager evicts (offloading_manager.py,
@@ -128,13 +142,19 @@ class PagedCache {
   explicit PagedCache(Args&&...) {}
 };
 
+// The paged KV cache of continuous batching, as transformers' PagedAttentionCache, over a paged
+// storage policy S: block tables, page pools and a swap pool kept in step. A request is named by
+// its id or by the key open_request() returns.
 template <class S>
   requires concepts::PagedStoragePolicy<S>
 class PagedCache<S> {
  public:
+  // The element type of the pages (S's element_type).
   using T = typename S::element_type;
+  // S's tensor view: what update() takes and returns.
   using view_type = typename S::view_type;
 
+  // The smallest block size the cache accepts (else a kvc::ValueError, transformers' text).
   static constexpr std::int64_t min_block_size = 4;
 
   // With cb.num_blocks set (cb.max_batch_tokens is then only recorded).
@@ -205,35 +225,56 @@ class PagedCache<S> {
   // The block tables (the bookkeeping: docs/paged.md), read-only; every change goes through the
   // cache, which keeps the pages in step with them.
   const paged::BlockTables& block_tables() const noexcept { return tables_; }
+  // Returns the block manager (free blocks, ref counts, hashes), read-only.
   const paged::BlockManager& manager() const noexcept { return tables_.manager(); }
 
   // ---- geometry -----------------------------------------------------------------------------------
 
+  // Returns the number of tokens per block.
   std::int64_t block_size() const noexcept { return tables_.block_size(); }
+  // Returns the number of blocks requests can get (the two padding blocks not counted).
   std::int64_t num_blocks() const noexcept { return tables_.num_blocks(); }
+  // Returns the number of rows requests can get in each pool tensor: num_blocks() * block_size().
   std::int64_t num_pages() const noexcept { return num_blocks() * block_size(); }
+  // Returns the key/value heads this rank keeps (the model's / tp_size when they are sharded).
   std::int64_t num_key_value_heads() const noexcept { return pages_.geometry().kv_heads; }
+  // Returns the number of elements per head.
   std::int64_t head_dim() const noexcept { return pages_.geometry().head_dim; }
+  // Returns the number of layers per group: the number of K (and of V) pool tensors.
   std::int64_t group_size() const noexcept { return groups_.group_size; }
+  // Returns the number of layer groups.
   std::int64_t num_groups() const noexcept { return tables_.num_groups(); }
+  // Returns the model's layer groups: each group's layers and attention type.
   const paged::LayerGroups& layer_groups() const noexcept { return groups_; }
+  // Returns the number of full-attention groups.
   std::int64_t num_full_attention_groups() const noexcept { return tables_.num_full_attention_groups(); }
+  // Returns the number of sliding-window groups.
   std::int64_t num_sliding_attention_groups() const noexcept { return tables_.num_sliding_attention_groups(); }
   // Whether group g is a sliding-window ring (else full attention).
   bool is_sliding_group(std::int64_t g) const { return tables_.is_sliding(g); }
   // The sliding groups' window (every sliding group has the config's), 0 without one.
   std::int64_t sliding_window() const noexcept { return tables_.sliding_window(); }
+  // Returns the most blocks a sliding group's ring takes per request; 0 without sliding groups.
   std::int64_t max_sliding_window_blocks_per_request() const noexcept {
     return tables_.max_sliding_window_blocks_per_request();
   }
+  // Returns the width of a request's row in the decode block table (0: that path is off).
   std::int64_t max_blocks_per_request() const noexcept { return max_blocks_per_request_; }
+  // Returns the query tokens per forward that the config set or the planner chose (only recorded
+  // here); nullopt when neither did.
   std::optional<std::int64_t> max_batch_tokens() const noexcept { return max_batch_tokens_; }
+  // Returns true when prompts are matched against cached blocks: block sharing is allowed and the
+  // model has one full-attention group only.
   bool use_prefix_sharing() const noexcept { return tables_.use_prefix_sharing(); }
   // Whether some full-attention group hashes its complete blocks (allow_block_sharing): forks
   // share them, and a step's completed blocks are worth marking.
   bool shares_blocks() const noexcept { return tables_.shares_blocks(); }
+  // Returns the read-trash row (num_blocks * block_size, zeros): what padded reads see.
   std::int64_t read_trash_index() const noexcept { return tables_.read_trash_index(); }
+  // Returns the sentinel row (the next one): "a new token goes here" in a sliding group's reads.
   std::int64_t sentinel_index() const noexcept { return tables_.sentinel_index(); }
+  // Returns the write-trash row ((num_blocks + 1) * block_size): where padded and dropped writes
+  // go.
   std::int64_t write_trash_index() const noexcept { return tables_.write_trash_index(); }
   // (group, index in group) of a layer.
   std::pair<std::int64_t, std::int64_t> layer_group(std::int64_t layer_idx) const {
@@ -243,6 +284,7 @@ class PagedCache<S> {
     throw IndexError("kvc::PagedCache: layer " + std::to_string(layer_idx) + " is out of range for " +
                      std::to_string(num_layers()) + " layers");
   }
+  // Returns the number of layers: num_groups() * group_size().
   std::int64_t num_layers() const noexcept { return num_groups() * groups_.group_size; }
   // Bytes of the K and V pools.
   std::int64_t bytes() const noexcept { return pages_.bytes(); }
@@ -253,6 +295,8 @@ class PagedCache<S> {
   // Pool tensor j, [kv_heads, rows, head_dim] flat, rows = (num_blocks + 2) * block_size (a paged
   // attention kernel reads it through a block table or read indices).
   const T* key_pool(std::int64_t j) const { return pages_.keys(j); }
+  // Value pool tensor j, laid out as key_pool(j); throws std::out_of_range for j outside
+  // [0, group_size()).
   const T* value_pool(std::int64_t j) const { return pages_.values(j); }
 
   // ---- allocation -------------------------------------------------------------------------------
@@ -263,15 +307,19 @@ class PagedCache<S> {
   std::int64_t blocks_needed(std::int64_t n, std::int64_t allocated) const noexcept {
     return tables_.blocks_needed(n, allocated);
   }
+  // Returns true when the blocks_needed(n, allocated) blocks are free.
   bool will_allocation_be_successful(std::int64_t n, std::int64_t allocated) const noexcept {
     return blocks_needed(n, allocated) <= get_num_free_blocks();
   }
+  // Returns the number of free blocks (uninitialized, plus initialized ones that can be evicted).
   std::int64_t get_num_free_blocks() const noexcept { return tables_.get_num_free_blocks(); }
   // Blocks the request holds over all groups, and in group g (0 without a table there).
   std::int64_t blocks_in_use(paged::RequestRef request) const {
     const auto k = tables_.find(request);
     return k ? tables_.blocks_in_use(*k) : 0;
   }
+  // Returns the blocks the request holds in group g (0 for a request the cache does not know);
+  // kvc::IndexError for g out of range, kvc::KeyError for a stale key.
   std::int64_t blocks_in_group(std::size_t g, paged::RequestRef request) const {
     const auto k = tables_.find(request);
     return k ? tables_.blocks_in_group(static_cast<std::int64_t>(g), *k) : 0;
@@ -327,6 +375,7 @@ class PagedCache<S> {
     return with_keys(std::span(refs),
                      [&](std::span<const paged::RequestKey> k) { return tables_.allocate_blocks(n, k); });
   }
+  // The same for requests named by key (a kvc::KeyError for a key that names no request).
   std::optional<std::int64_t> allocate_blocks(std::int64_t n, std::span<const paged::RequestKey> requests) {
     check_allocation(n);
     for (const paged::RequestKey k : requests) (void)tables_.find(k);  // (a KeyError for a stale key)
@@ -344,6 +393,8 @@ class PagedCache<S> {
     tables_.free_blocks(*k);
     settle(*k);
   }
+  // Gives back every request's blocks in every group (swap blocks stay); a request then holding
+  // nothing that was not opened is forgotten.
   void free_all_requests() {
     for (const paged::RequestKey k : tables_.free_all_requests()) settle(k);
   }
@@ -470,6 +521,7 @@ class PagedCache<S> {
     const std::pair<std::string, std::span<const std::string>> one{tables_.id(source), destinations};
     return fork_requests(std::span(&one, 1));
   }
+  // The same with the destinations named by key (a kvc::KeyError for a key that names no request).
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
       paged::RequestRef source, std::span<const paged::RequestKey> destinations) {
     for (const paged::RequestKey d : destinations) (void)tables_.find(d);  // (a KeyError for a stale key)
@@ -519,6 +571,7 @@ class PagedCache<S> {
   // so roll back after an exception. The scheduler runs each schedule() and update() as one, so
   // that a std::bad_alloc anywhere in them leaves the cache as it was.
   bool in_transaction() const noexcept { return tables_.in_transaction(); }
+  // Starts a transaction; throws kvc::ValueError when one is already open.
   void begin_transaction() {
     if (in_transaction()) throw ValueError("kvc::PagedCache::begin_transaction: a transaction is already open");
     tables_.log().begin();
@@ -532,6 +585,8 @@ class PagedCache<S> {
     pending_ids_.clear();
     tables_.log().commit();
   }
+  // Undoes every change since begin_transaction(), newest first, and drops the waiting block
+  // copies.
   void rollback_transaction() noexcept {
     pending_.clear();
     pending_ids_.clear();
@@ -577,7 +632,10 @@ class PagedCache<S> {
   }
   // The swap pool's size in blocks, and how many are free.
   std::int64_t swap_blocks() const noexcept { return swap_.blocks(); }
+  // Returns the number of swap blocks that no offloaded request holds.
   std::int64_t free_swap_blocks() const noexcept { return swap_.free_blocks(); }
+  // Returns true when the request is offloaded to the swap pool (false for one the cache does not
+  // know); a kvc::KeyError for a stale key.
   bool is_offloaded(paged::RequestRef request) const {
     const auto k = tables_.find(request);
     return k && swap_.is_offloaded(*k);
@@ -691,6 +749,8 @@ class PagedCache<S> {
     else
       return {};
   }
+  // update() on views of the storage. Throws, before anything is written, kvc::ValueError for bad
+  // shapes, index lists or rows and kvc::IndexError for a layer out of range.
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx, const PagedIndices& read_index,
                        const PagedIndices& write_index) {
     const auto groups = static_cast<std::size_t>(num_groups());
@@ -754,12 +814,16 @@ class PagedCache<S> {
   // returned object's commit() keeps them, and dropping it without a commit frees them again.
   class loaded_request {
    public:
+    // The load of request `id` into `target`, whose blocks it frees unless committed (null: none).
     loaded_request(PagedCache* target, std::string id) : target_(target), id_(std::move(id)) {}
+    // Takes over the other object's load; the other frees nothing.
     loaded_request(loaded_request&& o) noexcept : target_(std::exchange(o.target_, nullptr)), id_(std::move(o.id_)) {}
     loaded_request& operator=(loaded_request&&) = delete;
+    // Frees the request's blocks unless commit() was called.
     ~loaded_request() {
       if (target_) target_->free_blocks(id_);
     }
+    // Keeps the loaded request's blocks.
     void commit() noexcept { target_ = nullptr; }
 
    private:
@@ -767,6 +831,9 @@ class PagedCache<S> {
     PagedCache* target_;
     std::string id_;
   };
+  // Reads a request saved by the overload above into the cache (kvc::load_request): allocates and
+  // fills its blocks and returns the load, which commit() keeps. kvc::StateError when the cache
+  // already holds the request, the geometry differs or too few blocks are free.
   template <class A>
     requires A::loading
   [[nodiscard]] loaded_request transfer_request(A& ar, const std::string& request_id) {

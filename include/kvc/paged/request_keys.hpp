@@ -27,8 +27,11 @@ namespace kvc::paged {
 
 // A request of a paged cache (PagedCache::open_request returns it). Trivially copyable.
 struct RequestKey {
+  // The request's index in the cache's tables; the default names no request.
   std::uint32_t index = std::numeric_limits<std::uint32_t>::max();
+  // Which use of the index: a key kept past its request's end has an older one and is refused.
   std::uint32_t generation = 0;
+  // Returns true when index and generation are both equal.
   friend constexpr bool operator==(RequestKey, RequestKey) noexcept = default;
 };
 
@@ -36,12 +39,18 @@ struct RequestKey {
 // keeps a view of the id: a call's argument outlives the call.)
 class RequestRef {
  public:
-  RequestRef(const std::string& id) noexcept : id_(id) {}            // NOLINT: implicit, as a string argument
-  RequestRef(const char* id) noexcept : id_(id) {}                   // NOLINT
+  // Names a request by its id (a view of it: `id` must outlive the reference).
+  RequestRef(const std::string& id) noexcept : id_(id) {}  // NOLINT: implicit, as a string argument
+  // Names a request by its id (a view of it: `id` must outlive the reference).
+  RequestRef(const char* id) noexcept : id_(id) {}  // NOLINT
+  // Names a request by its key.
   RequestRef(RequestKey key) noexcept : key_(key), by_key_(true) {}  // NOLINT
 
+  // Returns true when the request is named by its key, false when by its id.
   bool by_key() const noexcept { return by_key_; }
+  // Returns the key (a default RequestKey when the request is named by its id).
   RequestKey key() const noexcept { return key_; }
+  // Returns the id (empty when the request is named by its key).
   std::string_view id() const noexcept { return id_; }
 
  private:
@@ -50,8 +59,11 @@ class RequestRef {
   bool by_key_ = false;
 };
 
+// The names of a paged cache's requests: the id of each key and the key of each id. Keys are dense
+// indices, used again under a new generation once freed; changes go through an UndoLog.
 class RequestNames {
  public:
+  // Names no request.
   RequestNames() = default;
   // A copy names the same requests under the same keys.
   RequestNames(const RequestNames& o) : keys_(o.keys_), free_(o.free_) {
@@ -59,13 +71,17 @@ class RequestNames {
     for (const entry& e : o.entries_)
       entries_.push_back({e.name ? &keys_.find(*e.name)->first : nullptr, e.generation, e.opened});
   }
+  // Copies `o` (copy, then move): may throw std::bad_alloc, leaving this object unchanged.
   RequestNames& operator=(const RequestNames& o) {
     if (this != &o) *this = RequestNames(o);
     return *this;
   }
+  // Takes over the other object's requests and keys.
   RequestNames(RequestNames&&) noexcept = default;
+  // Takes over the other object's requests and keys.
   RequestNames& operator=(RequestNames&&) noexcept = default;
 
+  // Returns the number of named requests.
   std::size_t size() const noexcept { return keys_.size(); }
   // The key of a named request; nullopt for an id the cache does not know.
   std::optional<RequestKey> find(std::string_view id) const {
@@ -73,6 +89,7 @@ class RequestNames {
     if (it == keys_.end()) return std::nullopt;
     return RequestKey{it->second, entries_[it->second].generation};
   }
+  // Returns true when `k` names a request now (its index is in use, under k's generation).
   bool contains(RequestKey k) const noexcept {
     return k.index < entries_.size() && entries_[k.index].name && entries_[k.index].generation == k.generation;
   }
@@ -92,6 +109,7 @@ class RequestNames {
   RequestKey key_at(std::uint32_t index) const noexcept {
     return {index, index < entries_.size() ? entries_[index].generation : 0};
   }
+  // Returns true when `k` names a request that is marked opened (set_opened()).
   bool opened(RequestKey k) const noexcept { return contains(k) && entries_[k.index].opened; }
   // Every key in use, ascending.
   std::vector<RequestKey> keys() const {

@@ -58,9 +58,12 @@ enum class RequestStatus : std::uint8_t { pending, prefilling, decoding, finishe
 
 // What a user submits.
 struct GenerationRequest {
+  // The request's id: unique among the requests the scheduler holds, without `__child#`.
   std::string request_id = {};
   std::vector<std::int64_t> prompt = {};  // token ids, at least one, each a non-negative C int
+  // The most tokens to generate (at least 1).
   std::int64_t max_new_tokens = 20;
+  // The token that ends the request once generated; unset: none does.
   std::optional<std::int64_t> eos_token_id = std::nullopt;
   // Sequences sampled from the prompt: the request is forked into `{id}__child#{i}`, i = 0..n-2.
   std::int64_t num_return_sequences = 1;
@@ -71,32 +74,44 @@ struct GenerationRequest {
 // states; a slot is used again after take_finished() has returned its request, under the next
 // generation, so the handle of a request that has left is refused, never taken for another one.
 struct RequestHandle {
+  // The request's slot in the scheduler's request states; the default names no request.
   std::uint32_t slot = std::numeric_limits<std::uint32_t>::max();
+  // Which use of the slot: the handle of a request that has left has an older one and is refused.
   std::uint32_t generation = 0;
+  // Returns true when slot and generation are both equal.
   friend constexpr bool operator==(RequestHandle, RequestHandle) noexcept = default;
 };
 
 // One request as the scheduler tracks it (transformers' RequestState, cache-relevant fields).
 struct RequestState {
+  // The request's id (a forked child's: `{parent}__child#{i}`).
   std::string request_id;
   RequestHandle handle;              // its handle (a fork's children have their own)
   std::vector<std::int64_t> tokens;  // the prompt, then every generated token
+  // The prompt's length: the first prompt_length entries of `tokens`.
   std::int64_t prompt_length = 0;
   std::int64_t position_offset = 0;  // tokens in the cache (sent to the model)
+  // The most tokens to generate.
   std::int64_t max_new_tokens = 0;
+  // The token that ends the request once generated; unset: none does.
   std::optional<std::int64_t> eos_token_id;
   std::int64_t num_children = 0;  // forks still to make
+  // Where the request is: pending (waiting), prefilling, decoding, finished or failed.
   RequestStatus status = RequestStatus::pending;
   std::int64_t preemptions = 0;  // times it was offloaded or soft reset
   std::string error;             // why it failed
 
+  // Returns the prompt: the first prompt_length tokens.
   std::span<const std::int64_t> prompt() const noexcept {
     return std::span(tokens).first(static_cast<std::size_t>(prompt_length));
   }
+  // Returns the generated tokens: those after the prompt.
   std::span<const std::int64_t> generated() const noexcept {
     return std::span(tokens).subspan(static_cast<std::size_t>(prompt_length));
   }
+  // Returns true while the request is prefilling or decoding.
   bool is_active() const noexcept { return status == RequestStatus::prefilling || status == RequestStatus::decoding; }
+  // Returns true once the request has finished or failed.
   bool has_ended() const noexcept { return status == RequestStatus::finished || status == RequestStatus::failed; }
   // The tokens not yet in the cache, tokens[position_offset:] (the uncached part of the prompt, or
   // the last generated token while decoding); none once the request has ended.
@@ -110,16 +125,20 @@ struct RequestState {
 
 // One request's share of a step (transformers' FutureRequestState).
 struct ScheduledRequest {
+  // The request's id.
   std::string request_id;
+  // The request's handle.
   RequestHandle handle;
   std::int64_t past = 0;          // tokens cached before the step
   std::int64_t query_length = 0;  // tokens of the step
+  // Blocks the step completes, hashed for sharing by update() (0 without block sharing).
   std::int64_t complete_blocks = 0;
   bool has_new_token = false;  // its last token's logits give the next token
 };
 
 // One step: the requests' tokens packed one request after another.
 struct ScheduledBatch {
+  // Each request's share of the step, in batch order.
   std::vector<ScheduledRequest> requests;
   std::vector<std::string> request_ids;         // R
   std::vector<paged::RequestKey> request_keys;  // R: the requests' keys in the cache
@@ -129,20 +148,27 @@ struct ScheduledBatch {
   std::vector<std::int64_t> past;               // R
   std::vector<std::int64_t> logits_indices;     // rows whose logits give a token, in request order
   PagedIndices read_index;                      // empty lists unless asked for and some request has cache
+  // Per layer group, the rows the step's tokens are written to, one per token.
   PagedIndices write_index;
+  // The step's number, from 1: update() takes only the batch that schedule() returned last.
   std::int64_t step = 0;
 
+  // Returns T, the number of tokens in the step.
   std::int64_t num_tokens() const noexcept { return static_cast<std::int64_t>(input_ids.size()); }
+  // Returns the step's layout for kvc::paged_attention: views of this batch, which must outlive it.
   PagedAttentionStep attention_step() const noexcept { return {request_ids, cu_seqlens_q, past, request_keys}; }
 };
 
+// How a ContinuousBatchingScheduler builds its batches, beyond its ContinuousBatchingConfig.
 struct SchedulerOptions {
   // Build read indices (transformers' eager/SDPA path gathers through them); kvc::paged_attention
   // reads through the block tables and needs only the write indices.
   bool read_indices = false;
 };
 
+// The counters of a scheduler's work since it was made (ContinuousBatchingScheduler::stats()).
 struct SchedulerStats {
+  // Batches scheduled.
   std::int64_t steps = 0;
   std::int64_t batch_tokens = 0;       // tokens sent to the model
   std::int64_t prefill_tokens = 0;     // of which prefill (prompts, and tokens prefilled again)
@@ -152,22 +178,32 @@ struct SchedulerStats {
     const std::int64_t all = prefill_tokens + prefix_hit_tokens;
     return all == 0 ? 0.0 : static_cast<double>(prefix_hit_tokens) / static_cast<double>(all);
   }
+  // Requests copied to the swap pool when blocks ran out.
   std::int64_t cpu_offloads = 0;
+  // Requests whose blocks were freed, to be prefilled again, when blocks ran out.
   std::int64_t soft_resets = 0;
+  // Offloaded requests copied back into the cache.
   std::int64_t restores = 0;
   std::int64_t forks = 0;           // children made by forking
   std::int64_t forks_requeued = 0;  // children queued as requests of their own
+  // Requests that ended as failed (cancelled, removed, or unable to fit in the cache).
   std::int64_t failed = 0;
   std::int64_t peak_blocks_in_use = 0;  // over every group, after a step
   // Block rows (a token in one group) the active requests' cached tokens needed at that peak:
   // peak_blocks_in_use * block_size / live_rows_at_peak is the paging overhead (below 1 with sharing).
   std::int64_t live_rows_at_peak = 0;
+  // Returns the requests preempted: cpu_offloads + soft_resets.
   std::int64_t preemptions() const noexcept { return cpu_offloads + soft_resets; }
 };
 
+// Drives a PagedCache as transformers' continuous batching scheduler (FIFO or prefill-first) does:
+// schedule() hands out the next batch, update() takes its tokens back. One batch is in flight at a
+// time; both calls are all or nothing.
 template <class S>
 class ContinuousBatchingScheduler {
  public:
+  // A scheduler for `cache` (which must outlive it), configured by cb. kvc::ValueError for a
+  // safety_margin outside [0, 1], max_requests_per_batch < 1 or no max_batch_tokens (cache or cb).
   ContinuousBatchingScheduler(PagedCache<S>& cache, const ContinuousBatchingConfig& cb, SchedulerOptions options = {})
       : cache_(&cache), options_(options) {
     prefill_first_ = cb.scheduler_type == "prefill_first";
@@ -195,11 +231,18 @@ class ContinuousBatchingScheduler {
     sharing_ = cache.shares_blocks();
   }
 
+  // Returns the step's token budget: the cache's max_batch_tokens, else cb's.
   std::int64_t max_batch_tokens() const noexcept { return max_batch_tokens_; }
+  // Returns the most requests per step: cb's (1024 unset), capped by max_batch_tokens() and,
+  // without prefix sharing, by the cache's blocks.
   std::int64_t max_requests_per_batch() const noexcept { return max_requests_per_batch_; }
+  // Returns the fraction of the blocks kept free before new prefills stop.
   double safety_margin() const noexcept { return safety_margin_; }
+  // Returns true for the prefill-first order, false for FIFO.
   bool prefill_first() const noexcept { return prefill_first_; }
+  // Returns the counters of the scheduler's work so far.
   const SchedulerStats& stats() const noexcept { return stats_; }
+  // Returns the paged cache the scheduler drives, read-only.
   const PagedCache<S>& cache() const noexcept { return *cache_; }
 
   // Queues a request (at the back). Refused, with nothing queued: an empty prompt, a token outside
@@ -242,22 +285,29 @@ class ContinuousBatchingScheduler {
 
   // Whether any request is waiting or running.
   bool has_unfinished_requests() const noexcept { return !waiting_.empty() || !active_.empty(); }
+  // Returns the number of pending requests: new ones, and preempted ones waiting to run again.
   std::int64_t num_waiting() const noexcept { return static_cast<std::int64_t>(waiting_.size()); }
+  // Returns the number of requests prefilling or decoding.
   std::int64_t num_active() const noexcept { return static_cast<std::int64_t>(active_.size()); }
 
   // The logical blocks the request holds: the longest of its block tables (a full group's, which
   // grows with its tokens; 0 while it holds none, or is offloaded).
   std::int64_t allocated_blocks(const std::string& id) const { return blocks_of(*slots_[slot_of(id)]); }
+  // The same by handle (a kvc::KeyError for a handle that names no request).
   std::int64_t allocated_blocks(RequestHandle h) const { return blocks_of(*slots_[slot_of(h)]); }
 
   // The handle of the request with this id (a KeyError for an id the scheduler does not hold), or
   // nullopt.
   RequestHandle handle(const std::string& id) const { return request(id).handle; }
+  // Returns the handle of the request with this id; nullopt when the scheduler does not hold it.
   std::optional<RequestHandle> find(const std::string& id) const {
     const auto it = names_.find(id);
     return it == names_.end() ? std::nullopt : std::optional(it->second);
   }
+  // Returns the state of the request with this id; kvc::KeyError when the scheduler does not
+  // hold it.
   const RequestState& request(const std::string& id) const { return slots_[slot_of(id)]->state; }
+  // Returns the state of the request `h` names; kvc::KeyError when it names none (it has left).
   const RequestState& request(RequestHandle h) const { return slots_[slot_of(h)]->state; }
   // Finished and failed requests, in the order they ended; they leave the scheduler. All or
   // nothing: a std::bad_alloc leaves every ended request to a later call.
@@ -296,6 +346,8 @@ class ContinuousBatchingScheduler {
     if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
     cancel_live(mutable_state(id));
   }
+  // The same by handle. kvc::ValueError while a batch is in flight, kvc::KeyError for a stale
+  // handle.
   void cancel_request(RequestHandle h) {
     if (in_flight_) throw ValueError(in_flight_message("cancel_request"));
     cancel_live(slot_state(slot_of(h)));
@@ -308,9 +360,11 @@ class ContinuousBatchingScheduler {
   // The smallest position whose keys and values every layer still holds: 0 (a sliding group holds
   // the window's, from position - window + 1 of its last cached token); -1 when nothing is cached.
   std::int64_t seq_pos_min(const std::string& id) const { return pos_min(request(id)); }
+  // The same by handle (a kvc::KeyError for a handle that names no request).
   std::int64_t seq_pos_min(RequestHandle h) const { return pos_min(request(h)); }
   // The last cached position (get_seq_length() - 1 in transformers' terms); -1 when nothing is.
   std::int64_t seq_pos_max(const std::string& id) const { return request(id).position_offset - 1; }
+  // The same by handle (a kvc::KeyError for a handle that names no request).
   std::int64_t seq_pos_max(RequestHandle h) const { return request(h).position_offset - 1; }
 
   // Each sequence operation below takes the request's handle or its id.
@@ -326,6 +380,8 @@ class ContinuousBatchingScheduler {
   bool seq_rm(const std::string& id, std::int64_t p0, std::int64_t p1) {
     return remove_suffix(live_state(id, "seq_rm"), p0, p1);
   }
+  // seq_rm by handle. kvc::ValueError while a batch is in flight or for a request that has ended,
+  // kvc::KeyError for a stale handle.
   bool seq_rm(RequestHandle h, std::int64_t p0, std::int64_t p1) {
     return remove_suffix(live_state(h, "seq_rm"), p0, p1);
   }
@@ -338,6 +394,8 @@ class ContinuousBatchingScheduler {
   bool seq_cp(const std::string& src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
     return copy_request(live_state(src, "seq_cp"), dst, p0, p1);
   }
+  // seq_cp with `src` by handle. kvc::ValueError while a batch is in flight, for a source that has
+  // ended or a `dst` add_request would refuse; kvc::KeyError for a stale handle.
   bool seq_cp(RequestHandle src, const std::string& dst, std::int64_t p0, std::int64_t p1) {
     return copy_request(live_state(src, "seq_cp"), dst, p0, p1);
   }
@@ -345,6 +403,7 @@ class ContinuousBatchingScheduler {
   // Keeps the request `id` and ends every other (llama.cpp's seq_keep; transformers'
   // batch_select_indices with one row).
   void seq_keep(const std::string& id) { keep_only(live_state(id, "seq_keep")); }
+  // seq_keep by handle, with seq_rm's errors.
   void seq_keep(RequestHandle h) { keep_only(live_state(h, "seq_keep")); }
 
   // llama.cpp's seq_add shifts positions, re-rotating the cached keys (its K-shift). kvc does not:
@@ -354,6 +413,8 @@ class ContinuousBatchingScheduler {
   bool seq_add(const std::string& id, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
     return shift_positions(live_state(id, "seq_add"), p0, p1, delta);
   }
+  // seq_add by handle, with seq_rm's errors (and a kvc::ValueError for a nonzero shift of a
+  // non-empty range).
   bool seq_add(RequestHandle h, std::int64_t p0, std::int64_t p1, std::int64_t delta) {
     return shift_positions(live_state(h, "seq_add"), p0, p1, delta);
   }

@@ -20,19 +20,28 @@
 
 namespace kvc::paged {
 
+// The swap pool of a paged cache: swap pages of the cache's geometry in S's memory, a free list
+// and, per offloaded request, the swap blocks it holds. It keeps the bookkeeping; the cache copies
+// the pages.
 template <class S>
 class SwapPool {
  public:
+  // An offloaded request's swap blocks and its block count per layer group.
   struct entry {
     std::vector<std::int64_t> swap_ids;      // in table order, group after group
     std::vector<std::int64_t> group_counts;  // blocks per group
   };
 
+  // An empty pool (no blocks until reserve()) for pages of `geo` in `tensors` K and V buffers.
   SwapPool(const PageGeometry& geo, std::int64_t tensors) : pages_(geo), tensors_(tensors) {}
+  // Copies the pages and the bookkeeping. May throw std::bad_alloc.
   SwapPool(const SwapPool& o)
       : pages_(o.pages_), tensors_(o.tensors_), free_(copy_with_room(o.free_, o.blocks())), swapped_(o.swapped_) {}
+  // Takes over the other pool's pages and bookkeeping.
   SwapPool(SwapPool&&) noexcept = default;
+  // Takes over the other pool's pages and bookkeeping.
   SwapPool& operator=(SwapPool&&) noexcept = default;
+  // Copies `o` (copy, then move): may throw std::bad_alloc, leaving this pool unchanged.
   SwapPool& operator=(const SwapPool& o) { return *this = SwapPool(o); }
 
   // (Re)creates an empty pool of `num_blocks` blocks; refused while requests are offloaded.
@@ -48,14 +57,20 @@ class SwapPool {
     free_ = std::move(free);  // room for every block: giving blocks back never allocates
   }
 
+  // Returns the number of swap blocks (0 before reserve()).
   std::int64_t blocks() const noexcept { return pages_.blocks(); }
+  // Returns the number of swap blocks that no offloaded request holds.
   std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_.size()); }
+  // Returns true when the request (by its key's index) is offloaded to the pool.
   bool is_offloaded(RequestKey request) const { return swapped_.count(request.index) != 0; }
+  // Returns the offloaded request's entry (by its key's index); nullptr when it is not offloaded.
   const entry* find(RequestKey request) const {
     const auto it = swapped_.find(request.index);
     return it == swapped_.end() ? nullptr : &it->second;
   }
+  // The swap pages, which the cache copies blocks to and from.
   PagePools<S>& pages() noexcept { return pages_; }
+  // The swap pages, read-only.
   const PagePools<S>& pages() const noexcept { return pages_; }
 
   // The smallest free swap blocks, as many as the counts add up to (there must be that many free),

@@ -17,14 +17,20 @@
 
 namespace kvc::paged {
 
+// Makes a multi-step change of the serving bookkeeping all or nothing: between begin() and
+// commit() every change made through the log records its undo first; rollback() undoes them all,
+// newest first.
 class UndoLog {
  public:
   // Undoes one change: `ctx` is what the change was made to, `data` a copy of what was recorded.
   using undo_fn = void (*)(void* ctx, const std::byte* data) noexcept;
 
+  // Called with its context when a transaction ends, after the undos (see at_end()).
   using end_fn = void (*)(void* ctx) noexcept;
 
+  // Returns true in a transaction (after begin(), before commit() or rollback()).
   bool active() const noexcept { return active_; }
+  // Starts a transaction: from now on, changes made through the log record their undo.
   void begin() noexcept { active_ = true; }
   // Forgets the records: the changes stay.
   void commit() noexcept { end(); }
@@ -122,10 +128,15 @@ class UndoLog {
 template <class Map>
 class KeptNodes {
  public:
+  // Keeps no nodes.
   KeptNodes() = default;
+  // A copy starts empty: kept nodes belong to the transaction of the original's map.
   KeptNodes(const KeptNodes&) noexcept {}
+  // Does nothing: this object keeps its own nodes and takes none of the other's.
   KeptNodes& operator=(const KeptNodes&) noexcept { return *this; }
+  // Starts empty, as a copy does; the other object keeps its nodes.
   KeptNodes(KeptNodes&&) noexcept {}
+  // Does nothing, as the copy assignment.
   KeptNodes& operator=(KeptNodes&&) noexcept { return *this; }
 
   // Erases *it from map; in a transaction of `log` the node is kept and its return recorded. May
@@ -165,6 +176,8 @@ class KeptNodes {
 // Make room in the log first (room(1, insert_undo_bytes)), so that recording after the insertion
 // cannot fail.
 inline constexpr std::size_t insert_undo_bytes = 2 * sizeof(void*);
+// Records the undo of the insertion into `map` that made `element` (erasing it again). Nothing
+// outside a transaction; may throw std::bad_alloc unless room(1, insert_undo_bytes) was made.
 template <class Map>
 void undo_insert(UndoLog& log, Map& map, typename Map::value_type& element) {
   struct what {

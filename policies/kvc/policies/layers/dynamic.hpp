@@ -18,6 +18,7 @@
 
 namespace kvc {
 
+// The warning a `crop` with a positive count gives (transformers' deprecation message).
 inline constexpr std::string_view positive_crop_deprecation =
     "Calling `crop` with a positive value is deprecated and will be removed in version 5.18. Please use a "
     "negative integer to remove that number of tokens from the cache instead.";
@@ -43,21 +44,34 @@ inline std::int64_t grown_capacity(std::int64_t capacity, std::int64_t needed) n
 }
 }  // namespace detail
 
+// DynamicLayer's layer over storage S (transformers' DynamicLayer): holds every token seen, in
+// K/V buffers that grow by a quarter when full, so that appends cost amortized O(new tokens).
 template <class S>
 class DynamicLayer::state {
  public:
+  // The layer kind this state belongs to.
   using kind_type = DynamicLayer;
+  // The view type `update` and `stored` return (S::view_type).
   using view = typename S::view_type;
+  // False: the layer keeps every token.
   static constexpr bool is_sliding = false;
+  // False: the buffers move as they grow (transformers' is_compileable).
   static constexpr bool is_compileable = false;
+  // True: lazy_initialization may give the layer its shape before the first update.
   static constexpr bool supports_early_init = true;
+  // True: the Cache's batch_repeat_interleave and batch_select_indices apply to the layer.
   static constexpr bool supports_batch_ops = true;
+  // The kind's name, as transformers names the class (saved states record it).
   static constexpr std::string_view name = "DynamicLayer";
 
+  // An empty layer without a shape (the kind has no options).
   explicit state(const DynamicLayer&) noexcept {}
 
+  // Whether the layer has a shape (from lazy_initialization or its first update).
   bool is_initialized() const noexcept { return initialized_; }
+  // Returns the layer's batch, heads and K/V head_dims (all 0 before it has a shape).
   LayerShape shape() const noexcept { return store_.shape(); }
+  // Returns the bytes of K/V buffer the layer holds (its whole capacity, not only its tokens).
   std::int64_t bytes() const noexcept { return store_.bytes(); }
 
   // Records the shape and allocates nothing (transformers' 1-D empty tensor).
@@ -67,6 +81,9 @@ class DynamicLayer::state {
     initialized_ = true;
   }
 
+  // Appends k and v ([batch, heads, q, head_dim]) and returns every token held, K and V. When the
+  // buffer cannot grow (kvc::MemoryError, or kvc::ValueError past the allocation limit) the layer
+  // is left as it was.
   KV<view> update(const view& k, const view& v) {
     const std::int64_t q = k.extent(2);
     const std::int64_t grow = std::max(detail::grown_capacity(store_.capacity(), len_ + q), reserved_);
@@ -89,13 +106,18 @@ class DynamicLayer::state {
     if (!initialized_ || store_.capacity() >= tokens) return {};
     return store_.relocated(tokens, 0, len_);
   }
+  // Keeps `tokens` as the least capacity of later allocations and moves to `fresh` (from
+  // reserved(tokens)) when it is larger than the present buffer. Cannot throw.
   void reserve(std::int64_t tokens, detail::kv_store<S>&& fresh) noexcept {
     reserved_ = std::max(reserved_, tokens);
     if (initialized_ && fresh.capacity() > store_.capacity()) store_ = std::move(fresh);
   }
 
+  // Returns the number of tokens held.
   std::int64_t get_seq_length() const noexcept { return len_; }
+  // Returns (kv_length, kv_offset) for a query of q tokens: (tokens held + q, 0).
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return {len_ + q, 0}; }
+  // Returns -1: the layer has no maximum length.
   std::int64_t get_max_length() const noexcept { return -1; }
 
   // The deprecation warning comes here, in the check every layer passes before any layer changes,
@@ -104,6 +126,9 @@ class DynamicLayer::state {
   void check_crop(std::int64_t tokens_to_remove) const {
     if (initialized_ && tokens_to_remove > 0) warn_once(positive_crop_deprecation);
   }
+  // Negative: removes the last -tokens_to_remove tokens (all of them, if there are fewer).
+  // Positive (deprecated, with a warning): keeps the first tokens_to_remove tokens. Does nothing
+  // on a layer without a shape.
   void crop(std::int64_t tokens_to_remove) {
     if (!initialized_) return;  // transformers raises TypeError here (docs/differences.md)
     len_ -= detail::dynamic_crop_count(tokens_to_remove, len_);
@@ -122,8 +147,11 @@ class DynamicLayer::state {
     store_.for_each_buffer(f);
   }
 
+  // Returns the tokens held, K and V (transformers' layer.keys / layer.values).
   KV<view> stored() const noexcept { return store_.kv(0, len_); }
 
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer (the Cache checks
+  // the indices).
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out(*this, 0);
     if (initialized_) out.store_ = store_.gathered(batch_indices);
@@ -133,6 +161,8 @@ class DynamicLayer::state {
   // Saved state (docs/state.md): the kind's parameters, the counters and the tokens held. A loaded
   // layer holds them in a buffer of exactly that many slots.
   DynamicLayer kind() const noexcept { return {}; }
+  // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
+  // kvc::StateError when the saved counters are inconsistent.
   template <class A>
   void transfer(A& ar) {
     ar.value(initialized_);

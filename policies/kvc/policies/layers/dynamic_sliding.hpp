@@ -19,35 +19,57 @@
 
 namespace kvc {
 
+// DynamicSlidingWindowLayer's layer over storage S (transformers' DynamicSlidingWindowLayer):
+// keeps the last sliding_window - 1 tokens in a buffer of about twice the window, or every token
+// once activate_past_recording was called.
 template <class S>
 class DynamicSlidingWindowLayer::state {
  public:
+  // The layer kind this state belongs to.
   using kind_type = DynamicSlidingWindowLayer;
+  // The view type `update` and `stored` return (S::view_type).
   using view = typename S::view_type;
+  // True: attention sees only the window.
   static constexpr bool is_sliding = true;
+  // False: the buffer moves as it grows (transformers' is_compileable).
   static constexpr bool is_compileable = false;
+  // True: lazy_initialization may give the layer its shape before the first update.
   static constexpr bool supports_early_init = true;
+  // True: the Cache's batch_repeat_interleave and batch_select_indices apply to the layer.
   static constexpr bool supports_batch_ops = true;
+  // The kind's name, as transformers names the class (saved states record it).
   static constexpr std::string_view name = "DynamicSlidingWindowLayer";
 
+  // An empty layer with the kind's window. Throws kvc::ValueError unless
+  // 1 <= sliding_window <= kvc::max_extent.
   explicit state(const DynamicSlidingWindowLayer& kind) : window_(kind.sliding_window) {
     detail::check_size("DynamicSlidingWindowLayer: sliding_window", window_, 1, max_extent);
   }
 
+  // Returns the window W.
   std::int64_t sliding_window() const noexcept { return window_; }
+  // Whether activate_past_recording was called (the layer then keeps every token).
   bool records_past() const noexcept { return record_past_; }
+  // Whether the layer has a shape (from lazy_initialization or its first update).
   bool is_initialized() const noexcept { return initialized_; }
+  // Returns the layer's batch, heads and K/V head_dims (all 0 before it has a shape).
   LayerShape shape() const noexcept { return store_.shape(); }
+  // Returns the bytes of K/V buffer the layer holds (its whole capacity, not only its tokens).
   std::int64_t bytes() const noexcept { return store_.bytes(); }
 
+  // Records the shape and allocates nothing (an empty buffer).
   void lazy_initialization(LayerShape shape) {
     store_ = detail::kv_store<S>(shape, 0, false);
     start_ = len_ = 0;
     initialized_ = true;
   }
 
+  // Makes the layer keep every token from now on, so that `crop` can roll back past the window.
   void activate_past_recording() noexcept { record_past_ = true; }
 
+  // Appends k and v ([batch, heads, q, head_dim]) and returns what attention reads: up to W - 1
+  // earlier tokens and the new ones, get_mask_sizes(q).first in all. When the buffer cannot grow
+  // (kvc::MemoryError, or kvc::ValueError past the allocation limit) the layer is left as it was.
   KV<view> update(const view& k, const view& v) {
     const std::int64_t q = k.extent(2);
     const std::int64_t kv_length = get_mask_sizes(q).first;
@@ -82,12 +104,18 @@ class DynamicSlidingWindowLayer::state {
 
   // Tokens seen (not the number stored).
   std::int64_t get_seq_length() const noexcept { return cumulative_; }
+  // Returns (kv_length, kv_offset) for a query of q tokens: up to W - 1 tokens seen plus q, and
+  // the number of tokens that have left the window.
   std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept {
     const bool full = cumulative_ >= window_;
     return {full ? window_ - 1 + q : cumulative_ + q, std::max<std::int64_t>(cumulative_ - window_ + 1, 0)};
   }
+  // Returns the window W.
   std::int64_t get_max_length() const noexcept { return window_; }
 
+  // Checks that crop(tokens_to_remove) can run, changing nothing. Once W tokens were seen, throws
+  // kvc::RuntimeError unless activate_past_recording was called and tokens_to_remove <= 0; before
+  // that, a positive count gives the deprecation warning here.
   void check_crop(std::int64_t tokens_to_remove) const {
     if (!initialized_) return;
     if (cumulative_ < window_) {
@@ -104,6 +132,8 @@ class DynamicSlidingWindowLayer::state {
           "passing a negative int, to specify how many tokens to remove");
   }
 
+  // Negative: removes the last -tokens_to_remove tokens; positive (deprecated, before the window is
+  // full): keeps the first tokens_to_remove. Throws kvc::RuntimeError as check_crop does.
   void crop(std::int64_t tokens_to_remove) {
     check_crop(tokens_to_remove);
     if (!initialized_) return;
@@ -122,6 +152,8 @@ class DynamicSlidingWindowLayer::state {
     cumulative_ -= n;
   }
 
+  // Drops the tokens and the buffer: the next update starts from nothing (the window and past
+  // recording stay).
   void reset() noexcept {
     store_ = detail::kv_store<S>();
     start_ = len_ = cumulative_ = 0;
@@ -134,8 +166,11 @@ class DynamicSlidingWindowLayer::state {
     store_.for_each_buffer(f);
   }
 
+  // Returns the tokens held, K and V: the last W - 1, or every token while recording the past.
   KV<view> stored() const noexcept { return store_.kv(start_, len_); }
 
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer (the Cache checks
+  // the indices).
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out(*this, 0);
     if (initialized_) out.store_ = store_.gathered(batch_indices);
@@ -144,6 +179,8 @@ class DynamicSlidingWindowLayer::state {
 
   // Saved state (docs/state.md); a loaded layer holds its tokens at the front of its buffer.
   DynamicSlidingWindowLayer kind() const noexcept { return {window_}; }
+  // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
+  // kvc::StateError when the window differs or the saved counters are inconsistent.
   template <class A>
   void transfer(A& ar) {
     ar.param("sliding_window", window_);

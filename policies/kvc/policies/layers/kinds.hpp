@@ -22,6 +22,7 @@ struct DynamicLayer {
 // Keeps the last sliding_window - 1 tokens (the token decoded next fills the window's last slot),
 // or every token once `activate_past_recording` was called, so that `crop` can roll back.
 struct DynamicSlidingWindowLayer {
+  // The window W: the layer keeps the last W - 1 tokens (1 <= W <= kvc::max_extent).
   std::int64_t sliding_window = 0;
 
   template <class S>
@@ -31,6 +32,7 @@ struct DynamicSlidingWindowLayer {
 // Preallocated [batch, heads, max_cache_len, head_dim] buffers; `update` writes at the layer's
 // counter and returns the whole buffer (zeros in unwritten slots).
 struct StaticLayer {
+  // The number of token slots of the K/V buffers (1 <= max_cache_len <= kvc::max_extent).
   std::int64_t max_cache_len = 0;
 
   template <class S>
@@ -41,7 +43,9 @@ struct StaticLayer {
 // and slides forward, moving back only when it reaches the end, so a decode step costs O(1)
 // amortized instead of transformers' roll of the whole window (docs/kv_layout.md).
 struct StaticSlidingWindowLayer {
+  // The model's maximum cache length; the window has min(sliding_window, max_cache_len) slots.
   std::int64_t max_cache_len = 0;
+  // The model's sliding window; the window has min(sliding_window, max_cache_len) slots.
   std::int64_t sliding_window = 0;
 
   template <class S>
@@ -60,6 +64,7 @@ struct DynamicIndexedLayer {
 // A StaticLayer plus a static indexer buffer [batch, max_cache_len, index_head_dim] with its own
 // counter (transformers' StaticIndexedLayer).
 struct StaticIndexedLayer {
+  // The number of token slots of the K/V buffers and of the indexer buffer (positive).
   std::int64_t max_cache_len = 0;
 
   template <class S>
@@ -71,6 +76,7 @@ struct StaticIndexedLayer {
 // Conv and recurrent states only; the Cache reaches it through update_conv_state /
 // update_recurrent_state (it has no K/V `update`).
 struct LinearAttentionLayer {
+  // How many (conv state, recurrent state) slots the layer holds (1 <= n <= kvc::max_layers).
   std::int64_t number_of_states = 1;
 
   template <class S>
@@ -81,16 +87,24 @@ struct LinearAttentionLayer {
 // every operation acts on both parts, and the length queries come from the attention part.
 template <class Attention>
 struct LinearAttentionHybrid {
+  // The attention part's kind and its options (DynamicLayer, StaticLayer, ...).
   Attention attention{};
+  // How many (conv state, recurrent state) slots the linear part holds.
   std::int64_t number_of_states = 1;
 
   template <class S>
   class state;
 };
 
+// transformers' LinearAttentionAndFullAttentionLayer: a linear part and a DynamicLayer.
 using LinearAttentionAndFullAttentionLayer = LinearAttentionHybrid<DynamicLayer>;
+// transformers' LinearAttentionAndSlidingWindowAttentionLayer: a linear part and a
+// DynamicSlidingWindowLayer.
 using LinearAttentionAndSlidingWindowAttentionLayer = LinearAttentionHybrid<DynamicSlidingWindowLayer>;
+// transformers' LinearAttentionAndStaticFullAttentionLayer: a linear part and a StaticLayer.
 using LinearAttentionAndStaticFullAttentionLayer = LinearAttentionHybrid<StaticLayer>;
+// transformers' LinearAttentionAndStaticSlidingWindowAttentionLayer: a linear part and a
+// StaticSlidingWindowLayer.
 using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybrid<StaticSlidingWindowLayer>;
 
 // ---- the layer policies ----------------------------------------------------------------------
@@ -98,6 +112,7 @@ using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybri
 // Pre-built layers: the cache is constructed from a list of layers whose kinds are among Kinds.
 template <class... Kinds>
 struct Layers {
+  // The layer kinds, as a Boost.Mp11 list (kvc::concepts::LayerPolicy).
   using layers = boost::mp11::mp_list<Kinds...>;
 };
 
@@ -105,6 +120,7 @@ struct Layers {
 // (copies of the prototype given at construction) until it does.
 template <class Kind>
 struct Replicate {
+  // The kind of every layer the cache appends.
   using layer_class_to_replicate = Kind;
 };
 

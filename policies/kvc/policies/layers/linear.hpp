@@ -86,25 +86,39 @@ struct dense_state {
 
 }  // namespace detail
 
+// LinearAttentionLayer's layer over storage S (transformers' LinearAttentionLayer):
+// number_of_states slots, each a conv state and a recurrent state, and no K/V.
 template <class S>
 class LinearAttentionLayer::state {
  public:
+  // The layer kind this state belongs to.
   using kind_type = LinearAttentionLayer;
+  // The element type of the states (S::element_type).
   using T = typename S::element_type;
+  // The view type the states are taken and returned as (S::state_view_type).
   using state_view = typename S::state_view_type;
+  // False: the layer has no sliding window.
   static constexpr bool is_sliding = false;
+  // True (transformers' is_compileable).
   static constexpr bool is_compileable = true;
+  // False: the states take their shapes from their first updates.
   static constexpr bool supports_early_init = false;
   static constexpr bool supports_batch_ops = true;  // transformers has none (docs/differences.md)
+  // The kind's name, as transformers names the class (saved states record it).
   static constexpr std::string_view name = "LinearAttentionLayer";
 
+  // number_of_states empty slots. Throws kvc::ValueError unless
+  // 1 <= number_of_states <= kvc::max_layers.
   explicit state(const LinearAttentionLayer& kind) : n_(kind.number_of_states) {
     detail::check_size("LinearAttentionLayer: number_of_states", n_, 1, max_layers);
     slots_.resize(static_cast<std::size_t>(n_));
   }
 
+  // Returns the number of state slots.
   std::int64_t number_of_states() const noexcept { return n_; }
+  // Whether activate_past_recording was called (the conv states then keep every column).
   bool records_past() const noexcept { return record_past_; }
+  // Makes the conv states keep every column from now on, so that `crop` can roll them back.
   void activate_past_recording() noexcept { record_past_ = true; }
 
   // Whether some state was written.
@@ -120,20 +134,27 @@ class LinearAttentionLayer::state {
     }
     return -1;
   }
+  // Returns the bytes of every state held, with what the last update_conv_state calls returned.
   std::int64_t bytes() const noexcept {
     std::int64_t total = 0;
     for (const slot& s : slots_) total += s.conv.bytes() + s.rec.bytes() + s.full.bytes();
     return total;
   }
 
+  // Whether slot state_idx had an update_conv_state since the last reset (a negative index:
+  // whether every slot had one). Throws kvc::KeyError for an index past the last slot.
   bool has_previous_state(std::int64_t state_idx) const {
     if (state_idx < 0)
       return std::all_of(slots_.begin(), slots_.end(), [](const slot& s) { return s.has_previous_state; });
     return at(state_idx, "has_previous_state").has_previous_state;
   }
+  // Returns slot state_idx's conv kernel size, fixed by its first update_conv_state (0 before).
+  // Throws kvc::KeyError for an index out of range.
   std::int64_t conv_kernel_size(std::int64_t state_idx) const { return at(state_idx, "conv_kernel_size").kernel; }
   // What the layer holds (transformers' conv_states[i] / recurrent_states[i]); empty if unset.
   state_view conv_state(std::int64_t state_idx) const { return at(state_idx, "conv_state").conv.view(); }
+  // Returns slot state_idx's recurrent state (transformers' recurrent_states[i]); empty if unset.
+  // Throws kvc::KeyError for an index out of range.
   state_view recurrent_state(std::int64_t state_idx) const { return at(state_idx, "recurrent_state").rec.view(); }
 
   // Returns the conv input with its left context: on the first call the input itself (left-padded
@@ -202,6 +223,8 @@ class LinearAttentionLayer::state {
     return s.rec.view();
   }
 
+  // Checks that crop(tokens_to_remove) can run, changing nothing: throws kvc::RuntimeError unless
+  // activate_past_recording was called and tokens_to_remove <= 0.
   void check_crop(std::int64_t tokens_to_remove) const {
     if (!record_past_)
       throw RuntimeError(
@@ -224,6 +247,7 @@ class LinearAttentionLayer::state {
   // crop in two steps (Cache::crop prepares every layer before it changes any): the new states
   // are built aside by prepare_crop, which changes nothing, and swapped in by commit_crop.
   using crop_plan = std::vector<slot>;
+  // Checks the crop (as check_crop) and returns the cropped states, built aside; changes nothing.
   crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
     check_crop(tokens_to_remove);
     std::vector<slot> next = slots_;
@@ -238,6 +262,7 @@ class LinearAttentionLayer::state {
     }
     return next;
   }
+  // Swaps in the states prepare_crop built. Cannot throw.
   void commit_crop(crop_plan&& next) noexcept { slots_.swap(next); }
 
   // Zeroes every state in place; no state has a previous state afterwards.
@@ -249,6 +274,8 @@ class LinearAttentionLayer::state {
     }
   }
 
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer, in every state (the
+  // Cache checks the indices).
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out = *this;
     for (slot& s : out.slots_) {
@@ -259,6 +286,8 @@ class LinearAttentionLayer::state {
     return out;
   }
 
+  // Calls f(buffer&) on each slot's conv, recurrent and last returned buffers, for offload engines
+  // (docs/policies/offload.md).
   template <class F>
   void for_each_buffer(F&& f) {
     for (slot& s : slots_) {
@@ -271,6 +300,8 @@ class LinearAttentionLayer::state {
   // Saved state (docs/state.md): every slot's conv and recurrent states. What the last
   // update_conv_state returned is not state (the next call builds it afresh) and is not saved.
   LinearAttentionLayer kind() const noexcept { return {n_}; }
+  // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
+  // kvc::StateError when number_of_states differs or the saved states are inconsistent.
   template <class A>
   void transfer(A& ar) {
     ar.param("number_of_states", n_);

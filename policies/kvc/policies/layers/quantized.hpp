@@ -188,10 +188,16 @@ void validate_quantized_options(const QuantizedLayer<Codec>& o) {
 // QuantizedLayer<void> (QuantizedOptions) has the same options and is no layer kind.
 template <class Codec>
 struct QuantizedLayer {
+  // Bits per code: 2 or 4 with QuantoCodec; 1, 2, 3, 4 or 8 with HqqCodec.
   std::int64_t nbits = 4;
+  // How K's groups run: along head_dim (quanto 0, HQQ 1) or along seq (quanto -1, HQQ 0).
   std::int64_t axis_key = 0;
+  // How V's groups run: along head_dim (quanto 0, HQQ 1) or along seq (quanto -1, HQQ 0).
   std::int64_t axis_value = 0;
+  // Elements per quantization group (positive).
   std::int64_t q_group_size = 64;
+  // How many recent tokens stay in full precision: an update quantizes them once the residual
+  // holds residual_length - 1 or more (positive).
   std::int64_t residual_length = 128;
   // kvc's option: quantize only what leaves the residual, as a chunk appended to the history.
   bool append_only = false;
@@ -204,21 +210,33 @@ struct QuantizedLayer {
                   "kvc::QuantizedOptions is not a layer kind: use QuantoQuantizedLayer or HQQQuantizedLayer");
 
    public:
+    // The layer kind this state belongs to.
     using kind_type = QuantizedLayer;
+    // The view type `update` and `stored` return (S::view_type).
     using view = typename S::view_type;
+    // The element type of K/V (S::element_type).
     using element_type = typename S::element_type;
+    // The type of the scales and offsets: the element type for 16-bit floats, float otherwise.
     using meta_type = detail::quant_meta_t<element_type>;
+    // False: the layer keeps every token.
     static constexpr bool is_sliding = false;
+    // False: the buffers move as they grow (transformers' is_compileable).
     static constexpr bool is_compileable = false;
+    // True: lazy_initialization may give the layer its shape before the first update.
     static constexpr bool supports_early_init = true;
+    // True: the Cache's batch_repeat_interleave and batch_select_indices apply to the layer.
     static constexpr bool supports_batch_ops = true;
+    // The kind's name, Codec::layer_name: QuantoQuantizedLayer or HQQQuantizedLayer.
     static constexpr std::string_view name = Codec::layer_name;
 
     // Checks the options (detail::validate_quantized_options).
     explicit state(const QuantizedLayer& kind) : opts_(kind) { detail::validate_quantized_options(kind); }
 
+    // Returns the layer's options.
     const QuantizedLayer& options() const noexcept { return opts_; }
+    // Whether the layer has a shape (from lazy_initialization or its first update).
     bool is_initialized() const noexcept { return initialized_; }
+    // Returns the layer's batch, heads and K/V head_dims (all 0 before it has a shape).
     LayerShape shape() const noexcept { return shape_; }
 
     // Everything held: quantized history, residual and workspace.
@@ -233,7 +251,9 @@ struct QuantizedLayer {
     template <class F>
     void for_each_buffer(F&&) noexcept {}
 
+    // Returns the number of tokens in the quantized history.
     std::int64_t quantized_tokens() const noexcept { return qk_.tokens(); }
+    // Returns the number of tokens in the full-precision residual.
     std::int64_t residual_tokens() const noexcept { return rlen_; }
 
     // Frees the workspace: the views returned so far become invalid, and the next update
@@ -252,6 +272,9 @@ struct QuantizedLayer {
       initialized_ = true;
     }
 
+    // Appends k and v ([batch, heads, q, head_dim]) and returns every token, K and V: the history
+    // dequantized, then the residual and the new tokens (see the top of this header). On the host,
+    // an allocation that fails (kvc::MemoryError, kvc::ValueError) leaves the layer as it was.
     KV<view> update(const view& k, const view& v) {
       if (!initialized_ || cumulative_ == 0) return first_update(k, v);
       const std::int64_t q = k.extent(2);
@@ -379,13 +402,19 @@ struct QuantizedLayer {
     // What the fused path reads: the quantized history (detail::quantized_history: its chunks) and
     // the residual's tokens.
     const auto& quantized_keys() const noexcept { return qk_; }
+    // The quantized history of V (detail::quantized_history: its chunks).
     const auto& quantized_values() const noexcept { return qv_; }
+    // Returns the residual's tokens, K and V.
     KV<view> residual_kv() const noexcept { return residual_.kv(0, rlen_); }
 
+    // Returns the number of tokens held: quantized plus residual.
     std::int64_t get_seq_length() const noexcept { return cumulative_; }
+    // Returns (kv_length, kv_offset) for a query of q tokens: (tokens held + q, 0).
     std::pair<std::int64_t, std::int64_t> get_mask_sizes(std::int64_t q) const noexcept { return {cumulative_ + q, 0}; }
+    // Returns -1: the layer has no maximum length.
     std::int64_t get_max_length() const noexcept { return -1; }
 
+    // Accepts every crop: does nothing.
     void check_crop(std::int64_t) const noexcept {}
     // Negative: removes -n tokens from the end, across the residual and the quantized history
     // (a cut into a chunk of the history dequantizes that chunk, truncates and quantizes it again;
@@ -396,11 +425,14 @@ struct QuantizedLayer {
     // crop in two steps (Cache::crop prepares every layer before it changes any): what can throw
     // (the history quantized again) happens in prepare_crop, which changes nothing.
     struct crop_plan {
-      std::int64_t count = 0;                                                // tokens removed
-      bool cuts_history = false;                                             // more than the residual
-      std::size_t keep_chunks = 0;                                           // the history's chunks kept whole
+      std::int64_t count = 0;       // tokens removed
+      bool cuts_history = false;    // more than the residual
+      std::size_t keep_chunks = 0;  // the history's chunks kept whole
+      // The chunk cut short, quantized again: its K (keys) and its V (values).
       std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the chunk cut short
     };
+    // Works out crop(tokens_to_remove) and quantizes the chunk it cuts into again, aside; changes
+    // nothing (an allocation that fails throws kvc::MemoryError).
     crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
       crop_plan plan;
       if (!initialized_) return plan;
@@ -416,6 +448,7 @@ struct QuantizedLayer {
       }
       return plan;
     }
+    // Applies a plan from prepare_crop. Cannot throw.
     void commit_crop(crop_plan&& plan) noexcept {
       if (plan.count == 0) return;
       cumulative_ -= plan.count;
@@ -458,6 +491,8 @@ struct QuantizedLayer {
     // residual. The workspace is not saved: a loaded layer dequantizes its history again at its
     // next update, which gives what the workspace held.
     QuantizedLayer kind() const noexcept { return opts_; }
+    // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
+    // kvc::StateError when the options differ or the saved counters and tensors disagree.
     template <class A>
     void transfer(A& ar) {
       ar.param("nbits", opts_.nbits);
@@ -591,7 +626,9 @@ constexpr QuantizedOptions kivi_options(std::int64_t nbits = 2) noexcept {
       .nbits = nbits, .axis_key = -1, .axis_value = 0, .q_group_size = 32, .residual_length = 128, .append_only = true};
 }
 
+// transformers' QuantoQuantizedLayer: a QuantizedLayer with kvc::QuantoCodec.
 using QuantoQuantizedLayer = QuantizedLayer<QuantoCodec>;
+// transformers' HQQQuantizedLayer: a QuantizedLayer with kvc::HqqCodec.
 using HQQQuantizedLayer = QuantizedLayer<HqqCodec>;
 
 }  // namespace kvc

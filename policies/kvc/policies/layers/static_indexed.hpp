@@ -19,6 +19,8 @@
 
 namespace kvc {
 
+// StaticIndexedLayer's layer over storage S (transformers' StaticIndexedLayer): a StaticLayer for
+// K/V and an indexer buffer [batch, max_cache_len, index_head_dim] written at its own counter.
 template <class S>
 class StaticIndexedLayer::state
     : public detail::indexed_state<S, StaticLayer::state<S>, detail::static_indexer_keys<S>> {
@@ -27,18 +29,28 @@ class StaticIndexedLayer::state
   using base::indexer_;
 
  public:
+  // The layer kind this state belongs to.
   using kind_type = StaticIndexedLayer;
   using typename base::state_view;
+  // False: attention sees every token.
   static constexpr bool is_sliding = false;
+  // True: the buffers are allocated once and never move (transformers' is_compileable).
   static constexpr bool is_compileable = true;
+  // True: lazy_initialization may give the K/V part its shape before the first update.
   static constexpr bool supports_early_init = true;
+  // False: the Cache's batch_repeat_interleave and batch_select_indices do not apply to the layer.
   static constexpr bool supports_batch_ops = false;
+  // The kind's name, as transformers names the class (saved states record it).
   static constexpr std::string_view name = "StaticIndexedLayer";
 
+  // An empty layer of max_cache_len slots, allocated later. Throws kvc::ValueError unless
+  // 1 <= max_cache_len <= kvc::max_extent.
   explicit state(const StaticIndexedLayer& kind)
       : base(StaticLayer::state<S>(checked(kind)), detail::static_indexer_keys<S>(kind.max_cache_len)) {}
 
+  // Returns the number of slots of the K/V buffers and of the indexer buffer.
   std::int64_t max_cache_len() const noexcept { return attn_.max_cache_len(); }
+  // Returns the layer's kind, with its max_cache_len.
   StaticIndexedLayer kind() const noexcept { return {attn_.max_cache_len()}; }
 
   // Sets where the next update *and* the next update_indexer write: both count the same tokens

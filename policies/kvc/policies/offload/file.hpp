@@ -66,12 +66,15 @@ struct OffloadFileOptions {
 // Counters summed over every OffloadToFile engine of the process (tests and benchmarks read them).
 struct OffloadFileStats {
   std::int64_t spills = 0;  // layers written to a spill file
+  // Bytes written to spill files.
   std::int64_t bytes_written = 0;
   std::int64_t sync_reads = 0;      // layers read back on the caller's thread (no prefetch ready)
   std::int64_t prefetches = 0;      // reads started on the prefetch thread
   std::int64_t prefetch_hits = 0;   // layers made resident from a prefetch
   std::int64_t prefetch_waits = 0;  // ... of which the caller had to wait for the thread
+  // Prefetches cancelled, refused or failed (their layers were read back when needed instead).
   std::int64_t prefetches_dropped = 0;
+  // Bytes read back from spill files.
   std::int64_t bytes_read = 0;
   std::int64_t spilled_layers = 0;  // layers in spill files now
   std::int64_t spilled_bytes = 0;   // bytes of those layers now
@@ -462,6 +465,7 @@ inline void set_offload_file_options(OffloadFileOptions options) {
   std::lock_guard lock(detail::spill::options_mutex());
   detail::spill::options_storage() = std::move(options);
 }
+// Returns the options OffloadToFile engines create their spill files with (a copy).
 inline OffloadFileOptions offload_file_options() {
   std::lock_guard lock(detail::spill::options_mutex());
   return detail::spill::options_storage();
@@ -475,6 +479,7 @@ inline OffloadFileStats offload_file_stats() noexcept {
           c.prefetch_hits.load(), c.prefetch_waits.load(), c.prefetches_dropped.load(), c.bytes_read.load(),
           c.away_layers.load(),   c.away_bytes.load()};
 }
+// Zeroes the event counters of offload_file_stats(); spilled_layers and spilled_bytes are kept.
 inline void reset_offload_file_stats() noexcept { detail::spill::totals().reset_events(); }
 
 // Bytes of buffers layer `layer_idx` holds in memory now (0 while it is spilled).
@@ -498,8 +503,10 @@ std::int64_t ram_bytes(Cache& cache) {
 // StaticCache's. Serves host storage only.
 template <bool OnlyNonSliding = false>
 struct OffloadToFile {
+  // Whether sliding-window layers stay in memory (transformers' offload_only_non_sliding).
   static constexpr bool only_non_sliding = OnlyNonSliding;
 
+  // True for host storage only.
   template <class S>
   static constexpr bool serves = S::space == memory_space::host;
 
@@ -508,14 +515,22 @@ struct OffloadToFile {
   template <class S>
   class engine {
    public:
+    // Before update(layer_idx): spills the layer the previous update offloaded, reads layer
+    // layer_idx back if it is spilled, and prefetches the next offloadable layer. Throws
+    // kvc::RuntimeError on an I/O error and kvc::ValueError when no layer is offloadable; the
+    // layers keep their tokens either way.
     template <class Cache>
     void before_update(Cache& cache, std::int64_t layer_idx) {
       core_.get(OnlyNonSliding).before_update(cache, layer_idx, context{});
     }
+    // After update(layer_idx): marks the layer, if offloadable, to be spilled at the next call.
+    // Cannot throw: on an error the layer stays in memory.
     template <class Cache>
     void after_update(Cache& cache, std::int64_t layer_idx) noexcept {
       if (core_) core_->after_update(cache, layer_idx, context{});
     }
+    // Before a Cache method other than update reads or changes layer layer_idx (-1: every layer):
+    // reads it back if it is spilled. Throws kvc::RuntimeError on an I/O error.
     template <class Cache>
     void before_access(Cache& cache, std::int64_t layer_idx) {
       if (core_) core_->before_access(cache, layer_idx, context{});
@@ -523,7 +538,9 @@ struct OffloadToFile {
 
     // Observability (tests, benchmarks).
     std::int64_t spilled_layers() const noexcept { return core_ ? core_->away_layers() : 0; }
+    // Returns the bytes of this cache's layers in the spill file now.
     std::int64_t spilled_bytes() const noexcept { return core_ ? core_->away_bytes() : 0; }
+    // Whether layer layer_idx is in the spill file now.
     bool is_spilled(std::int64_t layer_idx) const noexcept { return core_ && core_->is_away(layer_idx); }
 
    private:

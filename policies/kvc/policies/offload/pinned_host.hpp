@@ -42,10 +42,12 @@ struct offload_to_host_engine {
 // StaticCache's.
 template <bool OnlyNonSliding = false>
 struct OffloadToHost {
+  // Whether sliding-window layers stay in device memory (transformers' offload_only_non_sliding).
   static constexpr bool only_non_sliding = OnlyNonSliding;
   // Read by kvc::Cache to tell "made for device storage" apart from "cannot serve it".
   static constexpr bool moves_device_to_host = true;
 
+  // True for device storage only.
   template <class S>
   static constexpr bool serves = S::space == memory_space::device;
 

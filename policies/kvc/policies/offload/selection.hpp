@@ -19,9 +19,12 @@ namespace kvc::offload {
 
 // The flags of a cache's layers, as its `is_linear()` and `is_sliding()` return them.
 struct layer_flags {
+  // Per layer: whether it is a pure linear-attention layer.
   std::vector<bool> is_linear;
+  // Per layer: whether it is a sliding-window layer.
   std::vector<bool> is_sliding;
 
+  // Returns the number of layers (the length of is_linear).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(is_linear.size()); }
 };
 

@@ -325,7 +325,9 @@ KVC_HOST_DEVICE affine_params minmax_fit(const Load& x, std::int64_t n, int nbit
 // zero point at the group's minimum (MaxOptimizer). nbits 2 or 4; axis 0 (groups along head_dim)
 // or -1 (groups along seq).
 struct QuantoCodec {
+  // The backend name QuantizedCache selects this codec by (transformers' backend argument).
   static constexpr std::string_view backend = "quanto";
+  // The name of the layer kind that uses this codec (QuantizedLayer::state::name).
   static constexpr std::string_view layer_name = "QuantoQuantizedLayer";
 
   // transformers' QuantoQuantizedLayer checks, in its order.
@@ -340,6 +342,7 @@ struct QuantoCodec {
                        std::to_string(axis_value));
   }
 
+  // Returns the grouping an `axis` option names: 0 along head_dim, -1 along seq.
   static constexpr detail::quant_grouping grouping(std::int64_t axis) noexcept {
     return axis == 0 ? detail::quant_grouping::along_head_dim : detail::quant_grouping::along_seq;
   }
@@ -359,13 +362,18 @@ struct QuantoCodec {
 // the min/max one, as in HQQ. nbits 1, 2, 3, 4 or 8; axis 1 (groups along head_dim) or 0
 // (groups along seq).
 struct HqqCodec {
+  // The backend name QuantizedCache selects this codec by (transformers' backend argument).
   static constexpr std::string_view backend = "hqq";
+  // The name of the layer kind that uses this codec (QuantizedLayer::state::name).
   static constexpr std::string_view layer_name = "HQQQuantizedLayer";
 
   // The optimizer's settings (the values the HQQ paper and library use by default).
   static constexpr float lp_norm = 0.7f;
+  // The penalty beta of the first round.
   static constexpr float beta0 = 10.0f;
+  // The factor beta grows by after each round.
   static constexpr float kappa = 1.01f;
+  // The most rounds the refinement runs.
   static constexpr int iterations = 20;
 
   // transformers' HQQQuantizedLayer checks, in its order.
@@ -380,6 +388,7 @@ struct HqqCodec {
                        std::to_string(axis_value));
   }
 
+  // Returns the grouping an `axis` option names: 1 along head_dim, 0 along seq.
   static constexpr detail::quant_grouping grouping(std::int64_t axis) noexcept {
     return axis == 1 ? detail::quant_grouping::along_head_dim : detail::quant_grouping::along_seq;
   }

@@ -72,9 +72,13 @@ class host_buffer {
 
 }  // namespace detail
 
+// The storage policy for host memory: 64-byte aligned buffers of T, memcpy and memset kernels,
+// and TensorView views (kvc::concepts::StoragePolicy, docs/policies/storage.md).
 template <class T>
 struct HostStorage {
+  // The element type T.
   using element_type = T;
+  // Host memory.
   static constexpr memory_space space = memory_space::host;
   // Checked by kvc::Cache with a readable message instead of here, so that naming
   // HostStorage<int> in a concept check stays SFINAE-friendly.
@@ -82,7 +86,9 @@ struct HostStorage {
   static constexpr bool element_supported =
       detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2>;
 
+  // The owning buffer: a 64-byte aligned array of T (copies are deep).
   using buffer_type = detail::host_buffer<T>;
+  // The view `update` takes and returns: a `TensorView<T>`.
   using view_type = TensorView<T>;
 
   // `height` rows of `width` elements: row i goes from src + i*spitch to dst + i*dpitch
@@ -131,6 +137,7 @@ struct HostStorage {
   template <class X>
   static constexpr bool accepts_input = detail::input_of<X, T, memory_space::host>;
 
+  // Returns the view of an accepted input x (kvc::input_view); copies nothing.
   template <class X>
   static view_type input_view(const X& x) {
     return kvc::input_view(x);
@@ -138,6 +145,8 @@ struct HostStorage {
 
   // Linear-attention states and indexer keys: dense tensors of rank 1..4 (detail::state_input).
   using state_view_type = StateView<T>;
+  // Whether X is a linear-attention state or indexer keys of T on the host: an Eigen::Tensor of
+  // rank 1..4 (row-major), a TensorMap of one, or a `StateView<T>`.
   template <class X>
   static constexpr bool accepts_state_input = [] {
     using traits = detail::state_input<std::remove_cvref_t<X>>;
@@ -146,10 +155,12 @@ struct HostStorage {
     else
       return false;
   }();
+  // Returns the `StateView<T>` of an accepted state input x; copies nothing.
   template <class X>
   static state_view_type state_input_view(const X& x) {
     return detail::state_input<std::remove_cvref_t<X>>::view(x);
   }
+  // Returns a state view of rank `rank` (0..4) and `extents` over data already in host memory.
   static state_view_type make_state_view(const T* ptr, int rank, std::array<std::int64_t, 4> extents) noexcept {
     return {ptr, rank, extents};
   }
