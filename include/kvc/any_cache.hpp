@@ -262,8 +262,9 @@ class AnyCache {
   template <class KeysT, class ValuesT>
   auto update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
     using T = detail::input_element_or_t<KeysT>;
-    if constexpr (!detail::require_inputs < detail::input_in<KeysT, memory_space::host> && detail::input_in < ValuesT,
-                  memory_space::host >> ()) {
+    constexpr bool accepted =
+        detail::input_in<KeysT, memory_space::host> && detail::input_in<ValuesT, memory_space::host>;
+    if constexpr (!detail::require_inputs<accepted, KeysT, ValuesT>()) {
       return KV<TensorView<T>>{};
     } else {
       constexpr bool same = std::is_same_v<T, input_element_t<ValuesT>>;

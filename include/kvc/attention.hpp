@@ -540,6 +540,16 @@ inline constexpr bool device_call = (input_in<X, memory_space::device> && ...);
 
 }  // namespace detail
 
+// scaled_dot_product_attention (below) over views of T: what the other overloads call, and what a
+// call with explicit template arguments or an explicit instantiation names
+// (scaled_dot_product_attention<T>).
+template <class T>
+HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
+                                           const TensorView<T>& values, const AttentionMask& mask,
+                                           std::optional<double> scale = std::nullopt) {
+  return detail::attention_impl(queries, keys, values, mask, scale, detail::unit_scales{});
+}
+
 // out[b, h, i, :] = softmax(scale * q[b, h, i, :] . K[b, h / group, j, :] over visible j) V[b, h / group, :, :]
 // queries: [B, Hq, q, D]; keys: [B, Hkv, kv_length, D]; values: [B, Hkv, kv_length, Dv]; Hq a
 // multiple of Hkv; each any kvc::tensor_input of one element type T on the host. `scale` defaults
@@ -551,19 +561,9 @@ HostTensor<detail::input_element_or_t<K>> scaled_dot_product_attention(const Q& 
                                                                        std::optional<double> scale = std::nullopt) {
   using T = detail::input_element_or_t<K>;
   if constexpr (detail::check_inputs<T, memory_space::host, Q, K, V>())
-    return detail::attention_impl<T, T>(input_view(queries), input_view(keys), input_view(values), mask, scale,
-                                        detail::unit_scales{});
+    return scaled_dot_product_attention<T>(input_view(queries), input_view(keys), input_view(values), mask, scale);
   else
     return {};
-}
-
-// The same over views of T (what a call with explicit template arguments or an explicit
-// instantiation names: scaled_dot_product_attention<T>).
-template <class T>
-HostTensor<T> scaled_dot_product_attention(const TensorView<T>& queries, const TensorView<T>& keys,
-                                           const TensorView<T>& values, const AttentionMask& mask,
-                                           std::optional<double> scale = std::nullopt) {
-  return detail::attention_impl(queries, keys, values, mask, scale, detail::unit_scales{});
 }
 
 // The same into `out`, resized to [B, Hq, q, Dv] (no allocation when it holds that many elements
@@ -616,18 +616,32 @@ struct AttendOptions {
 
 namespace detail {
 
-// The element type and memory space attend checks its inputs against: the cache's
-// storage (AnyCache, which has none, takes host inputs of the queries' type).
+// What attend takes: queries a tensor_input of the cache's element type in its memory space, keys
+// and values what the cache's storage accepts (`accepts`, `view`). AnyCache, which has no storage
+// policy, takes host tensor_inputs of the queries' element type.
 template <class Cache, class Q>
 struct attend_inputs {
   using element_type = input_element_or_t<Q>;
   static constexpr memory_space space = memory_space::host;
+  template <class X>
+  static constexpr bool accepts = input_of<X, element_type, space>;
+  template <class X>
+  static auto view(const X& x) {
+    return input_view(x);
+  }
 };
 template <class Cache, class Q>
   requires requires { typename Cache::storage_policy; }
 struct attend_inputs<Cache, Q> {
-  using element_type = typename Cache::storage_policy::element_type;
-  static constexpr memory_space space = Cache::storage_policy::space;
+  using S = typename Cache::storage_policy;
+  using element_type = typename S::element_type;
+  static constexpr memory_space space = S::space;
+  template <class X>
+  static constexpr bool accepts = S::template accepts_input<X>;
+  template <class X>
+  static auto view(const X& x) {
+    return S::input_view(x);
+  }
 };
 
 // attend's steps, with `finish(kv, mask)` attending over what the update returned (kvc::attend:
@@ -646,14 +660,15 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
                      options.attention_chunk_size,
                      options.key_padding_mask};
   {
-    const std::array<std::int64_t, 4> kv_in = input_view(new_keys).extents;
+    using in = attend_inputs<Cache, Q>;
+    const std::array<std::int64_t, 4> kv_in = in::view(new_keys).extents;
     if (kv_in[2] != q)  // the mask sizes were asked for q new tokens
       throw ValueError("attend: queries of shape " + shape_string(qe) + " and new keys of shape " +
                        shape_string(kv_in) + " must have the same seq length");
     // What the update will return: [batch, kv heads, kv_length, head_dim] of the new keys/values.
     // (A copy of kv_length: clang 14 lambdas cannot capture a structured binding.)
     auto returned = [length = mask.kv_length](const auto& x) {
-      auto e = input_view(x).extents;
+      auto e = in::view(x).extents;
       e[2] = length;
       return e;
     };
@@ -677,7 +692,9 @@ template <class Cache, class Q, class KT, class VT>
 auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             const AttendOptions& options = {}) {
   using in = detail::attend_inputs<Cache, Q>;
-  if constexpr (detail::check_inputs<typename in::element_type, in::space, Q, KT, VT>())
+  constexpr bool accepted =
+      detail::input_of<Q, typename in::element_type, in::space> && in::template accepts<KT> && in::template accepts<VT>;
+  if constexpr (detail::require_inputs<accepted, Q, KT, VT>())
     return detail::attend_impl(
         cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
           if constexpr (in::space == memory_space::host)
@@ -695,7 +712,10 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
 template <class Cache, class Q, class KT, class VT, class T>
 void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
             HostTensor<T>& out, const AttendOptions& options = {}) {
-  if constexpr (detail::check_inputs<T, memory_space::host, Q, KT, VT>())
+  using in = detail::attend_inputs<Cache, Q>;
+  constexpr bool accepted = detail::input_of<Q, T, memory_space::host> && in::template accepts<KT> &&
+                            in::template accepts<VT> && in::space == memory_space::host;
+  if constexpr (detail::require_inputs<accepted, Q, KT, VT>())
     detail::attend_impl(
         cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
           scaled_dot_product_attention(queries, kv.keys, kv.values, mask, out, options.context, options.scale);

@@ -392,8 +392,8 @@ class Cache<L, S, O> {
   // the cache's element type in their memory space).
   template <class KeysT, class ValuesT>
   kv_type update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
-    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
-                  S::template accepts_input < ValuesT >> ())
+    constexpr bool accepted = S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>;
+    if constexpr (detail::require_inputs<accepted, KeysT, ValuesT>())
       return update_views(S::input_view(keys), S::input_view(values), layer_idx);
     else
       return {};
@@ -403,11 +403,16 @@ class Cache<L, S, O> {
   // the layer's) and offload hooks around op(layer state) instead of the layer's own update: for
   // a path that stores a step its own way (kvc::attend_quantized attends from a quantized layer's
   // codes, then appends). op must take every layer kind of the cache and return one type, which
-  // this returns; a layer appended for the call is dropped again if op throws.
-  template <class Op>
-  auto update_with(const view_type& keys, const view_type& values, std::int64_t layer_idx, Op&& op) {
+  // this returns; a layer appended for the call is dropped again if op throws. Keys and values:
+  // what update takes.
+  template <class KeysT, class ValuesT, class Op>
+  auto update_with(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx, Op&& op) {
     using R = std::invoke_result_t<Op&, std::variant_alternative_t<0, layer_variant>&>;
-    return store_views<R>(keys, values, layer_idx, op);
+    constexpr bool accepted = S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>;
+    if constexpr (detail::require_inputs<accepted, KeysT, ValuesT>())
+      return store_views<R>(S::input_view(keys), S::input_view(values), layer_idx, op);
+    else  // (compiled only after the assertion failed)
+      return store_views<R>(view_type{}, view_type{}, layer_idx, op);
   }
 
   // ---- length queries ------------------------------------------------------------------------

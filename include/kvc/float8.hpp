@@ -240,4 +240,10 @@ using float8_e4m3 = detail::float8<detail::e4m3_format>;
 // The OFP8 E5M2 format: 5 exponent bits, 2 mantissa bits, largest finite 57344, with infinities.
 using float8_e5m2 = detail::float8<detail::e5m2_format>;
 
+// Whether T is one of kvc's fp8 code types (kvc::float8_e4m3, kvc::float8_e5m2).
+template <class T>
+inline constexpr bool is_float8_v = false;
+template <class Format>
+inline constexpr bool is_float8_v<detail::float8<Format>> = true;
+
 }  // namespace kvc

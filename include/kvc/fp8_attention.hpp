@@ -35,12 +35,6 @@
 
 namespace kvc {
 
-// Whether T is one of kvc's fp8 code types (kvc::float8_e4m3, kvc::float8_e5m2).
-template <class T>
-inline constexpr bool is_float8_v = false;
-template <class Format>
-inline constexpr bool is_float8_v<detail::float8<Format>> = true;
-
 namespace detail {
 // The scale of head h in a list of one (per tensor) or one per head.
 inline float scale_at(std::span<const float> scales, std::int64_t h) noexcept {
@@ -105,7 +99,7 @@ float fp8_max() noexcept {
 template <class F8, class X>
 HostTensor<F8> to_fp8(const X& input, std::span<const float> scales) {
   static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
-  if constexpr (!detail::require_inputs<detail::input_in<X, memory_space::host>>()) {
+  if constexpr (!detail::require_inputs<detail::input_in<X, memory_space::host>, X>()) {
     return {};
   } else {
     const auto x = input_view(input);
@@ -171,7 +165,9 @@ HostTensor<detail::input_element_or_t<QT>> attend_fp8(Cache& cache, std::int64_t
                 "kvc::attend_fp8: the cache's element type must be kvc::float8_e4m3 or kvc::float8_e5m2 (e.g. "
                 "kvc::DynamicCache<kvc::float8_e4m3>); use kvc::attend for other caches");
   // (only one assertion, not a cascade, when one fails)
-  if constexpr (is_float8_v<F8> && detail::check_inputs<T, memory_space::host, QT, KT, VT>()) {
+  constexpr bool accepted = detail::input_of<QT, T, memory_space::host> && !is_float8_v<T> &&
+                            detail::input_of<KT, T, memory_space::host> && detail::input_of<VT, T, memory_space::host>;
+  if constexpr (is_float8_v<F8> && detail::require_inputs<accepted, QT, KT, VT>()) {
     const TensorView<T> q = input_view(queries), k = input_view(keys), v = input_view(values);
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");

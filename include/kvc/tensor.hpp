@@ -19,6 +19,7 @@ namespace detail {
 template <class T>
 struct tensor_input<Eigen::Tensor<T, 4, Eigen::RowMajor>> {
   static constexpr bool valid = true;
+  static constexpr bool is_view = false;  // (owns its memory)
   static constexpr memory_space space = memory_space::host;
   using element_type = T;
   static TensorView<T> view(const Eigen::Tensor<T, 4, Eigen::RowMajor>& t) {
@@ -30,6 +31,7 @@ struct tensor_input<Eigen::Tensor<T, 4, Eigen::RowMajor>> {
 template <class T, int Options, template <class> class MakePointer>
 struct tensor_input<Eigen::TensorMap<Eigen::Tensor<T, 4, Eigen::RowMajor>, Options, MakePointer>> {
   static constexpr bool valid = true;
+  static constexpr bool is_view = true;
   static constexpr memory_space space = memory_space::host;
   using element_type = std::remove_const_t<T>;
   template <class M>

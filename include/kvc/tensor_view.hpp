@@ -285,6 +285,7 @@ struct tensor_input {
 template <class T, memory_space Space>
 struct tensor_input<basic_tensor_view<T, Space>> {
   static constexpr bool valid = true;
+  static constexpr bool is_view = true;  // (does not own its memory)
   static constexpr memory_space space = Space;
   using element_type = std::remove_const_t<T>;
   static basic_tensor_view<element_type, Space> view(const basic_tensor_view<T, Space>& t) {
@@ -298,7 +299,7 @@ struct tensor_input<basic_tensor_view<T, Space>> {
 // same way: on the host a HostTensor<T>, an Eigen::TensorMap of one (row-major, rank 4) or a
 // TensorView<T>; on a CUDA device (<kvc/cuda.hpp>) a DeviceTensor<T> of rank 4 or a
 // DeviceTensorView<T>. Other memory is passed as a view over it: TensorView<T>{data, extents,
-// strides} (the last dimension contiguous).
+// strides} (each [seq, head_dim] block contiguous: stride(3) == 1, stride(2) == extent(3)).
 template <class X>
 concept tensor_input = detail::tensor_input<std::remove_cvref_t<X>>::valid;
 
@@ -315,6 +316,11 @@ template <tensor_input X>
 auto input_view(const X& x) {
   return detail::tensor_input<std::remove_cvref_t<X>>::view(x);
 }
+// Not of a temporary tensor that owns its memory (a HostTensor, a DeviceTensor): the view would
+// outlive it. (Views and maps of memory held elsewhere may be temporaries.)
+template <tensor_input X>
+  requires(!std::is_lvalue_reference_v<X> && !detail::tensor_input<std::remove_cvref_t<X>>::is_view)
+void input_view(X&& x) = delete;
 
 namespace detail {
 
@@ -351,23 +357,24 @@ template <class X, class Otherwise = float>
 using input_element_or_t = typename input_element_or<X, Otherwise>::type;
 
 // The one diagnostic of every function that takes queries, keys or values: true when the inputs
-// are accepted (Ok), else a failed static_assert (one error, whose context names the call).
+// X... are accepted (Ok), else a failed static_assert (one error, whose context names the call and
+// the inputs' types; one per set of input types, so that each misuse of a file is reported).
 // Callers branch on it with `if constexpr`, so that nothing else fails after it.
-template <bool Ok>
+template <bool Ok, class... X>
 constexpr bool require_inputs() {
   static_assert(Ok,
                 "kvc: queries, keys and values must be kvc::tensor_input of the element type and memory space "
                 "the call expects: kvc::HostTensor<T>, an Eigen::TensorMap of one or kvc::TensorView<T> on the "
-                "host (other memory: kvc::TensorView<T>{data, extents, strides}; kvc::input_view(x) is the view "
-                "of any input), kvc::DeviceTensor<T> or kvc::DeviceTensorView<T> on a CUDA device (kvc::to_device "
-                "copies a host tensor there)");
+                "host (other memory: kvc::TensorView<T>{data, extents, strides} over contiguous [seq, head_dim] "
+                "blocks; kvc::input_view(x) is the view of any input), kvc::DeviceTensor<T> or "
+                "kvc::DeviceTensorView<T> on a CUDA device (kvc::to_device copies a HostTensor there)");
   return Ok;
 }
 
 // require_inputs for inputs X... that must each be a tensor_input of T in Space.
 template <class T, memory_space Space, class... X>
 constexpr bool check_inputs() {
-  return require_inputs<(input_of<X, T, Space> && ...)>();
+  return require_inputs<(input_of<X, T, Space> && ...), T, X...>();
 }
 
 }  // namespace detail

@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc: queries, keys and values must be kvc::tensor_input of the element type and memory space the call expects: kvc::HostTensor<T>, an Eigen::TensorMap of one or kvc::TensorView<T> on the host (other memory: kvc::TensorView<T>{data, extents, strides}; kvc::input_view(x) is the view of any input), kvc::DeviceTensor<T> or kvc::DeviceTensorView<T> on a CUDA device (kvc::to_device copies a host tensor there)
+// EXPECT-ERROR: kvc: queries, keys and values must be kvc::tensor_input of the element type and memory space the call expects: kvc::HostTensor<T>, an Eigen::TensorMap of one or kvc::TensorView<T> on the host (other memory: kvc::TensorView<T>{data, extents, strides} over contiguous [seq, head_dim] blocks; kvc::input_view(x) is the view of any input), kvc::DeviceTensor<T> or kvc::DeviceTensorView<T> on a CUDA device (kvc::to_device copies a HostTensor there)
 // A column-major Eigen::Tensor (Eigen's default layout) given to kvc::paged_attention: what every
 // function that takes queries, keys or values says when an input is not a kvc::tensor_input.
 // docs/errors.md lists the fix.

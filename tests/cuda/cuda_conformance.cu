@@ -88,7 +88,7 @@ struct CudaBackend {
                                  const kc::Ref& q, const kvc::DeviceTensorView<T>& k, const kvc::DeviceTensorView<T>& v,
                                  std::int64_t) {
     const auto dq = kvc::to_device(kc::cast_to<element>(q));
-    return kc::to_float(kvc::to_host(kvc::paged_attention(cache, layer, step, dq.view(), k, v).view()));
+    return kc::to_float(kvc::to_host(kvc::paged_attention(cache, layer, step, dq, k, v).view()));  // (a DeviceTensor)
   }
   template <int N>
   static Eigen::Tensor<element, N, Eigen::RowMajor> fetch_state(const kvc::DeviceStateView<T>& v) {

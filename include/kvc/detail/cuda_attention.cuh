@@ -213,15 +213,19 @@ DeviceTensor<input_element_t<K>> scaled_dot_product_attention(const Q& queries, 
 
 // The same over fp8 codes (a DynamicCache<F8, CudaStorage<F8>>'s views, or DeviceTensors of codes),
 // with the scales the codes were made with (kvc::Fp8Scales: per tensor or per KV head; checked as
-// attend_fp8 checks them). Queries in the model's type T.
+// attend_fp8 checks them). Queries in the model's type T, all three in device memory.
 template <class Q, class K, class V>
-  requires detail::device_call<Q, K, V> && is_float8_v<input_element_t<K>>
-DeviceTensor<input_element_t<Q>> scaled_dot_product_attention(const Q& queries, const K& keys, const V& values,
-                                                              const AttentionMask& mask, const Fp8Scales& scales,
-                                                              std::optional<double> scale = std::nullopt) {
-  using T = input_element_t<Q>;
+  requires is_float8_v<detail::input_element_or_t<K, void>>
+DeviceTensor<detail::input_element_or_t<Q>> scaled_dot_product_attention(const Q& queries, const K& keys,
+                                                                         const V& values, const AttentionMask& mask,
+                                                                         const Fp8Scales& scales,
+                                                                         std::optional<double> scale = std::nullopt) {
+  using T = detail::input_element_or_t<Q>;
   using F8 = input_element_t<K>;
-  if constexpr (detail::check_inputs<F8, memory_space::device, K, V>()) {
+  constexpr bool accepted = detail::input_of<Q, T, memory_space::device> && !is_float8_v<T> &&
+                            detail::input_of<K, F8, memory_space::device> &&
+                            detail::input_of<V, F8, memory_space::device>;
+  if constexpr (detail::require_inputs<accepted, Q, K, V>()) {
     const DeviceTensorView<F8> k = input_view(keys), v = input_view(values);
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");
@@ -254,7 +258,11 @@ DeviceTensor<input_element_t<QT>> paged_attention(const PagedCache<CudaStorage<F
                                                   std::int64_t layer_idx, const PagedAttentionStep& step,
                                                   const QT& queries, const KT& keys, const VT& values,
                                                   const Fp8Scales& scales, std::optional<double> scale = std::nullopt) {
-  if constexpr (detail::check_inputs<F8, memory_space::device, KT, VT>()) {
+  using T = input_element_t<QT>;
+  constexpr bool accepted = detail::input_of<QT, T, memory_space::device> && !is_float8_v<T> &&
+                            detail::input_of<KT, F8, memory_space::device> &&
+                            detail::input_of<VT, F8, memory_space::device>;
+  if constexpr (detail::require_inputs<accepted, QT, KT, VT>()) {
     detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
     detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
     return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),

@@ -39,6 +39,7 @@
 #include <kvc/attention.hpp>
 #include <kvc/detail/attention_rows.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/float8.hpp>
 #include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/tensor.hpp>
@@ -384,9 +385,10 @@ concept fp8_scale_lists = requires(const Scales& sc) {
 // values tensor_inputs of the pool's element type there.
 template <class S, class Q, class QT, class KT, class VT>
 constexpr bool check_paged_inputs() {
-  return require_inputs < input_of<QT, Q, S::space> && input_of<KT, typename S::element_type, S::space> &&
-             input_of < VT,
-         typename S::element_type, S::space >> ();
+  using KV = typename S::element_type;
+  constexpr bool accepted =
+      input_of<QT, Q, S::space> && !is_float8_v<Q> && input_of<KT, KV, S::space> && input_of<VT, KV, S::space>;
+  return require_inputs<accepted, QT, KT, VT>();
 }
 
 }  // namespace detail

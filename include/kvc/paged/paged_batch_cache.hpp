@@ -79,8 +79,8 @@ class PagedBatchCache {
   // Keys and values: any input the storage accepts (a kvc::tensor_input of T in its memory space).
   template <class KeysT, class ValuesT>
   KV<view_type> update(const KeysT& keys, const ValuesT& values, std::int64_t layer_idx) {
-    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
-                  S::template accepts_input < ValuesT >> ())
+    constexpr bool accepted = S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>;
+    if constexpr (detail::require_inputs<accepted, KeysT, ValuesT>())
       return update(S::input_view(keys), S::input_view(values), layer_idx);
     else
       return {};

@@ -743,8 +743,8 @@ class PagedCache<S> {
   template <class KeysT, class ValuesT>
   KV<view_type> update(const KeysT& k, const ValuesT& v, std::int64_t layer_idx, const PagedIndices& read_index,
                        const PagedIndices& write_index) {
-    if constexpr (detail::require_inputs < S::template accepts_input<KeysT> &&
-                  S::template accepts_input < ValuesT >> ())
+    constexpr bool accepted = S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>;
+    if constexpr (detail::require_inputs<accepted, KeysT, ValuesT>())
       return update(S::input_view(k), S::input_view(v), layer_idx, read_index, write_index);
     else
       return {};
@@ -782,9 +782,13 @@ class PagedCache<S> {
   // gathered into out_k and out_v ([kv_heads, R, head_dim] each, R = reads.size(); nothing is read
   // when out_k is null). Full groups write, then read; sliding groups read (a sentinel row takes the
   // next new token), then write. Every check comes before the first write; nothing is allocated.
-  void update_rows(const view_type& k, const view_type& v, std::int64_t layer_idx, std::span<const std::int64_t> reads,
+  // Keys and values: what update takes.
+  template <class KeysT, class ValuesT>
+  void update_rows(const KeysT& k, const ValuesT& v, std::int64_t layer_idx, std::span<const std::int64_t> reads,
                    std::span<const std::int64_t> writes, T* out_k, T* out_v) {
-    update_rows_at(layer_group(layer_idx), k, v, reads, writes, out_k, out_v);
+    constexpr bool accepted = S::template accepts_input<KeysT> && S::template accepts_input<ValuesT>;
+    if constexpr (detail::require_inputs<accepted, KeysT, ValuesT>())
+      update_rows_at(layer_group(layer_idx), S::input_view(k), S::input_view(v), reads, writes, out_k, out_v);
   }
   // The rows of layer `layer_idx`'s pools, gathered into out_k and out_v as update_rows does (rows
   // a request holds: no sentinels, no new tokens).

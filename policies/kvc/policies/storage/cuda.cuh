@@ -113,10 +113,11 @@ struct device_input<DeviceTensor<T>> {
   static DeviceStateView<T> state_view(const DeviceTensor<T>& x) noexcept { return x.state_view(); }
 };
 
-// A DeviceTensor is a kvc::tensor_input (the views of both spaces are, in <kvc/tensor.hpp>).
+// A DeviceTensor is a kvc::tensor_input (the views of both spaces are, in <kvc/tensor_view.hpp>).
 template <class T>
 struct tensor_input<DeviceTensor<T>> {
   static constexpr bool valid = true;
+  static constexpr bool is_view = false;
   static constexpr memory_space space = memory_space::device;
   using element_type = T;
   static DeviceTensorView<T> view(const DeviceTensor<T>& x) { return x.view(); }
