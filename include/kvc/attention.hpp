@@ -694,16 +694,20 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   using in = detail::attend_inputs<Cache, Q>;
   constexpr bool accepted =
       detail::input_of<Q, typename in::element_type, in::space> && in::template accepts<KT> && in::template accepts<VT>;
-  if constexpr (detail::require_inputs<accepted, Q, KT, VT>())
-    return detail::attend_impl(
-        cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
-          if constexpr (in::space == memory_space::host)
-            return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.context, options.scale);
-          else
-            return scaled_dot_product_attention(queries, kv.keys, kv.values, mask, options.scale);
-        });
-  else
+  if constexpr (detail::require_inputs<accepted, Q, KT, VT>()) {
+    // Views from here on: the step is instantiated once per cache, not once per form of the inputs.
+    const auto q = input_view(queries);
+    return detail::attend_impl(cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
+                               [&](const auto& kv, const AttentionMask& mask) {
+                                 if constexpr (in::space == memory_space::host)
+                                   return scaled_dot_product_attention(q, kv.keys, kv.values, mask, options.context,
+                                                                       options.scale);
+                                 else
+                                   return scaled_dot_product_attention(q, kv.keys, kv.values, mask, options.scale);
+                               });
+  } else {
     return HostTensor<typename in::element_type>();
+  }
 }
 
 // The same into `out` (host caches), as scaled_dot_product_attention's `out` overload: a step
@@ -715,12 +719,15 @@ void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   using in = detail::attend_inputs<Cache, Q>;
   constexpr bool accepted = detail::input_of<Q, T, memory_space::host> && in::template accepts<KT> &&
                             in::template accepts<VT> && in::space == memory_space::host;
-  if constexpr (detail::require_inputs<accepted, Q, KT, VT>())
-    detail::attend_impl(
-        cache, layer_idx, queries, new_keys, new_values, options, [&](const auto& kv, const AttentionMask& mask) {
-          scaled_dot_product_attention(queries, kv.keys, kv.values, mask, out, options.context, options.scale);
-          return 0;
-        });
+  if constexpr (detail::require_inputs<accepted, Q, KT, VT>()) {
+    const auto q = input_view(queries);  // (views from here on, as above)
+    detail::attend_impl(cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
+                        [&](const auto& kv, const AttentionMask& mask) {
+                          scaled_dot_product_attention(q, kv.keys, kv.values, mask, out, options.context,
+                                                       options.scale);
+                          return 0;
+                        });
+  }
 }
 
 }  // namespace kvc

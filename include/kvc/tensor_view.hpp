@@ -324,15 +324,6 @@ void input_view(X&& x) = delete;
 
 namespace detail {
 
-// X is a tensor_input of T in Space.
-template <class X, class T, memory_space Space>
-inline constexpr bool input_of = [] {
-  if constexpr (tensor_input<std::remove_cvref_t<X>>::valid)
-    return std::is_same_v<input_element_t<X>, T> && input_space_v<X> == Space;
-  else
-    return false;
-}();
-
 // X is a tensor_input in Space (of any element type).
 template <class X, memory_space Space>
 inline constexpr bool input_in = [] {
@@ -355,6 +346,10 @@ struct input_element_or<X, Otherwise> {
 };
 template <class X, class Otherwise = float>
 using input_element_or_t = typename input_element_or<X, Otherwise>::type;
+
+// X is a tensor_input of T in Space.
+template <class X, class T, memory_space Space>
+inline constexpr bool input_of = input_in<X, Space> && std::is_same_v<input_element_or_t<X, void>, T>;
 
 // The one diagnostic of every function that takes queries, keys or values: true when the inputs
 // X... are accepted (Ok), else a failed static_assert (one error, whose context names the call and
