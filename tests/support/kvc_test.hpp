@@ -57,46 +57,60 @@ kvc::HostTensor<T> random_tensor(std::int64_t b, std::int64_t h, std::int64_t s,
   return t;
 }
 
-// The tensor's seq slice [from, from + len) as a flat vector in [b, h, s, d] order.
-// Attention in double precision with explicit loops, [B, Hq, Q, Dv] flattened: queries at positions
-// q_pos0.., keys at k_pos0.., causal, with an optional sliding window and chunk (0: none); the
-// mask is built from absolute positions. The reference the host attention tests compare with.
+// Attention in double precision with explicit loops, [B, Hq, Q, Dv] flattened: each query sees
+// the keys `mask` lets it see (positions, window, chunk, causality and key_padding_mask), scores
+// times `scale`; a query that sees no key gives zeros. The reference the host attention tests
+// compare with.
 template <class T>
 std::vector<double> reference_attention(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
-                                        const kvc::HostTensor<T>& v, std::int64_t q_pos0, std::int64_t k_pos0,
-                                        std::int64_t window /* 0: none */, std::int64_t chunk = 0 /* 0: none */) {
+                                        const kvc::HostTensor<T>& v, const kvc::AttentionMask& mask, double scale) {
   const auto B = q.dimension(0), Hq = q.dimension(1), Q = q.dimension(2), D = q.dimension(3);
   const auto Hkv = k.dimension(1), S = k.dimension(2), Dv = v.dimension(3);
+  const std::int64_t width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
   std::vector<double> out;
   for (Eigen::Index b = 0; b < B; ++b)
     for (Eigen::Index h = 0; h < Hq; ++h)
       for (Eigen::Index i = 0; i < Q; ++i) {
         const auto hk = h / (Hq / Hkv);
         std::vector<double> w(static_cast<std::size_t>(S), 0.0);
+        std::vector<bool> seen(static_cast<std::size_t>(S), false);
         double max = -1e300, sum = 0;
         for (Eigen::Index j = 0; j < S; ++j) {
-          const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          if (kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk)) continue;
+          const std::int64_t kp = mask.kv_offset + j;
+          if (!mask.visible(mask.query_position + i, kp)) continue;
+          if (width > 0 && mask.key_padding_mask[static_cast<std::size_t>(b * width + kp)] == 0) continue;
           double dot = 0;
           for (Eigen::Index d = 0; d < D; ++d) dot += double(q(b, h, i, d)) * double(k(b, hk, j, d));
-          w[std::size_t(j)] = dot / std::sqrt(double(D));
+          w[std::size_t(j)] = dot * scale;
+          seen[std::size_t(j)] = true;
           max = std::max(max, w[std::size_t(j)]);
         }
         for (Eigen::Index j = 0; j < S; ++j) {
-          const auto qp = q_pos0 + i, kp = k_pos0 + j;
-          const bool vis = !(kp > qp || (window > 0 && kp <= qp - window) || (chunk > 0 && kp / chunk != qp / chunk));
-          w[std::size_t(j)] = vis ? std::exp(w[std::size_t(j)] - max) : 0.0;
+          w[std::size_t(j)] = seen[std::size_t(j)] ? std::exp(w[std::size_t(j)] - max) : 0.0;
           sum += w[std::size_t(j)];
         }
         for (Eigen::Index d = 0; d < Dv; ++d) {
           double acc = 0;
-          for (Eigen::Index j = 0; j < S; ++j) acc += w[std::size_t(j)] / sum * double(v(b, hk, j, d));
+          for (Eigen::Index j = 0; j < S; ++j) acc += sum > 0 ? w[std::size_t(j)] / sum * double(v(b, hk, j, d)) : 0.0;
           out.push_back(acc);
         }
       }
   return out;
 }
 
+// The same, causal, queries at positions q_pos0.., keys at k_pos0.., with an optional sliding
+// window and chunk (0: none), scores scaled by 1 / sqrt(head_dim).
+template <class T>
+std::vector<double> reference_attention(const kvc::HostTensor<T>& q, const kvc::HostTensor<T>& k,
+                                        const kvc::HostTensor<T>& v, std::int64_t q_pos0, std::int64_t k_pos0,
+                                        std::int64_t window /* 0: none */, std::int64_t chunk = 0 /* 0: none */) {
+  kvc::AttentionMask mask{k.dimension(2), k_pos0, q_pos0};
+  if (window > 0) mask.sliding_window = window;
+  if (chunk > 0) mask.attention_chunk_size = chunk;
+  return reference_attention(q, k, v, mask, 1.0 / std::sqrt(double(q.dimension(3))));
+}
+
+// The tensor's seq slice [from, from + len) as a flat vector in [b, h, s, d] order.
 template <class T>
 std::vector<double> slice_seq(const kvc::HostTensor<T>& t, std::int64_t from, std::int64_t len) {
   std::vector<double> out;
