@@ -268,6 +268,288 @@ class packed_product {
   }
 };
 
+// Eigen's packet types carry alignment attributes that a template argument drops (PacketBlock of
+// them is how Eigen transposes in registers); Eigen silences the warning in its own headers.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+// Prefill tiles on Eigen's register kernel (gebp) with operands laid out by kvc, where the
+// build's kernel has the layout this code writes (4-column right-hand panels and row strips of
+// whole packets; otherwise `available` is false and tiles use packed_product). A tile's
+// queries are packed once, each key block's keys and values once per tile (once per call in a
+// prompt), and the softmax writes its weights straight in the layout the second product reads, so
+// the scores are never repacked.
+//
+// Layouts (as Eigen's packing functions write them): a left operand of `rows` rows (a multiple of
+// row_step) and depth k is a run of row strips, strip_width(i, rows) rows starting at row i, the
+// strip at i * k holding element (r, p) at p * width + (r - i). A right operand of `cols` columns
+// and depth k is a run of 4-column panels (column c, depth p at c * k + p * 4 + c % 4) and then
+// single columns (at c * k + p).
+template <class A>
+struct panel_kernel {
+  using traits = Eigen::internal::gebp_traits<A, A>;
+  using packet = typename Eigen::internal::packet_traits<A>::type;
+  static constexpr std::int64_t row_step = traits::LhsProgress, mr = traits::mr, nr = traits::nr,
+                                lanes = Eigen::internal::unpacket_traits<packet>::size;
+  // A square of row_step packets, transposed in registers.
+  using block = Eigen::internal::PacketBlock<packet, static_cast<int>(row_step)>;
+  static constexpr bool available = nr == 4 && row_step > 1 &&
+                                    (lanes == row_step) && Eigen::internal::packet_traits<A>::HasExp &&
+                                    sizeof(packet) <= AttentionWorkspace::alignment &&
+                                    (mr == row_step || mr == 2 * row_step || mr == 3 * row_step);
+  using out_map = Eigen::internal::blas_data_mapper<A, Eigen::Index, Eigen::ColMajor, Eigen::Unaligned, 1>;
+  template <int Order>
+  using in_map = Eigen::internal::const_blas_data_mapper<A, Eigen::Index, Order>;
+  using kernel = Eigen::internal::gebp_kernel<A, A, Eigen::Index, out_map, traits::mr, traits::nr, false, false>;
+
+  // `rows` rounded up to whole strips.
+  static constexpr std::int64_t padded_rows(std::int64_t rows) noexcept {
+    return (rows + row_step - 1) / row_step * row_step;
+  }
+  // The width of the strip at row i of a left operand of `rows` rows (both multiples of row_step):
+  // strips of three packets while three fit, then of two, then of one.
+  static constexpr std::int64_t strip_width(std::int64_t i, std::int64_t rows) noexcept {
+    for (const std::int64_t w : {3 * row_step, 2 * row_step})
+      if (w <= mr && rows - i >= w) return w;
+    return row_step;
+  }
+  // Packs, as a right operand of depth k and `cols` columns, the row-major [cols, k] matrix at src
+  // (pitch ld; Transposed) or the row-major [k, cols] one.
+  template <bool Transposed>
+  static void pack_right(A* dst, const A* src, std::int64_t ld, std::int64_t k, std::int64_t cols) {
+    constexpr int order = Transposed ? Eigen::ColMajor : Eigen::RowMajor;
+    Eigen::internal::gemm_pack_rhs<A, Eigen::Index, in_map<order>, traits::nr, order>()(dst, in_map<order>(src, ld), k,
+                                                                                        cols);
+  }
+  // dst[rows, cols] (column-major, pitch ld) += alpha * left * right over depth k: left packed with
+  // depth left_depth, right with depth right_depth from depth `offset` (offset + k <= right_depth).
+  static void run(A* dst, std::int64_t ld, const A* left, std::int64_t left_depth, const A* right,
+                  std::int64_t right_depth, std::int64_t offset, std::int64_t rows, std::int64_t k, std::int64_t cols,
+                  A alpha) {
+    if (rows == 0 || cols == 0 || k == 0) return;
+    kernel()(out_map(dst, ld), left, right, rows, k, cols, alpha, left_depth, right_depth, 0, offset);
+  }
+};
+
+// One prefill item's scratch on panel_kernel (rows padded to whole strips): its queries packed
+// (q), a key block's keys and values packed (k, v; `copies` rows of each widened to A first in
+// `wide` where the cache stores another type), the block's scores and then weights in the layout
+// of the second product's left operand (s), and the online softmax (acc column-major [rows, Dv],
+// m, l, corr).
+template <class A>
+struct panel_scratch {
+  A *q, *k, *v, *wide, *s, *acc, *m, *l, *corr;
+  static constexpr std::size_t values(std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
+                                      std::int64_t copies) noexcept {
+    const std::int64_t rp = panel_kernel<A>::padded_rows(rows);
+    return static_cast<std::size_t>(aligned_values<A>(rp * D) + aligned_values<A>(block * D) +
+                                    aligned_values<A>(block * Dv) + aligned_values<A>(copies * std::max(D, Dv)) +
+                                    aligned_values<A>(rp * block) + aligned_values<A>(rp * Dv) +
+                                    3 * aligned_values<A>(rp));
+  }
+  static panel_scratch carve(std::byte* area, std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
+                             std::int64_t copies) noexcept {
+    const std::int64_t rp = panel_kernel<A>::padded_rows(rows);
+    A* p = reinterpret_cast<A*>(area);
+    panel_scratch t{};
+    for (auto [field, n] : {std::pair{&t.q, rp * D},
+                            {&t.k, block * D},
+                            {&t.v, block * Dv},
+                            {&t.wide, copies * std::max(D, Dv)},
+                            {&t.s, rp * block},
+                            {&t.acc, rp * Dv},
+                            {&t.m, rp},
+                            {&t.l, rp},
+                            {&t.corr, rp}}) {
+      *field = p;
+      p += aligned_values<A>(n);
+    }
+    return t;
+  }
+  // Packs the item's queries, row r (below rows) from query_row(r) (D values of T), as the left
+  // operand of its scores; rows from `rows` to the padded count are zeros. An empty online softmax.
+  template <class T, class Row>
+  void start(std::int64_t rows, std::int64_t D, std::int64_t Dv, const Row& query_row) const {
+    using kernel = panel_kernel<A>;
+    const std::int64_t rp = kernel::padded_rows(rows), lanes = kernel::row_step;
+    for (std::int64_t i = 0, w; i < rp; i += w) {
+      w = kernel::strip_width(i, rp);
+      for (std::int64_t r0 = i; r0 < i + w; r0 += lanes) {  // a packet of rows
+        A* dst = q + i * D + (r0 - i);
+        std::int64_t d = 0;
+        if constexpr (std::is_same_v<T, A>) {  // lanes x lanes blocks transposed in registers
+          typename kernel::block tile;
+          const A* src[static_cast<std::size_t>(kernel::row_step)];
+          for (std::int64_t j = 0; j < lanes; ++j) src[j] = r0 + j < rows ? query_row(r0 + j) : nullptr;
+          for (; d + lanes <= D; d += lanes) {
+            for (std::int64_t j = 0; j < lanes; ++j)
+              tile.packet[j] = src[j] != nullptr ? Eigen::internal::ploadu<typename kernel::packet>(src[j] + d)
+                                                 : Eigen::internal::pset1<typename kernel::packet>(A(0));
+            Eigen::internal::ptranspose(tile);
+            for (std::int64_t j = 0; j < lanes; ++j) Eigen::internal::pstore(dst + (d + j) * w, tile.packet[j]);
+          }
+        }
+        for (std::int64_t r = r0; r < r0 + lanes; ++r) {
+          const T* src = r < rows ? query_row(r) : nullptr;
+          for (std::int64_t e = d; e < D; ++e) dst[e * w + (r - r0)] = src != nullptr ? static_cast<A>(src[e]) : A(0);
+        }
+      }
+    }
+    std::fill(m, m + rp, -std::numeric_limits<A>::infinity());
+    std::fill(l, l + rp, A(0));
+    std::fill(acc, acc + rp * Dv, A(0));
+  }
+  // Writes row r's output (acc / l times the value scale sv; zeros when it saw nothing) at
+  // out_row(r) (Dv values of T), for r below rows; corr holds the rows' factors afterwards.
+  template <class T, class Out>
+  void finish(std::int64_t rows, std::int64_t Dv, A sv, const Out& out_row) const {
+    using kernel = panel_kernel<A>;
+    const std::int64_t rp = kernel::padded_rows(rows), lanes = kernel::row_step;
+    for (std::int64_t r = 0; r < rp; ++r) corr[r] = r < rows && l[r] > A(0) ? sv / l[r] : A(0);
+    for (std::int64_t r0 = 0; r0 < rows; r0 += lanes) {
+      std::int64_t d = 0;
+      if constexpr (std::is_same_v<T, A>) {  // lanes x lanes blocks transposed in registers
+        typename kernel::block tile;
+        for (; d + lanes <= Dv; d += lanes) {
+          for (std::int64_t j = 0; j < lanes; ++j)
+            tile.packet[j] =
+                Eigen::internal::pmul(Eigen::internal::pload<typename kernel::packet>(acc + (d + j) * rp + r0),
+                                      Eigen::internal::pload<typename kernel::packet>(corr + r0));
+          Eigen::internal::ptranspose(tile);
+          for (std::int64_t j = 0; j < lanes && r0 + j < rows; ++j)
+            Eigen::internal::pstoreu(out_row(r0 + j) + d, tile.packet[j]);
+        }
+      }
+      for (std::int64_t r = r0; r < std::min(rows, r0 + lanes); ++r) {
+        T* o = out_row(r);
+        for (std::int64_t e = d; e < Dv; ++e) o[e] = static_cast<T>(acc[r + e * rp] * corr[r]);
+      }
+    }
+  }
+};
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+// Packs keys and values 0 .. n - 1 (key rows at kp, pitch kpitch; value rows at vp, pitch vpitch)
+// for fold_panels: the keys at kdst as a right operand of depth D and n columns, the values at
+// vdst as one of depth n and Dv columns; rows of another type than A are widened in `wide` first
+// (room for n rows of max(D, Dv) values).
+template <class A, class KV>
+void pack_panels(const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t n, std::int64_t D,
+                 std::int64_t Dv, A* kdst, A* vdst, A* wide) {
+  constexpr bool in_place = std::is_same_v<A, KV>;
+  panel_kernel<A>::template pack_right<true>(kdst, as_accum<A>(kp, n, D, kpitch, wide).data(), in_place ? kpitch : D, D,
+                                             n);
+  panel_kernel<A>::template pack_right<false>(vdst, as_accum<A>(vp, n, Dv, vpitch, wide).data(), in_place ? vpitch : Dv,
+                                              n, Dv);
+}
+
+// fold_keys for a prefill item on panel_kernel: folds keys j0 .. j0 + n - 1, packed by
+// pack_panels (the values with depth vdepth >= n: a block's first n keys), into the online softmax
+// of its `rows` rows. vis and pad as for fold_keys. Each strip of rows multiplies only the keys
+// some of its rows see (from a multiple of 4 to one, or to n), so that the keys past the causal
+// edge of a strip's last row cost nothing; the padding rows up to whole strips see no key.
+template <class A, class Vis>
+void fold_panels(const panel_scratch<A>& t, std::int64_t rows, std::int64_t D, std::int64_t Dv, const A* kpacked,
+                 const A* vpacked, std::int64_t vdepth, std::int64_t j0, std::int64_t n, A sk, const Vis& vis,
+                 const std::uint8_t* pad) {
+  using kernel = panel_kernel<A>;
+  using packet = typename kernel::packet;
+  using Eigen::internal::padd, Eigen::internal::pexp, Eigen::internal::pload, Eigen::internal::pmax,
+      Eigen::internal::pmul, Eigen::internal::pset1, Eigen::internal::pstore, Eigen::internal::psub;
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  constexpr std::int64_t lanes = kernel::row_step;
+  constexpr auto widest = static_cast<std::size_t>(3 * kernel::row_step);  // rows of a strip, at most
+  const std::int64_t rp = kernel::padded_rows(rows);
+  for (std::int64_t i = 0, w; i < rp; i += w) {
+    w = kernel::strip_width(i, rp);
+    // The keys [lo[c], hi[c]) of this block row i + c sees, and [first, last) those of the strip.
+    std::int64_t lo[widest], hi[widest], first = n, last = 0;
+    for (std::int64_t c = 0; c < w; ++c) {
+      lo[c] = hi[c] = 0;
+      if (i + c < rows) {
+        const auto [from, to] = vis(i + c);
+        lo[c] = std::clamp<std::int64_t>(from - j0, 0, n);
+        hi[c] = std::max(lo[c], std::clamp<std::int64_t>(to - j0, 0, n));
+        if (hi[c] > lo[c]) first = std::min(first, lo[c]), last = std::max(last, hi[c]);
+      }
+    }
+    if (last <= first) {  // no row of the strip sees a key of this block
+      std::fill(t.corr + i, t.corr + i + w, A(1));
+      continue;
+    }
+    first = first / 4 * 4;  // a column panel's start, as the packed keys are cut
+    last = std::min(n, (last + 3) / 4 * 4);
+    const std::int64_t width = last - first;
+    A* S = t.s + i * n;  // (key first + p, row i + c) at S[p * w + c]
+    std::fill(S, S + width * w, A(0));
+    kernel::run(S, w, t.q + i * D, D, kpacked + first * D, D, 0, w, D, width, sk);
+    bool masked = false;
+    for (std::int64_t c = 0; c < w; ++c) {
+      lo[c] = std::clamp<std::int64_t>(lo[c] - first, 0, width);
+      hi[c] = std::clamp<std::int64_t>(hi[c] - first, lo[c], width);
+      masked |= lo[c] > 0 || hi[c] < width;
+    }
+    if (pad != nullptr)
+      for (std::int64_t p = 0; p < width && !masked; ++p) masked = pad[j0 + first + p] == 0;
+    const auto mask_with = [&](A value) {
+      for (std::int64_t c = 0; c < w; ++c) {
+        for (std::int64_t p = 0; p < lo[c]; ++p) S[p * w + c] = value;
+        for (std::int64_t p = hi[c]; p < width; ++p) S[p * w + c] = value;
+      }
+      if (pad != nullptr)
+        for (std::int64_t p = 0; p < width; ++p)
+          if (pad[j0 + first + p] == 0) std::fill(S + p * w, S + (p + 1) * w, value);
+    };
+    if (masked) mask_with(neg_inf);
+    // The rows' new maxima, their rescaling and the weights exp(score - maximum) with their sums,
+    // a packet of rows at a time (w is a whole number of packets).
+    alignas(AttentionWorkspace::alignment) A top[widest], sub[widest];
+    for (std::int64_t c = 0; c < w; c += lanes) {
+      packet x = pload<packet>(t.m + i + c);
+      for (std::int64_t p = 0; p < width; ++p) x = pmax(x, pload<packet>(S + p * w + c));
+      pstore(top + c, x);
+    }
+    bool empty = false;
+    for (std::int64_t c = 0; c < w; ++c) {
+      A& m = t.m[i + c];
+      // As in fold_keys: weights below e^-87 are floored there (dropped for the rescaling).
+      t.corr[i + c] = top[c] == neg_inf ? A(1) : m - top[c] < A(-87) ? A(0) : std::exp(m - top[c]);
+      sub[c] = top[c] == neg_inf ? A(0) : top[c];
+      if (top[c] != neg_inf) m = top[c];
+      empty |= top[c] == neg_inf;
+    }
+    const packet floor = pset1<packet>(A(-87));
+    packet sums[3] = {pset1<packet>(A(0)), pset1<packet>(A(0)), pset1<packet>(A(0))};
+    for (std::int64_t p = 0; p < width; ++p)
+      for (std::int64_t c = 0; c < w; c += lanes) {
+        const packet e = pexp(pmax(psub(pload<packet>(S + p * w + c), pload<packet>(sub + c)), floor));
+        pstore(S + p * w + c, e);
+        sums[c / lanes] = padd(sums[c / lanes], e);
+      }
+    if (masked || empty) {  // hidden keys weigh nothing: zeroed, and the sums taken again
+      mask_with(A(0));
+      for (std::int64_t c = 0; c < w; ++c)
+        if (top[c] == neg_inf)  // a row that has seen nothing yet (only hidden keys so far)
+          for (std::int64_t p = 0; p < width; ++p) S[p * w + c] = A(0);
+      for (std::int64_t c = 0; c < w; c += lanes) {
+        sums[c / lanes] = pset1<packet>(A(0));
+        for (std::int64_t p = 0; p < width; ++p) sums[c / lanes] = padd(sums[c / lanes], pload<packet>(S + p * w + c));
+      }
+    }
+    for (std::int64_t c = 0; c < w; c += lanes) pstore(top + c, sums[c / lanes]);
+    for (std::int64_t c = 0; c < w; ++c) t.l[i + c] = t.l[i + c] * t.corr[i + c] + top[c];
+    // The strip's outputs rescaled, then their weighted values added.
+    for (std::int64_t d = 0; d < Dv; ++d)
+      for (std::int64_t c = 0; c < w; c += lanes)
+        pstore(t.acc + d * rp + i + c, pmul(pload<packet>(t.acc + d * rp + i + c), pload<packet>(t.corr + i + c)));
+    kernel::run(t.acc + i, rp, S, width, vpacked, vdepth, first, w, width, Dv, A(1));
+  }
+}
+
 // One work item's scratch, carved from its worker's workspace area: `copies` rows of keys and of
 // values for blocks that are widened or gathered (0 where blocks are read in place), and with
 // `products` (prefill tiles) the packing buffers of the tile's matrix products. Each array starts
@@ -415,7 +697,7 @@ void merge_partials(const A* first, std::int64_t splits, std::int64_t pitch, std
 template <class A>
 AttentionWorkspace& reserve_workspace(const AttentionContext& context, AttentionWorkspace& local, std::int64_t items,
                                       std::int64_t rows, std::int64_t D, std::int64_t Dv, std::int64_t block,
-                                      std::int64_t copies, bool products, std::size_t shared) {
+                                      std::int64_t copies, bool products, std::size_t shared, bool panels = false) {
   AttentionWorkspace& ws = context.workspace != nullptr ? *context.workspace : local;
   // An item may run on any of the executor's workers, however few the items.
   const int workers = items > 1 ? context.executor.concurrency() : 1;
@@ -425,7 +707,10 @@ AttentionWorkspace& reserve_workspace(const AttentionContext& context, Attention
     if (copies > 0) copies = tile_plan::block_keys;
     block = tile_plan::block_keys;
   }
-  ws.reserve(workers, sizeof(A) * tile_scratch<A>::values(rows, D, Dv, block, copies, products), sizeof(A) * shared);
+  ws.reserve(workers,
+             sizeof(A) * (panels ? panel_scratch<A>::values(rows, D, Dv, block, copies)
+                                 : tile_scratch<A>::values(rows, D, Dv, block, copies, products)),
+             sizeof(A) * shared);
   return ws;
 }
 
@@ -464,25 +749,49 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
   const std::int64_t block = std::min(plan::block_keys, std::max<std::int64_t>(S, 1));
   AttentionWorkspace local;
   const std::int64_t copies = std::is_same_v<A, KV> ? 0 : block;  // blocks of A are read in place
-  AttentionWorkspace& ws = reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, !decode,
-                                                splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch) : 0);
+  // Prefill tiles on panel_kernel where the build's kernel allows (else on packed_product).
+  const bool panels = !decode && panel_kernel<A>::available;
+  // A prompt's prefill (keys [g0, g1) read in all, no more than the queries) packs each block of
+  // keys once, for every tile that reads it, into the shared area: grid_blocks blocks of `block`
+  // keys from g0 per KV head, block_values each. Other calls pack the blocks per tile.
+  std::int64_t g0 = S, g1 = 0, grid_blocks = 0;
+  const std::int64_t block_values = aligned_values<A>(block * D) + aligned_values<A>(block * Dv);
+  if (panels) {
+    for (std::int64_t i = 0; i < tiles; ++i)
+      if (const auto [l, h] = tile_keys(i); h > l) g0 = std::min(g0, l), g1 = std::max(g1, h);
+    if (g1 > g0 && g1 - g0 <= Q) grid_blocks = (g1 - g0 + block - 1) / block;
+  }
+  const std::size_t shared = splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch)
+                                        : static_cast<std::size_t>(B * Hkv * grid_blocks * block_values);
+  AttentionWorkspace& ws =
+      reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, !decode, shared, panels);
   const std::int64_t pad_width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
 
+  A* const grid = reinterpret_cast<A*>(ws.shared());
+  if (grid_blocks > 0)
+    context.executor.parallel_for(B * Hkv * grid_blocks, [&](std::int64_t item, int worker) {
+      const std::int64_t bh = item / grid_blocks, j0 = g0 + item % grid_blocks * block;
+      const std::int64_t b = bh / Hkv, hk = bh % Hkv;
+      const auto t = panel_scratch<A>::carve(ws.worker(worker), rows_max, D, Dv, block, copies);
+      pack_panels(keys.data() + b * keys.stride(0) + hk * keys.stride(1) + j0 * keys.stride(2), keys.stride(2),
+                  values.data() + b * values.stride(0) + hk * values.stride(1) + j0 * values.stride(2),
+                  values.stride(2), std::min(block, g1 - j0), D, Dv, grid + item * block_values,
+                  grid + item * block_values + aligned_values<A>(block * D), t.wide);
+    });
   context.executor.parallel_for(items, [&](std::int64_t item, int worker) {
-    const std::int64_t split = item % splits, tile = (item / splits) % tiles, bh = item / (splits * tiles);
+    // Tiles latest first: a causal tile sees more keys than the tiles before it, and an executor
+    // that hands out items in order then ends on the short ones.
+    const std::int64_t split = item % splits, tile = tiles - 1 - (item / splits) % tiles, bh = item / (splits * tiles);
     const std::int64_t b = bh / Hkv, hk = bh % Hkv, i0 = tile * per_tile, per_head = std::min(per_tile, Q - i0);
     const std::int64_t rows = group * per_head;
-    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies, !decode);
     const A sk = s * static_cast<A>(scales.key_scale(hk)), sv = static_cast<A>(scales.value_scale(hk));
-    for (std::int64_t g = 0; g < group; ++g) {
-      const T* qp = queries.data() + b * queries.stride(0) + (hk * group + g) * queries.stride(1);
-      for (std::int64_t r = 0; r < per_head; ++r)
-        for (std::int64_t d = 0; d < D; ++d)
-          t.q[(g * per_head + r) * D + d] = static_cast<A>(qp[(i0 + r) * queries.stride(2) + d]);
-    }
-    t.start(rows, Dv);
+    // Row r of the item is query head hk * group + r / per_head at position i0 + r % per_head;
+    // on panels, head hk * group + r % group at position i0 + r / group (a strip's rows are then
+    // few positions, and see nearly the same keys).
+    const auto position = [&](std::int64_t r) { return panels ? r / group : r % per_head; };
+    const auto head = [&](std::int64_t r) { return hk * group + (panels ? r % group : r / per_head); };
     const auto vis = [&](std::int64_t r) {
-      const std::int64_t qpos = mask.query_position + i0 + r % per_head;
+      const std::int64_t qpos = mask.query_position + i0 + position(r);
       const std::int64_t hi = mask.causal ? std::clamp<std::int64_t>(qpos - mask.kv_offset + 1, 0, S) : S;
       return std::pair<std::int64_t, std::int64_t>{
           std::clamp<std::int64_t>(mask.first_visible(qpos) - mask.kv_offset, 0, S), hi};
@@ -491,7 +800,38 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
         mask.key_padding_mask.empty() ? nullptr : mask.key_padding_mask.data() + b * pad_width + mask.kv_offset;
     const KV* kp = keys.data() + b * keys.stride(0) + hk * keys.stride(1);
     const KV* vp = values.data() + b * values.stride(0) + hk * values.stride(1);
+    const T* qh = queries.data() + b * queries.stride(0);
     auto [lo, hi] = tile_keys(tile);
+    if (panels) {
+      const auto t = panel_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies);
+      t.template start<T>(rows, D, Dv, [&](std::int64_t r) {
+        return qh + head(r) * queries.stride(1) + (i0 + position(r)) * queries.stride(2);
+      });
+      if (grid_blocks > 0) {
+        // The packed blocks from the one that holds lo (fold_panels skips the keys no row sees).
+        for (std::int64_t gi = (lo - g0) / block, j0 = g0 + gi * block; j0 < hi; ++gi, j0 += block) {
+          const std::int64_t length = std::min(block, g1 - j0);
+          const A* packed = grid + (bh * grid_blocks + gi) * block_values;
+          fold_panels(t, rows, D, Dv, packed, packed + aligned_values<A>(block * D), length, j0, length, sk, vis, pad);
+        }
+      } else {
+        for (std::int64_t j0 = lo; j0 < hi; j0 += block) {
+          const std::int64_t n = std::min(block, hi - j0);
+          pack_panels(kp + j0 * keys.stride(2), keys.stride(2), vp + j0 * values.stride(2), values.stride(2), n, D, Dv,
+                      t.k, t.v, t.wide);
+          fold_panels(t, rows, D, Dv, t.k, t.v, n, j0, n, sk, vis, pad);
+        }
+      }
+      t.template finish<T>(rows, Dv, sv, [&](std::int64_t r) { return &out(b, head(r), i0 + position(r), 0); });
+      return;
+    }
+    const tile_scratch<A> t = tile_scratch<A>::carve(ws.worker(worker), rows, D, Dv, block, copies, !decode);
+    for (std::int64_t g = 0; g < group; ++g)
+      for (std::int64_t r = 0; r < per_head; ++r)
+        for (std::int64_t d = 0; d < D; ++d)
+          t.q[(g * per_head + r) * D + d] =
+              static_cast<A>(qh[(hk * group + g) * queries.stride(1) + (i0 + r) * queries.stride(2) + d]);
+    t.start(rows, Dv);
     lo = std::min(hi, lo + split * split_length);
     if (splits > 1) hi = std::min(hi, lo + split_length);
     for (std::int64_t j0 = lo; j0 < hi; j0 += block) {
@@ -500,9 +840,8 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
                 values.stride(2), j0, n, sk, vis, pad);
     }
     for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t h = hk * group + r / per_head, i = i0 + r % per_head;
       if (splits == 1)
-        finish_row(t, r, Dv, sv, &out(b, h, i, 0));
+        finish_row(t, r, Dv, sv, &out(b, head(r), i0 + position(r), 0));
       else
         store_partial(t.m[r], t.l[r], t.acc + r * Dv, Dv,
                       reinterpret_cast<A*>(ws.shared()) + (item * rows_max + r) * pitch);

@@ -266,3 +266,46 @@ TEST_CASE("ragged batches: a padded key drops out of its row's attention") {
                        kvc::ValueError);
   CHECK(fresh.get_seq_length(0) == 0);  // refused before the update
 }
+
+TEST_CASE_TEMPLATE("prefill tiles: odd sizes and every mask against attention in double", T, float, double,
+                   Eigen::bfloat16, Eigen::half) {
+  // Prefill tiles (more than 16 query rows per KV head) cut the rows into strips of whole vector
+  // packets (the last one padded), the keys into blocks of 256 and the block's last panel of 4
+  // keys past the causal edge; a prompt (keys no more than queries) packs each key block once for
+  // every tile. Sizes here are off every one of those multiples.
+  struct shape {
+    std::int64_t B, Hq, Hkv, Q, S, D, Dv, window, chunk;
+    bool causal;
+  };
+  std::mt19937 rng(21);
+  for (const shape& s : {shape{1, 4, 2, 300, 300, 16, 16, 0, 0, true},    // a prompt over two key blocks
+                         shape{1, 3, 1, 77, 77, 20, 13, 0, 0, true},      // padded strips, a single value column
+                         shape{2, 4, 2, 100, 357, 16, 16, 0, 0, true},    // a chunk after 257 cached tokens
+                         shape{1, 4, 1, 300, 300, 8, 8, 50, 0, true},     // a sliding prompt: tiles start mid-block
+                         shape{1, 2, 2, 300, 700, 8, 8, 100, 0, true},    // a sliding chunk
+                         shape{1, 2, 1, 130, 130, 16, 16, 0, 64, true},   // chunked attention
+                         shape{2, 2, 1, 90, 90, 24, 24, 0, 0, false}}) {  // an encoder (bidirectional)
+    CAPTURE(s.Q);
+    CAPTURE(s.S);
+    CAPTURE(s.D);
+    const auto q = gaussian<T>(s.B, s.Hq, s.Q, s.D, rng);
+    const auto k = gaussian<T>(s.B, s.Hkv, s.S, s.D, rng);
+    const auto v = gaussian<T>(s.B, s.Hkv, s.S, s.Dv, rng);
+    kvc::AttentionMask mask{s.S, 0, s.S - s.Q};
+    mask.causal = s.causal;
+    if (s.window > 0) mask.sliding_window = s.window;
+    if (s.chunk > 0) mask.attention_chunk_size = s.chunk;
+    const double scale = 1.0 / std::sqrt(double(s.D));
+    const auto flat = [](const kvc::HostTensor<T>& t) {
+      return kvc_test::flatten(kvc::detail::tensor_input<kvc::HostTensor<T>>::view(t));
+    };
+    CHECK(max_diff<T>(flat(kvc::scaled_dot_product_attention(q, k, v, mask)),
+                      kvc_test::reference_attention(q, k, v, mask, scale)) < tolerance<T>());
+    // Batch row 0 padded at every fifth key and at its first 40 (queries that see no key get zeros).
+    std::vector<std::uint8_t> pad(static_cast<std::size_t>(s.B * s.S), 1);
+    for (std::int64_t j = 0; j < s.S; ++j) pad[static_cast<std::size_t>(j)] = j % 5 != 0 && j >= 40;
+    mask.key_padding_mask = pad;
+    CHECK(max_diff<T>(flat(kvc::scaled_dot_product_attention(q, k, v, mask)),
+                      kvc_test::reference_attention(q, k, v, mask, scale)) < tolerance<T>());
+  }
+}

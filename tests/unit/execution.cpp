@@ -223,9 +223,11 @@ TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executo
   struct shape {
     std::int64_t B, Hq, Hkv, Q, S, window;
   };
-  // Decode rows cut into key splits (S > 512), a prefill of three tiles, MQA, a sliding window.
+  // Decode rows cut into key splits (S > 512), a prefill of three tiles, MQA, a sliding window,
+  // prompts whose key blocks are packed once for all their tiles (plain and sliding).
   for (const shape s : {shape{2, 4, 2, 1, 1300, 0}, shape{1, 2, 1, 150, 190, 0}, shape{1, 6, 1, 2, 2100, 0},
-                        shape{2, 4, 4, 70, 600, 33}, shape{1, 2, 2, 1, 4100, 0}}) {
+                        shape{2, 4, 4, 70, 600, 33}, shape{1, 2, 2, 1, 4100, 0}, shape{1, 4, 2, 300, 300, 0},
+                        shape{2, 3, 1, 270, 270, 70}}) {
     CAPTURE(s.S);
     CAPTURE(s.Q);
     const auto q = kvc_test::random_tensor<T>(s.B, s.Hq, s.Q, 16, rng);
