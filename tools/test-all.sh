@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Full kvc check, as CI runs it (.ci/run):
 #   format       tools/check-format.sh: every C++/CUDA source as .clang-format formats it
-#   build/gcc    g++ Release: everything (tests, examples, benchmarks built), full ctest; with
+#   build/gcc    g++ Release: everything (tests, examples, benchmarks built: at -O0, since CI runs
+#                no benchmark), full ctest; with
 #                nvcc (on PATH or /usr/local/cuda/bin) also the CUDA tests and benchmark, whose
 #                tests report themselves skipped where there is no GPU (there, the host half of
 #                the .cu files is compiled at -O0: nvcc's -O sets the host compiler's level only,
@@ -108,7 +109,8 @@ fi
 
 stage "g++ Release: everything"
 if configure build/gcc -DCMAKE_CXX_COMPILER=g++ -DCMAKE_BUILD_TYPE=Release "${common[@]}" \
-     -DKVC_BUILD_EXAMPLES=ON -DKVC_BUILD_BENCHMARKS=ON -DKVC_INSTALL=ON "${cuda[@]}"; then
+     -DKVC_BUILD_EXAMPLES=ON -DKVC_BUILD_BENCHMARKS=ON -DKVC_BENCH_EXTRA_FLAGS=-O0 -DKVC_INSTALL=ON \
+     "${cuda[@]}"; then
   build build/gcc
   run_ctest gcc --test-dir build/gcc --output-on-failure -j "$JOBS"
 fi
