@@ -152,12 +152,14 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
     compare<double>(quanto_seq, 12, seed);
     compare<double>(hqq, std::nullopt, seed);
     compare<double>(quanto, 9, seed);
-    compare<float>(kivi, std::nullopt, seed, 700);  // decode steps in key splits
-    compare<float>(quanto, std::nullopt, seed, 700);
-    compare<double>(hqq, std::nullopt, seed, 700);
-    compare<float>(quanto, 600, seed, 700);
-    compare<float>(quanto, 4096, seed, 700);  // a window longer than the context
   }
+  // Decode steps in key splits: long histories, one seed (the test's slowest part under the
+  // sanitizers and valgrind).
+  compare<float>(kivi, std::nullopt, 1, 700);
+  compare<float>(quanto, std::nullopt, 2, 700);
+  compare<double>(hqq, std::nullopt, 1, 700);
+  compare<float>(quanto, 600, 2, 700);
+  compare<float>(quanto, 4096, 1, 700);  // a window longer than the context
 }
 
 TEST_CASE("attend_quantized: views whose heads lie apart read as their contiguous copies") {
