@@ -102,6 +102,18 @@ void linear_attention(std::int64_t batch, std::int64_t channels, std::int64_t ti
   (void)v;
 }
 
+void rollback(const kvc::HostTensor<float>& prompt, const kvc::HostTensor<float>& draft, std::int64_t accepted) {
+  // [snippet:rollback]
+  // Gemma-style: a full layer and a sliding layer of window W = 4096 that keeps 4 tokens past it.
+  using C = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::SpeculativeSlidingWindowLayer<4>>>;
+  C cache(kvc::DynamicLayer{}, kvc::SpeculativeSlidingWindowLayer<4>{{.sliding_window = 4096}});
+  kvc::require_rollback<4>(cache);  // up to 4 draft tokens per step: checked by the compiler
+  for (std::int64_t l = 0; l < 2; ++l) cache.update(prompt, prompt, l);
+  for (std::int64_t l = 0; l < 2; ++l) cache.update(draft, draft, l);  // verify the draft tokens (at most 4)
+  cache.crop(-(draft.dimension(2) - accepted));  // exact: as if the rejected tokens had never been seen
+  // [/snippet]
+}
+
 void runtime(const kvc::GenerationConfig& generation_config, const kvc::ModelConfig& model_config,
              const kvc::CacheRequest& request, const kvc::ContinuousBatchingConfig& cb_config) {
   // [snippet:make_cache]

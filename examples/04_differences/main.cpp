@@ -51,9 +51,12 @@ void record_past() {
   expect(same(seq(cache.stored(0).values), {1, 2, 3}) && cache.get_seq_length() == 4, "record_past: crop");
 
   // [snippet:crop_clamps]
-  cache.crop(-10);  // more than was seen: get_seq_length() == 0   ([ref]: -6)
+  kvc::Cache<kvc::Layers<kvc::DynamicSlidingWindowLayer>> recorded(kvc::DynamicSlidingWindowLayer{.sliding_window = 4});
+  recorded.activate_past_recording();
+  for (float t : {0, 1, 2, 3, 4, 5}) recorded.update(tokens({t}), tokens({t}), 0);
+  recorded.crop(-10);  // more than was seen: get_seq_length() == 0   ([ref]: -4)
   // [/snippet]
-  expect(cache.get_seq_length() == 0, "crop clamps cumulative_length");
+  expect(recorded.get_seq_length() == 0, "crop clamps cumulative_length");
 }
 
 void crop_uninitialized() {

@@ -73,6 +73,7 @@ struct any_cache_iface : typed_iface<host_element_types> {
   virtual std::int64_t get_max_length() const = 0;
   virtual std::int64_t get_max_length(std::int64_t) const = 0;
   virtual void crop(std::int64_t) = 0;
+  virtual std::int64_t rollback_depth() const = 0;
   virtual void reorder_cache(std::span<const std::int64_t>) = 0;
   virtual void batch_repeat_interleave(std::int64_t) = 0;
   virtual void batch_select_indices(std::span<const std::int64_t>) = 0;
@@ -140,6 +141,12 @@ class any_cache_model final : public any_cache_iface {
       cache_.crop(n);
     else
       missing("crop");
+  }
+  std::int64_t rollback_depth() const override {
+    if constexpr (requires { cache_.rollback_depth(); })
+      return cache_.rollback_depth();
+    else
+      return 0;
   }
   void reorder_cache(std::span<const std::int64_t> idx) override { cache_.reorder_cache(idx); }
   void batch_repeat_interleave(std::int64_t r) override {
@@ -342,6 +349,9 @@ class AnyCache {
   // Removes tokens from every layer (Cache::crop). AttributeError naming the layer when the held
   // cache cannot crop (a StaticCache); ValueError when empty.
   void crop(std::int64_t tokens_to_remove) { self().crop(tokens_to_remove); }
+  // How many of their last tokens all layers can drop exactly now (Cache::rollback_depth,
+  // docs/rollback.md); ValueError when empty.
+  std::int64_t rollback_depth() const { return self().rollback_depth(); }
   // Picks batch rows by beam index in every layer (beam search). IndexError for an index out of
   // bounds, ValueError for an empty list or an empty handle.
   void reorder_cache(std::span<const std::int64_t> beam_idx) { self().reorder_cache(beam_idx); }

@@ -527,6 +527,33 @@ class Cache<L, S, O> {
     }
   }
 
+  // How many of their last tokens all layers can drop exactly now (docs/rollback.md): the minimum of
+  // the layers' depths, 0 when a layer kind cannot crop, kvc::unbounded_rollback for a cache whose
+  // layers keep every token (or that has no layer). crop(-n) with n above it throws kvc::RuntimeError
+  // before anything changes. transformers' `is_croppable` is rollback_depth() > 0.
+  std::int64_t rollback_depth() const {
+    std::int64_t depth = unbounded_rollback;
+    for (const layer_variant& layer : layers_)
+      std::visit(
+          [&](const auto& l) {
+            if constexpr (concepts::supports_crop<std::decay_t<decltype(l)>>)
+              depth = std::min(depth, l.rollback_depth());
+            else
+              depth = 0;
+          },
+          layer);
+    return depth;
+  }
+  // How many of the tokens given since the last crop the layers of this cache type can always drop
+  // exactly, whatever they hold: the minimum of kvc::rollback_bound_v over the layer kinds
+  // (kvc::require_rollback).
+  static constexpr std::int64_t rollback_bound = [] {
+    std::int64_t bound = unbounded_rollback;
+    boost::mp11::mp_for_each<boost::mp11::mp_transform<boost::mp11::mp_identity, kinds>>(
+        [&](auto k) { bound = std::min(bound, rollback_bound_v<typename decltype(k)::type>); });
+    return bound;
+  }();
+
   // Picks batch rows by beam index in every layer that holds data (beam search).
   void reorder_cache(std::span<const std::int64_t> beam_idx) {
     before_access(-1);
@@ -1181,5 +1208,19 @@ class Cache<L, S, O> {
   [[no_unique_address]] std::conditional_t<replicated, boost::mp11::mp_front<kinds>, std::monostate> prototype_{};
   [[no_unique_address]] mutable typename O::template engine<S> offload_{};
 };
+
+// Fails to compile unless every layer kind of the cache's type can always drop exactly the last N
+// tokens it was given since its last crop (N <= C::rollback_bound): a speculative decoder that
+// verifies N draft tokens states what it needs once, where the cache type is chosen
+// (docs/rollback.md). At run time, cache.rollback_depth() says how far the cache can roll back now.
+template <std::int64_t N, class C>
+constexpr void require_rollback(const C&) noexcept {
+  static_assert(N >= 0, "kvc::require_rollback<N>: N counts tokens and cannot be negative");
+  static_assert(N <= C::rollback_bound,
+                "kvc::require_rollback<N>: a layer kind of this cache cannot always roll back N tokens exactly "
+                "(its kvc::rollback_bound_v is smaller). Use kvc::SpeculativeSlidingWindowLayer<N> for sliding "
+                "layers; static layers cannot crop; a quantized or linear-attention layer's depth depends on what "
+                "it holds: check cache.rollback_depth() at run time");
+}
 
 }  // namespace kvc

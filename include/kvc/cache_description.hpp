@@ -12,6 +12,7 @@
 // Not included by <kvc/kvc.hpp>: it instantiates a cache type per kind and element type.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -49,15 +50,21 @@ using any_kind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, StaticLay
 inline constexpr std::int64_t max_described_size = max_extent;
 inline constexpr std::size_t max_described_layers = static_cast<std::size_t>(max_layers);
 
-inline std::int64_t described_size(const nlohmann::json& entry, const char* field, const std::string& where) {
+// The size `field` of a described layer, from `lowest` to max_described_size; `absent` is what a
+// layer without the field gets (none: the field is required).
+inline std::int64_t described_size(const nlohmann::json& entry, const char* field, const std::string& where,
+                                   std::int64_t lowest = 1, std::optional<std::int64_t> absent = std::nullopt) {
   const auto it = entry.find(field);
-  if (it == entry.end()) throw ValueError("cache description: " + where + " needs `" + field + "`");
+  if (it == entry.end()) {
+    if (absent) return *absent;
+    throw ValueError("cache description: " + where + " needs `" + field + "`");
+  }
   if (!it->is_number_integer())
     throw ValueError("cache description: " + where + " `" + field + "` must be an integer, got " + json_excerpt(*it));
   const std::optional<std::int64_t> v = json_integer(*it);
-  if (!v || *v < 1 || *v > max_described_size)  // the value as written: 18446744073709551615 is not -1
-    throw ValueError("cache description: " + where + " `" + field + "` must be between 1 and " +
-                     std::to_string(max_described_size) + ", got " + json_excerpt(*it));
+  if (!v || *v < lowest || *v > max_described_size)  // the value as written: 18446744073709551615 is not -1
+    throw ValueError("cache description: " + where + " `" + field + "` must be between " + std::to_string(lowest) +
+                     " and " + std::to_string(max_described_size) + ", got " + json_excerpt(*it));
   return *v;
 }
 
@@ -71,7 +78,8 @@ inline any_kind described_kind(const nlohmann::json& entry, const std::string& w
   const auto name = type->get<std::string>();
   if (name == "DynamicLayer") return DynamicLayer{};
   if (name == "DynamicSlidingWindowLayer")
-    return DynamicSlidingWindowLayer{described_size(object, "sliding_window", where)};
+    return DynamicSlidingWindowLayer{described_size(object, "sliding_window", where),
+                                     described_size(object, "rollback_slack", where, 0, 0)};
   if (name == "StaticLayer") return StaticLayer{described_size(object, "max_cache_len", where)};
   if (name == "StaticSlidingWindowLayer")
     return StaticSlidingWindowLayer{described_size(object, "max_cache_len", where),

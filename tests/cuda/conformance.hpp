@@ -748,9 +748,20 @@ void quantized_kind(Record& rec, const Kind& kind, const std::string& tag, float
   all_v = gather(all_v, {3, 0});
   step(1, "after_select");
 
-  // A crop into the quantized history quantizes what is kept again.
-  cache.crop(-6);
-  len -= 6;
+  // A crop past the residual is refused, nothing changes (no cut of the quantized history is exact:
+  // docs/rollback.md); a crop within it drops the residual's last tokens.
+  const std::int64_t residual = cache.rollback_depth();
+  CHECK(residual == 3);
+  bool threw = false;
+  try {
+    cache.crop(-(residual + 1));
+  } catch (const kvc::RuntimeError&) {
+    threw = true;
+  }
+  CHECK(threw);
+  CHECK(cache.get_seq_length() == len);
+  cache.crop(-2);
+  len -= 2;
   all_k = slice(all_k, 0, len);
   all_v = slice(all_v, 0, len);
   CHECK(cache.get_seq_length() == len);

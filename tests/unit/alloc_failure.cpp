@@ -165,8 +165,8 @@ std::vector<op<C>> layer_ops(const std::vector<std::string>& types, std::int64_t
 }
 
 template <class C>
-void add_dynamic_ops(std::vector<op<C>>& ops) {
-  ops.push_back({"crop(-2)", [](C& c) { c.crop(-2); }});
+void add_dynamic_ops(std::vector<op<C>>& ops, std::int64_t crop = -2) {
+  ops.push_back({"crop(" + std::to_string(crop) + ")", [crop](C& c) { c.crop(crop); }});
   ops.push_back({"reorder_cache({1, 0})", [](C& c) { c.reorder_cache({1, 0}); }});
   ops.push_back({"batch_repeat_interleave(2)", [](C& c) { c.batch_repeat_interleave(2); }});
   ops.push_back({"batch_select_indices({3, 0})", [](C& c) { c.batch_select_indices({3, 0}); }});
@@ -737,7 +737,9 @@ TEST_CASE("make_dynamic_cache, every dynamic kind (full, sliding, linear, hybrid
     return c;
   };
   scenario<C> s{"make_dynamic_cache", make, layer_ops<C>(dynamic_types, 5, 2)};
-  add_dynamic_ops(s.ops);
+  // crop(0): the linear layers' recurrent states cannot roll back (docs/rollback.md), and crop(0)
+  // still rebuilds their conv states
+  add_dynamic_ops(s.ops, 0);
   add_common_ops<C>(s.ops, make);
   s.ops.push_back({"early_initialization after reset", [](C& c) { c.early_initialization(batch, heads, head_dim); }});
   check_every_failure(s);
@@ -754,7 +756,7 @@ TEST_CASE("StaticCache, every static kind (full, sliding, linear, hybrids, index
   check_every_failure(s);
 }
 
-TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop into the history, batch operations") {
+TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop of the residual, batch operations") {
   for (const char* backend : {"quanto", "hqq"}) {
     using C = kvc::QuantizedCache<float>;
     const std::string b = backend;
@@ -766,14 +768,14 @@ TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop into the history, 
     // Decode steps past residual_length quantize everything again.
     scenario<C> s{std::string("QuantizedCache ") + backend, make,
                   layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
-    s.ops.push_back({"crop(-3) into the history", [](C& c) { c.crop(-3); }});
-    add_dynamic_ops(s.ops);
+    add_dynamic_ops(s.ops, -1);  // the residual holds 1 token: 4 decode steps, residual_length 3
     add_common_ops<C>(s.ops, make);
     check_every_failure(s);
   }
 }
 
 TEST_CASE("a hybrid whose attention part is quantized: its crop is prepared in both parts") {
+  // crop(0): the recurrent states cannot roll back; crop(0) still rebuilds the conv states.
   using Hybrid = kvc::LinearAttentionHybrid<kvc::QuantoQuantizedLayer>;
   using C = kvc::Cache<kvc::Layers<Hybrid>>;
   const auto make = [] {
@@ -783,7 +785,7 @@ TEST_CASE("a hybrid whose attention part is quantized: its crop is prepared in b
     return c;
   };
   scenario<C> s{"quantized hybrid", make, layer_ops<C>({"hybrid", "hybrid"}, 5, 4)};
-  s.ops.push_back({"crop(-3) into the history", [](C& c) { c.crop(-3); }});
+  s.ops.push_back({"crop(0)", [](C& c) { c.crop(0); }});
   check_every_failure(s);
 }
 

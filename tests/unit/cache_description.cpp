@@ -37,8 +37,11 @@ TEST_CASE("pre-built layers of any kinds") {
   // Layers are checked in order, as transformers' Cache.crop visits them: layer 1's window is full
   // and not recording, layer 2 cannot crop at all.
   CHECK_THROWS_AS(cache.crop(-1), kvc::RuntimeError);
+  // Recording from now on does not bring back the token that left layer 1's window: crop(-1) stays
+  // refused there (docs/rollback.md); crop(0) passes it and stops at layer 2.
   cache.activate_past_recording();
-  CHECK_THROWS_WITH_AS(cache.crop(-1), "'StaticLayer' object has no attribute 'crop'", kvc::AttributeError);
+  CHECK_THROWS_AS(cache.crop(-1), kvc::RuntimeError);
+  CHECK_THROWS_WITH_AS(cache.crop(0), "'StaticLayer' object has no attribute 'crop'", kvc::AttributeError);
   CHECK(cache.get_seq_length(0) == 3);
 }
 
@@ -83,6 +86,10 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
                        "cache description: `layers[0]` needs `max_cache_len`", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layer_class_to_replicate": {"type": "DynamicSlidingWindowLayer"}})"),
                        "cache description: `layer_class_to_replicate` needs `sliding_window`", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      cache_from_description(
+          R"({"layers": [{"type": "DynamicSlidingWindowLayer", "sliding_window": 4, "rollback_slack": -1}]})"),
+      "cache description: `layers[0]` `rollback_slack` must be between 0 and 1099511627776, got -1", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [7]})"),
                        "cache description: `layers[0]` must be a kind name or an object, got 7", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [{"kind": "x"}]})"),
@@ -114,4 +121,18 @@ TEST_CASE("hostile descriptions: deep nesting, and a buffer above the allocation
                        kvc::ValueError);
   CHECK_FALSE(cache.is_initialized());
   CHECK(cache.bytes() == 0);
+}
+
+TEST_CASE("a sliding layer's rollback_slack: kept past the window, so that crop(-n) up to it is exact") {
+  auto cache = kvc::cache_from_description(
+      R"({"layers": [{"type": "DynamicSlidingWindowLayer", "sliding_window": 4, "rollback_slack": 2}]})");
+  std::mt19937 rng(5);
+  const auto k = kvc_test::random_tensor<float>(1, 1, 8, 2, rng);
+  cache.update(k, k, 0);
+  CHECK(cache.get_seq_length() == 8);
+  CHECK(cache.rollback_depth() == 2);
+  cache.crop(-2);  // the window slid, yet 2 tokens come back exactly (docs/rollback.md)
+  CHECK(cache.get_seq_length() == 6);
+  CHECK(kvc_test::flatten(cache.stored<float>(0).keys) == kvc_test::slice_seq(k, 3, 3));
+  CHECK_THROWS_AS(cache.crop(-1), kvc::RuntimeError);
 }

@@ -128,9 +128,15 @@ TEST_CASE("crop of linear layers: both RuntimeError texts, crop(0) shrinks to th
   rec.visit_layer(0, [](const auto& l) {
     if constexpr (requires { l.conv_state(0); }) CHECK(columns(l.conv_state(0)) == std::vector<float>{1, 2, 3, 4});
   });
-  rec.crop(-10);
+  // The first crop kept only the kernel's columns before its cut: nothing recorded since can be
+  // taken back, and the layer cannot tell a crop past everything it saw (docs/rollback.md).
+  CHECK(rec.rollback_depth() == 0);
+  CHECK_THROWS_AS(rec.crop(-10), kvc::RuntimeError);
+  rec.update_conv_state(conv_input(1, 1, 2, 8), 0);  // 2 more columns: those 2 can go again
+  CHECK(rec.rollback_depth() == 2);
+  rec.crop(-2);
   rec.visit_layer(0, [](const auto& l) {
-    if constexpr (requires { l.conv_state(0); }) CHECK(l.conv_state(0).size() == 0);
+    if constexpr (requires { l.conv_state(0); }) CHECK(columns(l.conv_state(0)) == std::vector<float>{1, 2, 3, 4});
   });
 }
 

@@ -193,8 +193,10 @@ TEST_CASE_TEMPLATE("a decode loop over every layer, every element type", T, floa
   CHECK(cache.batch_size() == 2);
   cache.batch_select_indices({1});
   CHECK(cache.batch_size() == 1);
-  cache.crop(-25);
-  CHECK(cache.get_seq_length(1) == 15);
+  CHECK(cache.rollback_depth() == 4);  // the residual's tokens: 20 decode steps, residual_length 8
+  CHECK_THROWS_AS(cache.crop(-25), kvc::RuntimeError);
+  cache.crop(-3);
+  CHECK(cache.get_seq_length(1) == 37);
   cache.reset();
   CHECK(cache.get_seq_length() == 0);
   CHECK(cache.bytes() == 0);

@@ -534,7 +534,7 @@ TEST_CASE_TEMPLATE("reorder_cache and batch operations on quantized data are exa
   }
 }
 
-TEST_CASE("crop: from the residual, into the quantized history, positive and past the start") {
+TEST_CASE("crop: from the residual, positive, and refused past the residual (docs/rollback.md)") {
   // Grid data: keys (groups along head_dim, 16 levels per row) come back exactly, so the outputs
   // can be compared exactly; values use groups along seq (partial groups: 4-bit error).
   const auto prefill = grid<float>(2, 2, 0, 8, 16, 4);
@@ -556,35 +556,28 @@ TEST_CASE("crop: from the residual, into the quantized history, positive and pas
     const auto kv = c.update(token(9), token(9), 0);
     CHECK(flatten(kv.keys) == kvc_test::slice_seq(all, 0, 10));
   }
-  SUBCASE("into the quantized history") {
+  SUBCASE("into the quantized history: refused, nothing changes") {
     auto c = fresh();
-    c.crop(-5);
-    CHECK(c.get_seq_length() == 5);
-    CHECK(residual_tokens(c) == 0);
-    CHECK(quantized_tokens(c) == 5);
-    const auto kv = c.update(token(5), token(5), 0);
-    CHECK(kv.keys.extent(2) == 6);
-    CHECK(flatten(kv.keys) == kvc_test::slice_seq(all, 0, 6));
-    CHECK(rel_rms(kv.values, all, 5) < 0.05);
-    CHECK(flatten(kv.values).back() == kvc_test::slice_seq(all, 5, 1).back());
+    const auto before = kvc_test::take_snapshot(c);
+    CHECK_THROWS_WITH_AS(
+        c.crop(-5),
+        "`crop` would remove 5 tokens, but this QuantoQuantizedLayer can roll back only 2 exactly (the "
+        "tokens of its full-precision residual; the quantized history cannot be cut exactly)",
+        kvc::RuntimeError);
+    CHECK_THROWS_AS(c.crop(-100), kvc::RuntimeError);
+    CHECK_THROWS_AS(c.crop(7), kvc::RuntimeError);  // a positive count that keeps 7 removes 3
+    CHECK(kvc_test::take_snapshot(c) == before);
+    CHECK(c.rollback_depth() == 2);
   }
   SUBCASE("positive: the deprecated absolute length, with DynamicLayer's warning") {
     kvc_test::captured_warnings w;
     auto c = fresh();
-    c.crop(7);
-    CHECK(c.get_seq_length() == 7);
+    c.crop(9);
+    CHECK(c.get_seq_length() == 9);
     REQUIRE(w.messages.size() == 1);
     CHECK(w.messages[0] == kvc::positive_crop_deprecation);
     c.crop(50);  // longer than held: nothing changes
-    CHECK(c.get_seq_length() == 7);
-  }
-  SUBCASE("past the start: empty, and the next update starts afresh") {
-    auto c = fresh();
-    c.crop(-100);
-    CHECK(c.get_seq_length() == 0);
-    const auto kv = c.update(token(0), token(0), 0);
-    CHECK(kv.keys.extent(2) == 1);
-    CHECK(flatten(kv.keys) == kvc_test::slice_seq(token(0), 0, 1));
+    CHECK(c.get_seq_length() == 9);
   }
   SUBCASE("crop(0) and an uninitialized layer: no-op") {
     auto c = fresh();
@@ -824,26 +817,12 @@ TEST_CASE("append_only: each flush quantizes the residual and the new tokens as 
 
   const auto first = chunk_codes(c, 0), second = chunk_codes(c, 1);
   REQUIRE(chunk_ends.size() >= 3);
-  SUBCASE("crop into a chunk quantizes that chunk's prefix again; the chunks before it stay as they are") {
-    const std::int64_t keep = chunk_ends[1] + 2;
-    c.crop(keep - c.get_seq_length());
-    CHECK(c.get_seq_length() == keep);
-    CHECK(residual_tokens(c) == 0);
-    CHECK(quantized_tokens(c) == keep);
-    REQUIRE(chunk_count(c) == 3);
+  SUBCASE("crop into the history is refused, at a chunk's start too: the chunks stay as they are") {
+    CHECK_THROWS_AS(c.crop(chunk_ends[1] + 2 - c.get_seq_length()), kvc::RuntimeError);
+    CHECK_THROWS_AS(c.crop(chunk_ends[0] - c.get_seq_length()), kvc::RuntimeError);
+    REQUIRE(chunk_count(c) == chunk_ends.size());
     CHECK(chunk_codes(c, 0) == first);
     CHECK(chunk_codes(c, 1) == second);
-    const auto k = gaussian<float>(2, 2, 1, 8, rng), v = gaussian<float>(2, 2, 1, 8, rng);
-    const auto kv = c.update(k, v, 0);
-    CHECK(kv.keys.extent(2) == keep + 1);
-    CHECK(rel_rms(kv.keys, ks, keep) < 0.35);
-    CHECK(flatten(kv.values).back() == kvc_test::slice_seq(v, 0, 1).back());
-  }
-  SUBCASE("crop at a chunk's start drops the chunks from there, nothing is quantized again") {
-    c.crop(chunk_ends[0] - c.get_seq_length());
-    CHECK(c.get_seq_length() == chunk_ends[0]);
-    REQUIRE(chunk_count(c) == 1);
-    CHECK(chunk_codes(c, 0) == first);
   }
   SUBCASE("batch reorder moves every chunk's rows") {
     auto swapped = c;

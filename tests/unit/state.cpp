@@ -315,9 +315,9 @@ TEST_CASE("kvc::load names what differs, and leaves the cache as it was") {
   SUBCASE("not kvc's, another version, truncated, corrupted") {
     CHECK(load_error(target, "GGUF and more bytes") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     CHECK(load_error(target, "") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
-    std::string v2 = bytes;
-    v2[8] = 2;
-    CHECK(load_error(target, v2) == "kvc::load: the state has format version 2, and this kvc reads version 1");
+    std::string v1 = bytes;
+    v1[8] = 1;  // before sliding layers saved their rollback_slack and linear layers their crops
+    CHECK(load_error(target, v1) == "kvc::load: the state has format version 1, and this kvc reads version 2");
     const std::string cut = bytes.substr(0, bytes.size() - 100);
     CHECK(load_error(target, cut) == "kvc::load: the file is truncated: it announces " +
                                          std::to_string(bytes.size() - 32) + " bytes of state and a checksum, and " +
@@ -665,7 +665,7 @@ struct pipe_buf : std::streambuf {
 // A file around `payload`, announcing `length` bytes of it (no checksum: a stream that ends early).
 std::string file_around(const std::string& payload, std::int64_t length) {
   std::string f = "KVCSTATE";
-  const std::int64_t head[2] = {1, length};
+  const std::int64_t head[2] = {kvc::detail::state_format_version, length};
   f.append(reinterpret_cast<const char*>(head), sizeof head);
   return f + payload;
 }

@@ -30,6 +30,11 @@ void dense_caches() {
   kvc::DynamicCache<T> dynamic;
   (void)kvc::attend(dynamic, 0, q, k, v);
   dynamic.crop(-1);
+  kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::SpeculativeSlidingWindowLayer<2>>, kvc::HostStorage<T>> speculative(
+      kvc::DynamicLayer{}, kvc::SpeculativeSlidingWindowLayer<2>{{.sliding_window = 4}});
+  kvc::require_rollback<2>(speculative);
+  (void)speculative.update(k, v, 1);
+  if (speculative.rollback_depth() >= 2) speculative.crop(-2);
   kvc::StaticCache<T> fixed(model(), 32);
   (void)fixed.update(k, v, 0);
   auto from_config = kvc::make_dynamic_cache<T>(model());

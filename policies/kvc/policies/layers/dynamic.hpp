@@ -12,6 +12,7 @@
 
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/policies/layers/crop_plan.hpp>
 #include <kvc/policies/layers/kinds.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 #include <kvc/warnings.hpp>
@@ -25,12 +26,8 @@ inline constexpr std::string_view positive_crop_deprecation =
 
 namespace detail {
 inline std::int64_t dynamic_crop_count(std::int64_t tokens_to_remove, std::int64_t len) {
-  if (tokens_to_remove > 0) {
-    warn_once(positive_crop_deprecation);
-    return tokens_to_remove >= len ? 0 : len - tokens_to_remove;
-  }
-  if (tokens_to_remove == 0) return 0;
-  return tokens_to_remove < -len ? len : -tokens_to_remove;
+  if (tokens_to_remove > 0) warn_once(positive_crop_deprecation);
+  return crop_count(tokens_to_remove, len);
 }
 
 inline constexpr std::int64_t min_dynamic_capacity = 16;
@@ -126,6 +123,9 @@ class DynamicLayer::state {
   void check_crop(std::int64_t tokens_to_remove) const {
     if (initialized_ && tokens_to_remove > 0) warn_once(positive_crop_deprecation);
   }
+  // Returns kvc::unbounded_rollback: the layer keeps every token, so crop(-n) is exact for every n
+  // (docs/rollback.md).
+  std::int64_t rollback_depth() const noexcept { return unbounded_rollback; }
   // Negative: removes the last -tokens_to_remove tokens (all of them, if there are fewer).
   // Positive (deprecated, with a warning): keeps the first tokens_to_remove tokens. Does nothing
   // on a layer without a shape.

@@ -62,6 +62,8 @@ class DynamicIndexedLayer::state
   // Checks that crop(tokens_to_remove) can run, as the K/V part's DynamicLayer does (a positive
   // count gives the deprecation warning here).
   void check_crop(std::int64_t tokens_to_remove) const { attn_.check_crop(tokens_to_remove); }
+  // Returns kvc::unbounded_rollback: both parts keep every token (docs/rollback.md).
+  std::int64_t rollback_depth() const noexcept { return unbounded_rollback; }
   // transformers' DynamicIndexedLayer.crop: the K/V part as a DynamicLayer, then the indexer keys
   // by the same rule on their own length (so crop(-n) with n >= length empties them).
   void crop(std::int64_t tokens_to_remove) {

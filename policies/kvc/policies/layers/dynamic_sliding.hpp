@@ -20,8 +20,8 @@
 namespace kvc {
 
 // DynamicSlidingWindowLayer's layer over storage S (transformers' DynamicSlidingWindowLayer):
-// keeps the last sliding_window - 1 tokens in a buffer of about twice the window, or every token
-// once activate_past_recording was called.
+// keeps the last sliding_window - 1 tokens (and rollback_slack more) in a buffer of about twice
+// that, or every token once activate_past_recording was called.
 template <class S>
 class DynamicSlidingWindowLayer::state {
  public:
@@ -40,14 +40,17 @@ class DynamicSlidingWindowLayer::state {
   // The kind's name, as transformers names the class (saved states record it).
   static constexpr std::string_view name = "DynamicSlidingWindowLayer";
 
-  // An empty layer with the kind's window. Throws kvc::ValueError unless
-  // 1 <= sliding_window <= kvc::max_extent.
-  explicit state(const DynamicSlidingWindowLayer& kind) : window_(kind.sliding_window) {
+  // An empty layer with the kind's window and slack. Throws kvc::ValueError unless
+  // 1 <= sliding_window <= kvc::max_extent and 0 <= rollback_slack <= kvc::max_extent.
+  explicit state(const DynamicSlidingWindowLayer& kind) : window_(kind.sliding_window), slack_(kind.rollback_slack) {
     detail::check_size("DynamicSlidingWindowLayer: sliding_window", window_, 1, max_extent);
+    detail::check_size("DynamicSlidingWindowLayer: rollback_slack", slack_, 0, max_extent);
   }
 
   // Returns the window W.
   std::int64_t sliding_window() const noexcept { return window_; }
+  // Returns the slack R: how many tokens the layer keeps past its window.
+  std::int64_t rollback_slack() const noexcept { return slack_; }
   // Whether activate_past_recording was called (the layer then keeps every token).
   bool records_past() const noexcept { return record_past_; }
   // Whether the layer has a shape (from lazy_initialization or its first update).
@@ -82,7 +85,7 @@ class DynamicSlidingWindowLayer::state {
         record_past_
             ? std::max(2 * needed, detail::min_dynamic_capacity)
             : std::max(needed, std::min(std::max({2 * needed, 2 * store_.capacity(), detail::min_dynamic_capacity}),
-                                        std::max(2 * window_, detail::min_dynamic_capacity)));
+                                        std::max(2 * (window_ + slack_), detail::min_dynamic_capacity)));
     std::int64_t base = 0;
     if (!initialized_) {
       detail::kv_store<S> fresh(detail::shape_of(k, v), grow, false);
@@ -96,7 +99,7 @@ class DynamicSlidingWindowLayer::state {
     const std::int64_t total = len_ + q;
     const std::int64_t returned = std::min(kv_length, total);  // exactly what get_mask_sizes advertised
     cumulative_ += q;
-    const std::int64_t keep = record_past_ ? total : std::min(total, window_ - 1);
+    const std::int64_t keep = record_past_ ? total : std::min(total, window_ - 1 + slack_);
     start_ = base + total - keep;
     len_ = keep;
     return store_.kv(base + total - returned, returned);
@@ -113,16 +116,24 @@ class DynamicSlidingWindowLayer::state {
   // Returns the window W.
   std::int64_t get_max_length() const noexcept { return window_; }
 
+  // How many of its last tokens the layer can drop exactly (docs/rollback.md): every token while it
+  // has dropped none (kvc::unbounded_rollback, recording its past keeps them all), else the tokens
+  // it holds past the window: up to rollback_slack (0 for transformers' layer).
+  std::int64_t rollback_depth() const noexcept {
+    return len_ == cumulative_ ? unbounded_rollback : len_ - (window_ - 1);
+  }
+
   // Checks that crop(tokens_to_remove) can run, changing nothing. Once W tokens were seen, throws
-  // kvc::RuntimeError unless activate_past_recording was called and tokens_to_remove <= 0; before
-  // that, a positive count gives the deprecation warning here.
+  // kvc::RuntimeError unless activate_past_recording was called or the layer has a slack, unless
+  // tokens_to_remove <= 0, and when it would remove more than rollback_depth() tokens; before that,
+  // a positive count gives the deprecation warning here.
   void check_crop(std::int64_t tokens_to_remove) const {
     if (!initialized_) return;
     if (cumulative_ < window_) {
       if (tokens_to_remove > 0) warn_once(positive_crop_deprecation);  // before any layer changes
       return;
     }
-    if (!record_past_)
+    if (!record_past_ && slack_ == 0)
       throw RuntimeError(
           "`crop` was called, but the current layer does not track past states, and the sliding window size was "
           "already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache.");
@@ -130,6 +141,8 @@ class DynamicSlidingWindowLayer::state {
       throw RuntimeError(
           "Once the sliding window size has been reached, `DynamicSlidingWindowLayer` can only be cropped by "
           "passing a negative int, to specify how many tokens to remove");
+    detail::check_rollback(name, detail::crop_count(tokens_to_remove, cumulative_), rollback_depth(),
+                           "the tokens it keeps past its window: rollback_slack, or every token while recording");
   }
 
   // Negative: removes the last -tokens_to_remove tokens; positive (deprecated, before the window is
@@ -142,11 +155,11 @@ class DynamicSlidingWindowLayer::state {
       cumulative_ = len_;
       return;
     }
-    // Past the window, with recording: keep the window - 1 tokens before the last n removed ones.
-    // min(-tokens_to_remove, cumulative_), without negating INT64_MIN.
-    const std::int64_t n = tokens_to_remove <= -cumulative_ ? cumulative_ : -tokens_to_remove;
+    // Past the window: removes the last n tokens; recording then keeps the window - 1 tokens before
+    // them (as transformers), a slack keeps what it holds (n <= rollback_depth(), so at least W - 1).
+    const std::int64_t n = detail::crop_count(tokens_to_remove, cumulative_);  // tokens_to_remove <= 0 here
     const std::int64_t stop = std::max<std::int64_t>(len_ - n, 0);
-    const std::int64_t first = std::max<std::int64_t>(stop - (window_ - 1), 0);
+    const std::int64_t first = record_past_ ? std::max<std::int64_t>(stop - (window_ - 1), 0) : 0;
     start_ += first;
     len_ = stop - first;
     cumulative_ -= n;
@@ -166,8 +179,12 @@ class DynamicSlidingWindowLayer::state {
     store_.for_each_buffer(f);
   }
 
-  // Returns the tokens held, K and V: the last W - 1, or every token while recording the past.
-  KV<view> stored() const noexcept { return store_.kv(start_, len_); }
+  // Returns the tokens held, K and V: the last W - 1 (the slack's tokens are not shown: they come
+  // back into view only through a crop), or every token while recording the past.
+  KV<view> stored() const noexcept {
+    const std::int64_t shown = record_past_ ? len_ : std::min(len_, window_ - 1);
+    return store_.kv(start_ + len_ - shown, shown);
+  }
 
   // Returns a copy whose batch entry i is entry batch_indices[i] of this layer (the Cache checks
   // the indices).
@@ -178,19 +195,20 @@ class DynamicSlidingWindowLayer::state {
   }
 
   // Saved state (docs/state.md); a loaded layer holds its tokens at the front of its buffer.
-  DynamicSlidingWindowLayer kind() const noexcept { return {window_}; }
+  DynamicSlidingWindowLayer kind() const noexcept { return {window_, slack_}; }
   // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
   // kvc::StateError when the window differs or the saved counters are inconsistent.
   template <class A>
   void transfer(A& ar) {
     ar.param("sliding_window", window_);
+    ar.param("rollback_slack", slack_);
     ar.value(initialized_);
     ar.value(record_past_);
     ar.value(len_);
     ar.value(cumulative_);
     ar.check(len_ >= 0 && len_ <= cumulative_ && cumulative_ <= max_extent && (initialized_ || cumulative_ == 0),
              "the token counts");
-    ar.check(record_past_ || len_ <= window_ - 1, "more tokens than the window keeps");
+    ar.check(record_past_ || len_ <= window_ - 1 + slack_, "more tokens than the window keeps");
     ar.kv(store_, start_, len_, len_);
     if constexpr (A::loading) start_ = 0;
   }
@@ -198,6 +216,7 @@ class DynamicSlidingWindowLayer::state {
  private:
   state(const state& o, int)
       : window_(o.window_),
+        slack_(o.slack_),
         start_(o.start_),
         len_(o.len_),
         cumulative_(o.cumulative_),
@@ -205,12 +224,40 @@ class DynamicSlidingWindowLayer::state {
         initialized_(o.initialized_) {}
 
   std::int64_t window_;
+  std::int64_t slack_;
   detail::kv_store<S> store_;
   std::int64_t start_ = 0;  // the stored tokens are slots [start_, start_ + len_)
   std::int64_t len_ = 0;
   std::int64_t cumulative_ = 0;  // tokens seen
   bool record_past_ = false;
   bool initialized_ = false;
+};
+
+// SpeculativeSlidingWindowLayer<R>'s layer over storage S: a DynamicSlidingWindowLayer state whose
+// rollback_slack is at least R.
+template <std::int64_t R>
+template <class S>
+class SpeculativeSlidingWindowLayer<R>::state : public DynamicSlidingWindowLayer::state<S> {
+  using base = DynamicSlidingWindowLayer::state<S>;
+
+ public:
+  // The layer kind this state belongs to.
+  using kind_type = SpeculativeSlidingWindowLayer<R>;
+
+  // An empty layer with the kind's window and a slack of max(R, rollback_slack). Throws
+  // kvc::ValueError as DynamicSlidingWindowLayer does.
+  explicit state(const SpeculativeSlidingWindowLayer& kind) : base(with_slack(kind)) {}
+
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer.
+  state gathered(std::span<const std::int64_t> batch_indices) const { return state(base::gathered(batch_indices)); }
+  // The kind with this layer's window and slack (saved states).
+  SpeculativeSlidingWindowLayer kind() const noexcept { return {base::kind()}; }
+
+ private:
+  explicit state(base&& b) : base(std::move(b)) {}
+  static DynamicSlidingWindowLayer with_slack(const SpeculativeSlidingWindowLayer& kind) noexcept {
+    return {kind.sliding_window, std::max(kind.rollback_slack, R)};
+  }
 };
 
 }  // namespace kvc

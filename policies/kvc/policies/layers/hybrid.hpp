@@ -143,6 +143,12 @@ class LinearAttentionHybrid<Attention>::state
     linear_.activate_past_recording();
     if constexpr (concepts::supports_past_recording<attention_state>) attn_.activate_past_recording();
   }
+  // The smaller of the two parts' rollback depths (docs/rollback.md).
+  std::int64_t rollback_depth() const noexcept
+    requires concepts::supports_crop<attention_state>
+  {
+    return std::min(linear_.rollback_depth(), attn_.rollback_depth());
+  }
   // Checks that crop(n) can run in both parts, changing nothing; throws kvc::RuntimeError as their
   // check_crop does.
   void check_crop(std::int64_t n) const

@@ -6,6 +6,7 @@
 // them. Layers<...> and Replicate<...> are the two layer policies (docs/policies/layers.md).
 
 #include <cstdint>
+#include <limits>
 
 #include <boost/mp11/list.hpp>
 
@@ -24,6 +25,23 @@ struct DynamicLayer {
 struct DynamicSlidingWindowLayer {
   // The window W: the layer keeps the last W - 1 tokens (1 <= W <= kvc::max_extent).
   std::int64_t sliding_window = 0;
+  // kvc's option R: the layer keeps R tokens more than the window, so that crop(-n) with n <= R
+  // stays exact once the window has slid (docs/rollback.md). Attention still sees the window only.
+  // 0 (transformers' layer) to kvc::max_extent.
+  std::int64_t rollback_slack = 0;
+
+  template <class S>
+  class state;
+};
+
+// A DynamicSlidingWindowLayer that keeps at least R tokens past its window (its rollback_slack is
+// raised to R), with R in the type: a cache of such layers can promise at compile time that the
+// last R tokens it was given can be taken back exactly (kvc::require_rollback, docs/rollback.md),
+// as a speculative decoder verifying R draft tokens needs. Same options and state as
+// DynamicSlidingWindowLayer; saved states name it DynamicSlidingWindowLayer.
+template <std::int64_t R>
+struct SpeculativeSlidingWindowLayer : DynamicSlidingWindowLayer {
+  static_assert(R >= 0, "kvc::SpeculativeSlidingWindowLayer<R>: R counts tokens and cannot be negative");
 
   template <class S>
   class state;
@@ -106,6 +124,29 @@ using LinearAttentionAndStaticFullAttentionLayer = LinearAttentionHybrid<StaticL
 // transformers' LinearAttentionAndStaticSlidingWindowAttentionLayer: a linear part and a
 // StaticSlidingWindowLayer.
 using LinearAttentionAndStaticSlidingWindowAttentionLayer = LinearAttentionHybrid<StaticSlidingWindowLayer>;
+
+// ---- rollback: how far back a layer can be cropped exactly (docs/rollback.md) ------------------
+
+// The rollback depth of a layer that can drop any number of its last tokens exactly: crop(-n)
+// removes min(n, held) tokens and leaves what a layer that never saw them would hold.
+inline constexpr std::int64_t unbounded_rollback = std::numeric_limits<std::int64_t>::max();
+
+// How many of the tokens given since its last crop a layer of kind Kind can always drop exactly,
+// whatever it holds: unbounded_rollback for the kinds that keep every token (DynamicLayer,
+// DynamicIndexedLayer), R for SpeculativeSlidingWindowLayer<R>, 0 for the others (their depth is
+// known at run time: a layer's rollback_depth()). A cache's bound is the minimum over its kinds
+// (kvc::Cache::rollback_bound, kvc::require_rollback).
+template <class Kind>
+inline constexpr std::int64_t rollback_bound_v = 0;
+// A DynamicLayer keeps every token: any crop is exact.
+template <>
+inline constexpr std::int64_t rollback_bound_v<DynamicLayer> = unbounded_rollback;
+// A DynamicIndexedLayer keeps every token and every indexer key: any crop is exact.
+template <>
+inline constexpr std::int64_t rollback_bound_v<DynamicIndexedLayer> = unbounded_rollback;
+// A SpeculativeSlidingWindowLayer<R> keeps R tokens past its window.
+template <std::int64_t R>
+inline constexpr std::int64_t rollback_bound_v<SpeculativeSlidingWindowLayer<R>> = R;
 
 // ---- the layer policies ----------------------------------------------------------------------
 

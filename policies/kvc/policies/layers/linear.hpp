@@ -223,8 +223,24 @@ class LinearAttentionLayer::state {
     return s.rec.view();
   }
 
+  // How many of its last tokens the layer can drop exactly (docs/rollback.md): 0 before
+  // activate_past_recording and once a recurrent state was written (an update overwrites it, so
+  // the state before the last tokens is gone); otherwise every token (kvc::unbounded_rollback:
+  // recorded conv states keep every column), or, once a crop kept only the kernel's columns before
+  // its cut, the columns recorded past those.
+  std::int64_t rollback_depth() const noexcept {
+    if (!record_past_) return 0;
+    std::int64_t depth = unbounded_rollback;
+    for (const slot& s : slots_) {
+      if (s.rec.initialized) return 0;
+      if (s.trimmed) depth = std::min(depth, s.conv.last() - s.kernel);
+    }
+    return depth;
+  }
+
   // Checks that crop(tokens_to_remove) can run, changing nothing: throws kvc::RuntimeError unless
-  // activate_past_recording was called and tokens_to_remove <= 0.
+  // activate_past_recording was called and tokens_to_remove <= 0, and when it would remove more
+  // tokens than rollback_depth() (a recurrent state cannot roll back).
   void check_crop(std::int64_t tokens_to_remove) const {
     if (!record_past_)
       throw RuntimeError(
@@ -234,10 +250,14 @@ class LinearAttentionLayer::state {
       throw RuntimeError(
           "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to "
           "remove");
+    // -tokens_to_remove without negating INT64_MIN
+    detail::check_rollback(name, tokens_to_remove < -max_extent ? max_extent : -tokens_to_remove, rollback_depth(),
+                           "its recurrent states hold only the last update");
   }
 
   // Rolls the recorded conv states back by -tokens_to_remove columns and keeps the kernel size
-  // before that point (crop(0) shrinks them to the kernel size). Recurrent states cannot roll back.
+  // before that point (crop(0) shrinks them to the kernel size). Throws kvc::RuntimeError as
+  // check_crop does, changing nothing.
   void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
 
  private:
@@ -259,6 +279,7 @@ class LinearAttentionLayer::state {
       detail::dense_state<S> c = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0}, false);
       S::copy_2d(c.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
       s.conv = std::move(c);
+      s.trimmed = s.trimmed || start > 0;
     }
     return next;
   }
@@ -271,6 +292,7 @@ class LinearAttentionLayer::state {
       for (detail::dense_state<S>* d : {&s.conv, &s.rec, &s.full})
         if (d->data.size() > 0) S::zero_2d(d->data.data(), d->data.size(), d->data.size(), 1);
       s.has_previous_state = false;
+      s.trimmed = false;
     }
   }
 
@@ -309,12 +331,14 @@ class LinearAttentionLayer::state {
     for (slot& s : slots_) {
       ar.value(s.kernel);
       ar.value(s.has_previous_state);
+      ar.value(s.trimmed);
       s.conv.transfer(ar);
       s.rec.transfer(ar);
       if constexpr (A::loading) {
         s.full = detail::dense_state<S>();
         ar.check(s.kernel >= 0 && s.kernel <= max_extent && (!s.conv.initialized || s.conv.rank == 3) &&
-                     (!s.rec.initialized || s.rec.rank >= 1),
+                     (!s.rec.initialized || s.rec.rank >= 1) &&
+                     (!s.trimmed || (s.conv.initialized && s.conv.last() >= s.kernel)),
                  "a linear-attention state's shape");
       }
     }
@@ -332,6 +356,7 @@ class LinearAttentionLayer::state {
     detail::dense_state<S> full;  // what the last update_conv_state returned (while recording: conv)
     std::int64_t kernel = 0;
     bool has_previous_state = false;
+    bool trimmed = false;  // a crop dropped recorded columns: those held are no longer every one seen
   };
 
   // A tensor of that shape, zeroed unless the caller writes every element itself.

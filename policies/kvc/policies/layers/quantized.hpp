@@ -117,22 +117,6 @@ class quantized_history {
     }
   }
 
-  // The chunk holding token t (t < tokens()) and where that chunk starts.
-  std::pair<std::size_t, std::int64_t> find(std::int64_t t) const noexcept {
-    std::int64_t start = 0;
-    std::size_t i = 0;
-    while (start + chunks_[i].tokens() <= t) start += chunks_[i++].tokens();
-    return {i, start};
-  }
-
-  // Keeps the first `keep` chunks, then `last` if given (at most as many chunks as before).
-  void truncate(std::size_t keep, std::optional<QT>&& last) noexcept {
-    chunks_.erase(chunks_.begin() + static_cast<std::ptrdiff_t>(keep), chunks_.end());
-    if (last) chunks_.push_back(std::move(*last));  // within the capacity the erase left
-    tokens_ = 0;
-    for (const QT& c : chunks_) tokens_ += c.tokens();
-  }
-
   // Saved state (docs/state.md): the chunks one after the other.
   template <class A>
   void transfer(A& ar) {
@@ -414,52 +398,29 @@ struct QuantizedLayer {
     // Returns -1: the layer has no maximum length.
     std::int64_t get_max_length() const noexcept { return -1; }
 
-    // Accepts every crop: does nothing.
-    void check_crop(std::int64_t) const noexcept {}
-    // Negative: removes -n tokens from the end, across the residual and the quantized history
-    // (a cut into a chunk of the history dequantizes that chunk, truncates and quantizes it again;
-    // the chunks after it go, the ones before stay as they are). Positive: the
-    // deprecated absolute length (with DynamicLayer's warning).
-    void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
-
-    // crop in two steps (Cache::crop prepares every layer before it changes any): what can throw
-    // (the history quantized again) happens in prepare_crop, which changes nothing.
-    struct crop_plan {
-      std::int64_t count = 0;       // tokens removed
-      bool cuts_history = false;    // more than the residual
-      std::size_t keep_chunks = 0;  // the history's chunks kept whole
-      // The chunk cut short, quantized again: its K (keys) and its V (values).
-      std::optional<detail::quantized_tensor_t<S, meta_type>> keys, values;  // the chunk cut short
-    };
-    // Works out crop(tokens_to_remove) and quantizes the chunk it cuts into again, aside; changes
-    // nothing (an allocation that fails throws kvc::MemoryError).
-    crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
-      crop_plan plan;
-      if (!initialized_) return plan;
-      plan.count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
-      if (plan.count <= rlen_) return plan;
-      const std::int64_t keep = cumulative_ - plan.count;  // < quantized_tokens()
-      const auto [chunk, start] = qk_.find(keep);
-      plan.cuts_history = true;
-      plan.keep_chunks = chunk;
-      if (keep > start) {
-        plan.keys = requantized(qk_.chunk(chunk), keep - start, shape_.key_head_dim, opts_.axis_key);
-        plan.values = requantized(qv_.chunk(chunk), keep - start, shape_.value_head_dim, opts_.axis_value);
-      }
-      return plan;
+    // How many of its last tokens the layer can drop exactly (docs/rollback.md): those of its
+    // full-precision residual, or every token while nothing is quantized (kvc::unbounded_rollback).
+    // A cut into the quantized history cannot be exact: the codes of a group depend on every value in
+    // it, so a chunk cut short and quantized again differs from the chunk a cache that never saw the
+    // cut tokens would hold.
+    std::int64_t rollback_depth() const noexcept { return qk_.tokens() == 0 ? unbounded_rollback : rlen_; }
+    // Checks that crop(tokens_to_remove) can run, changing nothing: throws kvc::RuntimeError when it
+    // would remove more than rollback_depth() tokens; a positive count gives the deprecation warning.
+    void check_crop(std::int64_t tokens_to_remove) const {
+      if (!initialized_) return;
+      detail::check_rollback(Codec::layer_name, detail::crop_count(tokens_to_remove, cumulative_), rollback_depth(),
+                             "the tokens of its full-precision residual; the quantized history cannot be cut exactly");
+      if (tokens_to_remove > 0) warn_once(positive_crop_deprecation);
     }
-    // Applies a plan from prepare_crop. Cannot throw.
-    void commit_crop(crop_plan&& plan) noexcept {
-      if (plan.count == 0) return;
-      cumulative_ -= plan.count;
-      if (!plan.cuts_history) {
-        rlen_ -= plan.count;  // the workspace's prefix stays what it was
-        return;
-      }
-      qk_.truncate(plan.keep_chunks, std::move(plan.keys));
-      qv_.truncate(plan.keep_chunks, std::move(plan.values));
-      rlen_ = 0;
-      ws_fresh_ = false;
+    // Negative: removes the last -tokens_to_remove tokens from the residual. Positive: the deprecated
+    // absolute length (with DynamicLayer's warning). Throws kvc::RuntimeError as check_crop does,
+    // changing nothing.
+    void crop(std::int64_t tokens_to_remove) {
+      check_crop(tokens_to_remove);
+      if (!initialized_) return;
+      const std::int64_t count = detail::dynamic_crop_count(tokens_to_remove, cumulative_);
+      cumulative_ -= count;
+      rlen_ -= count;  // the workspace's prefix stays what it was
     }
 
     // Drops everything: the next update starts afresh and may have another shape.
@@ -563,16 +524,6 @@ struct QuantizedLayer {
       return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
                                              x.data(), x.extent(0), x.extent(1), x.extent(2), x.extent(3), x.stride(0),
                                              x.stride(1));
-    }
-
-    // The first `keep` tokens of `t`, dequantized and quantized again.
-    qtensor requantized(const qtensor& t, std::int64_t keep, std::int64_t dim, std::int64_t axis) const {
-      const std::int64_t n = t.tokens();
-      typename S::buffer_type tmp(detail::checked_elements({shape_.batch, shape_.heads, n, dim}, sizeof(element_type)));
-      t.decode(tmp.data(), shape_.heads * n * dim, n * dim);
-      return encode(
-          S::make_view(tmp.data(), {shape_.batch, shape_.heads, keep, dim}, {shape_.heads * n * dim, n * dim, dim, 1}),
-          axis);
     }
 
     // Writes dequant(history) + residual to the front of `w`. Cannot throw on the host (a device
