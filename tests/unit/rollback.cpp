@@ -92,18 +92,17 @@ std::vector<double> observables(const C& cache, std::int64_t seen) {
             out.push_back(values[i]);
           }
     }
+    // The last `kernel` conv columns, of a linear layer or of a hybrid's linear part.
+    const auto last_columns = [&](const kvc::StateView<float>& c) {
+      const std::int64_t width = c.rank == 3 ? c.extent(2) : 0, shown = std::min(width, kernel);
+      for (std::int64_t ch = 0; ch < channels; ++ch)
+        for (std::int64_t t = width - shown; t < width; ++t) out.push_back(c[ch * width + t]);
+    };
     cache.visit_layer(l, [&](const auto& st) {
-      if constexpr (requires { st.linear_part(); }) {
-        const auto c = st.linear_part().conv_state(0);
-        const std::int64_t width = c.rank == 3 ? c.extent(2) : 0, shown = std::min(width, kernel);
-        for (std::int64_t ch = 0; ch < channels; ++ch)
-          for (std::int64_t t = width - shown; t < width; ++t) out.push_back(c[ch * width + t]);
-      } else if constexpr (requires { st.conv_state(0); }) {
-        const auto c = st.conv_state(0);
-        const std::int64_t width = c.rank == 3 ? c.extent(2) : 0, shown = std::min(width, kernel);
-        for (std::int64_t ch = 0; ch < channels; ++ch)
-          for (std::int64_t t = width - shown; t < width; ++t) out.push_back(c[ch * width + t]);
-      }
+      if constexpr (requires { st.linear_part(); })
+        last_columns(st.linear_part().conv_state(0));
+      else if constexpr (requires { st.conv_state(0); })
+        last_columns(st.conv_state(0));
     });
   }
   C probe = cache;

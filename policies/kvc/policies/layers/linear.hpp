@@ -250,8 +250,8 @@ class LinearAttentionLayer::state {
       throw RuntimeError(
           "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to "
           "remove");
-    // -tokens_to_remove without negating INT64_MIN
-    detail::check_rollback(name, tokens_to_remove < -max_extent ? max_extent : -tokens_to_remove, rollback_depth(),
+    // A linear layer counts no tokens: crop_count caps -tokens_to_remove at kvc::max_extent.
+    detail::check_rollback(name, detail::crop_count(tokens_to_remove, max_extent), rollback_depth(),
                            "its recurrent states hold only the last update");
   }
 
