@@ -114,6 +114,28 @@ void rollback(const kvc::HostTensor<float>& prompt, const kvc::HostTensor<float>
   // [/snippet]
 }
 
+using State3 = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+
+void linear_rollback(const kvc::HostTensor<float>& prompt, const kvc::HostTensor<float>& draft,
+                     const State3& prompt_columns, const std::vector<State3>& draft_columns, const State3& state,
+                     const std::vector<State3>& state_after, std::int64_t accepted) {
+  // [snippet:linear_rollback]
+  // A hybrid stack: a gated-DeltaNet-style linear layer and a full layer; 4 draft tokens per step.
+  using C = kvc::Cache<kvc::Layers<kvc::SpeculativeLinearAttentionLayer<4>, kvc::DynamicLayer>>;
+  C cache(kvc::SpeculativeLinearAttentionLayer<4>{}, kvc::DynamicLayer{});
+  kvc::require_rollback<4>(cache);  // given one token per step in the linear layer
+  cache.update_conv_state(prompt_columns, 0, 0, /*conv_kernel_size=*/4);  // the prefill: one step
+  cache.update_recurrent_state(state, 0);
+  cache.update(prompt, prompt, 1);
+  for (std::size_t t = 0; t < draft_columns.size(); ++t) {  // verify: the linear layer token by token
+    cache.update_conv_state(draft_columns[t], 0, 0, 4);
+    cache.update_recurrent_state(state_after[t], 0);
+  }
+  cache.update(draft, draft, 1);                 // the full layer: all draft tokens at once
+  cache.crop(-(draft.dimension(2) - accepted));  // the linear state after the last accepted token
+  // [/snippet]
+}
+
 void runtime(const kvc::GenerationConfig& generation_config, const kvc::ModelConfig& model_config,
              const kvc::CacheRequest& request, const kvc::ContinuousBatchingConfig& cb_config) {
   // [snippet:make_cache]

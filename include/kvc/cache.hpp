@@ -1219,8 +1219,9 @@ constexpr void require_rollback(const C&) noexcept {
   static_assert(N <= C::rollback_bound,
                 "kvc::require_rollback<N>: a layer kind of this cache cannot always roll back N tokens exactly "
                 "(its kvc::rollback_bound_v is smaller). Use kvc::SpeculativeSlidingWindowLayer<N> for sliding "
-                "layers; static layers cannot crop; a quantized or linear-attention layer's depth depends on what "
-                "it holds: check cache.rollback_depth() at run time");
+                "layers and kvc::SpeculativeLinearAttentionLayer<N> for linear-attention layers; static layers "
+                "cannot crop; a quantized layer's or a hybrid's depth depends on what it holds: check "
+                "cache.rollback_depth() at run time");
 }
 
 }  // namespace kvc

@@ -39,6 +39,11 @@ int main(int argc, char** argv) {
           conv.setConstant(0.25f);
           for (std::int64_t l = 0; l < c.size(); ++l)
             if (c.is_linear()[static_cast<std::size_t>(l)] || l == 2) c.update_conv_state(conv, l, 0, 3);
+          // Layer 0 keeps a ring of 2 steps: a recurrent state and a second step fill it.
+          Eigen::Tensor<float, 3, Eigen::RowMajor> rec(1, 2, 2);
+          rec.setConstant(0.5f);
+          c.update_recurrent_state(rec, 0, 0);
+          c.update_conv_state(conv, 0, 0, 3);
         }
         if (which == 4) {
           Eigen::Tensor<float, 3, Eigen::RowMajor> keys(1, 7, 3);

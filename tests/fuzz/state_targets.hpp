@@ -39,7 +39,8 @@ inline kvc::QuantizedCache<float> quantized() {
   return kvc::QuantizedCache<float>("quanto", model(2), {.nbits = 4, .q_group_size = 8, .residual_length = 3});
 }
 inline Linear linear() {
-  return Linear(kvc::LinearAttentionLayer{2}, kvc::DynamicLayer{}, kvc::LinearAttentionAndFullAttentionLayer{});
+  // The linear layer keeps a ring of 2 steps, so that the loader's ring checks are fuzzed too.
+  return Linear(kvc::LinearAttentionLayer{2, 2}, kvc::DynamicLayer{}, kvc::LinearAttentionAndFullAttentionLayer{});
 }
 inline Indexed indexed() { return Indexed(kvc::DynamicIndexedLayer{}, kvc::StaticIndexedLayer{12}); }
 inline Paged paged() {

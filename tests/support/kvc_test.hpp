@@ -232,6 +232,7 @@ snapshot take_snapshot(const Cache& c) {
           add(lin.recurrent_state(st));
           values.push_back(lin.has_previous_state(st));
         }
+        values.push_back(static_cast<double>(lin.rollback_depth()));  // shows the rings' state
       };
       if constexpr (requires { l.linear_part(); })
         add_linear(l.linear_part());

@@ -60,10 +60,21 @@ T3 indexer_input(std::int64_t q, unsigned seed) {
 
 // What a caller can observe of a cache (every layer brought back into memory first, so that where
 // an offloaded layer's bytes are does not count).
+// A cache that can roll back also shows what a crop by its depth (at most 4) leaves: the rings and
+// slack a failed call must not have touched either.
 template <class C>
 kvc_test::snapshot observe(C& c) {
   c.make_resident(-1);
-  return kvc_test::take_snapshot(c);
+  kvc_test::snapshot s = kvc_test::take_snapshot(c);
+  if constexpr (requires { c.rollback_depth(); } && C::can_crop) {
+    const std::int64_t depth = std::min<std::int64_t>(c.rollback_depth(), 4);
+    if (depth > 0) {
+      C rolled = c;
+      rolled.crop(-depth);
+      for (auto& layer : kvc_test::take_snapshot(rolled).layers) s.layers.push_back(std::move(layer));
+    }
+  }
+  return s;
 }
 template <class S, class X>
 std::pair<std::pair<kvc_test::snapshot, kvc_test::snapshot>, std::map<std::int64_t, bool>> observe(
@@ -786,6 +797,22 @@ TEST_CASE("a hybrid whose attention part is quantized: its crop is prepared in b
   };
   scenario<C> s{"quantized hybrid", make, layer_ops<C>({"hybrid", "hybrid"}, 5, 4)};
   s.ops.push_back({"crop(0)", [](C& c) { c.crop(0); }});
+  check_every_failure(s);
+}
+
+TEST_CASE("rings of linear states: the steps that fill and reuse them, and the crops that restore them") {
+  // rollback_states 3: the prefill and 4 one-token steps overflow the ring, the crop restores
+  // entries, and the steps after it reuse the popped entries' buffers.
+  using C = kvc::Cache<kvc::Layers<kvc::LinearAttentionAndFullAttentionLayer, kvc::LinearAttentionLayer>>;
+  const auto make = [] {
+    return C(std::vector<C::kind_variant>{kvc::LinearAttentionAndFullAttentionLayer{{}, 1, 3},
+                                          kvc::LinearAttentionLayer{1, 3}});
+  };
+  scenario<C> s{"linear rings", make, layer_ops<C>({"hybrid", "linear_attention"}, 5, 4)};
+  s.ops.push_back({"crop(-2)", [](C& c) { c.crop(-2); }});
+  for (auto& o : layer_ops<C>({"hybrid", "linear_attention"}, 1, 2)) s.ops.push_back(std::move(o));
+  add_dynamic_ops(s.ops, -1);
+  s.ops.push_back({"reset", [](C& c) { c.reset(); }});
   check_every_failure(s);
 }
 

@@ -315,9 +315,9 @@ TEST_CASE("kvc::load names what differs, and leaves the cache as it was") {
   SUBCASE("not kvc's, another version, truncated, corrupted") {
     CHECK(load_error(target, "GGUF and more bytes") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     CHECK(load_error(target, "") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
-    std::string v1 = bytes;
-    v1[8] = 1;  // before sliding layers saved their rollback_slack and linear layers their crops
-    CHECK(load_error(target, v1) == "kvc::load: the state has format version 1, and this kvc reads version 2");
+    std::string v2 = bytes;
+    v2[8] = 2;  // before linear layers saved their rings of states
+    CHECK(load_error(target, v2) == "kvc::load: the state has format version 2, and this kvc reads version 3");
     const std::string cut = bytes.substr(0, bytes.size() - 100);
     CHECK(load_error(target, cut) == "kvc::load: the file is truncated: it announces " +
                                          std::to_string(bytes.size() - 32) + " bytes of state and a checksum, and " +
@@ -766,15 +766,21 @@ TEST_CASE("kvc::load: a corrupted shape or count is a StateError naming the laye
         },
         kv);
   using Linear = kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer, kvc::DynamicLayer>>;
-  sweep([] { return Linear(kvc::LinearAttentionLayer{2}, kvc::DynamicLayer{}); },
-        [&](Linear& c) {
-          Eigen::Tensor<float, 3, Eigen::RowMajor> conv(1, 3, 2), rec(1, 2, 2);
-          conv.setRandom();
-          rec.setRandom();
-          c.update_conv_state(conv, 0, 0, 2);
-          c.update_recurrent_state(rec, 0, 1);
-          fill(c, 1, 2, 4, 1, 2, rng);
-        });
+  sweep(
+      [] {
+        return Linear(kvc::LinearAttentionLayer{2, 2}, kvc::DynamicLayer{});
+      },
+      [&](Linear& c) {
+        Eigen::Tensor<float, 3, Eigen::RowMajor> conv(1, 3, 2), rec(1, 2, 2);
+        conv.setRandom();
+        rec.setRandom();
+        c.update_conv_state(conv, 0, 0, 2);
+        c.update_recurrent_state(rec, 0, 1);
+        c.update_conv_state(conv, 0, 1, 2);  // slot 1: a ring of two steps
+        c.update_recurrent_state(rec, 0, 1);
+        c.update_conv_state(conv, 0, 1, 2);
+        fill(c, 1, 2, 4, 1, 2, rng);
+      });
   using Indexed = kvc::Cache<kvc::Layers<kvc::DynamicIndexedLayer>>;
   sweep([] { return Indexed(kvc::DynamicIndexedLayer{}); },
         [&](Indexed& c) {

@@ -72,10 +72,11 @@ class LinearAttentionHybrid<Attention>::state
   // LinearAttentionHybridLayer for another attention kind.
   static constexpr std::string_view name = detail::hybrid_name<Attention>;
 
-  // Both parts empty. Throws kvc::ValueError when the attention options or number_of_states are
-  // out of range (as the parts check them).
+  // Both parts empty. Throws kvc::ValueError when the attention options, number_of_states or
+  // rollback_states are out of range (as the parts check them).
   explicit state(const LinearAttentionHybrid& kind)
-      : base(attention_state(kind.attention)), linear_(LinearAttentionLayer{kind.number_of_states}) {}
+      : base(attention_state(kind.attention)),
+        linear_(LinearAttentionLayer{kind.number_of_states, kind.rollback_states}) {}
 
   // Returns the linear-attention part.
   const linear_state& linear_part() const noexcept { return linear_; }
@@ -212,7 +213,9 @@ class LinearAttentionHybrid<Attention>::state
   }
 
   // Saved state (docs/state.md): both parts.
-  LinearAttentionHybrid kind() const noexcept { return {attn_.kind(), linear_.number_of_states()}; }
+  LinearAttentionHybrid kind() const noexcept {
+    return {attn_.kind(), linear_.number_of_states(), linear_.rollback_states()};
+  }
   // Writes both parts into a saved state, or reads them back (kvc::save, kvc::load); loading
   // throws kvc::StateError when a part does not fit this layer or the parts' batch sizes differ.
   template <class A>

@@ -96,6 +96,23 @@ struct StaticIndexedLayer {
 struct LinearAttentionLayer {
   // How many (conv state, recurrent state) slots the layer holds (1 <= n <= kvc::max_layers).
   std::int64_t number_of_states = 1;
+  // kvc's option R: each slot keeps a ring of its states from before its last R steps (a step: an
+  // update_conv_state and the update_recurrent_state after it), so that crop(-n) can restore them
+  // exactly (docs/rollback.md). 0 (transformers' layer) to kvc::max_layers.
+  std::int64_t rollback_states = 0;
+
+  template <class S>
+  class state;
+};
+
+// A LinearAttentionLayer that keeps the states of at least its last R steps (its rollback_states
+// is raised to R), with R in the type, so that a cache of such layers can promise R tokens of exact
+// rollback at compile time (kvc::require_rollback) when its linear layers take one token per step
+// (docs/rollback.md). Same options and state as LinearAttentionLayer; saved states name it
+// LinearAttentionLayer.
+template <std::int64_t R>
+struct SpeculativeLinearAttentionLayer : LinearAttentionLayer {
+  static_assert(R >= 0, "kvc::SpeculativeLinearAttentionLayer<R>: R counts steps and cannot be negative");
 
   template <class S>
   class state;
@@ -109,6 +126,8 @@ struct LinearAttentionHybrid {
   Attention attention{};
   // How many (conv state, recurrent state) slots the linear part holds.
   std::int64_t number_of_states = 1;
+  // The linear part's rollback_states (see LinearAttentionLayer).
+  std::int64_t rollback_states = 0;
 
   template <class S>
   class state;
@@ -133,7 +152,8 @@ inline constexpr std::int64_t unbounded_rollback = std::numeric_limits<std::int6
 
 // How many of the tokens given since its last crop a layer of kind Kind can always drop exactly,
 // whatever it holds: unbounded_rollback for the kinds that keep every token (DynamicLayer,
-// DynamicIndexedLayer), R for SpeculativeSlidingWindowLayer<R>, 0 for the others (their depth is
+// DynamicIndexedLayer), R for SpeculativeSlidingWindowLayer<R> and for
+// SpeculativeLinearAttentionLayer<R> (given one token per step), 0 for the others (their depth is
 // known at run time: a layer's rollback_depth()). A cache's bound is the minimum over its kinds
 // (kvc::Cache::rollback_bound, kvc::require_rollback).
 template <class Kind>
@@ -147,6 +167,10 @@ inline constexpr std::int64_t rollback_bound_v<DynamicIndexedLayer> = unbounded_
 // A SpeculativeSlidingWindowLayer<R> keeps R tokens past its window.
 template <std::int64_t R>
 inline constexpr std::int64_t rollback_bound_v<SpeculativeSlidingWindowLayer<R>> = R;
+// A SpeculativeLinearAttentionLayer<R> keeps the states of its last R steps: R tokens when each
+// step takes one token (a longer step cannot be cropped part-way; crop throws).
+template <std::int64_t R>
+inline constexpr std::int64_t rollback_bound_v<SpeculativeLinearAttentionLayer<R>> = R;
 
 // ---- the layer policies ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -50,6 +51,15 @@ struct dense_state {
   std::int64_t last() const noexcept { return rank > 0 ? extents[static_cast<std::size_t>(rank - 1)] : 0; }
   typename S::state_view_type view() const noexcept { return S::make_state_view(data.data(), rank, extents); }
   std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(sizeof(T)) * data.size(); }
+  // Whether this tensor can take a copy of `o` without allocating: its buffer has o's size.
+  bool fits(const dense_state& o) const noexcept { return data.size() == o.data.size(); }
+  // Makes this tensor a copy of `o`, which it fits: no allocation.
+  void assign_in_place(const dense_state& o) {
+    rank = o.rank;
+    extents = o.extents;
+    initialized = o.initialized;
+    if (o.data.size() > 0) S::copy_2d(data.data(), o.data.size(), o.data.data(), o.data.size(), o.data.size(), 1);
+  }
 
   // Saved state (docs/state.md): rank, extents, then the elements.
   template <class A>
@@ -87,7 +97,9 @@ struct dense_state {
 }  // namespace detail
 
 // LinearAttentionLayer's layer over storage S (transformers' LinearAttentionLayer):
-// number_of_states slots, each a conv state and a recurrent state, and no K/V.
+// number_of_states slots, each a conv state and a recurrent state, and no K/V. With
+// rollback_states R > 0 each slot also keeps a ring of itself as it was before each of its last R
+// steps (docs/rollback.md).
 template <class S>
 class LinearAttentionLayer::state {
  public:
@@ -108,18 +120,27 @@ class LinearAttentionLayer::state {
   static constexpr std::string_view name = "LinearAttentionLayer";
 
   // number_of_states empty slots. Throws kvc::ValueError unless
-  // 1 <= number_of_states <= kvc::max_layers.
-  explicit state(const LinearAttentionLayer& kind) : n_(kind.number_of_states) {
+  // 1 <= number_of_states <= kvc::max_layers and 0 <= rollback_states <= kvc::max_layers.
+  explicit state(const LinearAttentionLayer& kind) : n_(kind.number_of_states), ring_size_(kind.rollback_states) {
     detail::check_size("LinearAttentionLayer: number_of_states", n_, 1, max_layers);
+    detail::check_size("LinearAttentionLayer: rollback_states", ring_size_, 0, max_layers);
     slots_.resize(static_cast<std::size_t>(n_));
   }
 
   // Returns the number of state slots.
   std::int64_t number_of_states() const noexcept { return n_; }
+  // Returns how many steps back each slot keeps its states (the kind's rollback_states).
+  std::int64_t rollback_states() const noexcept { return ring_size_; }
   // Whether activate_past_recording was called (the conv states then keep every column).
   bool records_past() const noexcept { return record_past_; }
-  // Makes the conv states keep every column from now on, so that `crop` can roll them back.
-  void activate_past_recording() noexcept { record_past_ = true; }
+  // Makes the conv states keep every column from now on, so that `crop` can roll them back. A conv
+  // state written since the last reset counts as trimmed: only the columns recorded from now on can
+  // be dropped.
+  void activate_past_recording() noexcept {
+    if (!record_past_)
+      for (slot& s : slots_) s.trimmed = s.trimmed || s.has_previous_state;
+    record_past_ = true;
+  }
 
   // Whether some state was written.
   bool is_initialized() const noexcept {
@@ -134,10 +155,14 @@ class LinearAttentionLayer::state {
     }
     return -1;
   }
-  // Returns the bytes of every state held, with what the last update_conv_state calls returned.
+  // Returns the bytes of every state held, with what the last update_conv_state calls returned and
+  // the rings' states.
   std::int64_t bytes() const noexcept {
     std::int64_t total = 0;
-    for (const slot& s : slots_) total += s.conv.bytes() + s.rec.bytes() + s.full.bytes();
+    for (const slot& s : slots_) {
+      total += s.conv.bytes() + s.rec.bytes() + s.full.bytes();
+      for (const snapshot& e : s.ring) total += e.conv.bytes() + e.rec.bytes();
+    }
     return total;
   }
 
@@ -159,7 +184,9 @@ class LinearAttentionLayer::state {
 
   // Returns the conv input with its left context: on the first call the input itself (left-padded
   // with zeros to the kernel size unless past states are recorded), afterwards the stored columns
-  // followed by the new ones. Keeps the last k columns (or all, when recording).
+  // followed by the new ones. Keeps the last k columns (or all, when recording). With
+  // rollback_states > 0 the call starts a step of x's columns: the slot as it was is kept in its
+  // ring (the oldest kept state makes room once the ring is full).
   state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
     const slot& cur = at(state_idx, "update_conv_state");
     if (x.rank != 3 || x.extent(0) < 1 || x.extent(1) < 1 || x.extent(2) < 1)
@@ -177,8 +204,8 @@ class LinearAttentionLayer::state {
     const std::int64_t k = cur.conv.initialized ? cur.kernel : (conv_kernel_size > 0 ? conv_kernel_size : x.extent(2));
     const std::int64_t rows = x.extent(0) * x.extent(1), t = x.extent(2);
     // full = [previous columns | new columns], or the (padded) input on the first call. The new
-    // buffers are built aside and moved in at the end (strong guarantee); the recurrent state is
-    // not touched.
+    // buffers (and the ring's copies of the slot) are built aside and moved in at the end (strong
+    // guarantee); the recurrent state is not touched.
     const bool first = !cur.has_previous_state;
     const std::int64_t prev = first ? 0 : cur.conv.last();
     const std::int64_t pad = (first && !record_past_ && t < k) ? k - t : 0;
@@ -195,9 +222,12 @@ class LinearAttentionLayer::state {
       if (keep < k) S::zero_2d(conv.data.data(), k, k - keep, rows);
       S::copy_2d(conv.data.data() + (k - keep), k, f + (width - keep), width, keep, rows);
     }
+    pending_entry entry = prepare_entry(state_idx);
     slot& s = slots_[static_cast<std::size_t>(state_idx)];
+    if (ring_size_ > 0) commit_entry(s, std::move(entry), t);
     s.kernel = k;
     s.has_previous_state = true;
+    if (first) s.trimmed = false;  // the columns held are all this step's
     if (record_past_) {
       s.conv = std::move(full);
       s.full = detail::dense_state<S>();
@@ -208,7 +238,9 @@ class LinearAttentionLayer::state {
     return s.full.view();
   }
 
-  // Overwrites the recurrent state and returns it.
+  // Overwrites the recurrent state and returns it. With rollback_states > 0 it ends the step the
+  // slot's last update_conv_state began; a recurrent update with no such step covers tokens the
+  // layer cannot count, so the slot's ring is emptied (it can no longer roll back).
   state_view update_recurrent_state(const state_view& x, std::int64_t state_idx) {
     const slot& cur = at(state_idx, "update_recurrent_state");
     if (x.rank < 1 || x.size() < 1)
@@ -220,29 +252,31 @@ class LinearAttentionLayer::state {
     slot& s = slots_[static_cast<std::size_t>(state_idx)];
     if (!s.rec.initialized) s.rec = make(x.rank, x.extents, false);            // the only allocation
     S::copy_2d(s.rec.data.data(), x.size(), x.data(), x.size(), x.size(), 1);  // same shape: in place
+    if (!s.open) {  // no step to end: tokens the layer cannot count
+      s.steps = s.first = 0;
+      s.uncounted = true;
+    }
+    s.open = false;
     return s.rec.view();
   }
 
-  // How many of its last tokens the layer can drop exactly (docs/rollback.md): 0 before
-  // activate_past_recording and once a recurrent state was written (an update overwrites it, so
-  // the state before the last tokens is gone); otherwise every token (kvc::unbounded_rollback:
-  // recorded conv states keep every column), or, once a crop kept only the kernel's columns before
-  // its cut, the columns recorded past those.
+  // How many of its last tokens the layer can drop exactly (docs/rollback.md), the minimum over
+  // its slots. A slot whose recurrent state was written rolls back through its ring: the one-token
+  // steps at its end (every token when all its steps since it was empty are kept and took one
+  // token each), 0 without a ring. Otherwise, while recording, its conv state rolls back by
+  // columns: every one (kvc::unbounded_rollback), or, once a crop kept only the kernel's columns
+  // before its cut, the columns recorded past those. 0 without a ring or recording.
   std::int64_t rollback_depth() const noexcept {
-    if (!record_past_) return 0;
     std::int64_t depth = unbounded_rollback;
-    for (const slot& s : slots_) {
-      if (s.rec.initialized) return 0;
-      if (s.trimmed) depth = std::min(depth, s.conv.last() - s.kernel);
-    }
+    for (const slot& s : slots_) depth = std::min(depth, slot_depth(s));
     return depth;
   }
 
   // Checks that crop(tokens_to_remove) can run, changing nothing: throws kvc::RuntimeError unless
-  // activate_past_recording was called and tokens_to_remove <= 0, and when it would remove more
-  // tokens than rollback_depth() (a recurrent state cannot roll back).
+  // past states are recorded or kept (activate_past_recording, rollback_states) and
+  // tokens_to_remove <= 0, and when it would remove more tokens than rollback_depth().
   void check_crop(std::int64_t tokens_to_remove) const {
-    if (!record_past_)
+    if (!record_past_ && ring_size_ == 0)
       throw RuntimeError(
           "`crop` was called, but the current layer does not track past states. Call `activate_past_recording` "
           "before `crop` to be able to rollback the cache.");
@@ -251,113 +285,334 @@ class LinearAttentionLayer::state {
           "Linear attention layers can only be cropped by passing a negative int, to specify how many tokens to "
           "remove");
     // A linear layer counts no tokens: crop_count caps -tokens_to_remove at kvc::max_extent.
-    detail::check_rollback(name, detail::crop_count(tokens_to_remove, max_extent), rollback_depth(),
-                           "its recurrent states hold only the last update");
+    const std::int64_t n = detail::crop_count(tokens_to_remove, max_extent), depth = rollback_depth();
+    if (n <= depth) return;
+    detail::check_rollback(name, n, depth,
+                           ring_size_ == 0
+                               ? std::string("its recurrent states hold only the last update")
+                               : "it keeps its states from before each of its last " + std::to_string(ring_size_) +
+                                     " steps; only steps of one token each can be undone");
   }
 
-  // Rolls the recorded conv states back by -tokens_to_remove columns and keeps the kernel size
-  // before that point (crop(0) shrinks them to the kernel size). Throws kvc::RuntimeError as
-  // check_crop does, changing nothing.
+  // Rolls the slots back by -tokens_to_remove tokens: from the ring (a slot whose recurrent state
+  // was written, or any slot when not recording), else by cutting the recorded conv columns, keeping
+  // the kernel size before the cut (crop(0) shrinks them to the kernel size). Throws
+  // kvc::RuntimeError as check_crop does, changing nothing.
   void crop(std::int64_t tokens_to_remove) { commit_crop(prepare_crop(tokens_to_remove)); }
 
  private:
-  struct slot;
+  struct slot_crop {
+    std::int64_t pops = 0;  // ring entries taken back; the oldest of them is the slot restored
+    bool cut = false;       // the recorded conv state is replaced by `conv`
+    detail::dense_state<S> conv;
+    bool trimmed = false;
+    bool emptied = false;     // the crop removes every column the slot was given
+    bool clear_ring = false;  // columns were cut outside the ring: its entries no longer match
+  };
 
  public:
-  // crop in two steps (Cache::crop prepares every layer before it changes any): the new states
-  // are built aside by prepare_crop, which changes nothing, and swapped in by commit_crop.
-  using crop_plan = std::vector<slot>;
-  // Checks the crop (as check_crop) and returns the cropped states, built aside; changes nothing.
+  // crop in two steps (Cache::crop prepares every layer before it changes any): prepare_crop, which
+  // changes nothing, builds the cut conv states aside and finds the ring entries to restore;
+  // commit_crop swaps them in.
+  using crop_plan = std::vector<slot_crop>;
+  // Checks the crop (as check_crop) and returns the plan; changes nothing.
   crop_plan prepare_crop(std::int64_t tokens_to_remove) const {
     check_crop(tokens_to_remove);
-    std::vector<slot> next = slots_;
-    for (slot& s : next) {
-      if (!s.conv.initialized) continue;  // transformers fails on None here (docs/differences.md)
+    const std::int64_t n = detail::crop_count(tokens_to_remove, max_extent);
+    crop_plan plan(slots_.size());
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const slot& s = slots_[i];
+      slot_crop& p = plan[i];
+      if (uses_ring(s))
+        p.pops = std::min<std::int64_t>(n, static_cast<std::int64_t>(s.steps));
+      else
+        p.clear_ring = n > 0;
+      if (!record_past_ || !s.conv.initialized || !s.has_previous_state) continue;  // nothing recorded
+      if (p.pops > 0 && s.entry(s.steps - static_cast<std::size_t>(p.pops)).conv_captured)
+        continue;  // the entry restores the conv state
+      p.cut = true;
       const std::int64_t have = s.conv.last();
-      const std::int64_t stop = std::max<std::int64_t>(have + tokens_to_remove, 0);  // tokens_to_remove <= 0
+      p.emptied = p.pops == 0 && !s.trimmed && have <= n;  // every column goes: a slot never written
+      if (p.emptied) continue;
+      const std::int64_t stop = std::max<std::int64_t>(have - n, 0);
       const std::int64_t start = std::max<std::int64_t>(stop - s.kernel, 0);
-      detail::dense_state<S> c = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0}, false);
-      S::copy_2d(c.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
-      s.conv = std::move(c);
-      s.trimmed = s.trimmed || start > 0;
+      p.conv = make(3, {s.conv.extents[0], s.conv.extents[1], stop - start, 0}, false);
+      S::copy_2d(p.conv.data.data(), stop - start, s.conv.data.data() + start, have, stop - start, s.conv.rows());
+      p.trimmed = s.trimmed || start > 0;
     }
-    return next;
+    return plan;
   }
-  // Swaps in the states prepare_crop built. Cannot throw.
-  void commit_crop(crop_plan&& next) noexcept { slots_.swap(next); }
+  // Applies a plan from prepare_crop. Cannot throw.
+  void commit_crop(crop_plan&& plan) noexcept {
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      slot& s = slots_[i];
+      slot_crop& p = plan[i];
+      if (p.pops > 0) {  // the restored entry takes the slot's buffers, to be reused by later steps
+        s.steps -= static_cast<std::size_t>(p.pops);
+        snapshot& e = s.entry(s.steps);
+        swap_tensors(s.rec, e.rec);
+        if (e.conv_captured) {
+          swap_tensors(s.conv, e.conv);
+          // A conv state from before recording began holds only the kernel's columns.
+          s.trimmed = record_past_ && e.has_previous_state;
+        }
+        s.kernel = e.kernel;
+        s.has_previous_state = e.has_previous_state;
+        s.open = false;
+      }
+      if (p.cut) {
+        s.conv = std::move(p.conv);
+        s.trimmed = p.trimmed;
+      }
+      if (p.emptied) {
+        s.has_previous_state = false;
+        s.kernel = 0;
+      }
+      if (p.clear_ring) {
+        s.steps = s.first = 0;
+        s.open = false;
+      }
+    }
+  }
 
-  // Zeroes every state in place; no state has a previous state afterwards.
+  // Zeroes every state in place; no state has a previous state afterwards, and the rings are empty.
   void reset() {
     for (slot& s : slots_) {
       for (detail::dense_state<S>* d : {&s.conv, &s.rec, &s.full})
         if (d->data.size() > 0) S::zero_2d(d->data.data(), d->data.size(), d->data.size(), 1);
       s.has_previous_state = false;
       s.trimmed = false;
+      s.steps = s.first = 0;
+      s.open = false;
+      s.uncounted = false;
     }
   }
 
-  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer, in every state (the
-  // Cache checks the indices).
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer, in every state and
+  // every ring entry (the Cache checks the indices).
   state gathered(std::span<const std::int64_t> batch_indices) const {
     state out = *this;
-    for (slot& s : out.slots_) {
-      s.conv = s.conv.gathered(batch_indices);
-      s.rec = s.rec.gathered(batch_indices);
-      s.full = detail::dense_state<S>{};
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      slot& o = out.slots_[i];
+      const slot& s = slots_[i];
+      o.conv = s.conv.gathered(batch_indices);
+      o.rec = s.rec.gathered(batch_indices);
+      o.full = detail::dense_state<S>{};
+      o.ring.clear();  // the live entries, oldest first
+      for (std::size_t j = 0; j < s.steps; ++j) {
+        snapshot e = s.entry(j);
+        e.conv = e.conv.gathered(batch_indices);
+        e.rec = e.rec.gathered(batch_indices);
+        o.ring.push_back(std::move(e));
+      }
+      o.first = 0;
     }
     return out;
   }
 
-  // Calls f(buffer&) on each slot's conv, recurrent and last returned buffers, for offload engines
-  // (docs/policies/offload.md).
+  // Calls f(buffer&) on each slot's conv, recurrent and last returned buffers and on its ring's, for
+  // offload engines (docs/policies/offload.md).
   template <class F>
   void for_each_buffer(F&& f) {
     for (slot& s : slots_) {
       f(s.conv.data);
       f(s.rec.data);
       f(s.full.data);
+      for (snapshot& e : s.ring) {
+        f(e.conv.data);
+        f(e.rec.data);
+      }
     }
   }
 
-  // Saved state (docs/state.md): every slot's conv and recurrent states. What the last
+  // Saved state (docs/state.md): every slot's conv and recurrent states and its ring. What the last
   // update_conv_state returned is not state (the next call builds it afresh) and is not saved.
-  LinearAttentionLayer kind() const noexcept { return {n_}; }
+  LinearAttentionLayer kind() const noexcept { return {n_, ring_size_}; }
   // Writes the layer into a saved state, or reads it back (kvc::save, kvc::load); loading throws
-  // kvc::StateError when number_of_states differs or the saved states are inconsistent.
+  // kvc::StateError when number_of_states or rollback_states differ or the saved states are
+  // inconsistent.
   template <class A>
   void transfer(A& ar) {
     ar.param("number_of_states", n_);
+    ar.param("rollback_states", ring_size_);
     ar.value(record_past_);
     for (slot& s : slots_) {
       ar.value(s.kernel);
       ar.value(s.has_previous_state);
       ar.value(s.trimmed);
+      ar.value(s.open);
+      ar.value(s.uncounted);
       s.conv.transfer(ar);
       s.rec.transfer(ar);
       if constexpr (A::loading) {
         s.full = detail::dense_state<S>();
-        ar.check(s.kernel >= 0 && s.kernel <= max_extent && (!s.conv.initialized || s.conv.rank == 3) &&
-                     (!s.rec.initialized || s.rec.rank >= 1) &&
-                     (!s.trimmed || (s.conv.initialized && s.conv.last() >= s.kernel)),
-                 "a linear-attention state's shape");
+        check_slot(ar, s.conv, s.rec, s.kernel);
+        ar.check(!s.trimmed || (s.conv.initialized && s.conv.last() >= s.kernel), "a linear-attention state's shape");
+      }
+      auto live = static_cast<std::int64_t>(s.steps);
+      ar.value(live);
+      if constexpr (A::loading) {
+        ar.check(live >= 0 && live <= ring_size_, "more ring entries than rollback_states");
+        // An entry takes at least 17 values of 8 bytes in the file: none is allocated past its end.
+        ar.reserve(static_cast<std::uint64_t>(live) * 17 * 8, "the ring entries");
+        s.ring = std::vector<snapshot>(static_cast<std::size_t>(live));
+        s.first = 0;
+        s.steps = static_cast<std::size_t>(live);
+      }
+      for (std::size_t j = 0; j < s.steps; ++j) {  // oldest first
+        snapshot& e = s.entry(j);
+        ar.value(e.tokens);
+        ar.value(e.kernel);
+        ar.value(e.has_previous_state);
+        ar.value(e.conv_captured);
+        e.conv.transfer(ar);
+        e.rec.transfer(ar);
+        if constexpr (A::loading) {
+          ar.check(e.tokens >= 1 && e.tokens <= max_extent, "a ring entry's token count");
+          check_slot(ar, e.conv, e.rec, e.kernel);
+          // An entry is the slot at an earlier step: the same channels and recurrent shape.
+          ar.check((!e.conv.initialized || !s.conv.initialized || e.conv.extents[1] == s.conv.extents[1]) &&
+                       (!e.rec.initialized || !s.rec.initialized ||
+                        (e.rec.rank == s.rec.rank && e.rec.extents == s.rec.extents)),
+                   "a ring entry's shape");
+        }
       }
     }
     if constexpr (A::loading) {
       const std::int64_t b = batch();
-      for (const slot& s : slots_)
-        ar.check((!s.conv.initialized || s.conv.extents[0] == b) && (!s.rec.initialized || s.rec.extents[0] == b),
-                 "the states' batch sizes differ");
+      const auto same_batch = [b](const detail::dense_state<S>& d) { return !d.initialized || d.extents[0] == b; };
+      for (const slot& s : slots_) {
+        ar.check(same_batch(s.conv) && same_batch(s.rec), "the states' batch sizes differ");
+        for (const snapshot& e : s.ring)
+          ar.check(same_batch(e.conv) && same_batch(e.rec), "the states' batch sizes differ");
+      }
     }
   }
 
  private:
+  // A slot as it was before one of its steps.
+  struct snapshot {
+    detail::dense_state<S> conv, rec;
+    std::int64_t tokens = 0;  // the step's tokens: the columns of its update_conv_state
+    std::int64_t kernel = 0;
+    bool has_previous_state = false;
+    // Whether conv holds the conv state: not when taken while recording after the slot's first step
+    // (the recorded columns are cut instead).
+    bool conv_captured = false;
+  };
+
   struct slot {
     detail::dense_state<S> conv, rec;
     detail::dense_state<S> full;  // what the last update_conv_state returned (while recording: conv)
     std::int64_t kernel = 0;
     bool has_previous_state = false;
     bool trimmed = false;  // a crop dropped recorded columns: those held are no longer every one seen
+    // The ring: entry j (0 = the oldest of the `steps` live ones) is ring[(first + j) % ring.size()];
+    // entries past the live ones keep their buffers for the next steps.
+    std::vector<snapshot> ring;
+    std::size_t first = 0, steps = 0;
+    bool open = false;       // the last update was an update_conv_state (its step awaits its recurrent update)
+    bool uncounted = false;  // a recurrent update with no step since the last reset: an unknown past
+
+    snapshot& entry(std::size_t j) noexcept { return ring[(first + j) % ring.size()]; }
+    const snapshot& entry(std::size_t j) const noexcept { return ring[(first + j) % ring.size()]; }
   };
+
+  // The copies of a slot that a step's ring entry needs and whose buffers do not fit the entry it
+  // will fill (the oldest entry once the ring is full, else a spare one, else a new one).
+  struct pending_entry {
+    std::optional<detail::dense_state<S>> conv, rec;
+  };
+
+  bool uses_ring(const slot& s) const noexcept { return ring_size_ > 0 && (s.rec.initialized || !record_past_); }
+
+  // The entry the slot's next step fills: the physical index, ring.size() for a new one.
+  std::size_t next_entry(const slot& s) const noexcept {
+    if (s.steps < s.ring.size()) return (s.first + s.steps) % s.ring.size();
+    if (static_cast<std::int64_t>(s.ring.size()) < ring_size_) return s.ring.size();
+    return s.first;
+  }
+
+  // Allocates what the slot's next ring entry needs (may throw; changes nothing but the ring's
+  // capacity).
+  pending_entry prepare_entry(std::int64_t state_idx) {
+    pending_entry p;
+    if (ring_size_ == 0) return p;
+    slot& s = slots_[static_cast<std::size_t>(state_idx)];
+    const std::size_t j = next_entry(s);
+    if (j == s.ring.size())
+      s.ring.reserve(std::min<std::size_t>(static_cast<std::size_t>(ring_size_), std::max<std::size_t>(4, 2 * j)));
+    const detail::dense_state<S> none{};
+    const detail::dense_state<S>& conv = captures_conv(s) ? std::as_const(s.conv) : none;
+    if (j == s.ring.size() || !s.ring[j].conv.fits(conv)) p.conv = conv;
+    if (j == s.ring.size() || !s.ring[j].rec.fits(s.rec)) p.rec = s.rec;
+    return p;
+  }
+
+  // Writes the slot as it is into its next ring entry, as a step of `tokens`: moves and in-place
+  // copies only (no allocation).
+  void commit_entry(slot& s, pending_entry&& p, std::int64_t tokens) {
+    const std::size_t j = next_entry(s);
+    // A ring below its full size has first == 0 (first moves only once the ring is full), so a new
+    // entry goes at the end; its capacity was reserved.
+    if (j == s.ring.size()) s.ring.emplace_back();
+    snapshot& e = s.ring[j];
+    const detail::dense_state<S> none{};
+    const bool captured = captures_conv(s);
+    if (p.conv)
+      e.conv = std::move(*p.conv);
+    else
+      e.conv.assign_in_place(captured ? std::as_const(s.conv) : none);
+    if (p.rec)
+      e.rec = std::move(*p.rec);
+    else
+      e.rec.assign_in_place(s.rec);
+    e.tokens = tokens;
+    e.kernel = s.kernel;
+    e.has_previous_state = s.has_previous_state;
+    e.conv_captured = captured;
+    // The copies done (a device copy can throw), the entry joins the live ones.
+    if (s.steps == s.ring.size())
+      s.first = (s.first + 1) % s.ring.size();  // full: the oldest entry made room
+    else
+      ++s.steps;
+    s.open = true;
+  }
+
+  // Whether a ring entry taken now copies the conv state: always, but while recording only before
+  // the slot's first step (afterwards a crop cuts the recorded columns instead).
+  bool captures_conv(const slot& s) const noexcept { return !record_past_ || !s.has_previous_state; }
+
+  std::int64_t slot_depth(const slot& s) const noexcept {
+    const std::int64_t columns = (record_past_ && s.trimmed) ? s.conv.last() - s.kernel : unbounded_rollback;
+    if (!uses_ring(s)) return (record_past_ && !s.rec.initialized) ? columns : 0;
+    if (!s.has_previous_state && s.steps == 0 && !s.uncounted) return unbounded_rollback;  // no step yet
+    // The one-token steps at the ring's end; an entry without its conv state also needs the
+    // recorded columns back to it.
+    std::size_t ones = 0;
+    while (ones < s.steps) {
+      const snapshot& e = s.entry(s.steps - 1 - ones);
+      if (e.tokens != 1 || (!e.conv_captured && static_cast<std::int64_t>(ones) + 1 > columns)) break;
+      ++ones;
+    }
+    const bool from_empty = ones == s.steps && s.steps > 0 && !s.entry(0).has_previous_state && !s.uncounted;
+    return from_empty ? unbounded_rollback : static_cast<std::int64_t>(ones);
+  }
+
+  static void swap_tensors(detail::dense_state<S>& a, detail::dense_state<S>& b) noexcept {
+    a.data.swap(b.data);
+    std::swap(a.rank, b.rank);
+    std::swap(a.extents, b.extents);
+    std::swap(a.initialized, b.initialized);
+  }
+
+  template <class A>
+  static void check_slot(A& ar, const detail::dense_state<S>& conv, const detail::dense_state<S>& rec,
+                         std::int64_t kernel) {
+    ar.check(kernel >= 0 && kernel <= max_extent && (!conv.initialized || conv.rank == 3) &&
+                 (!rec.initialized || rec.rank >= 1),
+             "a linear-attention state's shape");
+  }
 
   // A tensor of that shape, zeroed unless the caller writes every element itself.
   static detail::dense_state<S> make(int rank, std::array<std::int64_t, 4> extents, bool zeroed = true) {
@@ -387,8 +642,36 @@ class LinearAttentionLayer::state {
   }
 
   std::int64_t n_;
+  std::int64_t ring_size_;
   std::vector<slot> slots_;
   bool record_past_ = false;
+};
+
+// SpeculativeLinearAttentionLayer<R>'s layer over storage S: a LinearAttentionLayer state whose
+// rollback_states is at least R.
+template <std::int64_t R>
+template <class S>
+class SpeculativeLinearAttentionLayer<R>::state : public LinearAttentionLayer::state<S> {
+  using base = LinearAttentionLayer::state<S>;
+
+ public:
+  // The layer kind this state belongs to.
+  using kind_type = SpeculativeLinearAttentionLayer<R>;
+
+  // Empty slots keeping max(R, rollback_states) steps. Throws kvc::ValueError as
+  // LinearAttentionLayer does.
+  explicit state(const SpeculativeLinearAttentionLayer& kind) : base(with_ring(kind)) {}
+
+  // Returns a copy whose batch entry i is entry batch_indices[i] of this layer.
+  state gathered(std::span<const std::int64_t> batch_indices) const { return state(base::gathered(batch_indices)); }
+  // The kind with this layer's slots and ring (saved states).
+  SpeculativeLinearAttentionLayer kind() const noexcept { return {base::kind()}; }
+
+ private:
+  explicit state(base&& b) : base(std::move(b)) {}
+  static LinearAttentionLayer with_ring(const SpeculativeLinearAttentionLayer& kind) noexcept {
+    return {kind.number_of_states, std::max(kind.rollback_states, R)};
+  }
 };
 
 }  // namespace kvc
