@@ -2,6 +2,10 @@
 // A small Llama/Gemma-style decoder-only language model with random weights, for the demo
 // (examples/02_demo): token embedding, pre-norm blocks of grouped-query attention (rotary position
 // embedding, full or sliding-window causal mask) and a SwiGLU MLP, a final RMSNorm and an LM head.
+// A layer of type "linear_attention" replaces attention by a gated linear recurrence in the shape
+// of gated DeltaNet's or Mamba-2's state: a short causal convolution (kernel 4) over the keys and
+// values, then per KV head a state S [head_dim, head_dim], S = decay * S + k^T v, read by the
+// normalized queries (examples/10_speculative).
 // Attention runs through a kvc cache (`forward`) or recomputes the whole sequence with an explicit
 // mask (`forward_no_cache`, the reference the demo checks the caches against).
 //
@@ -64,6 +68,9 @@ struct DecoderConfig {
 
   bool is_sliding(std::int64_t layer) const {
     return layer_types.at(static_cast<std::size_t>(layer)) == "sliding_attention";
+  }
+  bool is_linear(std::int64_t layer) const {
+    return layer_types.at(static_cast<std::size_t>(layer)) == "linear_attention";
   }
   // The window a sliding layer's mask uses; none for a full-attention layer.
   std::optional<std::int64_t> window(std::int64_t layer) const {
@@ -137,9 +144,10 @@ struct DecoderConfig {
                                   "num_hidden_layers is " + std::to_string(num_hidden_layers));
     for (std::size_t i = 0; i < layer_types.size(); ++i) {
       const std::string& t = layer_types[i];
-      if (t != "full_attention" && t != "sliding_attention")
+      if (t != "full_attention" && t != "sliding_attention" && t != "linear_attention")
         throw std::invalid_argument("layer " + std::to_string(i) + " has layer type '" + t +
-                                    "'; the demo's model has full_attention and sliding_attention layers only");
+                                    "'; the demo's model has full_attention, sliding_attention and "
+                                    "linear_attention layers only");
       if (t == "sliding_attention" && (!sliding_window || *sliding_window < 1))
         throw std::invalid_argument("layer " + std::to_string(i) +
                                     " is sliding_attention but sliding_window is not a positive integer");
@@ -328,7 +336,8 @@ class Decoder {
     embed_.resize(config_.vocab_size, h);
     jobs.push_back({embed_.data(), embed_.size(), 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(h)))});
     layers_.resize(static_cast<std::size_t>(config_.num_hidden_layers));
-    for (auto& l : layers_) {
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      Layer& l = layers_[i];
       norm(l.attn_norm);
       weight(l.wq, h, q);
       weight(l.wk, h, kv);
@@ -338,6 +347,10 @@ class Decoder {
       weight(l.w_gate, h, ff);
       weight(l.w_up, h, ff);
       weight(l.w_down, ff, h);
+      if (config_.is_linear(static_cast<std::int64_t>(i))) {  // the conv taps: std 1/sqrt(kernel)
+        l.conv.resize(2 * kv, conv_kernel);
+        jobs.push_back({l.conv.data(), l.conv.size(), 0.0f, 0.5f});
+      }
     }
     norm(final_norm_);
     Matrix lm_head;  // [vocab, hidden]; empty when tied to embed_
@@ -411,6 +424,9 @@ class Decoder {
   // workspace) instead of what its update returns. The mask's window comes from the model's layer
   // type, as in transformers (the model builds the mask, the cache only holds K/V): a
   // DynamicCache() keeps every token of a sliding layer, and the model's window hides the old ones.
+  // A linear_attention layer runs its recurrence one token at a time, each token a step of the
+  // cache's linear layer (update_conv_state of its column, then update_recurrent_state), so that a
+  // cache keeping a ring of states can roll back any of them (docs/rollback.md).
   template <Attention How = Attention::update, class Cache>
   Logits forward(std::span<const std::int32_t> tokens, Cache& cache, bool all_logits = false) const {
     const Matrix& x = run(
@@ -424,6 +440,12 @@ class Decoder {
             return kvc::attend_fp8(cache, layer, view(q), view(k), view(v), kvc::Fp8Scales{}, opts);
           else
             return kvc::attend(cache, layer, q, k, v, opts);
+        },
+        [&](std::int64_t layer, const Matrix& q, const Matrix& k, const Matrix& v, Matrix& out) {
+          if constexpr (requires { requires std::is_same_v<typename Cache::element_type, float>; })
+            linear_with_cache(cache, layer, q, k, v, out);
+          else
+            throw std::invalid_argument("Decoder: linear_attention layers need a float kvc::Cache");
         });
     return all_logits ? logits(x) : logits(x.bottomRows(1));
   }
@@ -460,15 +482,113 @@ class Decoder {
                                         .sliding_window = config_.window(layer),
                                         .causal = true};
           return kvc::scaled_dot_product_attention(q, view(k), view(v), mask);
+        },
+        [&](std::int64_t layer, const Matrix& q, const Matrix& k, const Matrix& v, Matrix& out) {
+          // The recurrence from a zero state, the conv's left context zeros.
+          const std::int64_t c = 2 * config_.num_key_value_heads * config_.head_dim;
+          std::vector<float> state(static_cast<std::size_t>(state_size()), 0.0f);
+          std::vector<float> columns(static_cast<std::size_t>(c * (conv_kernel - 1 + n)), 0.0f);  // [time][channel]
+          std::vector<float> window(static_cast<std::size_t>(c * conv_kernel));
+          out.resize(n, q.cols());
+          for (std::int64_t t = 0; t < n; ++t) {
+            float* col = columns.data() + (conv_kernel - 1 + t) * c;
+            std::copy_n(k.row(t).data(), k.cols(), col);
+            std::copy_n(v.row(t).data(), v.cols(), col + k.cols());
+            for (std::int64_t ch = 0; ch < c; ++ch)
+              for (std::int64_t j = 0; j < conv_kernel; ++j)
+                window[static_cast<std::size_t>(ch * conv_kernel + j)] =
+                    columns[static_cast<std::size_t>((t + j) * c + ch)];
+            linear_token(layers_[static_cast<std::size_t>(layer)], window.data(), q.row(t).data(), state.data(),
+                         out.row(t).data());
+          }
         });
     return all_logits ? logits(x) : logits(x.bottomRows(1));
   }
+
+  // The recurrent state of a linear layer, [1, KV heads, head_dim, head_dim].
+  std::int64_t state_size() const { return config_.num_key_value_heads * config_.head_dim * config_.head_dim; }
+  // The conv kernel of the linear layers.
+  static constexpr std::int64_t conv_kernel = 4;
 
  private:
   struct Layer {
     Eigen::RowVectorXf attn_norm, mlp_norm;
     Weight wq, wk, wv, wo, w_gate, w_up, w_down;
+    Matrix conv;  // linear_attention layers: the conv taps, [2 * KV heads * head_dim, conv_kernel]
   };
+
+  // One token of a linear-attention layer: `window` [channels, conv_kernel] (row-major, the
+  // token's keys and values in the last column, the earlier tokens' before), `state` the KV heads'
+  // states [KV heads, head_dim, head_dim] (updated), `q` the token's queries, `out` its output.
+  void linear_token(const Layer& w, const float* window, const float* q, float* state, float* out) const {
+    const std::int64_t d = config_.head_dim, hkv = config_.num_key_value_heads,
+                       group = config_.num_attention_heads / hkv, c = 2 * hkv * d;
+    std::vector<float>& u = buffers().conv_out;
+    u.resize(static_cast<std::size_t>(c));
+    for (std::int64_t ch = 0; ch < c; ++ch) {  // the causal conv, then SiLU
+      float a = 0;
+      for (std::int64_t j = 0; j < conv_kernel; ++j) a += w.conv(ch, j) * window[ch * conv_kernel + j];
+      u[static_cast<std::size_t>(ch)] = a / (1.0f + std::exp(-a));
+    }
+    const auto unit = [d](const float* x, float* y) {  // L2-normalized, as gated DeltaNet's q and k
+      float n = 0;
+      for (std::int64_t i = 0; i < d; ++i) n += x[i] * x[i];
+      const float s = 1.0f / std::sqrt(n + 1e-6f);
+      for (std::int64_t i = 0; i < d; ++i) y[i] = x[i] * s;
+    };
+    std::vector<float>&kn = buffers().unit_k, &qn = buffers().unit_q;
+    kn.resize(static_cast<std::size_t>(d));
+    qn.resize(static_cast<std::size_t>(d));
+    for (std::int64_t g = 0; g < hkv; ++g) {
+      float* s = state + g * d * d;
+      const float decay = 0.75f + 0.2f * static_cast<float>(g + 1) / static_cast<float>(hkv + 1);
+      unit(u.data() + g * d, kn.data());
+      const float* v = u.data() + hkv * d + g * d;
+      for (std::int64_t i = 0; i < d; ++i)
+        for (std::int64_t j = 0; j < d; ++j)
+          s[i * d + j] = decay * s[i * d + j] + kn[static_cast<std::size_t>(i)] * v[j];
+      for (std::int64_t hd = g * group; hd < (g + 1) * group; ++hd) {
+        unit(q + hd * d, qn.data());
+        for (std::int64_t j = 0; j < d; ++j) {
+          float o = 0;
+          for (std::int64_t i = 0; i < d; ++i) o += qn[static_cast<std::size_t>(i)] * s[i * d + j];
+          out[hd * d + j] = o;
+        }
+      }
+    }
+  }
+
+  // A linear-attention layer over a kvc cache: the state is read from the cache, and each token
+  // is a step of its linear layer: update_conv_state(the token's column) gives the conv window,
+  // update_recurrent_state(the new state) stores it.
+  template <class Cache>
+  void linear_with_cache(Cache& cache, std::int64_t layer, const Matrix& q, const Matrix& k, const Matrix& v,
+                         Matrix& out) const {
+    const std::int64_t n = q.rows(), c = k.cols() + v.cols();
+    Eigen::Tensor<float, 4, Eigen::RowMajor> state(1, config_.num_key_value_heads, config_.head_dim, config_.head_dim);
+    state.setZero();
+    cache.visit_layer(layer, [&](const auto& l) {
+      if constexpr (requires { l.recurrent_state(0); }) {
+        const auto held = l.recurrent_state(0);
+        if (held.size() == state.size()) std::copy_n(held.data(), held.size(), state.data());
+      }
+    });
+    Eigen::Tensor<float, 3, Eigen::RowMajor> column(1, c, 1);
+    std::vector<float> window(static_cast<std::size_t>(c * conv_kernel));
+    out.resize(n, q.cols());
+    for (std::int64_t t = 0; t < n; ++t) {
+      std::copy_n(k.row(t).data(), k.cols(), column.data());
+      std::copy_n(v.row(t).data(), v.cols(), column.data() + k.cols());
+      const auto x = cache.update_conv_state(column, layer, 0, conv_kernel);  // [1, c, width], this token last
+      const std::int64_t width = x.extent(2);
+      for (std::int64_t ch = 0; ch < c; ++ch)
+        for (std::int64_t j = 0; j < conv_kernel; ++j)
+          window[static_cast<std::size_t>(ch * conv_kernel + j)] = x[ch * width + width - conv_kernel + j];
+      linear_token(layers_[static_cast<std::size_t>(layer)], window.data(), q.row(t).data(), state.data(),
+                   out.row(t).data());
+      cache.update_recurrent_state(state, layer, 0);
+    }
+  }
 
   static std::vector<std::int64_t> positions_from(std::int64_t first, std::size_t n) {
     std::vector<std::int64_t> out(n);
@@ -483,6 +603,7 @@ class Decoder {
   struct Buffers {
     Matrix x, a, q, k, v, attended, projected, gate, up, down, cos, sin, picked;
     kvc::HostTensor<T> hq, hk, hv;
+    std::vector<float> conv_out, unit_k, unit_q;  // a linear_attention layer's token
   };
   static Buffers& buffers() {
     thread_local Buffers b;
@@ -494,6 +615,15 @@ class Decoder {
   template <class Attend>
   const Matrix& run(std::span<const std::int32_t> tokens, const std::vector<std::int64_t>& positions,
                     Attend&& attend_fn) const {
+    return run(tokens, positions, attend_fn, [](std::int64_t, const Matrix&, const Matrix&, const Matrix&, Matrix&) {
+      throw std::invalid_argument("Decoder: linear_attention layers run through Decoder::forward only");
+    });
+  }
+  // The same, with linear_fn(layer, q, k, v, out) computing a linear_attention layer's output
+  // [tokens, heads * head_dim] from its rotated queries and keys and its values.
+  template <class Attend, class Linear>
+  const Matrix& run(std::span<const std::int32_t> tokens, const std::vector<std::int64_t>& positions,
+                    Attend&& attend_fn, Linear&& linear_fn) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
     const std::int64_t h = config_.hidden_size, hq = config_.num_attention_heads, hkv = config_.num_key_value_heads;
     if (n == 0) throw std::invalid_argument("Decoder: no tokens");
@@ -514,11 +644,15 @@ class Decoder {
       w.wv.times(b.a, b.v);
       rotate(b.q, hq, b.cos, b.sin);
       rotate(b.k, hkv, b.cos, b.sin);
-      to_heads(b.q, hq, b.hq);
-      to_heads(b.k, hkv, b.hk);
-      to_heads(b.v, hkv, b.hv);
-      const kvc::HostTensor<T> out = attend_fn(static_cast<std::int64_t>(l), b.hq, b.hk, b.hv);
-      from_heads(out, b.attended);
+      if (config_.is_linear(static_cast<std::int64_t>(l))) {
+        linear_fn(static_cast<std::int64_t>(l), b.q, b.k, b.v, b.attended);
+      } else {
+        to_heads(b.q, hq, b.hq);
+        to_heads(b.k, hkv, b.hk);
+        to_heads(b.v, hkv, b.hv);
+        const kvc::HostTensor<T> out = attend_fn(static_cast<std::int64_t>(l), b.hq, b.hk, b.hv);
+        from_heads(out, b.attended);
+      }
       w.wo.times(b.attended, b.projected);
       if (reduce_) reduce_(b.projected);  // a tensor-parallel shard's partial sum, summed over the ranks
       x.noalias() += b.projected;
