@@ -42,7 +42,7 @@ constexpr bool contains(const std::array<std::string_view, N>& list, std::string
 // most the sliding ring's ceil(sliding_window / block_size) in each sliding group.
 inline std::int64_t paged_dense_blocks(const ModelConfig& model_config, std::int64_t block_size, std::int64_t rows,
                                        std::int64_t tokens) {
-  const paged::LayerGroups groups = paged::group_layers_by_attn_type(model_config);
+  const paged::LayerGroups groups = paged::group_paged_layers(model_config);
   const std::int64_t per_group = (std::max<std::int64_t>(tokens, 1) + block_size - 1) / block_size;
   std::int64_t per_row = 0;
   for (const std::string& type : groups.types) {

@@ -169,8 +169,36 @@ TEST_CASE("layer groups: first-appearance order of the types, groups of gcd(buck
   cfg.sliding_window = 8;
   CHECK(kvc::paged::paged_layer_types(cfg) == types("sss"));
   cfg.layer_types = types("fsf");
-  const auto g = kvc::paged::group_layers_by_attn_type(cfg);
+  const auto g = kvc::paged::group_paged_layers(cfg);
   CHECK(g.groups == G{{0}, {2}, {1}});
+  CHECK(g.state_layers.empty());
+  CHECK(g.num_layers == 3);
+}
+
+TEST_CASE("layer groups of a hybrid model: linear layers join no group, hybrids join one and hold states") {
+  using G = std::vector<ids>;
+  const std::vector<std::string> layout{"linear_attention", "full_attention", "hybrid_sliding",   "conv",
+                                        "full_attention",   "hybrid",         "sliding_attention"};
+  const auto g = kvc::paged::group_paged_layers(std::span<const std::string>(layout));
+  // The attention layers 1 f, 2 s, 4 f, 5 f, 6 s: sliding {2, 6}, full {1, 4, 5} -> gcd 1.
+  CHECK(g.group_size == 1);
+  CHECK(g.groups == G{{1}, {4}, {5}, {2}, {6}});
+  CHECK(g.types == types("fffss"));
+  CHECK(g.state_layers == ids{0, 2, 3, 5});
+  CHECK(g.num_layers == 7);
+  // Linear layers between attention layers do not change the gcd of the attention buckets.
+  const std::vector<std::string> qwen{"linear_attention", "linear_attention", "linear_attention", "full_attention",
+                                      "linear_attention", "linear_attention", "linear_attention", "full_attention"};
+  const auto q = kvc::paged::group_paged_layers(std::span<const std::string>(qwen));
+  CHECK(q.group_size == 2);
+  CHECK(q.groups == G{{3, 7}});
+  CHECK(q.state_layers == ids{0, 1, 2, 4, 5, 6});
+  // Without attention layers there is no group.
+  const std::vector<std::string> mamba{"linear_attention", "linear_attention"};
+  const auto m = kvc::paged::group_paged_layers(std::span<const std::string>(mamba));
+  CHECK(m.groups.empty());
+  CHECK(m.group_size == 0);
+  CHECK(m.state_layers == ids{0, 1});
 }
 
 TEST_CASE("BlockManager: the worked example (bs 4, NB 6, one full group with sharing, prompt 1..9)") {

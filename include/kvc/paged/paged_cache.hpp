@@ -180,7 +180,7 @@ class PagedCache<S> {
   // The bookkeeping first (it checks the layer types), then the pools: zeroed whole, the read-trash
   // block because padded reads must see zeros, the rest so that no path reads uninitialized memory.
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const checked_sizes& sizes)
-      : groups_(paged::group_layers_by_attn_type(config)),
+      : groups_(grouped(config)),
         tables_(groups_.types, sizes.num_blocks, sizes.page.block_size, config.sliding_window, cb.allow_block_sharing),
         pages_(sizes.page, sizes.num_blocks + 2, groups_.group_size, true),
         swap_(sizes.page, groups_.group_size),
@@ -201,7 +201,7 @@ class PagedCache<S> {
   // when the heads are sharded, so it plans fewer blocks than fit; docs/differences.md).
   static PagedMemoryModel memory_model(const ModelConfig& config, const ContinuousBatchingConfig& cb,
                                        const PagedMemoryBudget& budget, std::int64_t head_divisor = 1) {
-    const paged::LayerGroups groups = paged::group_layers_by_attn_type(config);
+    const paged::LayerGroups groups = paged::group_paged_layers(config);
     PagedMemoryModel m;
     m.hidden_size = config.hidden_size;
     m.vocab_size = budget.vocab_size;
@@ -977,6 +977,15 @@ class PagedCache<S> {
     return {static_cast<std::size_t>(g), static_cast<std::size_t>(j), sliding};
   }
 
+  // The model's layer groups; layers with linear-attention states are refused with transformers'
+  // message for their type.
+  static paged::LayerGroups grouped(const ModelConfig& config) {
+    paged::LayerGroups out = paged::group_paged_layers(config);
+    if (!out.state_layers.empty())
+      throw ValueError("Invalid group type: " +
+                       paged::paged_layer_types(config)[static_cast<std::size_t>(out.state_layers.front())]);
+    return out;
+  }
   static std::int64_t head_divisor(const PagedTensorParallel& tp) {
     detail::check_size("kvc::PagedCache: tp_size", tp.tp_size, 1, max_layers);
     return tp.tp_size > 1 && tp.kv_is_tp ? tp.tp_size : 1;
