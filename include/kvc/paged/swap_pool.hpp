@@ -35,8 +35,7 @@ class SwapPool {
   // An empty pool (no blocks until reserve()) for pages of `geo` in `tensors` K and V buffers.
   SwapPool(const PageGeometry& geo, std::int64_t tensors) : pages_(geo), tensors_(tensors) {}
   // Copies the pages and the bookkeeping. May throw std::bad_alloc.
-  SwapPool(const SwapPool& o)
-      : pages_(o.pages_), tensors_(o.tensors_), free_(copy_with_room(o.free_, o.blocks())), swapped_(o.swapped_) {}
+  SwapPool(const SwapPool& o) : pages_(o.pages_), tensors_(o.tensors_), free_(o.free_), swapped_(o.swapped_) {}
   // Takes over the other pool's pages and bookkeeping.
   SwapPool(SwapPool&&) noexcept = default;
   // Takes over the other pool's pages and bookkeeping.
@@ -51,16 +50,15 @@ class SwapPool {
                        " requests are offloaded to it");
     kvc::detail::check_size("kvc::PagedCache: swap blocks", num_blocks, 0, max_extent);
     PagePools<S> pages(pages_.geometry(), num_blocks, tensors_, false);
-    std::vector<std::int64_t> free(static_cast<std::size_t>(num_blocks));
-    for (std::int64_t i = 0; i < num_blocks; ++i) free[static_cast<std::size_t>(i)] = i;
+    FreeIds free(num_blocks);
     pages_ = std::move(pages);
-    free_ = std::move(free);  // room for every block: giving blocks back never allocates
+    free_ = std::move(free);
   }
 
   // Returns the number of swap blocks (0 before reserve()).
   std::int64_t blocks() const noexcept { return pages_.blocks(); }
   // Returns the number of swap blocks that no offloaded request holds.
-  std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_.size()); }
+  std::int64_t free_blocks() const noexcept { return free_.size(); }
   // Returns true when the request (by its key's index) is offloaded to the pool.
   bool is_offloaded(RequestKey request) const { return swapped_.count(request.index) != 0; }
   // Returns the offloaded request's entry (by its key's index); nullptr when it is not offloaded.
@@ -79,13 +77,13 @@ class SwapPool {
     entry out;
     std::int64_t n = 0;
     for (const std::int64_t c : group_counts) n += c;
-    out.swap_ids.assign(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+    out.swap_ids.reserve(static_cast<std::size_t>(n));
     out.group_counts = std::move(group_counts);
-    keep_free(log);
+    free_.keep(log);
     log.room(1, insert_undo_bytes);
     auto [slot, inserted] = swapped_.emplace(request.index, std::move(out));
     undo_insert(log, swapped_, *slot);
-    free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(n));
+    free_.take(log, n, slot->second.swap_ids);  // cannot fail: kept, and room made
     return slot->second;
   }
   // The request's swap blocks return to the free list (kept ascending). Outside a transaction it
@@ -93,41 +91,16 @@ class SwapPool {
   void give_back(UndoLog& log, RequestKey request) {
     const auto it = swapped_.find(request.index);
     if (it == swapped_.end()) return;
-    keep_free(log);
-    free_.insert(free_.end(), it->second.swap_ids.begin(), it->second.swap_ids.end());  // within its room
-    std::sort(free_.begin(), free_.end());
+    free_.give_back(log, it->second.swap_ids);
     kept_.erase(log, swapped_, it);
   }
 
  private:
-  static std::vector<std::int64_t> copy_with_room(const std::vector<std::int64_t>& v, std::int64_t room) {
-    std::vector<std::int64_t> out;
-    out.reserve(static_cast<std::size_t>(room));
-    out.assign(v.begin(), v.end());
-    return out;
-  }
-  // The free list as it is, once per transaction, for its undo (every change to it comes after).
-  void keep_free(UndoLog& log) {
-    if (!log.active() || free_kept_) return;
-    log.at_end([](void* self) noexcept { static_cast<SwapPool*>(self)->free_kept_ = false; }, this);
-    saved_free_.reserve(static_cast<std::size_t>(blocks()));  // room for all, as free_ has
-    saved_free_.assign(free_.begin(), free_.end());
-    log.on_undo(
-        [](void* self) noexcept {
-          auto* p = static_cast<SwapPool*>(self);
-          p->free_.swap(p->saved_free_);
-        },
-        this);
-    free_kept_ = true;
-  }
-
   PagePools<S> pages_;
   std::int64_t tensors_;
-  std::vector<std::int64_t> free_;  // free swap blocks, ascending, with room for all
+  FreeIds free_;  // the swap blocks no offloaded request holds
   std::map<std::uint32_t, entry> swapped_;
-  // Transactions: the free list as it was, the entries erased.
-  std::vector<std::int64_t> saved_free_;
-  bool free_kept_ = false;
+  // Transactions: the entries erased.
   KeptNodes<std::map<std::uint32_t, entry>> kept_;
 };
 

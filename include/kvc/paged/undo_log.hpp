@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -170,6 +171,73 @@ class KeptNodes {
   static void forget(void* self) noexcept { static_cast<KeptNodes*>(self)->nodes_.clear(); }
 
   std::vector<typename Map::node_type> nodes_;
+};
+
+// The free ids of a pool of `capacity` ids (swap blocks, state slots): kept ascending, with room
+// for every id, so that giving ids back never allocates. Before its first change in a transaction
+// of the log the list is kept as it is (once per transaction); the rollback puts it back.
+class FreeIds {
+ public:
+  // No ids.
+  FreeIds() = default;
+  // Ids 0 .. capacity - 1, all free.
+  explicit FreeIds(std::int64_t capacity) : capacity_(capacity) {
+    free_.reserve(static_cast<std::size_t>(capacity));
+    for (std::int64_t i = 0; i < capacity; ++i) free_.push_back(i);
+  }
+  // Copies the free ids, with room for all of them (a transaction's saved list is not copied).
+  FreeIds(const FreeIds& o) : capacity_(o.capacity_) {
+    free_.reserve(static_cast<std::size_t>(capacity_));
+    free_.assign(o.free_.begin(), o.free_.end());
+  }
+  // Takes over the other object's ids.
+  FreeIds(FreeIds&&) noexcept = default;
+  // Copies `o` (copy, then move): may throw std::bad_alloc, leaving this object unchanged.
+  FreeIds& operator=(const FreeIds& o) { return *this = FreeIds(o); }
+  // Takes over the other object's ids.
+  FreeIds& operator=(FreeIds&&) noexcept = default;
+
+  // Returns the number of ids, free or not.
+  std::int64_t capacity() const noexcept { return capacity_; }
+  // Returns the number of free ids.
+  std::int64_t size() const noexcept { return static_cast<std::int64_t>(free_.size()); }
+  // Returns the free ids, ascending.
+  const std::vector<std::int64_t>& ids() const noexcept { return free_; }
+
+  // Keeps the list for the undo of the log's transaction, once per transaction (nothing outside
+  // one). May throw std::bad_alloc, changing nothing; after it, take and give_back cannot fail.
+  void keep(UndoLog& log) {
+    if (!log.active() || kept_) return;
+    log.at_end([](void* self) noexcept { static_cast<FreeIds*>(self)->kept_ = false; }, this);
+    saved_.reserve(static_cast<std::size_t>(capacity_));  // room for all, as free_ has
+    saved_.assign(free_.begin(), free_.end());
+    log.on_undo(
+        [](void* self) noexcept { static_cast<FreeIds*>(self)->free_.swap(static_cast<FreeIds*>(self)->saved_); },
+        this);
+    kept_ = true;
+  }
+  // The n smallest free ids (there must be that many) stop being free; they are appended to
+  // `out`, which must have room for them. Strong guarantee: may throw std::bad_alloc (keeping the
+  // list in a transaction) before anything changes.
+  void take(UndoLog& log, std::int64_t n, std::vector<std::int64_t>& out) {
+    keep(log);
+    const auto end = free_.begin() + static_cast<std::ptrdiff_t>(n);
+    out.insert(out.end(), free_.begin(), end);
+    free_.erase(free_.begin(), end);
+  }
+  // The ids are free again (kept ascending). Outside a transaction it allocates nothing; in one,
+  // a std::bad_alloc comes before any change.
+  void give_back(UndoLog& log, std::span<const std::int64_t> ids) {
+    keep(log);
+    free_.insert(free_.end(), ids.begin(), ids.end());  // within its room
+    std::sort(free_.begin(), free_.end());
+  }
+
+ private:
+  std::int64_t capacity_ = 0;
+  std::vector<std::int64_t> free_;   // ascending, with room for all
+  std::vector<std::int64_t> saved_;  // the list as a transaction found it
+  bool kept_ = false;
 };
 
 // Records the undo of an insertion into a node-based map that made `element`: erasing it again.
