@@ -25,7 +25,7 @@ set(kvc_layer_0
     limits.hpp version.hpp warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
     paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
-    paged/page_pools.hpp paged/request_keys.hpp paged/swap_pool.hpp paged/undo_log.hpp
+    paged/page_pools.hpp paged/request_keys.hpp paged/state_slots.hpp paged/swap_pool.hpp paged/undo_log.hpp
     policies/layers/crop_plan.hpp policies/offload/buffers.hpp policies/offload/none.hpp
     policies/offload/selection.hpp
     concepts/executor.hpp concepts/layer_policy.hpp concepts/offload_policy.hpp)
@@ -34,7 +34,7 @@ set(kvc_layer_1
     paged/continuous_batching_config_json.hpp paged/layer_groups.hpp
     policies/layers/kinds.hpp)
 set(kvc_layer_2
-    tensor_view.hpp
+    tensor_view.hpp detail/checked_state_view.hpp
     concepts/cache_layer.hpp concepts/linear_layer.hpp concepts/storage_policy.hpp)
 set(kvc_layer_3
     paged/paged_cache.hpp paged/scheduler.hpp)

@@ -26,8 +26,9 @@
 #include <kvc/concepts/linear_layer.hpp>
 #include <kvc/concepts/offload_policy.hpp>
 #include <kvc/concepts/storage_policy.hpp>
-#include <kvc/errors.hpp>
+#include <kvc/detail/checked_state_view.hpp>
 #include <kvc/detail/state_io.hpp>
+#include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
 #include <kvc/policies/layers.hpp>
 #include <kvc/policies/layers/crop_plan.hpp>
@@ -996,19 +997,7 @@ class Cache<L, S, O> {
 
   template <class X>
   static typename S::state_view_type state_input(const X& x) {
-    static_assert(concepts::has_state_views<S>, "kvc::Cache: this StoragePolicy has no linear-attention states");
-    static_assert(S::template accepts_state_input<X>,
-                  "kvc::Cache: linear-attention states and indexer keys must be a dense Eigen::Tensor<T, N, "
-                  "Eigen::RowMajor> (N = 1..4), a TensorMap of one or a kvc::StateView, with the cache's element type");
-    const auto view = S::state_input_view(x);
-    std::int64_t n = 1;
-    for (int r = 0; r < view.rank; ++r)
-      if (view.extent(r) < 0 || view.extent(r) > max_extent || !detail::mul_fits(n, view.extent(r), n))
-        throw ValueError("kvc::Cache: a state of shape " + shape_string(view) +
-                         " has a negative dimension, one above "
-                         "kvc's limit of " +
-                         std::to_string(max_extent) + ", or a product of dimensions that overflows");
-    return view;
+    return detail::checked_state_view<S>(x, "kvc::Cache");
   }
 
   bool layer_has_linear(std::int64_t idx) const {

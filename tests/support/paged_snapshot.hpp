@@ -20,6 +20,8 @@ struct paged_snapshot {
   std::vector<float> keys, values;
   std::vector<bool> offloaded;      // is_offloaded of each request named
   std::vector<std::string> blocks;  // each block's repr and ref count, and whether its hash is registered
+  std::int64_t free_state_slots = 0;
+  std::vector<std::vector<float>> states;  // per request named: its slot, then each state and its flag
   bool operator==(const paged_snapshot&) const = default;
 };
 
@@ -45,6 +47,18 @@ paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string
     s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n);
   }
   for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
+  s.free_state_slots = c.free_state_slots();
+  for (const std::string& r : requests) {
+    const std::int64_t slot = c.state_slot(r);
+    s.states.push_back({static_cast<float>(slot)});
+    if (slot < 0) continue;
+    for (const std::int64_t l : c.state_layers())
+      for (std::int64_t i = 0; i < c.states_per_layer(); ++i) {
+        for (const auto& v : {c.conv_state(r, l, i), c.recurrent_state(r, l, i)})
+          s.states.emplace_back(v.data(), v.data() + (v.rank > 0 ? v.size() : 0));
+        s.states.push_back({c.has_previous_state(r, l, i) ? 1.f : 0.f});
+      }
+  }
   for (std::int64_t b = 0; b < c.num_blocks(); ++b) {
     const kvc::paged::Block* block = c.manager().block(b);
     if (!block) {

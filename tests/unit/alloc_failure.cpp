@@ -399,6 +399,93 @@ TEST_CASE("PagedCache: allocation, indices, prefix sharing, forks and request of
   }
 }
 
+TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks and transactions") {
+  using C = paged_rig;
+  // Layers 0 and 1 have keys and values (one full group), 1 and 2 linear-attention states.
+  const auto make = [] {
+    kvc::ContinuousBatchingConfig cb = paged_blocks(12);
+    cb.max_state_slots = 4;
+    C r{kvc::PagedCache<Host>(paged_model({"full_attention", "hybrid", "linear_attention"}), cb), {}, {}};
+    r.cache.reserve_swap_space(6);
+    return r;
+  };
+  const auto conv = [](std::int64_t t, unsigned seed) {
+    std::mt19937 rng(seed);
+    Eigen::Tensor<float, 3, Eigen::RowMajor> x(1, 5, t);
+    for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(rng() % 64);
+    return x;
+  };
+  const auto recurrent = [](unsigned seed) {
+    std::mt19937 rng(seed);
+    Eigen::Tensor<float, 3, Eigen::RowMajor> x(1, 2, 3);
+    for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(rng() % 64);
+    return x;
+  };
+  scenario<C> s{"PagedCache (full + hybrid + linear)", make, {}};
+  const auto states = [&](const std::string& request, std::int64_t t, unsigned seed) {
+    for (const std::int64_t layer : {1, 2}) {
+      s.ops.push_back({"conv " + request + " layer " + std::to_string(layer),
+                       [=](C& r) { (void)r.cache.update_conv_state(conv(t, seed), request, layer, 0, 3); }});
+      s.ops.push_back({"recurrent " + request + " layer " + std::to_string(layer),
+                       [=](C& r) { (void)r.cache.update_recurrent_state(recurrent(seed), request, layer); }});
+    }
+  };
+  s.ops.push_back({"allocate a", [](C& r) { (void)r.cache.allocate_blocks(2, "a", 0); }});
+  add_paged_step(s.ops, "a", 0, 7, false);
+  states("a", 7, 1);
+  s.ops.push_back({"allocate c and d together", [](C& r) {
+                     const std::vector<std::string> both = {"c", "d"};
+                     (void)r.cache.allocate_blocks(1, both);
+                   }});
+  states("c", 2, 2);
+  states("a", 1, 3);
+  s.ops.push_back({"allocate e, the last slot", [](C& r) { (void)r.cache.allocate_blocks(1, "e", 0); }});
+  s.ops.push_back({"free d", [](C& r) { r.cache.free_blocks("d"); }});
+  s.ops.push_back({"fork a to x", [](C& r) { (void)r.cache.fork_request("a", std::vector<std::string>{"x"}); }});
+  s.ops.push_back({"fork c to y, no slot left", [](C& r) {
+                     try {
+                       (void)r.cache.fork_request("c", std::vector<std::string>{"y"});
+                     } catch (const kvc::ValueError&) {
+                     }
+                   }});
+  s.ops.push_back({"truncate a (refused)", [](C& r) { (void)r.cache.truncate_request("a", 3); }});
+  s.ops.push_back({"offload x (refused)", [](C& r) { (void)r.cache.offload_request("x"); }});
+  states("x", 2, 4);
+  s.ops.push_back({"release x", [](C& r) { r.cache.release_request("x"); }});
+  s.ops.push_back({"fork a to x in a transaction, rolled back", [](C& r) {
+                     r.cache.begin_transaction();
+                     try {
+                       (void)r.cache.fork_request("a", std::vector<std::string>{"x"});
+                     } catch (...) {
+                       r.cache.rollback_transaction();
+                       throw;
+                     }
+                     r.cache.rollback_transaction();
+                   }});
+  s.ops.push_back({"fork a to x in a transaction", [](C& r) {
+                     r.cache.transaction([&] { (void)r.cache.fork_request("a", std::vector<std::string>{"x"}); });
+                   }});
+  s.ops.push_back({"open k", [](C& r) { (void)r.cache.open_request("k"); }});
+  s.ops.push_back({"allocate k by key, no slot left",
+                   [](C& r) { (void)r.cache.allocate_blocks(1, *r.cache.find_request("k"), 0); }});
+  s.ops.push_back({"free all", [](C& r) { r.cache.free_all_requests(); }});
+  s.ops.push_back({"allocate k by key", [](C& r) { (void)r.cache.allocate_blocks(1, *r.cache.find_request("k"), 0); }});
+  states("k", 3, 5);
+  s.ops.push_back({"close k", [](C& r) { r.cache.close_request("k"); }});
+  check_paged_failures<C>(
+      s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
+      [](C& r) {
+        r.cache.free_all_requests();
+        r.cache.close_request("k");
+        CHECK(r.cache.free_state_slots() == r.cache.state_slots());
+      },
+      [](const std::string&) { return true; },
+      [](C& r) {
+        return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "c", "d", "e", "x", "y", "k"}),
+                         std::pair{r.reads, r.writes}};
+      });
+}
+
 TEST_CASE("PagedCache: what an all-or-nothing caller commits with allocates nothing") {
   // release_request, drop_offloaded_request, truncate_request (a cut that copies a shared block
   // included) and close_request are what the scheduler calls after its last allocation: the first allocation

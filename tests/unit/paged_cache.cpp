@@ -97,9 +97,9 @@ TEST_CASE("PagedCache: construction, the padding zone and transformers' messages
   auto chunked = model("f");
   chunked.layer_types = std::vector<std::string>{"chunked_attention"};
   CHECK_THROWS_WITH_AS(Cache(chunked, cb(4, 8)), "Invalid group type: chunked_attention", kvc::ValueError);
-  auto linear = model("ff");
-  linear.layer_types = std::vector<std::string>{"full_attention", "linear_attention"};
-  CHECK_THROWS_WITH_AS(Cache(linear, cb(4, 8)), "Invalid group type: linear_attention", kvc::ValueError);
+  auto mlp = model("ff");  // (layers with linear-attention states: tests/unit/paged_states.cpp)
+  mlp.layer_types = std::vector<std::string>{"full_attention", "mlp"};
+  CHECK_THROWS_WITH_AS(Cache(mlp, cb(4, 8)), "Invalid group type: mlp", kvc::ValueError);
   kvc::ContinuousBatchingConfig unplanned;
   unplanned.block_size = 4;
   CHECK_THROWS_AS(Cache(model("f"), unplanned), kvc::ValueError);

@@ -28,6 +28,7 @@
 #include <kvc/paged/allocators.hpp>
 #include <kvc/paged/block_manager.hpp>
 #include <kvc/paged/request_keys.hpp>
+#include <kvc/paged/state_slots.hpp>
 #include <kvc/paged/undo_log.hpp>
 
 namespace kvc::paged {
@@ -60,10 +61,12 @@ class BlockTables {
  public:
   // One allocator per group, of the group's attention type ("full_attention" or
   // "sliding_attention"; anything else is refused as transformers refuses it). Blocks num_blocks
-  // and num_blocks + 1 are the padding zone no request gets (docs/paged.md).
+  // and num_blocks + 1 are the padding zone no request gets (docs/paged.md). With state_slots > 0
+  // (a model with linear-attention states) every request that holds blocks also holds one of that
+  // many state slots, and prompts are not matched against cached blocks.
   BlockTables(std::span<const std::string> group_types, std::int64_t num_blocks, std::int64_t block_size,
-              std::optional<std::int64_t> sliding_window, bool allow_block_sharing)
-      : manager_(num_blocks, block_size) {
+              std::optional<std::int64_t> sliding_window, bool allow_block_sharing, std::int64_t state_slots = 0)
+      : manager_(num_blocks, block_size), slots_(state_slots) {
     for (const std::string& type : group_types)
       if (type != "full_attention" && type != "sliding_attention") throw ValueError("Invalid group type: " + type);
     for (std::size_t g = 0; g < group_types.size(); ++g) {
@@ -77,7 +80,8 @@ class BlockTables {
                                                                 write_trash_index(), &names_));
       }
     }
-    use_prefix_sharing_ = allow_block_sharing && group_types.size() == 1 && group_types[0] == "full_attention";
+    use_prefix_sharing_ =
+        allow_block_sharing && group_types.size() == 1 && group_types[0] == "full_attention" && state_slots == 0;
     reserve_scratch();
   }
   // A copy has its own names: its allocators point at them.
@@ -85,6 +89,7 @@ class BlockTables {
       : manager_(o.manager_),
         allocators_(o.allocators_),
         names_(o.names_),
+        slots_(o.slots_),
         use_prefix_sharing_(o.use_prefix_sharing_),
         total_prefix_length_(o.total_prefix_length_),
         cut_groups_(o.cut_groups_) {
@@ -97,6 +102,7 @@ class BlockTables {
       : manager_(std::move(o.manager_)),
         allocators_(std::move(o.allocators_)),
         names_(std::move(o.names_)),
+        slots_(std::move(o.slots_)),
         use_prefix_sharing_(o.use_prefix_sharing_),
         total_prefix_length_(o.total_prefix_length_),
         cut_groups_(std::move(o.cut_groups_)) {
@@ -110,6 +116,7 @@ class BlockTables {
     manager_ = std::move(o.manager_);
     allocators_ = std::move(o.allocators_);
     names_ = std::move(o.names_);
+    slots_ = std::move(o.slots_);
     use_prefix_sharing_ = o.use_prefix_sharing_;
     total_prefix_length_ = o.total_prefix_length_;
     cut_groups_ = std::move(o.cut_groups_);
@@ -165,6 +172,8 @@ class BlockTables {
   std::int64_t write_trash_index() const noexcept { return (num_blocks() + 1) * block_size(); }
   // Returns the block manager.
   const BlockManager& manager() const noexcept { return manager_; }
+  // Returns the state slots (none for a model without linear-attention states).
+  const StateSlots& state_slots() const noexcept { return slots_; }
   // Returns the undo log every change goes through (the manager's).
   UndoLog& log() noexcept { return manager_.log(); }
   // Returns true while log() is in a transaction.
@@ -299,16 +308,25 @@ class BlockTables {
         }));
         total = saturating_add(total, takes.back());
       }
-    if (total > get_num_free_blocks()) return std::nullopt;
-    // Every table and its room first (undone if one cannot be made), so that taking the blocks
-    // afterwards allocates nothing.
+    if (total > get_num_free_blocks() || slots_needed(n, request_ids) > slots_.free_slots()) return std::nullopt;
+    // Every table and its room first, then the state slots (undone if one cannot be made), so that
+    // taking the blocks afterwards allocates nothing.
     std::vector<char> made(takes.size(), 0);
     const std::size_t groups = allocators_.size();
+    std::vector<char> took(n > 0 && slots_.slots() > 0 ? request_ids.size() : 0, 0);  // took a state slot
     try {
       for (std::size_t i = 0; i < takes.size(); ++i)
         made[i] = std::visit([&](auto& al) { return al.reserve_table(request_ids[i / groups], takes[i], manager_); },
                              allocators_[i % groups]);
+      for (std::size_t i = 0; i < took.size(); ++i)
+        if (slots_.slot_of(request_ids[i]) < 0) {
+          slots_.take(log(), request_ids[i]);
+          took[i] = 1;
+        }
     } catch (...) {
+      if (!log().active())  // (in a transaction, the rollback gives them back)
+        for (std::size_t i = 0; i < took.size(); ++i)
+          if (took[i]) slots_.give_back(log(), request_ids[i]);
       for (std::size_t i = 0; i < takes.size(); ++i)
         if (made[i])
           std::visit([&](auto& al) { al.drop_empty_table(request_ids[i / groups], manager_); },
@@ -329,6 +347,7 @@ class BlockTables {
   // transformers does) and goes on.
   void free_blocks(RequestKey request) {
     for (allocator& a : allocators_) std::visit([&](auto& al) { al.free_blocks(request, manager_); }, a);
+    slots_.give_back(log(), request);
   }
   // Frees the request's blocks in every group where it has a table (no warning where it has none).
   void release(RequestKey request) {
@@ -338,6 +357,7 @@ class BlockTables {
             if (al.has_request(request)) al.free_blocks(request, manager_);
           },
           a);
+    slots_.give_back(log(), request);
   }
   // Every request's tables go; returns the keys that had one, ascending.
   std::vector<RequestKey> free_all_requests() {
@@ -454,7 +474,8 @@ class BlockTables {
   }
 
   // Tables for copies of each source under its destinations in every group, all forks or none;
-  // returns the block copies the non-shared blocks need.
+  // returns the block copies the non-shared blocks need. With state slots each destination takes
+  // one (the caller copies the source's states there).
   BlockCopies fork_requests(std::span<const std::pair<RequestKey, std::span<const RequestKey>>> forks) {
     std::int64_t copies = 0;
     std::vector<RequestKey> named;  // every destination so far
@@ -467,13 +488,16 @@ class BlockTables {
         named.push_back(d);
       }
     }
-    if (copies > get_num_free_blocks())
+    const bool slotted = slots_.slots() > 0;  // every destination takes a state slot
+    if (copies > get_num_free_blocks() || (slotted && static_cast<std::int64_t>(named.size()) > slots_.free_slots()))
       throw ValueError("Failed to fork blocks for request " +
                        (forks.empty() ? std::string() : names_.name(forks.front().first.index)));
-    // Every fork of every group is prepared (all the memory it needs) before any takes a block.
+    // Every fork of every group is prepared (all the memory it needs), and every destination's
+    // state slot taken, before any takes a block.
     std::vector<CacheAllocator::PreparedFork> prepared;  // fork-major, then group
     BlockCopies out;
     const std::size_t groups = allocators_.size();
+    std::size_t took = 0;  // named[0, took) took a state slot
     try {
       prepared.reserve(forks.size() * groups);
       for (const auto& f : forks)  // (no structured binding: clang 14 lambdas cannot capture one)
@@ -481,7 +505,11 @@ class BlockTables {
           prepared.push_back(std::visit([&](auto& al) { return al.prepare_fork(f.first, f.second, manager_); }, a));
       out.source.reserve(static_cast<std::size_t>(copies));
       out.destination.reserve(static_cast<std::size_t>(copies));
+      if (slotted)
+        for (; took < named.size(); ++took) (void)slots_.take(log(), named[took]);
     } catch (...) {
+      if (!log().active())  // (in a transaction, the rollback gives them back)
+        for (std::size_t i = 0; i < took; ++i) slots_.give_back(log(), named[i]);
       for (std::size_t i = 0; i < prepared.size(); ++i)
         std::visit([&](auto& al) { al.abandon_fork(prepared[i], manager_); }, allocators_[i % groups]);
       throw;
@@ -503,6 +531,18 @@ class BlockTables {
     return nullptr;
   }
   void reserve_scratch() { cut_groups_.reserve(allocators_.size()); }
+  // The state slots an allocation of n blocks to the requests takes: one per request holding none
+  // (each counted once), none for n <= 0 or a model without states.
+  std::int64_t slots_needed(std::int64_t n, std::span<const RequestKey> requests) const {
+    if (n <= 0 || slots_.slots() == 0) return 0;
+    std::int64_t out = 0;
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      if (slots_.slot_of(requests[i]) < 0 &&
+          std::find(requests.begin(), requests.begin() + static_cast<std::ptrdiff_t>(i), requests[i]) ==
+              requests.begin() + static_cast<std::ptrdiff_t>(i))
+        ++out;
+    return out;
+  }
   void point_at_names() noexcept {
     for (allocator& a : allocators_) std::visit([&](auto& al) { al.set_names(&names_); }, a);
   }
@@ -521,6 +561,7 @@ class BlockTables {
   BlockManager manager_;
   std::vector<allocator> allocators_;
   RequestNames names_;  // the requests' ids and keys (the allocators point at it)
+  StateSlots slots_;    // who holds which linear-attention state slot
   bool use_prefix_sharing_ = false;
   std::int64_t total_prefix_length_ = 0;
   std::vector<std::size_t> cut_groups_;  // truncate's scratch: one entry per group at most

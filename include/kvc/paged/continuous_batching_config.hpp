@@ -44,12 +44,23 @@ struct ContinuousBatchingConfig {
   double cpu_offload_space_safety_threshold = 0.8;
   // Size of the input queue (0: unlimited).
   std::int64_t max_queue_size = 0;
+  // kvc's own: the requests that can hold linear-attention states at once, for a hybrid model (one
+  // state slot each, taken with a request's first blocks); unset: max_requests_per_batch, else
+  // 256, at most num_blocks.
+  std::optional<std::int64_t> max_state_slots;
 
   // transformers' fallback_max_blocks_per_request property.
   static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }
   // Returns max_blocks_per_request, or fallback_max_blocks_per_request() (32) when it is unset.
   std::int64_t resolved_max_blocks_per_request() const noexcept {
     return max_blocks_per_request.value_or(fallback_max_blocks_per_request());
+  }
+  // Returns max_state_slots, or, when it is unset, max_requests_per_batch (else 256) capped at
+  // num_blocks (a request that holds states holds a block too).
+  std::int64_t resolved_max_state_slots(std::int64_t blocks) const noexcept {
+    if (max_state_slots) return *max_state_slots;
+    const std::int64_t n = max_requests_per_batch.value_or(256);
+    return n < blocks ? n : blocks;
   }
 };
 

@@ -65,9 +65,10 @@ class PagedBatchCache {
   static constexpr std::string_view class_name = "PagedAttentionCache";
 
   // A paged cache for `config` sized by `cb` (cb.num_blocks must be set), holding no batch yet.
-  // Throws PagedCache's errors (kvc::ValueError for a bad config).
+  // Throws PagedCache's errors (kvc::ValueError for a bad config), and transformers' "Invalid
+  // group type" for a layer with linear-attention states (the batch form keeps none).
   PagedBatchCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
-      : cache_(config, cb), seen_(paged::paged_layer_types(config).size(), 0) {}
+      : cache_(without_states(config), cb), seen_(paged::paged_layer_types(config).size(), 0) {}
 
   // Returns the paged cache behind the batch, read-only.
   const PagedCache<S>& paged() const noexcept { return cache_; }
@@ -325,6 +326,13 @@ class PagedBatchCache {
     PagedIndices reads, writes;
   };
 
+  static const ModelConfig& without_states(const ModelConfig& config) {
+    const paged::LayerGroups groups = paged::group_paged_layers(config);
+    if (!groups.state_layers.empty())
+      throw ValueError("Invalid group type: " +
+                       paged::paged_layer_types(config)[static_cast<std::size_t>(groups.state_layers.front())]);
+    return config;
+  }
   [[noreturn]] static void no_linear_layer(const char* method) {
     throw AttributeError("'" + std::string(class_name) + "' object has no attribute '" + method + "'");
   }

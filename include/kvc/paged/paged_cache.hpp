@@ -17,7 +17,10 @@
 //     the swap pool (swap_pool.hpp: where whole requests are offloaded). The class keeps them in
 //     step: the tables say which blocks change, the pools copy their pages;
 //   - update(k, v, layer, read_index, write_index) scatters the new tokens to their rows and gathers
-//     what attention reads (full groups: write, then read; sliding groups: read, then write).
+//     what attention reads (full groups: write, then read; sliding groups: read, then write);
+//   - a hybrid model's layers with linear-attention states keep them per request in state slots
+//     (state_slots.hpp): a request holds one while it holds blocks; update_conv_state and
+//     update_recurrent_state take the request.
 
 #include <algorithm>
 #include <array>
@@ -32,6 +35,7 @@
 
 #include <kvc/concepts/storage_policy.hpp>
 #include <kvc/config.hpp>
+#include <kvc/detail/checked_state_view.hpp>
 #include <kvc/detail/traits.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
@@ -41,6 +45,7 @@
 #include <kvc/paged/layer_groups.hpp>
 #include <kvc/paged/memory_planner.hpp>
 #include <kvc/paged/page_pools.hpp>
+#include <kvc/paged/state_slots.hpp>
 #include <kvc/paged/swap_pool.hpp>
 #include <kvc/tensor_view.hpp>
 #include <kvc/warnings.hpp>
@@ -174,6 +179,7 @@ class PagedCache<S> {
   struct checked_sizes {
     paged::PageGeometry page;
     std::int64_t num_blocks;
+    std::int64_t state_slots;
   };
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, std::int64_t head_divisor, resolved)
       : PagedCache(config, cb, checked(config, cb, head_divisor)) {}
@@ -181,9 +187,13 @@ class PagedCache<S> {
   // block because padded reads must see zeros, the rest so that no path reads uninitialized memory.
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const checked_sizes& sizes)
       : groups_(grouped(config)),
-        tables_(groups_.types, sizes.num_blocks, sizes.page.block_size, config.sliding_window, cb.allow_block_sharing),
+        tables_(groups_.types, sizes.num_blocks, sizes.page.block_size, config.sliding_window, cb.allow_block_sharing,
+                groups_.state_layers.empty() ? 0 : sizes.state_slots),
         pages_(sizes.page, sizes.num_blocks + 2, groups_.group_size, true),
         swap_(sizes.page, groups_.group_size),
+        states_per_layer_(groups_.state_layers.empty() ? 0 : config.number_of_conv_states),
+        states_(static_cast<std::int64_t>(groups_.state_layers.size()) * states_per_layer_,
+                groups_.state_layers.empty() ? 0 : sizes.state_slots),
         max_batch_tokens_(cb.max_batch_tokens),
         max_blocks_per_request_(cb.resolved_max_blocks_per_request()) {
     cut_.source.reserve(static_cast<std::size_t>(num_groups()));
@@ -276,18 +286,21 @@ class PagedCache<S> {
   // Returns the write-trash row ((num_blocks + 1) * block_size): where padded and dropped writes
   // go.
   std::int64_t write_trash_index() const noexcept { return tables_.write_trash_index(); }
-  // (group, index in group) of a layer.
+  // (group, index in group) of a layer; kvc::IndexError for a layer out of range, kvc::ValueError
+  // for one with linear-attention states only (it has no keys and values).
   std::pair<std::int64_t, std::int64_t> layer_group(std::int64_t layer_idx) const {
     for (std::size_t g = 0; g < groups_.groups.size(); ++g)
       for (std::size_t j = 0; j < groups_.groups[g].size(); ++j)
         if (groups_.groups[g][j] == layer_idx) return {static_cast<std::int64_t>(g), static_cast<std::int64_t>(j)};
-    throw IndexError("kvc::PagedCache: layer " + std::to_string(layer_idx) + " is out of range for " +
-                     std::to_string(num_layers()) + " layers");
+    check_layer(layer_idx);
+    throw ValueError("kvc::PagedCache: layer " + std::to_string(layer_idx) +
+                     " keeps linear-attention states only: it has no keys and values");
   }
-  // Returns the number of layers: num_groups() * group_size().
-  std::int64_t num_layers() const noexcept { return num_groups() * groups_.group_size; }
-  // Bytes of the K and V pools.
-  std::int64_t bytes() const noexcept { return pages_.bytes(); }
+  // Returns the model's number of layers: num_groups() * group_size() attention layers, and those
+  // with linear-attention states only.
+  std::int64_t num_layers() const noexcept { return groups_.num_layers; }
+  // Returns the bytes of the K and V pools and of the state tensors made so far.
+  std::int64_t bytes() const noexcept { return pages_.bytes() + states_.bytes(); }
   // The request's block table in group g (a ValueError when it has none there).
   const std::vector<std::int64_t>& block_table(std::int64_t g, paged::RequestRef request) const {
     return tables_.table(g, tables_.find_known(request));
@@ -405,14 +418,17 @@ class PagedCache<S> {
   // a private copy first, so the tokens written after the cut change nothing anyone else reads.
   // A sliding group keeps the ring blocks of slots below `tokens`: right only while the ring has
   // not wrapped (the request never passed its window), which the caller checks. False, with
-  // nothing changed, when no block is free for a copy. Allocates nothing once called once (so a
-  // caller can truncate in the commit half of an all-or-nothing operation).
+  // nothing changed, when no block is free for a copy, or when the request holds linear-attention
+  // states (a recurrent state cannot be cut back to a position: prefill the tokens kept again).
+  // Allocates nothing once called once (so a caller can truncate in the commit half of an
+  // all-or-nothing operation).
   bool truncate_request(paged::RequestRef request, std::int64_t tokens) {
     if (tokens < 0)
       throw ValueError("kvc::PagedCache::truncate_request: tokens must be >= 0, got " + std::to_string(tokens));
     detail::check_size("kvc::PagedCache::truncate_request: tokens", tokens, 0, max_extent);
     const auto k = tables_.find(request);
     if (!k) return true;  // nothing held: nothing to cut
+    if (tables_.state_slots().slot_of(*k) >= 0) return false;
     if (!tables_.truncate(*k, tokens, cut_)) return false;
     move_blocks(pool::pages, cut_.source, pool::pages, cut_.destination);
     settle(*k);
@@ -507,15 +523,18 @@ class PagedCache<S> {
     tables_.mark_shareable_blocks_as_complete(tables_.find_known(request), num_complete_blocks, token_ids);
   }
 
-  // How many forks of `source` the free blocks allow (2^31 when a fork needs no new block).
+  // How many forks of `source` the free blocks (and, with linear-attention states, the free state
+  // slots) allow (2^31 when a fork needs neither).
   std::int64_t compute_max_num_forks(paged::RequestRef source) const {
     const std::int64_t per_fork = tables_.blocks_copied_per_fork(tables_.find_known(source));
-    return per_fork == 0 ? (std::int64_t{1} << 31) : get_num_free_blocks() / per_fork;
+    const std::int64_t by_blocks = per_fork == 0 ? (std::int64_t{1} << 31) : get_num_free_blocks() / per_fork;
+    return state_slots() > 0 ? std::min(by_blocks, free_state_slots()) : by_blocks;
   }
 
   // Tables for copies of `source` under `destinations` in every group, then the block copies the
   // non-shared blocks need (copy_cache). All or nothing across groups. The destinations are new
-  // ids, or keys opened for them.
+  // ids, or keys opened for them. With linear-attention states each destination gets a state slot
+  // and a copy of the source's states.
   std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> fork_request(
       paged::RequestRef source, std::span<const std::string> destinations) {
     const std::pair<std::string, std::span<const std::string>> one{tables_.id(source), destinations};
@@ -529,6 +548,7 @@ class PagedCache<S> {
                                                                                destinations};
     paged::BlockCopies c = tables_.fork_requests(std::span(&one, 1));
     copy_cache(c.source, c.destination);
+    copy_forked_states(std::span(&one, 1));
     return {std::move(c.source), std::move(c.destination)};
   }
   // Several sources at once, each (source, its destinations): all forks or none.
@@ -550,6 +570,7 @@ class PagedCache<S> {
       }
       paged::BlockCopies c = tables_.fork_requests(by_key);
       copy_cache(c.source, c.destination);
+      copy_forked_states(by_key);
       return std::pair(std::move(c.source), std::move(c.destination));
     });
   }
@@ -581,8 +602,10 @@ class PagedCache<S> {
     for (const pending_copy& c : pending_)
       copy_between(c.from, std::span(pending_ids_).subspan(c.at, c.n), c.to,
                    std::span(pending_ids_).subspan(c.at + c.n, c.n));
+    for (const state_copy& c : pending_states_) copy_states_now(c);
     pending_.clear();
     pending_ids_.clear();
+    pending_states_.clear();
     tables_.log().commit();
   }
   // Undoes every change since begin_transaction(), newest first, and drops the waiting block
@@ -590,6 +613,7 @@ class PagedCache<S> {
   void rollback_transaction() noexcept {
     pending_.clear();
     pending_ids_.clear();
+    pending_states_.clear();
     tables_.log().rollback();
   }
   // f() as one transaction: kept when it returns, rolled back when it throws (the exception goes
@@ -643,10 +667,12 @@ class PagedCache<S> {
 
   // Copies the request's blocks (every group) to the smallest free swap blocks and frees them in
   // the cache. False, with nothing changed, when the request holds no block or the pool has too
-  // few free blocks (transformers then soft-resets it: free_blocks, and prefill it again).
+  // few free blocks (transformers then soft-resets it: free_blocks, and prefill it again), and for
+  // a request that holds linear-attention states.
   bool offload_request(paged::RequestRef request) {
     const auto k = tables_.find(request);
     if (!k) return false;  // it holds nothing
+    if (tables_.state_slots().slot_of(*k) >= 0) return false;
     if (swap_.is_offloaded(*k))
       throw ValueError("kvc::PagedCache: request " + tables_.id(*k) + " is already offloaded");
     std::vector<std::int64_t> counts;
@@ -706,7 +732,8 @@ class PagedCache<S> {
   // mapping): layer l's new keys and values, keys[l] and values[l] ([1, kv_heads, T_g, head_dim],
   // T_g the write rows of its group), go to their group's write rows. One storage call for the
   // whole model: on a CUDA device, one kernel launch. Every layer is checked before anything is
-  // written; nothing is read or returned (attention reads the pools: paged_attention).
+  // written; nothing is read or returned (attention reads the pools: paged_attention). The entries
+  // of layers with linear-attention states only are not read.
   void write_all_layers(std::span<const view_type> keys, std::span<const view_type> values,
                         const PagedIndices& write_index) {
     const auto layers = static_cast<std::size_t>(num_layers()), groups = static_cast<std::size_t>(num_groups());
@@ -724,6 +751,7 @@ class PagedCache<S> {
     std::vector<detail::scatter_job<T>> jobs;
     jobs.reserve(2 * layers);
     for (std::size_t l = 0; l < layers; ++l) {
+      if (!has_keys(static_cast<std::int64_t>(l))) continue;
       const auto at = layer_group(static_cast<std::int64_t>(l));
       const step s = check_step(keys[l], values[l], at, {}, write_index[static_cast<std::size_t>(at.first)]);
       const std::size_t n = write_index[s.group].size();
@@ -796,6 +824,131 @@ class PagedCache<S> {
     const auto j = static_cast<std::size_t>(layer_group(layer_idx).second);
     for (const std::int64_t r : rows) check_row(r, pool_rows(), "read");
     pages_.gather(j, rows, out_k, out_v);
+  }
+
+  // ---- linear-attention states (hybrid models) -----------------------------------------------
+  // A layer of type "linear_attention" or "conv" (and the attention part of "hybrid" and
+  // "hybrid_sliding") keeps, per request, config.number_of_conv_states conv and recurrent states of
+  // a fixed size, as transformers' LinearAttentionLayer keeps them per batch row. They live in the
+  // request's state slot, which it takes with its first blocks and gives back with them (forks
+  // copy it); a slot taken again starts unwritten. Each state tensor is made, for every slot, at
+  // its first state, with that state's shape (state_bytes()).
+
+  // Returns the layers with linear-attention states, ascending.
+  const std::vector<std::int64_t>& state_layers() const noexcept { return groups_.state_layers; }
+  // Returns the conv and recurrent states each of those layers keeps (config.number_of_conv_states).
+  std::int64_t states_per_layer() const noexcept { return states_per_layer_; }
+  // Returns the number of state slots: the requests that can hold blocks at once (0 for a model
+  // without linear-attention states: no limit).
+  std::int64_t state_slots() const noexcept { return tables_.state_slots().slots(); }
+  // Returns the number of state slots no request holds.
+  std::int64_t free_state_slots() const noexcept { return tables_.state_slots().free_slots(); }
+  // Returns the slot the request's states are in, -1 when it holds none (or the cache does not
+  // know it); a kvc::KeyError for a stale key.
+  std::int64_t state_slot(paged::RequestRef request) const {
+    const auto k = tables_.find(request);
+    return k ? tables_.state_slots().slot_of(*k) : -1;
+  }
+  // Returns the bytes of the state tensors made so far (each holds every slot).
+  std::int64_t state_bytes() const noexcept { return states_.bytes(); }
+  // The state tensors, read-only: entry i * states_per_layer() + s is state s of state_layers()[i],
+  // its conv tensor [state_slots(), channels, kernel] and recurrent tensor [state_slots(), ...].
+  const paged::StatePools<S>& state_pools() const noexcept { return states_; }
+
+  // Stores the request's conv states ([1, channels, time]) of state `state_idx` of layer
+  // `layer_idx` and returns them with their left context, as LinearAttentionLayer does for one
+  // batch row: on the request's first call the input itself (left-padded with zeros to the kernel
+  // size), afterwards the kernel's stored columns followed by the new ones. `conv_kernel_size` 0
+  // takes the kernel size from the first input's time axis; the first call on any request fixes
+  // the layer's channels and kernel. The returned view points into a buffer of the cache that the
+  // next call overwrites. Every check comes before anything changes.
+  template <class X>
+  typename S::state_view_type update_conv_state(const X& conv_states, paged::RequestRef request, std::int64_t layer_idx,
+                                                std::int64_t state_idx = 0, std::int64_t conv_kernel_size = 0) {
+    const auto x = detail::checked_state_view<S>(conv_states, "kvc::PagedCache");
+    const state_at at = find_state(request, layer_idx, state_idx, "update_conv_state");
+    if (x.rank != 3 || x.extent(0) != 1 || x.extent(1) < 1 || x.extent(2) < 1)
+      throw ValueError(
+          "kvc::PagedCache::update_conv_state: conv states must have shape [1, channels, time] with positive sizes, "
+          "got " +
+          shape_string(x));
+    if (conv_kernel_size < 0)
+      throw ValueError("kvc::PagedCache::update_conv_state: conv_kernel_size must be positive, got " +
+                       std::to_string(conv_kernel_size));
+    detail::check_size("kvc::PagedCache::update_conv_state: conv_kernel_size", conv_kernel_size, 0, max_extent);
+    const auto& made = states_.at(at.entry);
+    const std::int64_t c = x.extent(1), t = x.extent(2);
+    if (made.channels > 0 && made.channels != c)
+      throw ValueError("kvc::PagedCache::update_conv_state: conv states of shape " + shape_string(x) +
+                       " do not match state " + std::to_string(state_idx) + " of layer " + std::to_string(layer_idx) +
+                       ", which holds " + std::to_string(made.channels) + " channels");
+    const std::int64_t k = made.channels > 0 ? made.kernel : (conv_kernel_size > 0 ? conv_kernel_size : t);
+    const bool first = !states_.conv_written(at.entry, at.slot, at.epoch);
+    const std::int64_t prev = first ? 0 : k, pad = (first && t < k) ? k - t : 0;
+    const std::int64_t width = pad + prev + t;  // at least k
+    const std::int64_t out_elems = detail::checked_elements({c, width}, sizeof(T));
+    states_.shape_conv(at.entry, c, k);  // the allocations first: nothing observable changes
+    if (out_conv_.size() < out_elems) {
+      typename S::buffer_type b(out_elems);
+      out_conv_ = std::move(b);
+    }
+    T* full = out_conv_.data();
+    T* kept = states_.conv(at.entry, at.slot);
+    if (pad > 0) S::zero_2d(full, width, pad, c);
+    if (prev > 0) S::copy_2d(full, width, kept, k, k, c);
+    S::copy_2d(full + pad + prev, width, x.data(), t, t, c);
+    S::copy_2d(kept, k, full + (width - k), width, k, c);  // the last k columns stay
+    states_.mark_conv(at.entry, at.slot, at.epoch);
+    return S::make_state_view(full, 3, {1, c, width, 0});
+  }
+
+  // Overwrites the request's recurrent state `state_idx` of layer `layer_idx` (any shape [1, ...]
+  // of rank 1..4; the first call on any request fixes the layer's) and returns it (a view of the
+  // cache's copy). Every check comes before anything changes.
+  template <class X>
+  typename S::state_view_type update_recurrent_state(const X& recurrent_states, paged::RequestRef request,
+                                                     std::int64_t layer_idx, std::int64_t state_idx = 0) {
+    const auto x = detail::checked_state_view<S>(recurrent_states, "kvc::PagedCache");
+    const state_at at = find_state(request, layer_idx, state_idx, "update_recurrent_state");
+    if (x.rank < 1 || x.extent(0) != 1 || x.size() < 1)
+      throw ValueError(
+          "kvc::PagedCache::update_recurrent_state: recurrent states must be a non-empty tensor [1, ...], got " +
+          shape_string(x));
+    const auto& made = states_.at(at.entry);
+    if (made.rank > 0 && !same_shape(made.rank, made.shape, x))
+      throw ValueError("kvc::PagedCache::update_recurrent_state: recurrent states of shape " + shape_string(x) +
+                       " do not match state " + std::to_string(state_idx) + " of layer " + std::to_string(layer_idx) +
+                       ", which holds " + shape_string(S::make_state_view(nullptr, made.rank, made.shape)));
+    states_.shape_recurrent(at.entry, x.rank, x.extents);
+    T* r = states_.recurrent(at.entry, at.slot);
+    S::copy_2d(r, x.size(), x.data(), x.size(), x.size(), 1);
+    states_.mark_recurrent(at.entry, at.slot, at.epoch);
+    return S::make_state_view(r, x.rank, made.shape);
+  }
+
+  // The request's conv state `state_idx` of layer `layer_idx`, [1, channels, kernel]: the last
+  // kernel columns it has seen; empty (rank 0) before its first update_conv_state.
+  typename S::state_view_type conv_state(paged::RequestRef request, std::int64_t layer_idx,
+                                         std::int64_t state_idx = 0) const {
+    const state_at at = find_state(request, layer_idx, state_idx, "conv_state");
+    if (!states_.conv_written(at.entry, at.slot, at.epoch)) return S::make_state_view(nullptr, 0, {});
+    const auto& made = states_.at(at.entry);
+    return S::make_state_view(states_.conv(at.entry, at.slot), 3, {1, made.channels, made.kernel, 0});
+  }
+  // The request's recurrent state `state_idx` of layer `layer_idx`; empty (rank 0) before its
+  // first update_recurrent_state.
+  typename S::state_view_type recurrent_state(paged::RequestRef request, std::int64_t layer_idx,
+                                              std::int64_t state_idx = 0) const {
+    const state_at at = find_state(request, layer_idx, state_idx, "recurrent_state");
+    if (!states_.recurrent_written(at.entry, at.slot, at.epoch)) return S::make_state_view(nullptr, 0, {});
+    const auto& made = states_.at(at.entry);
+    return S::make_state_view(states_.recurrent(at.entry, at.slot), made.rank, made.shape);
+  }
+  // Whether the request's state `state_idx` of layer `layer_idx` has had an update_conv_state
+  // since the request took its slot (transformers' has_previous_state, per request).
+  bool has_previous_state(paged::RequestRef request, std::int64_t layer_idx, std::int64_t state_idx = 0) const {
+    const state_at at = find_state(request, layer_idx, state_idx, "has_previous_state");
+    return states_.conv_written(at.entry, at.slot, at.epoch);
   }
 
   // ---- one request's saved state (kvc::save_request, kvc::load_request: <kvc/state.hpp>) ---------
@@ -977,14 +1130,82 @@ class PagedCache<S> {
     return {static_cast<std::size_t>(g), static_cast<std::size_t>(j), sliding};
   }
 
-  // The model's layer groups; layers with linear-attention states are refused with transformers'
-  // message for their type.
+  // The model's layer groups: a model with linear-attention states needs attention layers too
+  // (the blocks are what requests are admitted by) and at least one state per layer.
   static paged::LayerGroups grouped(const ModelConfig& config) {
     paged::LayerGroups out = paged::group_paged_layers(config);
+    if (!out.state_layers.empty() && out.groups.empty())
+      throw ValueError(
+          "kvc::PagedCache: the model has no attention layers; a paged cache serves linear-attention layers next "
+          "to attention layers only (a model of linear-attention layers alone keeps fixed-size states: use a "
+          "dynamic cache)");
     if (!out.state_layers.empty())
-      throw ValueError("Invalid group type: " +
-                       paged::paged_layer_types(config)[static_cast<std::size_t>(out.state_layers.front())]);
+      detail::check_size("kvc::PagedCache: number_of_conv_states", config.number_of_conv_states, 1, max_layers);
     return out;
+  }
+
+  // Where one state of one request is: its pool entry, its slot and the slot's epoch.
+  struct state_at {
+    std::int64_t entry, slot;
+    std::uint64_t epoch;
+  };
+  // Every check of a call on the request's state `state_idx` of layer `layer_idx`, with its
+  // messages: the layer (kvc::IndexError out of range, ValueError without states), the state
+  // index (kvc::KeyError), the request (a ValueError when it holds no state slot).
+  state_at find_state(paged::RequestRef request, std::int64_t layer_idx, std::int64_t state_idx,
+                      const char* method) const {
+    check_layer(layer_idx);
+    const auto& layers = groups_.state_layers;
+    const auto it = std::lower_bound(layers.begin(), layers.end(), layer_idx);
+    if (it == layers.end() || *it != layer_idx)
+      throw ValueError("Cannot call `" + std::string(method) + "` on a non-LinearAttention layer!");
+    if (state_idx < 0 || state_idx >= states_per_layer_)
+      throw KeyError(std::string(method) + ": state_idx " + std::to_string(state_idx) +
+                     " is out of range for a layer with " + std::to_string(states_per_layer_) + " states");
+    const paged::RequestKey k = tables_.find_known(request);
+    const std::int64_t slot = tables_.state_slots().slot_of(k);
+    if (slot < 0)
+      throw ValueError("kvc::PagedCache::" + std::string(method) + ": request " + tables_.id(k) +
+                       " holds no state slot (a request takes one with its first blocks)");
+    return {(it - layers.begin()) * states_per_layer_ + state_idx, slot, tables_.state_slots().epoch(slot)};
+  }
+  void check_layer(std::int64_t layer_idx) const {
+    if (layer_idx < 0 || layer_idx >= num_layers())
+      throw IndexError("kvc::PagedCache: layer " + std::to_string(layer_idx) + " is out of range for " +
+                       std::to_string(num_layers()) + " layers");
+  }
+  // Whether layer l (in range) has keys and values: it is in a group.
+  bool has_keys(std::int64_t l) const {
+    for (const auto& g : groups_.groups)
+      if (std::find(g.begin(), g.end(), l) != g.end()) return true;
+    return false;
+  }
+  static bool same_shape(int rank, const std::array<std::int64_t, 4>& shape, const typename S::state_view_type& x) {
+    if (x.rank != rank) return false;
+    for (int r = 0; r < rank; ++r)
+      if (x.extent(r) != shape[static_cast<std::size_t>(r)]) return false;
+    return true;
+  }
+  // Each fork destination's slot gets its source's states (in a transaction: when it commits).
+  template <class Forks>
+  void copy_forked_states(const Forks& forks) {
+    if (state_slots() == 0) return;
+    const paged::StateSlots& slots = tables_.state_slots();
+    for (const auto& [source, destinations] : forks) {
+      const std::int64_t a = slots.slot_of(source);
+      for (const paged::RequestKey d : destinations) {
+        const std::int64_t b = slots.slot_of(d);
+        if (a < 0) continue;  // no states to copy: the new slot reads as unwritten
+        const state_copy c{a, slots.epoch(a), b, slots.epoch(b)};
+        if (!in_transaction()) {
+          copy_states_now(c);
+          continue;
+        }
+        if (pending_states_.size() == pending_states_.capacity())
+          pending_states_.reserve(std::max<std::size_t>(8, 2 * pending_states_.capacity()));
+        pending_states_.push_back(c);
+      }
+    }
   }
   static std::int64_t head_divisor(const PagedTensorParallel& tp) {
     detail::check_size("kvc::PagedCache: tp_size", tp.tp_size, 1, max_layers);
@@ -1019,6 +1240,9 @@ class PagedCache<S> {
     out.page.kv_heads = kv_heads_of(config, head_divisor);
     out.page.head_dim = head_dim_of(config);
     out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, out.page.head_dim);
+    out.state_slots = cb.resolved_max_state_slots(out.num_blocks);
+    if (!paged::group_paged_layers(config).state_layers.empty())
+      detail::check_size("kvc::PagedCache: max_state_slots", out.state_slots, 1, max_extent);
     return out;
   }
   static std::int64_t kv_heads_of(const ModelConfig& config, std::int64_t divisor) {
@@ -1090,6 +1314,17 @@ class PagedCache<S> {
   }
   std::int64_t pool_rows() const noexcept { return pages_.rows(); }
 
+  // A copy of slot a's states (those written under epoch ea) to slot b (marked under epoch eb).
+  struct state_copy {
+    std::int64_t a;
+    std::uint64_t ea;
+    std::int64_t b;
+    std::uint64_t eb;
+  };
+  void copy_states_now(const state_copy& c) noexcept {
+    paged::StatePools<S>::copy_slot(states_, c.a, c.ea, states_, c.b, c.eb);
+  }
+
   // Where block copies go: the pools or the swap pool.
   enum class pool : unsigned char { pages, swap };
   struct pending_copy {
@@ -1117,6 +1352,10 @@ class PagedCache<S> {
   paged::BlockTables tables_;
   paged::PagePools<S> pages_;  // (num_blocks + 2) blocks: the padding zone is the last two
   paged::SwapPool<S> swap_;
+  std::int64_t states_per_layer_ = 0;       // 0: the model has no linear-attention states
+  paged::StatePools<S> states_;             // every slot's states
+  typename S::buffer_type out_conv_;        // what the last update_conv_state returned
+  std::vector<state_copy> pending_states_;  // a transaction's state copies, waiting for the commit
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
   paged::BlockCopies cut_;                 // truncate_request's scratch, kept between calls

@@ -225,6 +225,14 @@ class FreeIds {
     out.insert(out.end(), free_.begin(), end);
     free_.erase(free_.begin(), end);
   }
+  // The smallest free id (there must be one) stops being free; returns it. Strong guarantee, as
+  // take.
+  std::int64_t take_one(UndoLog& log) {
+    keep(log);
+    const std::int64_t id = free_.front();
+    free_.erase(free_.begin());
+    return id;
+  }
   // The ids are free again (kept ascending). Outside a transaction it allocates nothing; in one,
   // a std::bad_alloc comes before any change.
   void give_back(UndoLog& log, std::span<const std::int64_t> ids) {

@@ -1,0 +1,399 @@
+// kvc::PagedCache on hybrid models: layers with linear-attention states ("linear_attention",
+// "conv", and the hybrids, which also have keys and values) keep per-request conv and recurrent
+// states in state slots. Checked: construction and its messages, each request's states against a
+// dense LinearAttentionLayer fed the same inputs (random interleavings of requests, chunked conv
+// updates, forks, frees), the slots' life (taken with the first blocks, given back with them,
+// read as unwritten when taken again, copied by forks), refusals that change nothing, and
+// transactions.
+
+#include "../support/kvc_test.hpp"
+#include "../support/paged_snapshot.hpp"
+
+#include <kvc/paged/paged_batch_cache.hpp>
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/policies/storage/host.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Host = kvc::HostStorage<float>;
+using Cache = kvc::PagedCache<Host>;
+using LinearOnly = kvc::Cache<kvc::Layers<kvc::LinearAttentionLayer>>;
+using Conv = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+using ids = std::vector<std::int64_t>;
+
+// Layers: 0 linear_attention, 1 full_attention, 2 hybrid, 3 conv; two states per layer with states.
+kvc::ModelConfig hybrid_model(std::int64_t states = 2) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.head_dim = 3;
+  c.hidden_size = 6;
+  c.layer_types = std::vector<std::string>{"linear_attention", "full_attention", "hybrid", "conv"};
+  c.number_of_conv_states = states;
+  return c;
+}
+kvc::ContinuousBatchingConfig blocks(std::int64_t num_blocks, std::optional<std::int64_t> slots = std::nullopt) {
+  kvc::ContinuousBatchingConfig c;
+  c.block_size = 4;
+  c.num_blocks = num_blocks;
+  c.max_state_slots = slots;
+  return c;
+}
+
+Conv random_conv(std::int64_t batch, std::int64_t channels, std::int64_t time, unsigned seed = 1) {
+  std::mt19937 rng(seed);
+  Conv x(batch, channels, time);
+  for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(rng() % 1000) / 8.f;
+  return x;
+}
+
+std::vector<float> values_of(const kvc::StateView<float>& v) {
+  if (v.rank == 0) return {};
+  return std::vector<float>(v.data(), v.data() + v.size());
+}
+std::vector<std::int64_t> shape_of(const kvc::StateView<float>& v) {
+  std::vector<std::int64_t> out;
+  for (int r = 0; r < v.rank; ++r) out.push_back(v.extent(r));
+  return out;
+}
+
+template <class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+
+constexpr std::int64_t state_layers[] = {0, 2, 3};
+
+// Every state of one request, in the cache's order: (layer, state) -> conv, recurrent, flag.
+std::vector<std::vector<float>> states_of(const Cache& c, const std::string& id) {
+  std::vector<std::vector<float>> out;
+  for (const std::int64_t l : state_layers)
+    for (std::int64_t s = 0; s < c.states_per_layer(); ++s) {
+      out.push_back(values_of(c.conv_state(id, l, s)));
+      out.push_back(values_of(c.recurrent_state(id, l, s)));
+      out.push_back({c.has_previous_state(id, l, s) ? 1.f : 0.f});
+    }
+  return out;
+}
+// The same of a dense reference: one LinearOnly cache per layer with states.
+std::vector<std::vector<float>> states_of(const std::vector<LinearOnly>& ref) {
+  std::vector<std::vector<float>> out;
+  for (const LinearOnly& layer : ref)
+    for (std::int64_t s = 0; s < 2; ++s) {
+      out.push_back(values_of(layer.visit_layer(0, [&](const auto& l) { return l.conv_state(s); })));
+      out.push_back(values_of(layer.visit_layer(0, [&](const auto& l) { return l.recurrent_state(s); })));
+      out.push_back({layer.has_previous_state(0, s) ? 1.f : 0.f});
+    }
+  return out;
+}
+std::vector<LinearOnly> fresh_reference() {
+  std::vector<LinearOnly> out;
+  for (std::size_t i = 0; i < std::size(state_layers); ++i) out.emplace_back(kvc::LinearAttentionLayer{2});
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache on a hybrid model: layers, groups, state slots and the messages of construction") {
+  Cache c(hybrid_model(), blocks(10));
+  CHECK(c.num_layers() == 4);
+  CHECK(c.num_groups() == 1);
+  CHECK(c.group_size() == 2);
+  CHECK(c.state_layers() == ids{0, 2, 3});
+  CHECK(c.states_per_layer() == 2);
+  CHECK(c.state_slots() == 10);  // unset: 256, at most num_blocks
+  CHECK(c.free_state_slots() == 10);
+  CHECK(c.state_bytes() == 0);  // nothing made before the first state
+  CHECK(!c.use_prefix_sharing());
+  CHECK(c.layer_group(2) == std::pair<std::int64_t, std::int64_t>{0, 1});
+  CHECK_THROWS_WITH_AS((void)c.layer_group(0),
+                       "kvc::PagedCache: layer 0 keeps linear-attention states only: it has no keys and values",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS((void)c.layer_group(4), "kvc::PagedCache: layer 4 is out of range for 4 layers",
+                       kvc::IndexError);
+
+  CHECK(Cache(hybrid_model(), blocks(10, 3)).state_slots() == 3);
+  auto per_batch = blocks(10);
+  per_batch.max_requests_per_batch = 5;
+  CHECK(Cache(hybrid_model(), per_batch).state_slots() == 5);
+  CHECK_THROWS_WITH_AS(Cache(hybrid_model(), blocks(10, 0)),
+                       "kvc::PagedCache: max_state_slots must be a positive integer, got 0", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(Cache(hybrid_model(0), blocks(10)),
+                       "kvc::PagedCache: number_of_conv_states must be a positive integer, got 0", kvc::ValueError);
+  auto mamba = hybrid_model();
+  mamba.layer_types = std::vector<std::string>{"linear_attention", "conv"};
+  mamba.num_hidden_layers = 2;
+  CHECK_THROWS_WITH_AS(Cache(mamba, blocks(10)),
+                       "kvc::PagedCache: the model has no attention layers; a paged cache serves linear-attention "
+                       "layers next to attention layers only (a model of linear-attention layers alone keeps "
+                       "fixed-size states: use a dynamic cache)",
+                       kvc::ValueError);
+  // The batch form (make_cache's "paged") keeps no states: transformers' refusal.
+  CHECK_THROWS_WITH_AS(kvc::PagedBatchCache<Host>(hybrid_model(), blocks(10)), "Invalid group type: linear_attention",
+                       kvc::ValueError);
+  // A model without states has no slots and no limit from them.
+  auto plain = hybrid_model();
+  plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  plain.num_hidden_layers = 2;
+  Cache p(plain, blocks(10, 0));
+  CHECK(p.state_slots() == 0);
+  CHECK(p.allocate_blocks(1, "a", 0));
+  CHECK(p.state_slot("a") == -1);
+  CHECK(p.compute_max_num_forks("a") == 10 - 1);
+}
+
+TEST_CASE("PagedCache states: each request's states are those of a dense LinearAttentionLayer fed the same") {
+  std::mt19937 rng(20261206);
+  Cache c(hybrid_model(), blocks(12, 4));
+  std::map<std::string, std::vector<LinearOnly>> ref;  // the requests holding a slot
+  std::vector<std::string> names;
+  std::int64_t next = 0, forks = 0, frees = 0, updates = 0;
+  const auto pick = [&](std::int64_t n) { return std::uniform_int_distribution<std::int64_t>(0, n - 1)(rng); };
+  for (int step = 0; step < 600; ++step) {
+    const std::int64_t what = pick(10);
+    if (ref.empty() || what == 0) {  // a new request
+      const std::string id = "r" + std::to_string(next++);
+      const bool fits = c.free_state_slots() > 0 && c.get_num_free_blocks() > 0;
+      CHECK(c.allocate_blocks(1, id, 0).has_value() == fits);
+      if (fits) {
+        ref.emplace(id, fresh_reference());
+        CHECK(c.state_slot(id) >= 0);
+      } else {
+        CHECK(c.state_slot(id) == -1);
+        CHECK(!c.find_request(id));
+      }
+      continue;
+    }
+    auto it = ref.begin();
+    std::advance(it, pick(static_cast<std::int64_t>(ref.size())));
+    const std::string id = it->first;
+    if (what == 1) {  // free it: its slot goes back
+      const std::int64_t free = c.free_state_slots();
+      c.free_blocks(id);
+      CHECK(c.free_state_slots() == free + 1);
+      ref.erase(it);
+      ++frees;
+    } else if (what == 2) {  // fork it
+      const std::string kid = "r" + std::to_string(next++);
+      const bool fits = c.compute_max_num_forks(id) >= 1;
+      CHECK(fits == (c.free_state_slots() > 0 && c.get_num_free_blocks() >= 1));
+      if (fits) {
+        (void)c.fork_request(id, std::vector<std::string>{kid});
+        ref.emplace(kid, it->second);  // (it stays valid: a map)
+        ++forks;
+      } else {
+        CHECK_THROWS_WITH_AS((void)c.fork_request(id, std::vector<std::string>{kid}),
+                             ("Failed to fork blocks for request " + id).c_str(), kvc::ValueError);
+      }
+    } else {  // a conv step (1..5 columns), then its recurrent state, of one layer and state
+      const std::size_t li = static_cast<std::size_t>(pick(3));
+      const std::int64_t layer = state_layers[li], s = pick(2), t = 1 + pick(5);
+      Conv x(1, 3, t);
+      for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(pick(1000)) / 8.f;
+      const auto got = c.update_conv_state(x, id, layer, s, 3);
+      const auto want = it->second[li].update_conv_state(x, 0, s, 3);
+      CHECK(shape_of(got) == shape_of(want));
+      CHECK(values_of(got) == values_of(want));
+      if (what < 8) {
+        Eigen::Tensor<float, 3, Eigen::RowMajor> r(1, 2, 2);
+        for (Eigen::Index i = 0; i < r.size(); ++i) r.data()[i] = static_cast<float>(pick(1000));
+        CHECK(values_of(c.update_recurrent_state(r, id, layer, s)) ==
+              values_of(it->second[li].update_recurrent_state(r, 0, s)));
+      }
+      ++updates;
+    }
+    for (const auto& [name, layers] : ref) CHECK(states_of(c, name) == states_of(layers));
+  }
+  CHECK(forks > 10);
+  CHECK(frees > 10);
+  CHECK(updates > 300);
+  // Every layer's tensors are made, for every slot.
+  CHECK(c.state_bytes() == static_cast<std::int64_t>(sizeof(float)) * 4 * 3 * 2 * (3 * 3 + 2 * 2));
+}
+
+TEST_CASE("PagedCache states: a slot is taken with the first blocks, given back with them, and starts unwritten") {
+  Cache c(hybrid_model(), blocks(8, 2));
+  CHECK(c.allocate_blocks(0, "a", 0));  // no block: no slot
+  CHECK(c.state_slot("a") == -1);
+  CHECK_THROWS_WITH_AS((void)c.conv_state("a", 0),
+                       "kvc::PagedCache::conv_state: request a holds no state slot (a request takes one with its "
+                       "first blocks)",
+                       kvc::ValueError);
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  CHECK(c.state_slot("a") == 0);
+  REQUIRE(c.allocate_blocks(1, "a", 1));  // more blocks: the same slot
+  CHECK(c.state_slot("a") == 0);
+  CHECK(c.free_state_slots() == 1);
+  CHECK(c.conv_state("a", 0).rank == 0);  // unwritten
+  CHECK(!c.has_previous_state("a", 0));
+  const Conv x = random_conv(1, 3, 4);
+  (void)c.update_conv_state(x, "a", 0, 1, 3);
+  CHECK(c.has_previous_state("a", 0, 1));
+  CHECK(!c.has_previous_state("a", 0, 0));
+  CHECK(c.conv_state("a", 0, 1).extent(2) == 3);
+  // Freed and taken again by another request: the same slot, read as never written.
+  c.free_blocks("a");
+  CHECK(c.state_slot("a") == -1);
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  CHECK(c.state_slot("b") == 0);
+  CHECK(!c.has_previous_state("b", 0, 1));
+  CHECK(c.conv_state("b", 0, 1).rank == 0);
+  // A dense batch: one slot per new request; too few slots is nothing taken.
+  REQUIRE(c.allocate_blocks(1, std::vector<std::string>{"b", "c"}));
+  CHECK(c.state_slot("c") == 1);
+  CHECK(c.free_state_slots() == 0);
+  CHECK(c.get_num_free_blocks() == 8 - 3);
+  const auto before = kvc_test::take_paged_snapshot(c, {"b", "c", "d"});
+  CHECK(!c.allocate_blocks(1, "d", 0));  // blocks are free, slots are not
+  CHECK(!c.allocate_blocks(1, std::vector<std::string>{"b", "d"}));
+  CHECK(kvc_test::take_paged_snapshot(c, {"b", "c", "d"}) == before);
+  CHECK(!c.find_request("d"));
+  CHECK(c.compute_max_num_forks("b") == 0);
+  CHECK_THROWS_WITH_AS((void)c.fork_request("b", std::vector<std::string>{"e"}), "Failed to fork blocks for request b",
+                       kvc::ValueError);
+  CHECK(kvc_test::take_paged_snapshot(c, {"b", "c", "d"}) == before);
+  // free_all_requests gives every slot back.
+  c.free_all_requests();
+  CHECK(c.free_state_slots() == 2);
+}
+
+TEST_CASE("PagedCache states: refusals name the problem and change nothing") {
+  Cache c(hybrid_model(), blocks(8));
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  (void)c.open_request("k");
+  const Conv x = random_conv(1, 3, 2);
+  (void)c.update_conv_state(x, "a", 2, 0, 4);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> rec(1, 5);
+  std::fill(rec.data(), rec.data() + rec.size(), 2.f);
+  (void)c.update_recurrent_state(rec, "a", 2, 0);
+  const auto before = kvc_test::take_paged_snapshot(c, {"a", "k"});
+  const auto states = states_of(c, "a");
+  CHECK(message_of([&] { (void)c.update_conv_state(x, "a", 1); }) ==
+        "Cannot call `update_conv_state` on a non-LinearAttention layer!");
+  CHECK(message_of([&] { (void)c.update_recurrent_state(rec, "a", 1); }) ==
+        "Cannot call `update_recurrent_state` on a non-LinearAttention layer!");
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(x, "a", 7), "kvc::PagedCache: layer 7 is out of range for 4 layers",
+                       kvc::IndexError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(x, "a", 0, 2),
+                       "update_conv_state: state_idx 2 is out of range for a layer with 2 states", kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)c.has_previous_state("a", 0, -1),
+                       "has_previous_state: state_idx -1 is out of range for a layer with 2 states", kvc::KeyError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(x, "zz", 0), "No block table found for request zz", kvc::ValueError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(x, "k", 0),
+                       "kvc::PagedCache::update_conv_state: request k holds no state slot (a request takes one "
+                       "with its first blocks)",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(random_conv(2, 3, 2), "a", 0),
+                       "kvc::PagedCache::update_conv_state: conv states must have shape [1, channels, time] with "
+                       "positive sizes, got [2, 3, 2]",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(random_conv(1, 4, 2), "a", 2),
+                       "kvc::PagedCache::update_conv_state: conv states of shape [1, 4, 2] do not match state 0 of "
+                       "layer 2, which holds 3 channels",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS((void)c.update_conv_state(x, "a", 0, 0, -1),
+                       "kvc::PagedCache::update_conv_state: conv_kernel_size must be positive, got -1",
+                       kvc::ValueError);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> other(1, 4);
+  std::fill(other.data(), other.data() + other.size(), 0.f);
+  CHECK_THROWS_WITH_AS((void)c.update_recurrent_state(other, "a", 2, 0),
+                       "kvc::PagedCache::update_recurrent_state: recurrent states of shape [1, 4] do not match "
+                       "state 0 of layer 2, which holds [1, 5]",
+                       kvc::ValueError);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> two(2, 5);
+  std::fill(two.data(), two.data() + two.size(), 0.f);
+  CHECK_THROWS_WITH_AS((void)c.update_recurrent_state(two, "a", 0, 0),
+                       "kvc::PagedCache::update_recurrent_state: recurrent states must be a non-empty tensor [1, "
+                       "...], got [2, 5]",
+                       kvc::ValueError);
+  // Keys and values of a layer with states only.
+  kvc::PagedIndices reads(1), writes(1);
+  std::mt19937 rng(3);
+  const auto kv = kvc_test::random_tensor<float>(1, 2, 1, 3, rng);
+  CHECK_THROWS_WITH_AS((void)c.update(kv, kv, 0, reads, writes),
+                       "kvc::PagedCache: layer 0 keeps linear-attention states only: it has no keys and values",
+                       kvc::ValueError);
+  // A recurrent state cannot be cut back to a position; offload is refused (the caller prefills
+  // the request again, as the scheduler does).
+  CHECK(!c.truncate_request("a", 1));
+  c.reserve_swap_space(4);
+  const auto with_swap = kvc_test::take_paged_snapshot(c, {"a", "k"});
+  CHECK(!c.offload_request("a"));
+  CHECK(kvc_test::take_paged_snapshot(c, {"a", "k"}) == with_swap);
+  CHECK(with_swap.free_blocks == before.free_blocks);
+  CHECK(states_of(c, "a") == states);
+}
+
+TEST_CASE("PagedCache states: forks copy them, in a transaction when it commits, and a rollback gives slots back") {
+  Cache c(hybrid_model(), blocks(8, 3));
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  const Conv x = random_conv(1, 3, 5);
+  (void)c.update_conv_state(x, "a", 3, 1, 2);
+  Eigen::Tensor<float, 1, Eigen::RowMajor> rec(1);
+  std::fill(rec.data(), rec.data() + rec.size(), 7.f);
+  (void)c.update_recurrent_state(rec, "a", 0, 0);
+  const auto a = states_of(c, "a");
+
+  // Rolled back: no slot taken, nothing copied.
+  const auto before = kvc_test::take_paged_snapshot(c, {"a", "x"});
+  c.begin_transaction();
+  (void)c.fork_request("a", std::vector<std::string>{"x"});
+  CHECK(c.state_slot("x") == 1);
+  c.rollback_transaction();
+  CHECK(c.state_slot("x") == -1);
+  CHECK(c.free_state_slots() == 2);
+  CHECK(kvc_test::take_paged_snapshot(c, {"a", "x"}) == before);
+
+  // Committed: the copy is made at the commit.
+  c.transaction([&] { (void)c.fork_request("a", std::vector<std::string>{"x", "y"}); });
+  CHECK(states_of(c, "x") == a);
+  CHECK(states_of(c, "y") == a);
+  // The copies are the forks' own: the source's next step changes only the source.
+  (void)c.update_conv_state(random_conv(1, 3, 1, 9), "a", 3, 1);
+  CHECK(states_of(c, "x") == a);
+  CHECK(states_of(c, "a") != a);
+
+  // An allocation rolled back gives its slot back too; a slot taken in a rolled-back transaction
+  // and then taken again reads as unwritten.
+  c.free_blocks("y");
+  c.begin_transaction();
+  REQUIRE(c.allocate_blocks(1, "z", 0));
+  (void)c.update_conv_state(x, "z", 0);
+  c.rollback_transaction();
+  CHECK(!c.find_request("z"));
+  REQUIRE(c.allocate_blocks(1, "w", 0));
+  CHECK(!c.has_previous_state("w", 0));
+}
+
+TEST_CASE("PagedCache states: the example of docs/paged.md") {
+  const Conv conv = random_conv(1, 3, 2);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> recurrent(1, 6);
+  std::fill(recurrent.data(), recurrent.data() + recurrent.size(), 1.f);
+  // [snippet:hybrid_states]
+  kvc::ModelConfig config = hybrid_model();  // linear_attention, full_attention, hybrid, conv
+  Cache cache(config, blocks(8));
+  REQUIRE(cache.allocate_blocks(1, "r", 0));                       // its first blocks: a state slot too
+  const auto input = cache.update_conv_state(conv, "r", 0, 0, 4);  // [1, channels, 4]: left-padded
+  (void)cache.update_recurrent_state(recurrent, "r", 0);
+  CHECK(cache.has_previous_state("r", 0));
+  cache.free_blocks("r");  // the slot goes back; taken again, it reads as never written
+  // [/snippet]
+  CHECK(shape_of(input) == ids{1, 3, 4});
+  CHECK(values_of(input)[0] == 0.f);
+  CHECK(values_of(input)[2] == conv(0, 0, 0));
+  CHECK(cache.free_state_slots() == cache.state_slots());
+}
