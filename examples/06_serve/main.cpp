@@ -8,7 +8,7 @@
 // comparison.
 //
 //   kvc_serve_demo [--requests N] [--seed N] [--block-size N] [--blocks N] [--swap-blocks N]
-//                  [--max-batch-tokens N] [--scheduler fifo|prefill_first] [--hybrid] [--json]
+//                  [--max-batch-tokens N] [--scheduler fifo|prefill_first] [--hybrid] [--linear] [--json]
 //
 // Exits 0 when every sequence passes, 1 when one fails, 2 for a bad option.
 #include <kvc/kvc.hpp>
@@ -60,6 +60,7 @@ const char* const usage =
     "  --max-batch-tokens N  tokens per forward (default 256)\n"
     "  --scheduler NAME      fifo or prefill_first (default fifo)\n"
     "  --hybrid              the demo model with sliding and full layers (no prefix sharing)\n"
+    "  --linear              linear-attention, sliding and full layers (states in state slots)\n"
     "  --json                print one JSON object instead of the table\n"
     "exit status: 0 every sequence passes, 1 one fails, 2 bad option\n";
 
@@ -75,6 +76,7 @@ struct Options {
   std::int64_t max_batch_tokens = 256;
   std::string scheduler = "fifo";
   bool hybrid = false;
+  bool linear = false;
   bool json = false;
 };
 
@@ -116,6 +118,8 @@ Options parse(int argc, char** argv) {
         throw UsageError("--scheduler needs fifo or prefill_first, got '" + o.scheduler + "'");
     } else if (a == "--hybrid") {
       o.hybrid = true;
+    } else if (a == "--linear") {
+      o.linear = true;
     } else if (a == "--json") {
       o.json = true;
     } else {
@@ -223,7 +227,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const DecoderConfig config = examples::serving_model(o.hybrid);
+    const DecoderConfig config = examples::serving_model(o.hybrid, o.linear);
     const Decoder<float> model(config, o.seed);
     const auto requests = examples::make_requests(o.requests, o.seed, config.vocab_size, examples::WorkloadShape{});
     PagedRun run = serve(o, model, requests);
@@ -240,8 +244,11 @@ int main(int argc, char** argv) {
       passed += s.pass ? 1 : 0;
     }
     const auto n = static_cast<std::int64_t>(run.sequences.size());
-    const std::int64_t token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim *
-                                     static_cast<std::int64_t>(sizeof(float));
+    const auto attention_layers =
+        static_cast<std::int64_t>(std::count_if(config.layer_types.begin(), config.layer_types.end(),
+                                                [](const std::string& t) { return t != "linear_attention"; }));
+    const std::int64_t token_bytes =
+        2 * attention_layers * config.num_key_value_heads * config.head_dim * static_cast<std::int64_t>(sizeof(float));
     const std::int64_t peak_bytes = run.stats.peak_blocks_in_use * run.bytes_per_block;
     const std::int64_t live_bytes = run.stats.live_rows_at_peak * run.bytes_per_block / run.block_size;
     const std::int64_t static_bytes = n * longest * token_bytes;  // a static cache per sequence at the longest
@@ -288,7 +295,10 @@ int main(int argc, char** argv) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
       std::printf("model:   %lld layers (%s), hidden %lld, %lld KV heads of %lld, vocabulary %lld, float\n",
-                  static_cast<long long>(config.num_hidden_layers), o.hybrid ? "sliding and full" : "all full",
+                  static_cast<long long>(config.num_hidden_layers),
+                  o.linear   ? "linear, sliding and full"
+                  : o.hybrid ? "sliding and full"
+                             : "all full",
                   static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_key_value_heads),
                   static_cast<long long>(config.head_dim), static_cast<long long>(config.vocab_size));
       std::printf(

@@ -459,14 +459,7 @@ class Decoder {
                         std::span<const std::int64_t> logit_rows, Attend&& attend_fn) const {
     if (positions.size() != tokens.size()) throw std::invalid_argument("Decoder: one position per token");
     const Matrix& x = run(tokens, std::vector<std::int64_t>(positions.begin(), positions.end()), attend_fn);
-    Matrix& picked = buffers().picked;
-    picked.resize(static_cast<Eigen::Index>(logit_rows.size()), x.cols());
-    for (std::size_t i = 0; i < logit_rows.size(); ++i) {
-      const std::int64_t r = logit_rows[i];
-      if (r < 0 || r >= x.rows()) throw std::out_of_range("Decoder: logit row " + std::to_string(r));
-      picked.row(static_cast<Eigen::Index>(i)) = x.row(r);
-    }
-    return logits(picked);
+    return pick_logits(x, logit_rows);
   }
 
   // The reference: the whole sequence recomputed from scratch, attention over all its keys with
@@ -503,6 +496,47 @@ class Decoder {
           }
         });
     return all_logits ? logits(x) : logits(x.bottomRows(1));
+  }
+
+  // A linear_attention layer over rows [first, first + count) of q, k and v (one sequence's tokens,
+  // in order), into the same rows of `out` (sized by the caller): its recurrent state starts from
+  // `held` (zeros when empty), and each token is one step: conv(column [1, channels, 1]) stores the
+  // token's keys and values and returns its conv window (this token last), store(state) stores the
+  // new recurrent state. What a cache's update_conv_state and update_recurrent_state do, for a dense
+  // cache (forward) or for one request of a paged cache (forward_packed).
+  template <class ConvFn, class StoreFn>
+  void linear_rows(const kvc::StateView<float>& held, ConvFn&& conv, StoreFn&& store, std::int64_t layer,
+                   const Matrix& q, const Matrix& k, const Matrix& v, Matrix& out, Eigen::Index first,
+                   Eigen::Index count) const {
+    const std::int64_t c = k.cols() + v.cols();
+    Eigen::Tensor<float, 4, Eigen::RowMajor> state(1, config_.num_key_value_heads, config_.head_dim, config_.head_dim);
+    state.setZero();
+    if (held.rank > 0 && held.size() == state.size()) std::copy_n(held.data(), held.size(), state.data());
+    Eigen::Tensor<float, 3, Eigen::RowMajor> column(1, c, 1);
+    std::vector<float> window(static_cast<std::size_t>(c * conv_kernel));
+    for (Eigen::Index t = first; t < first + count; ++t) {
+      std::copy_n(k.row(t).data(), k.cols(), column.data());
+      std::copy_n(v.row(t).data(), v.cols(), column.data() + k.cols());
+      const auto x = conv(column);  // [1, c, width], this token last
+      const std::int64_t width = x.extent(2);
+      for (std::int64_t ch = 0; ch < c; ++ch)
+        for (std::int64_t j = 0; j < conv_kernel; ++j)
+          window[static_cast<std::size_t>(ch * conv_kernel + j)] = x[ch * width + width - conv_kernel + j];
+      linear_token(layers_[static_cast<std::size_t>(layer)], window.data(), q.row(t).data(), state.data(),
+                   out.row(t).data());
+      store(state);
+    }
+  }
+
+  // forward_packed for a model with linear_attention layers: linear_fn(layer, q, k, v, out) computes
+  // such a layer's output rows [tokens, heads * head_dim] (out sized by it), with linear_rows for
+  // each sequence of the batch.
+  template <class Attend, class Linear>
+  Logits forward_packed(std::span<const std::int32_t> tokens, std::span<const std::int64_t> positions,
+                        std::span<const std::int64_t> logit_rows, Attend&& attend_fn, Linear&& linear_fn) const {
+    if (positions.size() != tokens.size()) throw std::invalid_argument("Decoder: one position per token");
+    const Matrix& x = run(tokens, std::vector<std::int64_t>(positions.begin(), positions.end()), attend_fn, linear_fn);
+    return pick_logits(x, logit_rows);
   }
 
   // The recurrent state of a linear layer, [1, KV heads, head_dim, head_dim].
@@ -564,30 +598,26 @@ class Decoder {
   template <class Cache>
   void linear_with_cache(Cache& cache, std::int64_t layer, const Matrix& q, const Matrix& k, const Matrix& v,
                          Matrix& out) const {
-    const std::int64_t n = q.rows(), c = k.cols() + v.cols();
-    Eigen::Tensor<float, 4, Eigen::RowMajor> state(1, config_.num_key_value_heads, config_.head_dim, config_.head_dim);
-    state.setZero();
+    kvc::StateView<float> held{};
     cache.visit_layer(layer, [&](const auto& l) {
-      if constexpr (requires { l.recurrent_state(0); }) {
-        const auto held = l.recurrent_state(0);
-        if (held.size() == state.size()) std::copy_n(held.data(), held.size(), state.data());
-      }
+      if constexpr (requires { l.recurrent_state(0); }) held = l.recurrent_state(0);
     });
-    Eigen::Tensor<float, 3, Eigen::RowMajor> column(1, c, 1);
-    std::vector<float> window(static_cast<std::size_t>(c * conv_kernel));
-    out.resize(n, q.cols());
-    for (std::int64_t t = 0; t < n; ++t) {
-      std::copy_n(k.row(t).data(), k.cols(), column.data());
-      std::copy_n(v.row(t).data(), v.cols(), column.data() + k.cols());
-      const auto x = cache.update_conv_state(column, layer, 0, conv_kernel);  // [1, c, width], this token last
-      const std::int64_t width = x.extent(2);
-      for (std::int64_t ch = 0; ch < c; ++ch)
-        for (std::int64_t j = 0; j < conv_kernel; ++j)
-          window[static_cast<std::size_t>(ch * conv_kernel + j)] = x[ch * width + width - conv_kernel + j];
-      linear_token(layers_[static_cast<std::size_t>(layer)], window.data(), q.row(t).data(), state.data(),
-                   out.row(t).data());
-      cache.update_recurrent_state(state, layer, 0);
+    out.resize(q.rows(), q.cols());
+    linear_rows(
+        held, [&](const auto& column) { return cache.update_conv_state(column, layer, 0, conv_kernel); },
+        [&](const auto& state) { cache.update_recurrent_state(state, layer, 0); }, layer, q, k, v, out, 0, q.rows());
+  }
+
+  // The logits of rows `logit_rows` of the hidden states x, in that order.
+  Logits pick_logits(const Matrix& x, std::span<const std::int64_t> logit_rows) const {
+    Matrix& picked = buffers().picked;
+    picked.resize(static_cast<Eigen::Index>(logit_rows.size()), x.cols());
+    for (std::size_t i = 0; i < logit_rows.size(); ++i) {
+      const std::int64_t r = logit_rows[i];
+      if (r < 0 || r >= x.rows()) throw std::out_of_range("Decoder: logit row " + std::to_string(r));
+      picked.row(static_cast<Eigen::Index>(i)) = x.row(r);
     }
+    return logits(picked);
   }
 
   static std::vector<std::int64_t> positions_from(std::int64_t first, std::size_t n) {

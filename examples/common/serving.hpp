@@ -6,6 +6,7 @@
 #include <kvc/paged/paged_attention.hpp>
 #include <kvc/paged/scheduler.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -25,9 +26,10 @@ using ServingScheduler = kvc::ContinuousBatchingScheduler<ServingStorage>;
 // The decoder in a serving shape: 4 layers, hidden 768, 12 query heads and 2 KV heads of 64, MLP
 // 2048, vocabulary 2048: 105 MB of float weights, more than this machine's caches, so that
 // decoding one token at a time reads every weight from memory while a batch of tokens shares each
-// read. Llama-style (every layer full attention, so prompts can share blocks), or Gemma-style
-// with sliding layers of window 64.
-inline DecoderConfig serving_model(bool hybrid) {
+// read. Llama-style (every layer full attention, so prompts can share blocks), Gemma-style with
+// sliding layers of window 64, or (linear) a hybrid of linear-attention, sliding and full layers,
+// the linear layers' states kept in the paged cache's state slots.
+inline DecoderConfig serving_model(bool hybrid, bool linear = false) {
   DecoderConfig c;
   c.num_hidden_layers = 4;
   c.hidden_size = 768;
@@ -36,7 +38,10 @@ inline DecoderConfig serving_model(bool hybrid) {
   c.head_dim = 64;
   c.intermediate_size = 2048;
   c.vocab_size = 2048;
-  if (hybrid) {
+  if (linear) {
+    c.layer_types = {"linear_attention", "sliding_attention", "full_attention", "linear_attention"};
+    c.sliding_window = 64;
+  } else if (hybrid) {
     c.layer_types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
     c.sliding_window = 64;
   } else {
@@ -121,18 +126,36 @@ inline void sample_batch(const Logits& logits, const kvc::ScheduledBatch& batch,
 // One step of the model over a scheduled batch: each layer attends through the block tables
 // (kvc::paged_attention reads the cached keys in place and the step's own from its inputs, on the
 // context's threads and workspace), then stores the step's keys and values (write-only update).
-// Returns the logits of the rows that give a token, in batch order.
+// A linear_attention layer runs each request's tokens through that request's states in the cache
+// (update_conv_state and update_recurrent_state by its key). Returns the logits of the rows that
+// give a token, in batch order.
 inline Logits forward_step(const Decoder<float>& model, ServingCache& cache, const kvc::ScheduledBatch& batch,
                            const kvc::AttentionContext& context = {}) {
   const std::vector<std::int32_t> ids(batch.input_ids.begin(), batch.input_ids.end());
-  return model.forward_packed(ids, batch.position_ids, batch.logits_indices,
-                              [&](std::int64_t layer, const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
-                                  const kvc::HostTensor<float>& v) {
-                                kvc::HostTensor<float> out;
-                                kvc::paged_attention(cache, layer, batch.attention_step(), q, k, v, out, context);
-                                cache.update(k, v, layer, batch.read_index, batch.write_index);
-                                return out;
-                              });
+  const auto attend = [&](std::int64_t layer, const kvc::HostTensor<float>& q, const kvc::HostTensor<float>& k,
+                          const kvc::HostTensor<float>& v) {
+    kvc::HostTensor<float> out;
+    kvc::paged_attention(cache, layer, batch.attention_step(), q, k, v, out, context);
+    cache.update(k, v, layer, batch.read_index, batch.write_index);
+    return out;
+  };
+  if (cache.state_layers().empty()) return model.forward_packed(ids, batch.position_ids, batch.logits_indices, attend);
+  using Matrix = Decoder<float>::Matrix;
+  const auto linear = [&](std::int64_t layer, const Matrix& q, const Matrix& k, const Matrix& v, Matrix& out) {
+    out.resize(q.rows(), q.cols());
+    for (std::size_t i = 0; i < batch.request_keys.size(); ++i) {
+      const kvc::paged::RequestKey key = batch.request_keys[i];
+      const Eigen::Index first = batch.cu_seqlens_q[i], count = batch.cu_seqlens_q[i + 1] - first;
+      model.linear_rows(
+          cache.recurrent_state(key, layer),
+          [&](const auto& column) {
+            return cache.update_conv_state(column, key, layer, 0, Decoder<float>::conv_kernel);
+          },
+          [&](const auto& state) { cache.update_recurrent_state(state, key, layer); }, layer, q, k, v, out, first,
+          count);
+    }
+  };
+  return model.forward_packed(ids, batch.position_ids, batch.logits_indices, attend, linear);
 }
 
 struct ServeTotals {
@@ -171,21 +194,28 @@ inline ServeTotals serve(
   return totals;
 }
 
-// The sequences of finished requests again, one after another, each through its own DynamicCache,
-// teacher-forced with the tokens they generated (the same work as serving them, without
-// batching). Returns seconds and the largest cache any of them held.
+// The sequences of finished requests again, one after another, each through its own DynamicCache
+// (make_dynamic_cache's cache for a model with linear_attention layers), teacher-forced with the
+// tokens they generated (the same work as serving them, without batching). Returns seconds and
+// the largest cache any of them held.
 inline std::pair<double, std::int64_t> one_cache_per_request(const Decoder<float>& model,
                                                              const std::vector<const kvc::RequestState*>& sequences) {
   std::int64_t peak = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (const kvc::RequestState* st : sequences) {
-    kvc::DynamicCache<float> cache;
-    const std::vector<std::int32_t> tokens(st->tokens.begin(), st->tokens.end());
-    model.forward(std::span(tokens).first(static_cast<std::size_t>(st->prompt_length)), cache);
-    for (std::size_t t = static_cast<std::size_t>(st->prompt_length); t + 1 < tokens.size(); ++t)
+  const auto& types = model.config().layer_types;
+  const bool linear = std::find(types.begin(), types.end(), "linear_attention") != types.end();
+  const auto one = [&](const kvc::RequestState& st, auto&& cache) {
+    const std::vector<std::int32_t> tokens(st.tokens.begin(), st.tokens.end());
+    model.forward(std::span(tokens).first(static_cast<std::size_t>(st.prompt_length)), cache);
+    for (std::size_t t = static_cast<std::size_t>(st.prompt_length); t + 1 < tokens.size(); ++t)
       model.forward(std::span(tokens).subspan(t, 1), cache);
     peak = std::max<std::int64_t>(peak, cache.bytes());
-  }
+  };
+  for (const kvc::RequestState* st : sequences)
+    if (linear)
+      one(*st, kvc::make_dynamic_cache<float>(model.config().cache_config()));
+    else
+      one(*st, kvc::DynamicCache<float>());
   return {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), peak};
 }
 
