@@ -449,8 +449,12 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
                      }
                    }});
   s.ops.push_back({"truncate a (refused)", [](C& r) { (void)r.cache.truncate_request("a", 3); }});
-  s.ops.push_back({"offload x (refused)", [](C& r) { (void)r.cache.offload_request("x"); }});
+  s.ops.push_back({"offload x", [](C& r) { (void)r.cache.offload_request("x"); }});
+  s.ops.push_back({"allocate x", [](C& r) { (void)r.cache.allocate_blocks(2, "x", 0); }});
+  s.ops.push_back({"restore x", [](C& r) { r.cache.restore_request("x"); }});
   states("x", 2, 4);
+  s.ops.push_back({"offload c", [](C& r) { (void)r.cache.offload_request("c"); }});
+  s.ops.push_back({"drop c", [](C& r) { r.cache.drop_offloaded_request("c"); }});
   s.ops.push_back({"release x", [](C& r) { r.cache.release_request("x"); }});
   s.ops.push_back({"fork a to x in a transaction, rolled back", [](C& r) {
                      r.cache.begin_transaction();
@@ -475,9 +479,11 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
   check_paged_failures<C>(
       s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
       [](C& r) {
+        for (const char* id : {"a", "c", "x"}) r.cache.drop_offloaded_request(id);
         r.cache.free_all_requests();
         r.cache.close_request("k");
         CHECK(r.cache.free_state_slots() == r.cache.state_slots());
+        CHECK(r.cache.free_swap_state_slots() == r.cache.swap_state_slots());
       },
       [](const std::string&) { return true; },
       [](C& r) {

@@ -159,13 +159,23 @@ TEST_CASE("PagedCache on a hybrid model: layers, groups, state slots and the mes
 TEST_CASE("PagedCache states: each request's states are those of a dense LinearAttentionLayer fed the same") {
   std::mt19937 rng(20261206);
   Cache c(hybrid_model(), blocks(12, 4));
-  std::map<std::string, std::vector<LinearOnly>> ref;  // the requests holding a slot
-  std::vector<std::string> names;
-  std::int64_t next = 0, forks = 0, frees = 0, updates = 0;
+  c.reserve_swap_space(3);                              // 3 swap state slots
+  std::map<std::string, std::vector<LinearOnly>> ref;   // the requests holding a slot
+  std::map<std::string, std::vector<LinearOnly>> away;  // the offloaded ones
+  std::int64_t next = 0, forks = 0, frees = 0, updates = 0, offloads = 0, restores = 0;
   const auto pick = [&](std::int64_t n) { return std::uniform_int_distribution<std::int64_t>(0, n - 1)(rng); };
   for (int step = 0; step < 600; ++step) {
     const std::int64_t what = pick(10);
-    if (ref.empty() || what == 0) {  // a new request
+    if (!away.empty() && what == 0 && pick(2) == 0) {  // an offloaded request back
+      auto back = away.begin();
+      std::advance(back, pick(static_cast<std::int64_t>(away.size())));
+      const std::string id = back->first;
+      if (!c.allocate_blocks(1, id, 0)) continue;  // no block or slot free
+      c.restore_request(id);
+      CHECK(!c.is_offloaded(id));
+      ref.insert(away.extract(back));
+      ++restores;
+    } else if (ref.empty() || what == 0) {  // a new request
       const std::string id = "r" + std::to_string(next++);
       const bool fits = c.free_state_slots() > 0 && c.get_num_free_blocks() > 0;
       CHECK(c.allocate_blocks(1, id, 0).has_value() == fits);
@@ -187,6 +197,14 @@ TEST_CASE("PagedCache states: each request's states are those of a dense LinearA
       CHECK(c.free_state_slots() == free + 1);
       ref.erase(it);
       ++frees;
+    } else if (what == 3 && pick(2) == 0) {  // offload it: its states go to a swap state slot
+      const bool fits = c.free_swap_state_slots() > 0 && c.free_swap_blocks() >= c.blocks_in_use(id);
+      CHECK(c.offload_request(id) == fits);
+      if (fits) {
+        CHECK(c.state_slot(id) == -1);
+        away.insert(ref.extract(it));
+        ++offloads;
+      }
     } else if (what == 2) {  // fork it
       const std::string kid = "r" + std::to_string(next++);
       const bool fits = c.compute_max_num_forks(id) >= 1;
@@ -220,6 +238,8 @@ TEST_CASE("PagedCache states: each request's states are those of a dense LinearA
   }
   CHECK(forks > 10);
   CHECK(frees > 10);
+  CHECK(offloads > 5);
+  CHECK(restores > 5);
   CHECK(updates > 300);
   // Every layer's tensors are made, for every slot.
   CHECK(c.state_bytes() == static_cast<std::int64_t>(sizeof(float)) * 4 * 3 * 2 * (3 * 3 + 2 * 2));
@@ -327,15 +347,84 @@ TEST_CASE("PagedCache states: refusals name the problem and change nothing") {
   CHECK_THROWS_WITH_AS((void)c.update(kv, kv, 0, reads, writes),
                        "kvc::PagedCache: layer 0 keeps linear-attention states only: it has no keys and values",
                        kvc::ValueError);
-  // A recurrent state cannot be cut back to a position; offload is refused (the caller prefills
-  // the request again, as the scheduler does).
+  // A recurrent state cannot be cut back to a position (the caller prefills the request again, as
+  // the scheduler does); offload needs a swap state slot.
   CHECK(!c.truncate_request("a", 1));
-  c.reserve_swap_space(4);
+  c.reserve_swap_space(4, 0);
+  CHECK(c.swap_state_slots() == 0);
   const auto with_swap = kvc_test::take_paged_snapshot(c, {"a", "k"});
   CHECK(!c.offload_request("a"));
   CHECK(kvc_test::take_paged_snapshot(c, {"a", "k"}) == with_swap);
   CHECK(with_swap.free_blocks == before.free_blocks);
   CHECK(states_of(c, "a") == states);
+}
+
+TEST_CASE("PagedCache states: offload and restore carry them through a swap state slot") {
+  Cache c(hybrid_model(), blocks(8, 3));
+  c.reserve_swap_space(4);
+  CHECK(c.swap_state_slots() == 3);  // unset: the swap blocks, at most the cache's slots
+  REQUIRE(c.allocate_blocks(2, "a", 0));
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  (void)c.update_conv_state(random_conv(1, 3, 6, 2), "a", 2, 1, 3);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> rec(1, 4);
+  std::fill(rec.data(), rec.data() + rec.size(), 3.f);
+  (void)c.update_recurrent_state(rec, "a", 3, 0);
+  const auto a = states_of(c, "a");
+
+  // Rolled back: nothing moved.
+  const auto before = kvc_test::take_paged_snapshot(c, {"a", "b"});
+  c.begin_transaction();
+  REQUIRE(c.offload_request("a"));
+  c.rollback_transaction();
+  CHECK(kvc_test::take_paged_snapshot(c, {"a", "b"}) == before);
+
+  REQUIRE(c.offload_request("a"));
+  CHECK(c.is_offloaded("a"));
+  CHECK(c.state_slot("a") == -1);
+  CHECK(c.free_state_slots() == 2);
+  CHECK(c.free_swap_state_slots() == 2);
+  CHECK_THROWS_WITH_AS((void)c.conv_state("a", 2, 1),
+                       "kvc::PagedCache::conv_state: request a holds no state slot (a request takes one with its "
+                       "first blocks)",
+                       kvc::ValueError);
+  // Its cache slot is taken by another request and written: the swap keeps a's states.
+  REQUIRE(c.allocate_blocks(1, "c", 0));
+  CHECK(c.state_slot("c") == 0);
+  (void)c.update_conv_state(random_conv(1, 3, 2, 5), "c", 2, 1, 3);
+  // Back, into a new slot, in a transaction: the copy is made when it commits.
+  REQUIRE(c.allocate_blocks(2, "a", 0));
+  c.transaction([&] { c.restore_request("a"); });
+  CHECK(!c.is_offloaded("a"));
+  CHECK(c.state_slot("a") == 2);
+  CHECK(states_of(c, "a") == a);
+  CHECK(c.free_swap_state_slots() == 3);
+
+  // A request offloaded before any state was written comes back unwritten, into a slot whose last
+  // holder wrote it.
+  const auto c_states = states_of(c, "c");
+  REQUIRE(c.offload_request("b"));
+  REQUIRE(c.offload_request("c"));
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  CHECK(c.state_slot("b") == 0);  // c's slot
+  c.restore_request("b");
+  CHECK(!c.has_previous_state("b", 2, 1));
+  CHECK(c.conv_state("b", 2, 1).rank == 0);
+  REQUIRE(c.allocate_blocks(1, "c", 0));
+  c.restore_request("c");
+  CHECK(states_of(c, "c") == c_states);
+  // Dropped while offloaded: the swap state slot goes back.
+  REQUIRE(c.offload_request("c"));
+  CHECK(c.free_swap_state_slots() == 2);
+  c.drop_offloaded_request("c");
+  CHECK(c.free_swap_state_slots() == 3);
+  // No swap state slot free: refused, nothing changed.
+  c.free_all_requests();
+  c.reserve_swap_space(4, 1);
+  for (const char* id : {"x", "y"}) REQUIRE(c.allocate_blocks(1, id, 0));
+  REQUIRE(c.offload_request("x"));
+  const auto full = kvc_test::take_paged_snapshot(c, {"x", "y"});
+  CHECK(!c.offload_request("y"));
+  CHECK(kvc_test::take_paged_snapshot(c, {"x", "y"}) == full);
 }
 
 TEST_CASE("PagedCache states: forks copy them, in a transaction when it commits, and a rollback gives slots back") {

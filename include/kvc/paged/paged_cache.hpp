@@ -190,7 +190,8 @@ class PagedCache<S> {
         tables_(groups_.types, sizes.num_blocks, sizes.page.block_size, config.sliding_window, cb.allow_block_sharing,
                 groups_.state_layers.empty() ? 0 : sizes.state_slots),
         pages_(sizes.page, sizes.num_blocks + 2, groups_.group_size, true),
-        swap_(sizes.page, groups_.group_size),
+        swap_(sizes.page, groups_.group_size,
+              static_cast<std::int64_t>(groups_.state_layers.size()) * config.number_of_conv_states),
         states_per_layer_(groups_.state_layers.empty() ? 0 : config.number_of_conv_states),
         states_(static_cast<std::int64_t>(groups_.state_layers.size()) * states_per_layer_,
                 groups_.state_layers.empty() ? 0 : sizes.state_slots),
@@ -642,12 +643,22 @@ class PagedCache<S> {
   // again). Here the pool is memory of the storage's kind (host memory for HostStorage), sized in
   // blocks; offload_request copies a request's blocks there and frees them, restore_request copies
   // them back into the blocks the request was given again, in the same table positions (a sliding
-  // ring keeps its slot order), so the request continues bit-identically.
+  // ring keeps its slot order), so the request continues bit-identically. A request with
+  // linear-attention states takes a swap state slot for them too.
 
   // Bytes of one block in every pool tensor (what one swap block holds).
   std::int64_t bytes_per_block() const noexcept { return pages_.bytes_per_block(); }
-  // (Re)creates an empty swap pool of `num_blocks` blocks; refused while requests are offloaded.
-  void reserve_swap_space(std::int64_t num_blocks) { swap_.reserve(num_blocks); }
+  // (Re)creates an empty swap pool of `num_blocks` blocks and, for a model with linear-attention
+  // states, `state_slots` swap state slots (unset: num_blocks, at most state_slots(); their
+  // tensors are made at the first offload of a request with states); refused while requests are
+  // offloaded.
+  void reserve_swap_space(std::int64_t num_blocks, std::optional<std::int64_t> state_slots = std::nullopt) {
+    swap_.reserve(num_blocks, state_slots.value_or(std::min(num_blocks, this->state_slots())));
+  }
+  // Returns the swap pool's state slots, and how many no offloaded request holds.
+  std::int64_t swap_state_slots() const noexcept { return swap_.state_slots().slots(); }
+  // Returns the number of swap state slots no offloaded request holds.
+  std::int64_t free_swap_state_slots() const noexcept { return swap_.state_slots().free_slots(); }
   // The swap pool transformers' offloading manager would make for this cache's blocks
   // (kvc::plan_swap_blocks, memory_planner.hpp, which probes the available RAM when it is unset).
   std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb,
@@ -665,22 +676,30 @@ class PagedCache<S> {
     return k && swap_.is_offloaded(*k);
   }
 
-  // Copies the request's blocks (every group) to the smallest free swap blocks and frees them in
-  // the cache. False, with nothing changed, when the request holds no block or the pool has too
-  // few free blocks (transformers then soft-resets it: free_blocks, and prefill it again), and for
-  // a request that holds linear-attention states.
+  // Copies the request's blocks (every group) to the smallest free swap blocks, and its
+  // linear-attention states to a swap state slot, and frees them in the cache. False, with nothing
+  // changed, when the request holds no block or the pool has too few free blocks or no free state
+  // slot (transformers then soft-resets it: free_blocks, and prefill it again).
   bool offload_request(paged::RequestRef request) {
     const auto k = tables_.find(request);
     if (!k) return false;  // it holds nothing
-    if (tables_.state_slots().slot_of(*k) >= 0) return false;
     if (swap_.is_offloaded(*k))
       throw ValueError("kvc::PagedCache: request " + tables_.id(*k) + " is already offloaded");
     std::vector<std::int64_t> counts;
     const std::vector<std::int64_t> blocks = tables_.request_blocks(*k, &counts);
     if (blocks.empty() || static_cast<std::int64_t>(blocks.size()) > free_swap_blocks()) return false;
-    const auto& entry = swap_.take(tables_.log(), *k, std::move(counts));
+    const std::int64_t slot = tables_.state_slots().slot_of(*k);
+    if (slot >= 0) {
+      if (free_swap_state_slots() == 0) return false;
+      swap_.states().shape_like(states_);  // the swap's state tensors, made once (nothing observable changes)
+    }
+    const auto& entry = swap_.take(tables_.log(), *k, std::move(counts), slot >= 0);
     // Outside a transaction: copies and bookkeeping that cannot fail on the host.
     move_blocks(pool::pages, blocks, pool::swap, entry.swap_ids);
+    if (slot >= 0) {
+      const std::int64_t to = swap_.state_slots().slot_of(*k);
+      move_states({slot, tables_.state_slots().epoch(slot), to, swap_.state_slots().epoch(to), false, true});
+    }
     tables_.free_blocks(*k);
     return true;
   }
@@ -703,7 +722,13 @@ class PagedCache<S> {
       const auto& t = tables_.table(g, key);
       dst.insert(dst.end(), t.begin(), t.begin() + n);
     }
+    const std::int64_t from = swap_.state_slots().slot_of(key), to = tables_.state_slots().slot_of(key);
+    if (from >= 0 && to < 0)  // (not reached: the blocks checked above came with a state slot)
+      throw ValueError("kvc::PagedCache: request " + tables_.id(key) +
+                       " holds no state slot to restore its linear-attention states into (allocate its blocks first)");
     move_blocks(pool::swap, entry->swap_ids, pool::pages, dst);
+    if (from >= 0)
+      move_states({from, swap_.state_slots().epoch(from), to, tables_.state_slots().epoch(to), true, false});
     swap_.give_back(tables_.log(), key);
   }
   // Forgets an offloaded request (cancelled or failed): its swap blocks return to the pool.
@@ -1195,15 +1220,7 @@ class PagedCache<S> {
       const std::int64_t a = slots.slot_of(source);
       for (const paged::RequestKey d : destinations) {
         const std::int64_t b = slots.slot_of(d);
-        if (a < 0) continue;  // no states to copy: the new slot reads as unwritten
-        const state_copy c{a, slots.epoch(a), b, slots.epoch(b)};
-        if (!in_transaction()) {
-          copy_states_now(c);
-          continue;
-        }
-        if (pending_states_.size() == pending_states_.capacity())
-          pending_states_.reserve(std::max<std::size_t>(8, 2 * pending_states_.capacity()));
-        pending_states_.push_back(c);
+        if (a >= 0) move_states({a, slots.epoch(a), b, slots.epoch(b)});  // (none: b reads as unwritten)
       }
     }
   }
@@ -1314,15 +1331,25 @@ class PagedCache<S> {
   }
   std::int64_t pool_rows() const noexcept { return pages_.rows(); }
 
-  // A copy of slot a's states (those written under epoch ea) to slot b (marked under epoch eb).
+  // A copy of slot a's states (those written under epoch ea) to slot b (marked under epoch eb),
+  // each slot the cache's or the swap pool's.
   struct state_copy {
     std::int64_t a;
     std::uint64_t ea;
     std::int64_t b;
     std::uint64_t eb;
+    bool from_swap = false, to_swap = false;
   };
   void copy_states_now(const state_copy& c) noexcept {
-    paged::StatePools<S>::copy_slot(states_, c.a, c.ea, states_, c.b, c.eb);
+    paged::StatePools<S>::copy_slot(c.from_swap ? swap_.states() : states_, c.a, c.ea,
+                                    c.to_swap ? swap_.states() : states_, c.b, c.eb);
+  }
+  // Copies states now, or in a transaction when it commits (as move_blocks copies blocks).
+  void move_states(const state_copy& c) {
+    if (!in_transaction()) return copy_states_now(c);
+    if (pending_states_.size() == pending_states_.capacity())
+      pending_states_.reserve(std::max<std::size_t>(8, 2 * pending_states_.capacity()));
+    pending_states_.push_back(c);
   }
 
   // Where block copies go: the pools or the swap pool.
