@@ -59,6 +59,12 @@ int main(int argc, char** argv) {
     });
   kvc_fuzz::Paged p = kvc_fuzz::paged();
   p.allocate_blocks(2, "r", 0);
+  Eigen::Tensor<float, 3, Eigen::RowMajor> conv(1, 3, 2);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> rec(1, 5);
+  for (Eigen::Index i = 0; i < conv.size(); ++i) conv.data()[i] = static_cast<float>(i);
+  for (Eigen::Index i = 0; i < rec.size(); ++i) rec.data()[i] = static_cast<float>(i) / 2;
+  (void)p.update_conv_state(conv, "r", 2, 0, 3);
+  (void)p.update_recurrent_state(rec, "r", 2);
   std::ostringstream os(std::ios::binary);
   kvc::save_request(p, "r", os);
   write(dir, "request_paged", "P", os.str());

@@ -44,9 +44,10 @@ inline Linear linear() {
 }
 inline Indexed indexed() { return Indexed(kvc::DynamicIndexedLayer{}, kvc::StaticIndexedLayer{12}); }
 inline Paged paged() {
-  kvc::ModelConfig m = model(2);
+  // A linear-attention layer too, so that the loader's checks of a request's states are fuzzed.
+  kvc::ModelConfig m = model(3);
   m.sliding_window = 6;
-  m.layer_types = std::vector<std::string>{"full_attention", "sliding_attention"};
+  m.layer_types = std::vector<std::string>{"full_attention", "sliding_attention", "linear_attention"};
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 8;

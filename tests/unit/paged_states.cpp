@@ -12,11 +12,13 @@
 #include <kvc/paged/paged_batch_cache.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/policies/storage/host.hpp>
+#include <kvc/state.hpp>
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -485,4 +487,62 @@ TEST_CASE("PagedCache states: the example of docs/paged.md") {
   CHECK(values_of(input)[0] == 0.f);
   CHECK(values_of(input)[2] == conv(0, 0, 0));
   CHECK(cache.free_state_slots() == cache.state_slots());
+}
+
+TEST_CASE(
+    "PagedCache states: save_request and load_request carry them, into a cache that has made its tensors or not") {
+  Cache a(hybrid_model(), blocks(8));
+  REQUIRE(a.allocate_blocks(2, "r", 0));
+  (void)a.update_conv_state(random_conv(1, 3, 5, 4), "r", 0, 1, 3);
+  Eigen::Tensor<float, 3, Eigen::RowMajor> rec(1, 2, 2);
+  for (Eigen::Index i = 0; i < rec.size(); ++i) rec.data()[i] = static_cast<float>(i) + 0.5f;
+  (void)a.update_recurrent_state(rec, "r", 3, 0);
+  std::ostringstream os;
+  kvc::save_request(a, "r", os);
+  const std::string bytes = os.str();
+
+  // Into a fresh cache: its tensors are made from the file's shapes.
+  Cache b(hybrid_model(), blocks(8));
+  std::istringstream in(bytes);
+  kvc::load_request(b, "q", in);
+  CHECK(states_of(b, "q") == states_of(a, "r"));
+  CHECK(b.state_bytes() > 0);
+  // Both go on alike.
+  const Conv next = random_conv(1, 3, 1, 6);
+  CHECK(values_of(b.update_conv_state(next, "q", 0, 1)) == values_of(a.update_conv_state(next, "r", 0, 1)));
+
+  // Into a cache whose layer 0 holds conv states of another width: refused, nothing changed.
+  Cache c(hybrid_model(), blocks(8));
+  REQUIRE(c.allocate_blocks(1, "other", 0));
+  (void)c.update_conv_state(random_conv(1, 4, 2), "other", 0, 1, 3);
+  const auto other = states_of(c, "other");
+  const std::int64_t state_bytes = c.state_bytes(), free = c.get_num_free_blocks();
+  std::istringstream in2(bytes);
+  CHECK_THROWS_WITH_AS(kvc::load_request(c, "q", in2),
+                       "kvc::load: request q: state 1 of layer 0 holds conv states of 3 channels and kernel 3 in "
+                       "the file, and of 4 channels and kernel 3 in the cache",
+                       kvc::StateError);
+  CHECK(c.get_num_free_blocks() == free);  // the load's blocks and slot went back
+  CHECK(c.free_state_slots() == c.state_slots() - 1);
+  CHECK(!c.find_request("q"));
+  CHECK(states_of(c, "other") == other);
+  CHECK(c.state_bytes() == state_bytes);  // no tensor of layer 3 was made
+
+  // A request saved before any state was written loads unwritten; a model without states refuses
+  // the file (its header names the layers with states).
+  Cache d(hybrid_model(), blocks(8));
+  REQUIRE(d.allocate_blocks(1, "fresh", 0));
+  std::ostringstream os2;
+  kvc::save_request(d, "fresh", os2);
+  Cache e(hybrid_model(), blocks(8));
+  std::istringstream in3(os2.str());
+  kvc::load_request(e, "fresh", in3);
+  CHECK(!e.has_previous_state("fresh", 0));
+  auto plain = hybrid_model();
+  plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  plain.num_hidden_layers = 2;
+  Cache f(plain, blocks(8));
+  std::istringstream in4(bytes);
+  CHECK_THROWS_WITH_AS(kvc::load_request(f, "q", in4),
+                       "kvc::load: request q: state_layers is 3 in the file and 0 in the cache", kvc::StateError);
 }

@@ -315,9 +315,9 @@ TEST_CASE("kvc::load names what differs, and leaves the cache as it was") {
   SUBCASE("not kvc's, another version, truncated, corrupted") {
     CHECK(load_error(target, "GGUF and more bytes") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     CHECK(load_error(target, "") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
-    std::string v2 = bytes;
-    v2[8] = 2;  // before linear layers saved their rings of states
-    CHECK(load_error(target, v2) == "kvc::load: the state has format version 2, and this kvc reads version 3");
+    std::string v3 = bytes;
+    v3[8] = 3;  // before paged requests saved their linear-attention states
+    CHECK(load_error(target, v3) == "kvc::load: the state has format version 3, and this kvc reads version 4");
     const std::string cut = bytes.substr(0, bytes.size() - 100);
     CHECK(load_error(target, cut) == "kvc::load: the file is truncated: it announces " +
                                          std::to_string(bytes.size() - 32) + " bytes of state and a checksum, and " +
@@ -448,7 +448,7 @@ TEST_CASE("save_request/load_request: a paged request moves to another cache bit
   Paged c(m, other);
   CHECK(load_message(c, "q", bytes) == "kvc::load: request q: block_size is 4 in the file and 8 in the cache");
   std::string flipped = bytes;
-  flipped[bytes.size() - 12] ^= 1;
+  flipped[bytes.size() - 20] ^= 1;  // (a row's element: the last 8 bytes before the checksum say "no states")
   CHECK(load_message(b, "fresh", flipped).starts_with("kvc::load: the checksum does not match"));
   CHECK(b.blocks_in_use("fresh") == 0);
   Paged small(m, [&] {

@@ -912,11 +912,11 @@ class PagedCache<S> {
     const std::int64_t prev = first ? 0 : k, pad = (first && t < k) ? k - t : 0;
     const std::int64_t width = pad + prev + t;  // at least k
     const std::int64_t out_elems = detail::checked_elements({c, width}, sizeof(T));
-    states_.shape_conv(at.entry, c, k);  // the allocations first: nothing observable changes
-    if (out_conv_.size() < out_elems) {
+    if (out_conv_.size() < out_elems) {  // the allocations first: nothing observable changes
       typename S::buffer_type b(out_elems);
       out_conv_ = std::move(b);
     }
+    states_.shape_conv(at.entry, c, k);
     T* full = out_conv_.data();
     T* kept = states_.conv(at.entry, at.slot);
     if (pad > 0) S::zero_2d(full, width, pad, c);
@@ -991,6 +991,7 @@ class PagedCache<S> {
     const std::vector<std::int64_t> blocks = request_blocks(request_id, &counts);
     for (const std::int64_t n : counts) ar.value(n);
     request_rows(ar, blocks);
+    request_states(ar, tables_.find_known(request_id));
   }
   // Reading allocates the request's blocks (the cache must not hold it) and fills them; the
   // returned object's commit() keeps them, and dropping it without a commit frees them again.
@@ -1044,6 +1045,10 @@ class PagedCache<S> {
     const std::vector<std::int64_t> blocks = request_blocks(request_id, &got);
     if (got != counts) ar.fail("the cache's groups would give the request other block counts than the file's");
     request_rows(ar, blocks);
+    if (const auto k = tables_.find(request_id))
+      load_states(ar, *k);
+    else
+      ar.check(ar.size("whether the request holds states") == 0, "states for a request without blocks");
     return out;
   }
 
@@ -1103,6 +1108,111 @@ class PagedCache<S> {
     ar.param("groups", num_groups());
     for (std::size_t g = 0; g < groups_.types.size(); ++g)
       same_text(ar, "group " + std::to_string(g) + "'s attention type", groups_.types[g]);
+    ar.param("state_layers", static_cast<std::int64_t>(groups_.state_layers.size()));
+    ar.param("states_per_layer", states_per_layer_);
+    for (const std::int64_t l : groups_.state_layers) ar.param("state_layer", l);
+  }
+  // The request's linear-attention states, after its blocks: whether it holds a state slot, then
+  // per (layer, state index) whether its conv state is written (then channels, kernel and the
+  // elements) and whether its recurrent state is (then rank, shape and the elements).
+  template <class A>
+    requires(!A::loading)
+  void request_states(A& ar, paged::RequestKey k) const {
+    const std::int64_t slot = tables_.state_slots().slot_of(k);
+    ar.value(slot >= 0);
+    if (slot < 0) return;
+    const std::uint64_t epoch = tables_.state_slots().epoch(slot);
+    for (std::int64_t e = 0; e < states_.entries(); ++e) {
+      const auto& x = states_.at(e);
+      const bool conv = states_.conv_written(e, slot, epoch), rec = states_.recurrent_written(e, slot, epoch);
+      ar.value(conv);
+      if (conv) {
+        ar.value(x.channels);
+        ar.value(x.kernel);
+        ar.raw(const_cast<T*>(states_.conv(e, slot)), static_cast<std::size_t>(x.conv_size()) * sizeof(T));
+      }
+      ar.value(rec);
+      if (rec) {
+        ar.value(x.rank);
+        for (int r = 0; r < x.rank; ++r) ar.value(x.shape[static_cast<std::size_t>(r)]);
+        ar.raw(const_cast<T*>(states_.recurrent(e, slot)), static_cast<std::size_t>(x.recurrent_size) * sizeof(T));
+      }
+    }
+  }
+  // Reads what request_states wrote into the request's (new) state slot. The states are read
+  // aside and the state tensors a layer still lacks made before any goes in place, so a failure
+  // leaves the cache's tensors as they were (the request's blocks and slot are the load's to give
+  // back).
+  template <class A>
+    requires A::loading
+  void load_states(A& ar, paged::RequestKey k) {
+    const std::int64_t slot = tables_.state_slots().slot_of(k);
+    const std::int64_t held = ar.size("whether the request holds states");
+    ar.check(held <= 1 && (held == 1) == (slot >= 0), "states for a request without a state slot, or none for one");
+    if (held == 0) return;
+    const auto n = static_cast<std::size_t>(states_.entries());
+    std::vector<std::vector<T>> conv(n), rec(n);
+    std::vector<std::optional<typename paged::StatePools<S>::made_conv>> new_conv(n);
+    std::vector<std::optional<typename paged::StatePools<S>::made_recurrent>> new_rec(n);
+    std::vector<char> has_conv(n, 0), has_rec(n, 0);
+    for (std::size_t e = 0; e < n; ++e) {
+      const auto& x = states_.at(static_cast<std::int64_t>(e));
+      const std::string what = "state " + std::to_string(static_cast<std::int64_t>(e) % states_per_layer_) +
+                               " of layer " +
+                               std::to_string(groups_.state_layers[e / static_cast<std::size_t>(states_per_layer_)]);
+      const std::int64_t c = ar.size("whether a conv state is written");
+      ar.check(c <= 1, "a conv state's flag");
+      if (c == 1) {
+        const std::int64_t channels = ar.size("a conv state's channels"), kernel = ar.size("a conv state's kernel");
+        ar.check(channels > 0 && kernel > 0, "a conv state of no columns");
+        if (x.channels > 0 && (x.channels != channels || x.kernel != kernel))
+          ar.fail(what + " holds conv states of " + std::to_string(channels) + " channels and kernel " +
+                  std::to_string(kernel) + " in the file, and of " + std::to_string(x.channels) +
+                  " channels and kernel " + std::to_string(x.kernel) + " in the cache");
+        const std::int64_t elems = detail::checked_elements({channels, kernel}, sizeof(T));
+        ar.reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "a conv state");
+        conv[e].resize(static_cast<std::size_t>(elems));
+        ar.raw(conv[e].data(), conv[e].size() * sizeof(T));
+        if (x.channels == 0) new_conv[e] = states_.make_conv(channels, kernel);
+        has_conv[e] = 1;
+      }
+      const std::int64_t r = ar.size("whether a recurrent state is written");
+      ar.check(r <= 1, "a recurrent state's flag");
+      if (r == 1) {
+        const std::int64_t rank = ar.size("a recurrent state's rank");
+        ar.check(rank >= 1 && rank <= 4, "a recurrent state's rank");
+        std::array<std::int64_t, 4> shape{};
+        for (std::int64_t i = 0; i < rank; ++i)
+          shape[static_cast<std::size_t>(i)] = ar.size("a recurrent state's shape");
+        ar.check(shape[0] == 1, "a request's recurrent state of a batch other than 1");
+        if (x.rank > 0 && !same_shape(x.rank, x.shape, S::make_state_view(nullptr, static_cast<int>(rank), shape)))
+          ar.fail(what + " holds recurrent states of shape " +
+                  shape_string(S::make_state_view(nullptr, static_cast<int>(rank), shape)) + " in the file, and " +
+                  shape_string(S::make_state_view(nullptr, x.rank, x.shape)) + " in the cache");
+        std::int64_t elems = 1;
+        for (std::int64_t i = 0; i < rank; ++i) elems *= shape[static_cast<std::size_t>(i)];
+        elems = detail::checked_elements({elems}, sizeof(T));
+        ar.reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "a recurrent state");
+        rec[e].resize(static_cast<std::size_t>(elems));
+        ar.raw(rec[e].data(), rec[e].size() * sizeof(T));
+        if (x.rank == 0) new_rec[e] = states_.make_recurrent(static_cast<int>(rank), shape);
+        has_rec[e] = 1;
+      }
+    }
+    const std::uint64_t epoch = tables_.state_slots().epoch(slot);
+    for (std::size_t e = 0; e < n; ++e) {  // cannot fail
+      const auto i = static_cast<std::int64_t>(e);
+      if (new_conv[e]) states_.install(i, std::move(*new_conv[e]));
+      if (new_rec[e]) states_.install(i, std::move(*new_rec[e]));
+      if (has_conv[e]) {
+        std::copy(conv[e].begin(), conv[e].end(), states_.conv(i, slot));
+        states_.mark_conv(i, slot, epoch);
+      }
+      if (has_rec[e]) {
+        std::copy(rec[e].begin(), rec[e].end(), states_.recurrent(i, slot));
+        states_.mark_recurrent(i, slot, epoch);
+      }
+    }
   }
   // Every block's rows, pool after pool (K then V), each block head after head: written from the
   // pools, or read into them.

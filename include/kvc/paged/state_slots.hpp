@@ -156,32 +156,54 @@ class StatePools {
     return const_cast<StatePools&>(*this).recurrent(e, s);
   }
 
-  // Makes entry e's conv tensor for `channels` x `kernel` per slot (zeroed), unless it has one.
-  // Strong guarantee (kvc::ValueError past kvc's limit on a size, std::bad_alloc).
+  // Entry e's conv tensor for `channels` x `kernel` per slot (zeroed), unless it has one: made
+  // (kvc::ValueError past kvc's limit on a size, std::bad_alloc), then put in place, which cannot
+  // fail (install). Strong guarantee.
   void shape_conv(std::int64_t e, std::int64_t channels, std::int64_t kernel) {
-    entry& x = entries_[static_cast<std::size_t>(e)];
-    if (x.channels > 0) return;
-    const std::int64_t n = kvc::detail::checked_elements({slots_, channels, kernel}, sizeof(T));
-    typename S::buffer_type b(n);
-    S::zero_2d(b.data(), n, n, 1);
-    x.conv = std::move(b);
-    x.channels = channels;
-    x.kernel = kernel;
+    if (at(e).channels == 0) install(e, make_conv(channels, kernel));
   }
-  // Makes entry e's recurrent tensor for states of `shape` (rank `rank`) per slot (zeroed), unless
-  // it has one. Strong guarantee.
+  // Entry e's recurrent tensor for states of `shape` (rank `rank`) per slot (zeroed), unless it
+  // has one. Strong guarantee.
   void shape_recurrent(std::int64_t e, int rank, const std::array<std::int64_t, 4>& shape) {
-    entry& x = entries_[static_cast<std::size_t>(e)];
-    if (x.rank > 0) return;
+    if (at(e).rank == 0) install(e, make_recurrent(rank, shape));
+  }
+  // A conv tensor made for the shape, not yet in place: what install() puts in.
+  struct made_conv {
+    typename S::buffer_type data;  // [slots, channels, kernel], zeroed
+    std::int64_t channels;         // per slot
+    std::int64_t kernel;           // columns per channel
+  };
+  // A recurrent tensor made for the shape, not yet in place.
+  struct made_recurrent {
+    typename S::buffer_type data;       // [slots, shape...], zeroed
+    int rank;                           // of one slot's state
+    std::array<std::int64_t, 4> shape;  // one slot's state, batch axis 1 included
+    std::int64_t size;                  // its elements
+  };
+  // Makes a zeroed conv tensor of every slot for `channels` x `kernel`.
+  made_conv make_conv(std::int64_t channels, std::int64_t kernel) const {
+    return {zeroed(kvc::detail::checked_elements({slots_, channels, kernel}, sizeof(T))), channels, kernel};
+  }
+  // Makes a zeroed recurrent tensor of every slot for states of `shape` (rank `rank`).
+  made_recurrent make_recurrent(int rank, const std::array<std::int64_t, 4>& shape) const {
     std::int64_t per = 1;
     for (int r = 0; r < rank; ++r) per *= shape[static_cast<std::size_t>(r)];
-    const std::int64_t n = kvc::detail::checked_elements({slots_, per}, sizeof(T));
-    typename S::buffer_type b(n);
-    S::zero_2d(b.data(), n, n, 1);
-    x.recurrent = std::move(b);
-    x.rank = rank;
-    x.shape = shape;
-    x.recurrent_size = per;
+    return {zeroed(kvc::detail::checked_elements({slots_, per}, sizeof(T))), rank, shape, per};
+  }
+  // Puts a made conv tensor in place as entry e's.
+  void install(std::int64_t e, made_conv&& m) noexcept {
+    entry& x = entries_[static_cast<std::size_t>(e)];
+    x.conv = std::move(m.data);
+    x.channels = m.channels;
+    x.kernel = m.kernel;
+  }
+  // Puts a made recurrent tensor in place as entry e's.
+  void install(std::int64_t e, made_recurrent&& m) noexcept {
+    entry& x = entries_[static_cast<std::size_t>(e)];
+    x.recurrent = std::move(m.data);
+    x.rank = m.rank;
+    x.shape = m.shape;
+    x.recurrent_size = m.size;
   }
   // Shapes every entry of this object that `o` has shaped and this one has not (what copies from
   // `o` need). Strong guarantee for each entry; entries shaped before a failure stay shaped (they
@@ -210,6 +232,11 @@ class StatePools {
   }
 
  private:
+  static typename S::buffer_type zeroed(std::int64_t n) {
+    typename S::buffer_type b(n);
+    S::zero_2d(b.data(), n, n, 1);
+    return b;
+  }
   std::size_t mark(std::int64_t e, std::int64_t s) const noexcept {
     return static_cast<std::size_t>(s * entries() + e);
   }
