@@ -546,3 +546,34 @@ TEST_CASE(
   CHECK_THROWS_WITH_AS(kvc::load_request(f, "q", in4),
                        "kvc::load: request q: state_layers is 3 in the file and 0 in the cache", kvc::StateError);
 }
+
+TEST_CASE("PagedCache states: the memory planner sets the state slots' bytes aside") {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.max_state_slots = 8;
+  kvc::PagedMemoryBudget budget;
+  budget.available_bytes = std::int64_t{1} << 22;
+  budget.vocab_size = 64;
+  budget.flash_attention = true;
+  const std::int64_t without = Cache(hybrid_model(), cb, budget).num_blocks();
+  budget.state_bytes_per_request = std::int64_t{1} << 16;
+  const Cache planned(hybrid_model(), cb, budget);
+  // What the planner plans from the budget less 8 slots of 64 KiB.
+  kvc::PagedMemoryBudget less = budget;
+  less.state_bytes_per_request = 0;
+  less.available_bytes -= 8 * (std::int64_t{1} << 16);
+  CHECK(planned.num_blocks() == Cache(hybrid_model(), cb, less).num_blocks());
+  CHECK(planned.num_blocks() < without);
+  CHECK(planned.state_slots() == 8);
+  // A model without states sets nothing aside.
+  auto plain = hybrid_model();
+  plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  plain.num_hidden_layers = 2;
+  less.available_bytes = budget.available_bytes;
+  CHECK(Cache(plain, cb, budget).num_blocks() == Cache(plain, cb, less).num_blocks());
+  // More than the budget: transformers' MemoryError type, kvc's message.
+  budget.state_bytes_per_request = std::int64_t{1} << 20;
+  CHECK_THROWS_WITH_AS(Cache(hybrid_model(), cb, budget),
+                       "kvc::PagedCache: the state slots need 8 x 1048576 bytes, more than the 4194304 available",
+                       kvc::MemoryError);
+}

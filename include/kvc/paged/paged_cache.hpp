@@ -66,6 +66,11 @@ struct PagedMemoryBudget {
   bool async_batching = false;
   // Log-probabilities next to the tokens (two output rows).
   bool return_logprobs = false;
+  // A hybrid model: the bytes of one request's linear-attention states, every layer and state
+  // index (conv channels x kernel and the recurrent state's elements, times the element size),
+  // which the cache only learns from the first states. The planner sets aside max_state_slots
+  // (unset: max_requests_per_batch, else 256) times this before it plans the blocks.
+  std::int64_t state_bytes_per_request = 0;
 };
 
 // Tensor parallelism as the paged cache sees it. kv_is_tp: the K/V projections are sharded
@@ -1354,11 +1359,27 @@ class PagedCache<S> {
   static ContinuousBatchingConfig planned(const ModelConfig& config, ContinuousBatchingConfig cb,
                                           const PagedMemoryBudget& budget, std::int64_t head_divisor) {
     const PagedAttentionMemoryHandler handler(memory_model(config, cb, budget, head_divisor));
-    const auto [m, nb] =
-        handler.infer_max_batch_tokens_and_num_blocks(cb.max_batch_tokens, cb.num_blocks, budget.available_bytes);
+    const auto [m, nb] = handler.infer_max_batch_tokens_and_num_blocks(
+        cb.max_batch_tokens, cb.num_blocks, budget.available_bytes - planned_state_bytes(config, cb, budget));
     cb.max_batch_tokens = m;
     cb.num_blocks = nb;
     return cb;
+  }
+  // What the planner sets aside for the state slots of a hybrid model: the most slots the cache
+  // can have (the blocks it plans only lower it) times a request's states.
+  static std::int64_t planned_state_bytes(const ModelConfig& config, const ContinuousBatchingConfig& cb,
+                                          const PagedMemoryBudget& budget) {
+    if (paged::group_paged_layers(config).state_layers.empty()) return 0;
+    detail::check_size("kvc::PagedMemoryBudget: state_bytes_per_request", budget.state_bytes_per_request, 0,
+                       max_extent);
+    const std::int64_t slots = cb.max_state_slots.value_or(cb.max_requests_per_batch.value_or(256));
+    detail::check_size("kvc::PagedCache: max_state_slots", slots, 1, max_extent);
+    std::int64_t out = 0;
+    if (!detail::mul_fits(slots, budget.state_bytes_per_request, out) || out > budget.available_bytes)
+      throw MemoryError("kvc::PagedCache: the state slots need " + std::to_string(slots) + " x " +
+                        std::to_string(budget.state_bytes_per_request) + " bytes, more than the " +
+                        std::to_string(budget.available_bytes) + " available");
+    return out;
   }
   static checked_sizes checked(const ModelConfig& config, const ContinuousBatchingConfig& cb,
                                std::int64_t head_divisor) {
