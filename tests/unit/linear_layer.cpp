@@ -226,6 +226,11 @@ TEST_CASE("reorder_cache and batch operations act on linear states and on both p
       CHECK(columns(l.conv_state(0), 0, 0) == std::vector<float>{1000, 1001, 1002, 1003});
   });
   CHECK(cache.stored(1).keys(0, 0, 0, 0) == k(1, 0, 0, 0));
+  // The selected states go on where they were: seen, with their kernel (the stored columns, then
+  // the new one).
+  CHECK(cache.has_previous_state(0));
+  CHECK(columns(cache.update_conv_state(conv_input(1, 2, 1, 7), 0), 0, 0) ==
+        std::vector<float>{1000, 1001, 1002, 1003, 7});
   CHECK_THROWS_AS(cache.reorder_cache({3}), kvc::IndexError);
 }
 

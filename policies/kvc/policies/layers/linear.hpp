@@ -82,8 +82,11 @@ struct dense_state {
 
   // A copy whose batch entry i (axis 0) is entry indices[i] of this one.
   dense_state gathered(std::span<const std::int64_t> indices) const {
-    dense_state out = *this;
-    if (!initialized) return out;
+    if (!initialized) return *this;
+    dense_state out;  // (not a copy of this one: only the gathered rows are allocated)
+    out.rank = rank;
+    out.extents = extents;
+    out.initialized = true;
     const std::int64_t per = extents[0] > 0 ? data.size() / extents[0] : 0;
     out.extents[0] = static_cast<std::int64_t>(indices.size());
     out.data = typename S::buffer_type(checked_elements({per, out.extents[0]}, sizeof(T)));
@@ -391,21 +394,33 @@ class LinearAttentionLayer::state {
   // Returns a copy whose batch entry i is entry batch_indices[i] of this layer, in every state and
   // every ring entry (the Cache checks the indices).
   state gathered(std::span<const std::int64_t> batch_indices) const {
-    state out = *this;
+    // Built from empty slots, so that only the gathered buffers are allocated (a copy of this
+    // layer first would hold every buffer twice at the peak).
+    state out(LinearAttentionLayer{n_, ring_size_});
+    out.record_past_ = record_past_;
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       slot& o = out.slots_[i];
       const slot& s = slots_[i];
       o.conv = s.conv.gathered(batch_indices);
       o.rec = s.rec.gathered(batch_indices);
-      o.full = detail::dense_state<S>{};
-      o.ring.clear();  // the live entries, oldest first
+      o.kernel = s.kernel;
+      o.has_previous_state = s.has_previous_state;
+      o.trimmed = s.trimmed;
+      o.open = s.open;
+      o.uncounted = s.uncounted;
+      o.ring.reserve(s.steps);  // the live entries, oldest first
       for (std::size_t j = 0; j < s.steps; ++j) {
-        snapshot e = s.entry(j);
-        e.conv = e.conv.gathered(batch_indices);
-        e.rec = e.rec.gathered(batch_indices);
-        o.ring.push_back(std::move(e));
+        const snapshot& e = s.entry(j);
+        snapshot g;
+        g.conv = e.conv.gathered(batch_indices);
+        g.rec = e.rec.gathered(batch_indices);
+        g.tokens = e.tokens;
+        g.kernel = e.kernel;
+        g.has_previous_state = e.has_previous_state;
+        g.conv_captured = e.conv_captured;
+        o.ring.push_back(std::move(g));
       }
-      o.first = 0;
+      o.steps = s.steps;
     }
     return out;
   }
