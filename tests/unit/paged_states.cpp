@@ -577,3 +577,111 @@ TEST_CASE("PagedCache states: the memory planner sets the state slots' bytes asi
                        "kvc::PagedCache: the state slots need 8 x 1048576 bytes, more than the 4194304 available",
                        kvc::MemoryError);
 }
+
+TEST_CASE("PagedCache states: a slot given back and taken again in one transaction, rolled back or committed") {
+  Cache c(hybrid_model(), blocks(8, 1));
+  c.reserve_swap_space(4, 1);
+  REQUIRE(c.allocate_blocks(1, "r", 0));
+  (void)c.update_conv_state(random_conv(1, 3, 3, 1), "r", 0, 0, 3);
+  const auto r = states_of(c, "r");
+  // r's slot goes to s and back: r reads its own states again.
+  c.begin_transaction();
+  c.free_blocks("r");
+  REQUIRE(c.allocate_blocks(1, "s", 0));
+  CHECK(c.state_slot("s") == 0);
+  CHECK(!c.has_previous_state("s", 0));
+  c.rollback_transaction();
+  CHECK(states_of(c, "r") == r);
+  // The same with r's swap state slot.
+  REQUIRE(c.offload_request("r"));
+  REQUIRE(c.allocate_blocks(1, "t", 0));
+  c.begin_transaction();
+  c.drop_offloaded_request("r");
+  REQUIRE(c.offload_request("t"));
+  c.rollback_transaction();
+  c.free_blocks("t");
+  REQUIRE(c.allocate_blocks(1, "r", 0));
+  c.restore_request("r");
+  CHECK(states_of(c, "r") == r);
+  // A fork's copy into a slot that was given back and taken again before the commit does not
+  // overwrite what the new holder wrote.
+  c.free_all_requests();
+  Cache d(hybrid_model(), blocks(8, 2));
+  REQUIRE(d.allocate_blocks(1, "a", 0));
+  (void)d.update_conv_state(random_conv(1, 3, 3, 2), "a", 0, 0, 3);
+  std::vector<std::vector<float>> e;
+  d.transaction([&] {
+    (void)d.fork_request("a", std::vector<std::string>{"f"});
+    d.free_blocks("f");
+    REQUIRE(d.allocate_blocks(1, "e", 0));
+    (void)d.update_conv_state(random_conv(1, 3, 3, 3), "e", 0, 0, 3);
+    e = states_of(d, "e");
+  });
+  CHECK(states_of(d, "e") == e);
+  // The swap pool is not resized within a transaction.
+  d.begin_transaction();
+  CHECK_THROWS_WITH_AS(d.reserve_swap_space(2),
+                       "kvc::PagedCache::reserve_swap_space: not in a transaction (its undo records point into the "
+                       "pool)",
+                       kvc::ValueError);
+  d.rollback_transaction();
+}
+
+TEST_CASE("PagedCache states: a fork of a request given no blocks takes no slot") {
+  Cache c(hybrid_model(), blocks(8, 2));
+  CHECK(c.allocate_blocks(0, "r", 0));
+  (void)c.fork_request("r", std::vector<std::string>{"d"});
+  CHECK(c.state_slot("d") == -1);
+  CHECK(c.free_state_slots() == 2);
+}
+
+TEST_CASE("PagedCache states: a load refused by its checksum or its values makes no state tensor") {
+  Cache a(hybrid_model(), blocks(8));
+  REQUIRE(a.allocate_blocks(1, "r", 0));
+  Eigen::Tensor<float, 3, Eigen::RowMajor> rec(1, 2, 3);
+  for (Eigen::Index i = 0; i < rec.size(); ++i) rec.data()[i] = static_cast<float>(i);
+  (void)a.update_recurrent_state(rec, "r", 0);
+  std::ostringstream os;
+  kvc::save_request(a, "r", os);
+  const std::string bytes = os.str();
+  // The recurrent state's rank and shape: int64s 3, 1, 2, 3.
+  std::string pattern;
+  for (const std::int64_t v : {3, 1, 2, 3}) pattern.append(reinterpret_cast<const char*>(&v), sizeof v);
+  const std::size_t at = bytes.find(pattern);
+  REQUIRE(at != std::string::npos);
+  const auto load_error = [](Cache& into, const std::string& file) {
+    std::istringstream in(file);
+    try {
+      kvc::load_request(into, "q", in);
+    } catch (const kvc::StateError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no exception)");
+  };
+  Cache b(hybrid_model(), blocks(8));
+  std::string swapped = bytes;  // [1, 3, 2]: consistent, but not what was written
+  const std::int64_t three = 3, two = 2;
+  swapped.replace(at + 16, 8, reinterpret_cast<const char*>(&three), 8);
+  swapped.replace(at + 24, 8, reinterpret_cast<const char*>(&two), 8);
+  CHECK(load_error(b, swapped).starts_with("kvc::load: the checksum does not match"));
+  CHECK(b.state_bytes() == 0);
+  CHECK(b.free_state_slots() == b.state_slots());
+  std::string zero = bytes;
+  const std::int64_t none = 0;
+  zero.replace(at + 16, 8, reinterpret_cast<const char*>(&none), 8);
+  CHECK(load_error(b, zero) == "kvc::load: request q: the saved state is inconsistent (a recurrent state's shape)");
+  std::string huge = bytes;
+  const std::int64_t big = std::int64_t{1} << 32;
+  huge.replace(at + 16, 8, reinterpret_cast<const char*>(&big), 8);
+  huge.replace(at + 24, 8, reinterpret_cast<const char*>(&big), 8);
+  CHECK(load_error(b, huge) == "kvc::load: request q: the saved state is inconsistent (a recurrent state's shape)");
+  CHECK(b.state_bytes() == 0);
+  // The intact file loads, and the cache takes the file's shape then.
+  CHECK(load_error(b, bytes) == "(no exception)");
+  CHECK(values_of(b.recurrent_state("q", 0)) == values_of(a.recurrent_state("r", 0)));
+  // With no state slot free the load says so.
+  Cache full(hybrid_model(), blocks(8, 1));
+  REQUIRE(full.allocate_blocks(1, "x", 0));
+  CHECK(load_error(full, bytes) ==
+        "kvc::load: request q: the request needs a state slot for its linear-attention states, and none is free");
+}

@@ -488,8 +488,13 @@ class BlockTables {
         named.push_back(d);
       }
     }
-    const bool slotted = slots_.slots() > 0;  // every destination takes a state slot
-    if (copies > get_num_free_blocks() || (slotted && static_cast<std::int64_t>(named.size()) > slots_.free_slots()))
+    // Each destination of a source holding a state slot takes one (a source given no blocks holds
+    // none, and neither will its copies).
+    std::vector<RequestKey> slotted;
+    if (slots_.slots() > 0)
+      for (const auto& [source, destinations] : forks)
+        if (slots_.slot_of(source) >= 0) slotted.insert(slotted.end(), destinations.begin(), destinations.end());
+    if (copies > get_num_free_blocks() || static_cast<std::int64_t>(slotted.size()) > slots_.free_slots())
       throw ValueError("Failed to fork blocks for request " +
                        (forks.empty() ? std::string() : names_.name(forks.front().first.index)));
     // Every fork of every group is prepared (all the memory it needs), and every destination's
@@ -497,7 +502,7 @@ class BlockTables {
     std::vector<CacheAllocator::PreparedFork> prepared;  // fork-major, then group
     BlockCopies out;
     const std::size_t groups = allocators_.size();
-    std::size_t took = 0;  // named[0, took) took a state slot
+    std::size_t took = 0;  // slotted[0, took) took a state slot
     try {
       prepared.reserve(forks.size() * groups);
       for (const auto& f : forks)  // (no structured binding: clang 14 lambdas cannot capture one)
@@ -505,11 +510,10 @@ class BlockTables {
           prepared.push_back(std::visit([&](auto& al) { return al.prepare_fork(f.first, f.second, manager_); }, a));
       out.source.reserve(static_cast<std::size_t>(copies));
       out.destination.reserve(static_cast<std::size_t>(copies));
-      if (slotted)
-        for (; took < named.size(); ++took) (void)slots_.take(log(), named[took]);
+      for (; took < slotted.size(); ++took) (void)slots_.take(log(), slotted[took]);
     } catch (...) {
       if (!log().active())  // (in a transaction, the rollback gives them back)
-        for (std::size_t i = 0; i < took; ++i) slots_.give_back(log(), named[i]);
+        for (std::size_t i = 0; i < took; ++i) slots_.give_back(log(), slotted[i]);
       for (std::size_t i = 0; i < prepared.size(); ++i)
         std::visit([&](auto& al) { al.abandon_fork(prepared[i], manager_); }, allocators_[i % groups]);
       throw;

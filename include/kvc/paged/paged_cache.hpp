@@ -658,6 +658,9 @@ class PagedCache<S> {
   // tensors are made at the first offload of a request with states); refused while requests are
   // offloaded.
   void reserve_swap_space(std::int64_t num_blocks, std::optional<std::int64_t> state_slots = std::nullopt) {
+    if (in_transaction())
+      throw ValueError(
+          "kvc::PagedCache::reserve_swap_space: not in a transaction (its undo records point into the pool)");
     swap_.reserve(num_blocks, state_slots.value_or(std::min(num_blocks, this->state_slots())));
   }
   // Returns the swap pool's state slots, and how many no offloaded request holds.
@@ -917,18 +920,21 @@ class PagedCache<S> {
     const std::int64_t prev = first ? 0 : k, pad = (first && t < k) ? k - t : 0;
     const std::int64_t width = pad + prev + t;  // at least k
     const std::int64_t out_elems = detail::checked_elements({c, width}, sizeof(T));
-    if (out_conv_.size() < out_elems) {  // the allocations first: nothing observable changes
-      typename S::buffer_type b(out_elems);
-      out_conv_ = std::move(b);
-    }
+    // The allocations first (nothing observable changes): a new output buffer when the old one is
+    // too small or is the input itself (the view the last call returned, handed back).
+    const T* in = x.data();
+    const bool aliased = in >= out_conv_.data() && in < out_conv_.data() + out_conv_.size();
+    typename S::buffer_type fresh;
+    if (aliased || out_conv_.size() < out_elems) fresh = typename S::buffer_type(out_elems);
     states_.shape_conv(at.entry, c, k);
-    T* full = out_conv_.data();
+    T* full = fresh.size() > 0 ? fresh.data() : out_conv_.data();
     T* kept = states_.conv(at.entry, at.slot);
     if (pad > 0) S::zero_2d(full, width, pad, c);
     if (prev > 0) S::copy_2d(full, width, kept, k, k, c);
-    S::copy_2d(full + pad + prev, width, x.data(), t, t, c);
+    S::copy_2d(full + pad + prev, width, in, t, t, c);
     S::copy_2d(kept, k, full + (width - k), width, k, c);  // the last k columns stay
     states_.mark_conv(at.entry, at.slot, at.epoch);
+    if (fresh.size() > 0) out_conv_ = std::move(fresh);
     return S::make_state_view(full, 3, {1, c, width, 0});
   }
 
@@ -998,26 +1004,45 @@ class PagedCache<S> {
     request_rows(ar, blocks);
     request_states(ar, tables_.find_known(request_id));
   }
+
+ private:
+  // A loaded request's linear-attention states, read aside: they go into its slot (and the state
+  // tensors a layer lacks into the cache) only when the load is committed.
+  struct loaded_states {
+    std::int64_t slot = -1;
+    std::uint64_t epoch = 0;
+    std::vector<std::vector<T>> conv, rec;  // per entry; empty: not written
+    std::vector<std::optional<typename paged::StatePools<S>::made_conv>> new_conv;
+    std::vector<std::optional<typename paged::StatePools<S>::made_recurrent>> new_rec;
+  };
+
+ public:
   // Reading allocates the request's blocks (the cache must not hold it) and fills them; the
-  // returned object's commit() keeps them, and dropping it without a commit frees them again.
+  // returned object's commit() keeps them (and puts the request's states in place), and dropping
+  // it without a commit frees them again.
   class loaded_request {
    public:
     // The load of request `id` into `target`, whose blocks it frees unless committed (null: none).
     loaded_request(PagedCache* target, std::string id) : target_(target), id_(std::move(id)) {}
     // Takes over the other object's load; the other frees nothing.
-    loaded_request(loaded_request&& o) noexcept : target_(std::exchange(o.target_, nullptr)), id_(std::move(o.id_)) {}
+    loaded_request(loaded_request&& o) noexcept
+        : target_(std::exchange(o.target_, nullptr)), id_(std::move(o.id_)), states_(std::move(o.states_)) {}
     loaded_request& operator=(loaded_request&&) = delete;
     // Frees the request's blocks unless commit() was called.
     ~loaded_request() {
       if (target_) target_->free_blocks(id_);
     }
-    // Keeps the loaded request's blocks.
-    void commit() noexcept { target_ = nullptr; }
+    // Keeps the loaded request's blocks and puts its states in place.
+    void commit() noexcept {
+      if (target_) target_->install_states(states_);
+      target_ = nullptr;
+    }
 
    private:
     friend class PagedCache;
     PagedCache* target_;
     std::string id_;
+    loaded_states states_;
   };
   // Reads a request saved by the overload above into the cache (kvc::load_request): allocates and
   // fills its blocks and returns the load, which commit() keeps. kvc::StateError when the cache
@@ -1041,6 +1066,8 @@ class PagedCache<S> {
                "the request's blocks");
     loaded_request out(nullptr, request_id);
     if (most > 0) {
+      if (state_slots() > 0 && free_state_slots() == 0)
+        ar.fail("the request needs a state slot for its linear-attention states, and none is free");
       if (!allocate_blocks(most, request_id, 0))
         ar.fail("the request needs " + std::to_string(total) + " free blocks and the cache has " +
                 std::to_string(get_num_free_blocks()));
@@ -1051,7 +1078,7 @@ class PagedCache<S> {
     if (got != counts) ar.fail("the cache's groups would give the request other block counts than the file's");
     request_rows(ar, blocks);
     if (const auto k = tables_.find(request_id))
-      load_states(ar, *k);
+      load_states(ar, *k, out.states_);
     else
       ar.check(ar.size("whether the request holds states") == 0, "states for a request without blocks");
     return out;
@@ -1144,42 +1171,43 @@ class PagedCache<S> {
       }
     }
   }
-  // Reads what request_states wrote into the request's (new) state slot. The states are read
-  // aside and the state tensors a layer still lacks made before any goes in place, so a failure
-  // leaves the cache's tensors as they were (the request's blocks and slot are the load's to give
-  // back).
+  // Reads what request_states wrote for the request (whose new state slot is k's) into `out`: the
+  // states and the state tensors a layer still lacks, made aside; install_states puts them in
+  // place when the load is committed, so a refused file leaves the cache's tensors as they were.
   template <class A>
     requires A::loading
-  void load_states(A& ar, paged::RequestKey k) {
+  void load_states(A& ar, paged::RequestKey k, loaded_states& out) const {
     const std::int64_t slot = tables_.state_slots().slot_of(k);
     const std::int64_t held = ar.size("whether the request holds states");
     ar.check(held <= 1 && (held == 1) == (slot >= 0), "states for a request without a state slot, or none for one");
     if (held == 0) return;
     const auto n = static_cast<std::size_t>(states_.entries());
-    std::vector<std::vector<T>> conv(n), rec(n);
-    std::vector<std::optional<typename paged::StatePools<S>::made_conv>> new_conv(n);
-    std::vector<std::optional<typename paged::StatePools<S>::made_recurrent>> new_rec(n);
-    std::vector<char> has_conv(n, 0), has_rec(n, 0);
+    out.slot = slot;
+    out.epoch = tables_.state_slots().epoch(slot);
+    out.conv.assign(n, {});
+    out.rec.assign(n, {});
+    out.new_conv.assign(n, std::nullopt);
+    out.new_rec.assign(n, std::nullopt);
     for (std::size_t e = 0; e < n; ++e) {
       const auto& x = states_.at(static_cast<std::int64_t>(e));
-      const std::string what = "state " + std::to_string(static_cast<std::int64_t>(e) % states_per_layer_) +
-                               " of layer " +
-                               std::to_string(groups_.state_layers[e / static_cast<std::size_t>(states_per_layer_)]);
+      const auto what = [&] {
+        return "state " + std::to_string(static_cast<std::int64_t>(e) % states_per_layer_) + " of layer " +
+               std::to_string(groups_.state_layers[e / static_cast<std::size_t>(states_per_layer_)]);
+      };
       const std::int64_t c = ar.size("whether a conv state is written");
       ar.check(c <= 1, "a conv state's flag");
       if (c == 1) {
         const std::int64_t channels = ar.size("a conv state's channels"), kernel = ar.size("a conv state's kernel");
         ar.check(channels > 0 && kernel > 0, "a conv state of no columns");
         if (x.channels > 0 && (x.channels != channels || x.kernel != kernel))
-          ar.fail(what + " holds conv states of " + std::to_string(channels) + " channels and kernel " +
+          ar.fail(what() + " holds conv states of " + std::to_string(channels) + " channels and kernel " +
                   std::to_string(kernel) + " in the file, and of " + std::to_string(x.channels) +
                   " channels and kernel " + std::to_string(x.kernel) + " in the cache");
         const std::int64_t elems = detail::checked_elements({channels, kernel}, sizeof(T));
         ar.reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "a conv state");
-        conv[e].resize(static_cast<std::size_t>(elems));
-        ar.raw(conv[e].data(), conv[e].size() * sizeof(T));
-        if (x.channels == 0) new_conv[e] = states_.make_conv(channels, kernel);
-        has_conv[e] = 1;
+        out.conv[e].resize(static_cast<std::size_t>(elems));
+        ar.raw(out.conv[e].data(), out.conv[e].size() * sizeof(T));
+        if (x.channels == 0) out.new_conv[e] = states_.make_conv(channels, kernel);
       }
       const std::int64_t r = ar.size("whether a recurrent state is written");
       ar.check(r <= 1, "a recurrent state's flag");
@@ -1187,38 +1215,44 @@ class PagedCache<S> {
         const std::int64_t rank = ar.size("a recurrent state's rank");
         ar.check(rank >= 1 && rank <= 4, "a recurrent state's rank");
         std::array<std::int64_t, 4> shape{};
-        for (std::int64_t i = 0; i < rank; ++i)
-          shape[static_cast<std::size_t>(i)] = ar.size("a recurrent state's shape");
-        ar.check(shape[0] == 1, "a request's recurrent state of a batch other than 1");
-        if (x.rank > 0 && !same_shape(x.rank, x.shape, S::make_state_view(nullptr, static_cast<int>(rank), shape)))
-          ar.fail(what + " holds recurrent states of shape " +
-                  shape_string(S::make_state_view(nullptr, static_cast<int>(rank), shape)) + " in the file, and " +
-                  shape_string(S::make_state_view(nullptr, x.rank, x.shape)) + " in the cache");
         std::int64_t elems = 1;
-        for (std::int64_t i = 0; i < rank; ++i) elems *= shape[static_cast<std::size_t>(i)];
+        for (std::int64_t i = 0; i < rank; ++i) {
+          std::int64_t& d = shape[static_cast<std::size_t>(i)];
+          d = ar.size("a recurrent state's shape");
+          ar.check(d >= 1 && detail::mul_fits(elems, d, elems), "a recurrent state's shape");
+        }
+        ar.check(shape[0] == 1, "a request's recurrent state of a batch other than 1");
+        const auto file_shape = S::make_state_view(nullptr, static_cast<int>(rank), shape);
+        if (x.rank > 0 && !same_shape(x.rank, x.shape, file_shape))
+          ar.fail(what() + " holds recurrent states of shape " + shape_string(file_shape) + " in the file, and " +
+                  shape_string(S::make_state_view(nullptr, x.rank, x.shape)) + " in the cache");
         elems = detail::checked_elements({elems}, sizeof(T));
         ar.reserve(static_cast<std::uint64_t>(elems) * sizeof(T), "a recurrent state");
-        rec[e].resize(static_cast<std::size_t>(elems));
-        ar.raw(rec[e].data(), rec[e].size() * sizeof(T));
-        if (x.rank == 0) new_rec[e] = states_.make_recurrent(static_cast<int>(rank), shape);
-        has_rec[e] = 1;
-      }
-    }
-    const std::uint64_t epoch = tables_.state_slots().epoch(slot);
-    for (std::size_t e = 0; e < n; ++e) {  // cannot fail
-      const auto i = static_cast<std::int64_t>(e);
-      if (new_conv[e]) states_.install(i, std::move(*new_conv[e]));
-      if (new_rec[e]) states_.install(i, std::move(*new_rec[e]));
-      if (has_conv[e]) {
-        std::copy(conv[e].begin(), conv[e].end(), states_.conv(i, slot));
-        states_.mark_conv(i, slot, epoch);
-      }
-      if (has_rec[e]) {
-        std::copy(rec[e].begin(), rec[e].end(), states_.recurrent(i, slot));
-        states_.mark_recurrent(i, slot, epoch);
+        out.rec[e].resize(static_cast<std::size_t>(elems));
+        ar.raw(out.rec[e].data(), out.rec[e].size() * sizeof(T));
+        if (x.rank == 0) out.new_rec[e] = states_.make_recurrent(static_cast<int>(rank), shape);
       }
     }
   }
+  // Puts a committed load's states in place: the tensors made for it (where the cache has made
+  // none since), then the states into the request's slot, marked written.
+  void install_states(loaded_states& in) noexcept {
+    if (in.slot < 0) return;
+    for (std::size_t e = 0; e < in.conv.size(); ++e) {
+      const auto i = static_cast<std::int64_t>(e);
+      if (in.new_conv[e] && states_.at(i).channels == 0) states_.install(i, std::move(*in.new_conv[e]));
+      if (in.new_rec[e] && states_.at(i).rank == 0) states_.install(i, std::move(*in.new_rec[e]));
+      if (!in.conv[e].empty() && states_.at(i).conv_size() == static_cast<std::int64_t>(in.conv[e].size())) {
+        std::copy(in.conv[e].begin(), in.conv[e].end(), states_.conv(i, in.slot));
+        states_.mark_conv(i, in.slot, in.epoch);
+      }
+      if (!in.rec[e].empty() && states_.at(i).recurrent_size == static_cast<std::int64_t>(in.rec[e].size())) {
+        std::copy(in.rec[e].begin(), in.rec[e].end(), states_.recurrent(i, in.slot));
+        states_.mark_recurrent(i, in.slot, in.epoch);
+      }
+    }
+  }
+
   // Every block's rows, pool after pool (K then V), each block head after head: written from the
   // pools, or read into them.
   template <class A>
@@ -1472,6 +1506,10 @@ class PagedCache<S> {
     bool from_swap = false, to_swap = false;
   };
   void copy_states_now(const state_copy& c) noexcept {
+    // A destination taken again since the copy was queued (in the same transaction) holds another
+    // request's states now: the copy is moot, and must not overwrite them.
+    const paged::StateSlots& to = c.to_swap ? swap_.state_slots() : tables_.state_slots();
+    if (to.epoch(c.b) != c.eb) return;
     paged::StatePools<S>::copy_slot(c.from_swap ? swap_.states() : states_, c.a, c.ea,
                                     c.to_swap ? swap_.states() : states_, c.b, c.eb);
   }

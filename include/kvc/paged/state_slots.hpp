@@ -55,11 +55,13 @@ class StateSlots {
   // a new epoch. Strong guarantee; returns the slot.
   std::int64_t take(UndoLog& log, RequestKey request) {
     free_.keep(log);
-    log.room(1, insert_undo_bytes);
+    log.room(2, insert_undo_bytes + 2 * sizeof(void*) + sizeof(std::uint64_t));  // the insertion and the epoch
     auto [it, inserted] = held_.emplace(request.index, -1);
     undo_insert(log, held_, *it);
-    it->second = free_.take_one(log);                              // cannot fail: kept
-    epoch_[static_cast<std::size_t>(it->second)] = next_epoch_++;  // (a rolled-back taking wastes one)
+    it->second = free_.take_one(log);  // cannot fail: kept
+    // The epoch's undo brings back the last holder's, for a slot given back and taken again in one
+    // transaction; the counter is never undone, so no epoch is used twice.
+    log.set(epoch_[static_cast<std::size_t>(it->second)], next_epoch_++);
     return it->second;
   }
   // The request's slot, if it holds one, is free again. Outside a transaction it allocates
@@ -109,8 +111,9 @@ class StatePools {
   StatePools(std::int64_t entries, std::int64_t slots)
       : entries_(static_cast<std::size_t>(entries)),
         slots_(slots),
-        conv_marks_(static_cast<std::size_t>(entries * slots), 0),
-        recurrent_marks_(static_cast<std::size_t>(entries * slots), 0) {}
+        conv_marks_(static_cast<std::size_t>(kvc::detail::checked_elements({entries, slots}, sizeof(std::uint64_t))),
+                    0),
+        recurrent_marks_(conv_marks_.size(), 0) {}
 
   // Returns the number of (layer, state index) entries.
   std::int64_t entries() const noexcept { return static_cast<std::int64_t>(entries_.size()); }
@@ -187,7 +190,9 @@ class StatePools {
   // Makes a zeroed recurrent tensor of every slot for states of `shape` (rank `rank`).
   made_recurrent make_recurrent(int rank, const std::array<std::int64_t, 4>& shape) const {
     std::int64_t per = 1;
-    for (int r = 0; r < rank; ++r) per *= shape[static_cast<std::size_t>(r)];
+    for (int r = 0; r < rank; ++r)
+      if (!kvc::detail::mul_fits(per, shape[static_cast<std::size_t>(r)], per))
+        throw ValueError("kvc::PagedCache: a recurrent state's elements overflow");
     return {zeroed(kvc::detail::checked_elements({slots_, per}, sizeof(T))), rank, shape, per};
   }
   // Puts a made conv tensor in place as entry e's.
