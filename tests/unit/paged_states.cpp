@@ -685,3 +685,32 @@ TEST_CASE("PagedCache states: a load refused by its checksum or its values makes
   CHECK(load_error(full, bytes) ==
         "kvc::load: request q: the request needs a state slot for its linear-attention states, and none is free");
 }
+
+TEST_CASE("PagedCache states: write_all_layers writes the attention layers and skips those with states only") {
+  Cache c(hybrid_model(), blocks(8));
+  REQUIRE(c.allocate_blocks(1, "r", 0));
+  kvc::PagedIndices reads(1), writes(1);
+  c.extend_read_and_write_indices("r", 0, 2, nullptr, writes);
+  std::mt19937 rng(11);
+  std::vector<kvc::HostTensor<float>> k, v;
+  for (int l = 0; l < 4; ++l) {
+    k.push_back(kvc_test::random_tensor<float>(1, 2, 2, 3, rng));
+    v.push_back(kvc_test::random_tensor<float>(1, 2, 2, 3, rng));
+  }
+  std::vector<kvc::TensorView<float>> kv, vv;
+  for (int l = 0; l < 4; ++l) {
+    kv.push_back(Host::input_view(k[static_cast<std::size_t>(l)]));
+    vv.push_back(Host::input_view(v[static_cast<std::size_t>(l)]));
+  }
+  c.write_all_layers(kv, vv, writes);
+  for (const std::int64_t layer : {1, 2}) {  // the attention layers: their rows hold their tokens
+    std::vector<float> got_k(12), got_v(12);
+    c.read_rows(layer, writes[0], got_k.data(), got_v.data());
+    const auto& want = k[static_cast<std::size_t>(layer)];
+    CHECK(got_k == std::vector<float>(want.data(), want.data() + 12));
+  }
+  CHECK_THROWS_WITH_AS(c.write_all_layers(std::span(kv).first(3), std::span(vv).first(3), writes),
+                       "kvc::PagedCache::write_all_layers: 3 keys and 3 values for 4 layers, and 1 write lists for "
+                       "1 layer groups",
+                       kvc::ValueError);
+}

@@ -295,9 +295,7 @@ class PagedCache<S> {
   // (group, index in group) of a layer; kvc::IndexError for a layer out of range, kvc::ValueError
   // for one with linear-attention states only (it has no keys and values).
   std::pair<std::int64_t, std::int64_t> layer_group(std::int64_t layer_idx) const {
-    for (std::size_t g = 0; g < groups_.groups.size(); ++g)
-      for (std::size_t j = 0; j < groups_.groups[g].size(); ++j)
-        if (groups_.groups[g][j] == layer_idx) return {static_cast<std::int64_t>(g), static_cast<std::int64_t>(j)};
+    if (const auto at = find_group(layer_idx)) return *at;
     check_layer(layer_idx);
     throw ValueError("kvc::PagedCache: layer " + std::to_string(layer_idx) +
                      " keeps linear-attention states only: it has no keys and values");
@@ -784,9 +782,9 @@ class PagedCache<S> {
     std::vector<detail::scatter_job<T>> jobs;
     jobs.reserve(2 * layers);
     for (std::size_t l = 0; l < layers; ++l) {
-      if (!has_keys(static_cast<std::int64_t>(l))) continue;
-      const auto at = layer_group(static_cast<std::int64_t>(l));
-      const step s = check_step(keys[l], values[l], at, {}, write_index[static_cast<std::size_t>(at.first)]);
+      const auto at = find_group(static_cast<std::int64_t>(l));
+      if (!at) continue;  // (in range: a layer with states only)
+      const step s = check_step(keys[l], values[l], *at, {}, write_index[static_cast<std::size_t>(at->first)]);
       const std::size_t n = write_index[s.group].size();
       jobs.push_back(pages_.key_job(s.pool, keys[l], first[s.group], n));
       jobs.push_back(pages_.value_job(s.pool, values[l], first[s.group], n));
@@ -1348,11 +1346,12 @@ class PagedCache<S> {
       throw IndexError("kvc::PagedCache: layer " + std::to_string(layer_idx) + " is out of range for " +
                        std::to_string(num_layers()) + " layers");
   }
-  // Whether layer l (in range) has keys and values: it is in a group.
-  bool has_keys(std::int64_t l) const {
-    for (const auto& g : groups_.groups)
-      if (std::find(g.begin(), g.end(), l) != g.end()) return true;
-    return false;
+  // (group, index in group) of layer l, nullopt when it is in no group.
+  std::optional<std::pair<std::int64_t, std::int64_t>> find_group(std::int64_t l) const noexcept {
+    for (std::size_t g = 0; g < groups_.groups.size(); ++g)
+      for (std::size_t j = 0; j < groups_.groups[g].size(); ++j)
+        if (groups_.groups[g][j] == l) return std::pair{static_cast<std::int64_t>(g), static_cast<std::int64_t>(j)};
+    return std::nullopt;
   }
   static bool same_shape(int rank, const std::array<std::int64_t, 4>& shape, const typename S::state_view_type& x) {
     if (x.rank != rank) return false;
