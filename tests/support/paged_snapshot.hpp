@@ -20,7 +20,7 @@ struct paged_snapshot {
   std::vector<float> keys, values;
   std::vector<bool> offloaded;      // is_offloaded of each request named
   std::vector<std::string> blocks;  // each block's repr and ref count, and whether its hash is registered
-  std::int64_t free_state_slots = 0, free_swap_state_slots = 0;
+  std::int64_t free_state_slots = 0, free_swap_state_slots = 0, state_snapshots = 0;
   std::vector<std::vector<float>> states;  // per request named: its slot, then each state and its flag
   bool operator==(const paged_snapshot&) const = default;
 };
@@ -49,6 +49,7 @@ paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string
   for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
   s.free_state_slots = c.free_state_slots();
   s.free_swap_state_slots = c.free_swap_state_slots();
+  if constexpr (requires { c.num_state_snapshots(); }) s.state_snapshots = c.num_state_snapshots();
   for (const std::string& r : requests) {
     const std::int64_t slot = c.state_slot(r);
     s.states.push_back({static_cast<float>(slot)});

@@ -62,6 +62,7 @@ class source {
 
 struct counts {
   std::int64_t operations = 0, steps = 0, refusals = 0, rows_checked = 0, finished = 0;
+  std::int64_t state_prefix_hits = 0;  // prompt tokens a hybrid model resumed from state snapshots
 };
 
 class run {
@@ -71,7 +72,9 @@ class run {
         {"full_attention", "full_attention"},
         {"full_attention", "sliding_attention"},
         {"sliding_attention", "sliding_attention"},
-        {"sliding_attention", "full_attention", "full_attention"}};
+        {"sliding_attention", "full_attention", "full_attention"},
+        {"linear_attention", "full_attention", "full_attention"},  // prefix sharing through state snapshots
+        {"full_attention", "linear_attention", "sliding_attention"}};
     types_ = layouts[static_cast<std::size_t>(src_.pick(std::ssize(layouts)))];
     kvc::ContinuousBatchingConfig cb;
     cb.block_size = 4;
@@ -79,6 +82,8 @@ class run {
     cb.max_batch_tokens = 1 + src_.pick(24);
     cb.allow_block_sharing = src_.pick(2) == 0;
     cb.scheduler_type = src_.pick(2) == 0 ? "fifo" : "prefill_first";
+    cb.state_snapshot_interval = 4 * src_.pick(3);  // (a model with states only)
+    cb.max_state_snapshots = 1 + src_.pick(4);
     cache_.emplace(kvc_toy::model(types_, 5 + src_.pick(6)), cb);
     if (const std::int64_t swap = src_.pick(10); swap > 0) cache_->reserve_swap_space(swap);
     if (*cb.num_blocks % 2 == 1) {  // half the runs serve from a copy (its scratch memory starts empty)
@@ -112,6 +117,7 @@ class run {
       operation();
     }
     finish();
+    if (cache_->state_snapshot_interval() > 0) c_.state_prefix_hits += sched_->stats().prefix_hit_tokens;
     return c_;
   }
 
@@ -544,6 +550,8 @@ class run {
       const std::string wrong =
           kvc_toy::wrong_row(*cache_, id, st.tokens, st.position_offset, layers(), &c_.rows_checked);
       if (!wrong.empty()) fail("request " + id + " " + wrong + " holds another row" + where);
+      const std::string state = kvc_toy::wrong_state(*cache_, id, st.tokens, st.position_offset);
+      if (!state.empty()) fail("request " + id + " " + state + " is not its tokens'" + where);
     }
   }
 

@@ -3,9 +3,14 @@
 // scheduler runs of tests/support/scheduler_model.hpp): the key and value at position p of a
 // sequence are a function of its tokens 0..p (identical prefixes give identical rows, as a real
 // model's would, so prefix sharing and forks are exact), and its next token is a function of every
-// token so far. No doctest here: the fuzz target includes it too.
+// token so far. A layer with linear-attention states runs one token at a time: its conv state
+// keeps the last conv_kernel columns (token, layer), and its recurrent state [1, 2] is folded from
+// the one before and the token, so that a state resumed from the wrong place shows in every later
+// one. No doctest here: the fuzz target includes it too.
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -53,6 +58,41 @@ inline std::int64_t next_token(std::span<const std::int64_t> tokens) {
   return static_cast<std::int64_t>(mix(prefix_hash(tokens), 99) % VOCAB);
 }
 
+inline constexpr std::int64_t conv_kernel = 3;
+// The recurrent state after `token` from state (r0, r1), in a layer: exact in float.
+inline std::array<float, 2> fold(std::array<float, 2> r, std::int64_t token, std::int64_t layer) {
+  const float r0 = std::fmod(r[0] * 3.0f + static_cast<float>(token + 1), 4093.0f);
+  return {r0, std::fmod(r[1] + r0 + static_cast<float>(layer), 4093.0f)};
+}
+// Whether the layer has keys and values (else it has linear-attention states only).
+inline bool has_kv(const Cache& cache, std::int64_t layer) {
+  for (const auto& g : cache.layer_groups().groups)
+    if (std::find(g.begin(), g.end(), layer) != g.end()) return true;
+  return false;
+}
+
+// A layer with states over the batch: each request's tokens, one at a time, through its states.
+inline void write_states(Cache& cache, const kvc::ScheduledBatch& batch, std::int64_t layer) {
+  Eigen::Tensor<float, 3, Eigen::RowMajor> column(1, 2, 1);
+  Eigen::Tensor<float, 2, Eigen::RowMajor> state(1, 2);
+  for (std::size_t r = 0; r < batch.requests.size(); ++r) {
+    const kvc::paged::RequestKey key = batch.request_keys[r];
+    for (std::int64_t t = batch.cu_seqlens_q[r]; t < batch.cu_seqlens_q[r + 1]; ++t) {
+      const std::int64_t token = batch.input_ids[static_cast<std::size_t>(t)];
+      const auto held = cache.recurrent_state(key, layer);
+      std::array<float, 2> now{0.0f, 0.0f};
+      if (held.rank > 0) now = {held.data()[0], held.data()[1]};
+      column(0, 0, 0) = static_cast<float>(token);
+      column(0, 1, 0) = static_cast<float>(layer);
+      (void)cache.update_conv_state(column, key, layer, 0, conv_kernel);
+      now = fold(now, token, layer);
+      state(0, 0) = now[0];
+      state(0, 1) = now[1];
+      (void)cache.update_recurrent_state(state, key, layer);
+    }
+  }
+}
+
 // The pool row of a request's position in a group: a full group's block table, or a sliding
 // group's ring slot.
 inline std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::string& id, std::int64_t pos) {
@@ -67,6 +107,9 @@ inline std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::
 inline void write_batch(Cache& cache, const Scheduler& s, const kvc::ScheduledBatch& batch, std::int64_t layers) {
   const std::int64_t T = batch.num_tokens();
   for (std::int64_t layer = 0; layer < layers; ++layer) {
+    if (std::find(cache.state_layers().begin(), cache.state_layers().end(), layer) != cache.state_layers().end())
+      write_states(cache, batch, layer);
+    if (!has_kv(cache, layer)) continue;
     kvc::HostTensor<float> k(1, KVH, T, D), v(1, KVH, T, D);
     for (std::size_t r = 0; r < batch.requests.size(); ++r) {
       const auto& tokens = s.request(batch.request_ids[r]).tokens;
@@ -104,6 +147,7 @@ inline std::string wrong_row(const Cache& cache, const std::string& id, const st
                              std::int64_t end, std::int64_t layers, std::int64_t* count = nullptr) {
   const std::int64_t rows = (cache.num_blocks() + 2) * cache.block_size();
   for (std::int64_t layer = 0; layer < layers; ++layer) {
+    if (!has_kv(cache, layer)) continue;
     const auto [g, j] = cache.layer_group(layer);
     const bool sliding = cache.is_sliding_group(g);
     const std::int64_t from = sliding ? std::max<std::int64_t>(end - cache.sliding_window(), 0) : 0;
@@ -119,6 +163,28 @@ inline std::string wrong_row(const Cache& cache, const std::string& id, const st
         }
       if (count) ++*count;
     }
+  }
+  return {};
+}
+
+// The first layer whose states (conv window, recurrent state) are not those of the request's
+// tokens [0, end), as "layer L state"; empty when every state is right (or the model has none).
+inline std::string wrong_state(const Cache& cache, const std::string& id, const std::vector<std::int64_t>& tokens,
+                               std::int64_t end) {
+  for (const std::int64_t layer : cache.state_layers()) {
+    std::array<float, 2> want{0.0f, 0.0f};
+    for (std::int64_t p = 0; p < end; ++p) want = fold(want, tokens[static_cast<std::size_t>(p)], layer);
+    const auto r = cache.recurrent_state(id, layer);
+    const auto c = cache.conv_state(id, layer);
+    bool ok = r.rank > 0 && r.size() == 2 && r.data()[0] == want[0] && r.data()[1] == want[1] && c.rank == 3 &&
+              c.extent(1) == 2 && c.extent(2) == conv_kernel;
+    for (std::int64_t j = 0; ok && j < conv_kernel; ++j) {
+      const std::int64_t p = end - conv_kernel + j;
+      const float token = p < 0 ? 0.0f : static_cast<float>(tokens[static_cast<std::size_t>(p)]);
+      const float tag = p < 0 ? 0.0f : static_cast<float>(layer);
+      ok = c.data()[j] == token && c.data()[conv_kernel + j] == tag;
+    }
+    if (!ok) return "layer " + std::to_string(layer) + " state";
   }
   return {};
 }

@@ -405,6 +405,8 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
   const auto make = [] {
     kvc::ContinuousBatchingConfig cb = paged_blocks(12);
     cb.max_state_slots = 4;
+    cb.state_snapshot_interval = 4;  // prefix matches through state snapshots
+    cb.max_state_snapshots = 2;
     C r{kvc::PagedCache<Host>(paged_model({"full_attention", "hybrid", "linear_attention"}), cb), {}, {}};
     r.cache.reserve_swap_space(6);
     return r;
@@ -433,6 +435,22 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
   s.ops.push_back({"allocate a", [](C& r) { (void)r.cache.allocate_blocks(2, "a", 0); }});
   add_paged_step(s.ops, "a", 0, 7, false);
   states("a", 7, 1);
+  // a's first block complete, its states kept after it; p resumes there, in a transaction or not.
+  static const std::vector<std::int64_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  s.ops.push_back(
+      {"complete a's first block", [](C& r) { r.cache.mark_shareable_blocks_as_complete("a", 1, prompt); }});
+  s.ops.push_back({"snapshot a", [](C& r) { (void)r.cache.save_state_snapshot("a", std::span(prompt).first(4)); }});
+  s.ops.push_back({"match p", [](C& r) {
+                     const kvc::PagedPrefixMatch m = r.cache.match_prefix("p", prompt);
+                     CHECK(m.tokens == 4);  // (when the call succeeds: the sweep covers a real match)
+                   }});
+  s.ops.push_back({"free p", [](C& r) { r.cache.free_blocks("p"); }});
+  s.ops.push_back({"match p in a transaction", [](C& r) {
+                     const kvc::PagedPrefixMatch m =
+                         r.cache.transaction([&] { return r.cache.match_prefix("p", prompt); });
+                     CHECK(m.tokens == 4);
+                   }});
+  s.ops.push_back({"free p again", [](C& r) { r.cache.free_blocks("p"); }});
   s.ops.push_back({"allocate c and d together", [](C& r) {
                      const std::vector<std::string> both = {"c", "d"};
                      (void)r.cache.allocate_blocks(1, both);
@@ -487,7 +505,7 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
       },
       [](const std::string&) { return true; },
       [](C& r) {
-        return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "c", "d", "e", "x", "y", "k"}),
+        return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "c", "d", "e", "x", "y", "k", "p"}),
                          std::pair{r.reads, r.writes}};
       });
 }

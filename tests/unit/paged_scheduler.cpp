@@ -710,3 +710,55 @@ TEST_CASE("ContinuousBatchingScheduler: request handles") {
     (void)scheduler.take_finished();
   }
 }
+
+TEST_CASE("scheduler: a hybrid model's prompts resume from state snapshots, reported per request") {
+  // Linear-attention and full layers; snapshots every 8 tokens (two blocks).
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 16;
+  cb.max_batch_tokens = 10;
+  cb.state_snapshot_interval = 8;
+  Cache cache(model({"linear_attention", "full_attention"}), cb);
+  Scheduler s(cache, cb);
+  std::vector<std::int64_t> prompt_a;
+  for (std::int64_t t = 0; t < 13; ++t) prompt_a.push_back(t + 1);
+  kvc::GenerationRequest a;
+  a.request_id = "a";
+  a.prompt = prompt_a;
+  a.max_new_tokens = 3;
+  (void)s.add_request(a);
+  // a's first chunk ends at the boundary 8, not at the budget's 10; its states there are kept.
+  auto batch = s.schedule();
+  REQUIRE(batch);
+  CHECK(batch->requests[0].query_length == 8);
+  kvc_toy::write_batch(cache, s, *batch, 2);
+  s.update(*batch, kvc_toy::next_tokens(s, *batch));
+  CHECK(cache.num_state_snapshots() == 1);
+  CHECK(s.request("a").prefix_match.tokens == 0);
+  // b shares a's first 11 tokens: it resumes from 8, with a's states there.
+  kvc::GenerationRequest b = a;
+  b.request_id = "b";
+  b.prompt.resize(11);
+  b.prompt.insert(b.prompt.end(), {30, 31, 32});
+  (void)s.add_request(b);
+  std::vector<kvc::RequestState> done;
+  while (auto next = s.schedule()) {
+    kvc_toy::write_batch(cache, s, *next, 2);
+    s.update(*next, kvc_toy::next_tokens(s, *next));
+    for (const std::string id : {"a", "b"}) {
+      if (std::any_of(done.begin(), done.end(), [&](const auto& d) { return d.request_id == id; })) continue;
+      if (!s.request(id).is_active()) continue;
+      const kvc::RequestState& st = s.request(id);
+      CHECK(kvc_toy::wrong_row(cache, id, st.tokens, st.position_offset, 2) == "");
+      CHECK(kvc_toy::wrong_state(cache, id, st.tokens, st.position_offset) == "");
+    }
+    for (auto& st : s.take_finished()) done.push_back(std::move(st));
+  }
+  REQUIRE(done.size() == 2);
+  const kvc::RequestState& got = done[0].request_id == "b" ? done[0] : done[1];
+  CHECK(got.prefix_match.attention_tokens == 8);
+  CHECK(got.prefix_match.state_tokens == 8);
+  CHECK(got.prefix_match.tokens == 8);
+  CHECK(s.stats().prefix_hit_tokens == 8);
+  CHECK(std::vector<std::int64_t>(got.generated().begin(), got.generated().end()) == alone(b.prompt, 3, std::nullopt));
+}

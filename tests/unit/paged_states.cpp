@@ -573,9 +573,10 @@ TEST_CASE("PagedCache states: the memory planner sets the state slots' bytes asi
   CHECK(Cache(plain, cb, budget).num_blocks() == Cache(plain, cb, less).num_blocks());
   // More than the budget: transformers' MemoryError type, kvc's message.
   budget.state_bytes_per_request = std::int64_t{1} << 20;
-  CHECK_THROWS_WITH_AS(Cache(hybrid_model(), cb, budget),
-                       "kvc::PagedCache: the state slots need 8 x 1048576 bytes, more than the 4194304 available",
-                       kvc::MemoryError);
+  CHECK_THROWS_WITH_AS(
+      Cache(hybrid_model(), cb, budget),
+      "kvc::PagedCache: the state slots and snapshots need 8 x 1048576 bytes, more than the 4194304 available",
+      kvc::MemoryError);
 }
 
 TEST_CASE("PagedCache states: a slot given back and taken again in one transaction, rolled back or committed") {
@@ -713,4 +714,212 @@ TEST_CASE("PagedCache states: write_all_layers writes the attention layers and s
                        "kvc::PagedCache::write_all_layers: 3 keys and 3 values for 4 layers, and 1 write lists for "
                        "1 layer groups",
                        kvc::ValueError);
+}
+
+namespace {
+
+kvc::ContinuousBatchingConfig snapshotting(std::int64_t num_blocks, std::int64_t slots, std::int64_t every,
+                                           std::optional<std::int64_t> kept = std::nullopt) {
+  kvc::ContinuousBatchingConfig c = blocks(num_blocks, slots);
+  c.state_snapshot_interval = every;
+  c.max_state_snapshots = kept;
+  return c;
+}
+// Runs tokens [from, to) of `prompt` for request `id` as a step would: blocks for them, new conv
+// columns and a new recurrent state in every state of every layer with states (drawn from `seed`),
+// and the blocks they complete hashed.
+void run_tokens(Cache& c, const std::string& id, const ids& prompt, std::int64_t from, std::int64_t to, unsigned seed) {
+  const std::int64_t bs = c.block_size();
+  const std::int64_t held = (from + bs - 1) / bs, need = (to + bs - 1) / bs;
+  REQUIRE(c.allocate_blocks(need - held, id, held));
+  unsigned k = seed;
+  for (const std::int64_t l : state_layers)
+    for (std::int64_t s = 0; s < c.states_per_layer(); ++s) {
+      (void)c.update_conv_state(random_conv(1, 3, to - from, ++k), id, l, s, 3);
+      (void)c.update_recurrent_state(random_conv(1, 2, 2, ++k), id, l, s);
+    }
+  c.mark_shareable_blocks_as_complete(id, to / bs - from / bs, prompt);
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache states: snapshots at block boundaries let a later prompt resume there") {
+  Cache c(hybrid_model(1), snapshotting(40, 4, 8, 3));
+  REQUIRE(c.use_prefix_sharing());
+  CHECK(c.state_snapshot_interval() == 8);
+  CHECK(c.max_state_snapshots() == 3);
+  ids prompt(21);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int64_t>(100 + i);
+  // Request a runs its prompt in chunks that end on the boundaries 8 and 16; the states after
+  // each boundary are kept.
+  std::map<std::int64_t, std::vector<std::vector<float>>> after;
+  CHECK(c.match_prefix("a", prompt).tokens == 0);  // nothing cached yet: no blocks, no slot
+  CHECK(c.state_slot("a") == -1);
+  std::int64_t at = 0;
+  for (const std::int64_t end : {8, 16, 21}) {
+    run_tokens(c, "a", prompt, at, end, static_cast<unsigned>(end));
+    CHECK(c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + end)) == (end % 8 == 0));
+    after[end] = states_of(c, "a");
+    at = end;
+  }
+  CHECK(c.num_state_snapshots() == 2);
+  CHECK(c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + 16)));  // already held
+  CHECK(c.num_state_snapshots() == 2);
+
+  // b shares 18 tokens: its blocks 0..3 are cached, and the states after 16 tokens.
+  ids b(prompt.begin(), prompt.begin() + 18);
+  b.insert(b.end(), {7, 7, 7, 7, 7, 7, 7});
+  const kvc::PagedPrefixMatch mb = c.match_prefix("b", b);
+  CHECK(mb.attention_tokens == 16);
+  CHECK(mb.state_tokens == 16);
+  CHECK(mb.tokens == 16);
+  CHECK(c.block_table(0, "b") ==
+        std::vector<std::int64_t>(c.block_table(0, "a").begin(), c.block_table(0, "a").begin() + 4));
+  CHECK(states_of(c, "b") == after[16]);
+  CHECK(c.total_prefix_length() == 16);
+
+  // A prompt of exactly 16 cached tokens resumes from 8: its last token must run (its logits
+  // start the generation).
+  const ids d(prompt.begin(), prompt.begin() + 16);
+  const kvc::PagedPrefixMatch md = c.match_prefix("d", d);
+  CHECK(md.attention_tokens == 12);
+  CHECK(md.tokens == 8);
+  CHECK(states_of(c, "d") == after[8]);
+
+  // Eviction: the least recently used snapshot makes room, and a match counts as a use.
+  c.free_blocks("d");
+  for (int round = 0; round < 3; ++round) {
+    const std::string id = "x" + std::to_string(round);
+    const ids other(8, 900 + round);
+    run_tokens(c, id, other, 0, 8, 50u + static_cast<unsigned>(round));
+    CHECK(c.save_state_snapshot(id, other));
+    c.free_blocks(id);  // (its blocks stay cached)
+    if (round == 0) {   // the snapshot at 8 is used again: the one at 16 is now the oldest
+      CHECK(c.match_prefix("keep8", ids(prompt.begin(), prompt.begin() + 9)).tokens == 8);
+      c.free_blocks("keep8");
+    }
+  }
+  CHECK(c.num_state_snapshots() == 3);  // 8, x1, x2 (16 went first, then x0)
+  const kvc::PagedPrefixMatch me = c.match_prefix("e", prompt);
+  CHECK(me.attention_tokens == 20);
+  CHECK(me.state_tokens == 8);
+  CHECK(me.tokens == 8);
+  CHECK(states_of(c, "e") == after[8]);
+  // Cached blocks without a snapshot are no match: the request is given nothing.
+  ids f(8, 900);
+  f.push_back(1);
+  const auto before = kvc_test::take_paged_snapshot(c, {"a", "b", "e", "f"});
+  const kvc::PagedPrefixMatch mf = c.match_prefix("f", f);
+  CHECK(mf.attention_tokens == 8);
+  CHECK(mf.state_tokens == 0);
+  CHECK(mf.tokens == 0);
+  CHECK(!c.find_request("f"));
+  CHECK(kvc_test::take_paged_snapshot(c, {"a", "b", "e", "f"}) == before);
+}
+
+TEST_CASE("PagedCache states: snapshots and their refusals, slots, transactions and the models that keep none") {
+  ids prompt(12);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int64_t>(i + 1);
+  SUBCASE("a match needs a free state slot; in a transaction the states arrive at the commit") {
+    Cache c(hybrid_model(1), snapshotting(16, 2, 4));
+    CHECK(c.max_state_snapshots() == 2);  // unset: as many as the state slots
+    run_tokens(c, "a", prompt, 0, 4, 1);
+    REQUIRE(c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + 4)));
+    const auto four = states_of(c, "a");
+    run_tokens(c, "a", prompt, 4, 8, 2);
+    REQUIRE(c.allocate_blocks(1, "full", 0));  // the last free slot
+    const auto before = kvc_test::take_paged_snapshot(c, {"a", "b", "full"});
+    const kvc::PagedPrefixMatch m = c.match_prefix("b", prompt);
+    CHECK(m.attention_tokens == 8);
+    CHECK(m.state_tokens == 4);
+    CHECK(m.tokens == 0);
+    CHECK(kvc_test::take_paged_snapshot(c, {"a", "b", "full"}) == before);
+    c.free_blocks("full");
+    // Rolled back: nothing; committed: b holds the blocks and, from the commit, the states.
+    c.begin_transaction();
+    CHECK(c.match_prefix("b", prompt).tokens == 4);
+    c.rollback_transaction();
+    CHECK(!c.find_request("b"));
+    CHECK(c.free_state_slots() == 1);
+    c.begin_transaction();
+    CHECK(c.match_prefix("b", prompt).tokens == 4);
+    CHECK(!c.has_previous_state("b", 0));  // not yet copied
+    CHECK_THROWS_WITH_AS((void)c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + 8)),
+                         "kvc::PagedCache::save_state_snapshot: not in a transaction (a snapshot is kept outside the "
+                         "undo log)",
+                         kvc::ValueError);
+    c.commit_transaction();
+    CHECK(states_of(c, "b") == four);
+    // What is not kept: a length off the interval, a request without a slot; an unknown request
+    // is refused.
+    CHECK(!c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + 6)));
+    CHECK(!c.save_state_snapshot("a", ids{}));
+    (void)c.open_request("slotless");
+    CHECK(!c.save_state_snapshot("slotless", ids(prompt.begin(), prompt.begin() + 4)));
+    CHECK_THROWS_WITH_AS((void)c.save_state_snapshot("nobody", ids(prompt.begin(), prompt.begin() + 4)),
+                         "No block table found for request nobody", kvc::ValueError);
+    CHECK(c.num_state_snapshots() == 1);
+    // A match starts a table: a request with blocks is refused, with nothing changed.
+    CHECK_THROWS_WITH_AS((void)c.match_prefix("a", prompt),
+                         "kvc::paged: request a already has blocks; a prefix match starts a table", kvc::ValueError);
+    CHECK(c.free_state_slots() == 0);
+  }
+  SUBCASE("the interval is a multiple of the block size; models with sliding layers keep none") {
+    CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), snapshotting(16, 2, 6)),
+                         "kvc::PagedCache: state_snapshot_interval must be 0 or a positive multiple of block_size "
+                         "(4), got 6",
+                         kvc::ValueError);
+    CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), snapshotting(16, 2, -4)),
+                         "kvc::PagedCache: state_snapshot_interval must be 0 or a positive multiple of block_size "
+                         "(4), got -4",
+                         kvc::ValueError);
+    kvc::ContinuousBatchingConfig negative = snapshotting(16, 2, 4);
+    negative.max_state_snapshots = -1;
+    CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), negative),
+                         "kvc::PagedCache: max_state_snapshots must be 0 or more, got -1", kvc::ValueError);
+    kvc::ModelConfig sliding = hybrid_model(1);
+    sliding.layer_types = std::vector<std::string>{"linear_attention", "full_attention", "sliding_attention", "conv"};
+    sliding.sliding_window = 8;
+    const Cache s(sliding, snapshotting(16, 2, 4));
+    CHECK(s.state_snapshot_interval() == 0);
+    CHECK(s.max_state_snapshots() == 0);
+    CHECK(!s.use_prefix_sharing());
+    kvc::ContinuousBatchingConfig no_sharing = snapshotting(16, 2, 4);
+    no_sharing.allow_block_sharing = false;
+    CHECK(Cache(hybrid_model(1), no_sharing).max_state_snapshots() == 0);
+    const Cache off(hybrid_model(1), blocks(16, 2));
+    CHECK(!off.use_prefix_sharing());
+  }
+  SUBCASE("the memory planner counts the snapshots") {
+    kvc::PagedMemoryBudget budget;
+    budget.available_bytes = std::int64_t{1} << 24;
+    budget.vocab_size = 16;
+    budget.state_bytes_per_request = 1 << 20;
+    kvc::ContinuousBatchingConfig cb = snapshotting(16, 8, 4, 9);
+    cb.num_blocks.reset();
+    CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), cb, budget),
+                         "kvc::PagedCache: the state slots and snapshots need 17 x 1048576 bytes, more than the "
+                         "16777216 available",
+                         kvc::MemoryError);
+    cb.max_state_snapshots = 7;
+    const Cache fits(hybrid_model(1), cb, budget);
+    CHECK(fits.max_state_snapshots() == 7);
+  }
+}
+
+TEST_CASE("PagedCache states: the example of docs/paged.md on state snapshots") {
+  const ids prompt = {5, 6, 7, 8, 9, 10, 11, 12, 13};
+  // [snippet:state_snapshots]
+  Cache cache(hybrid_model(1), snapshotting(/*num_blocks*/ 16, /*state slots*/ 2, /*interval*/ 4));
+  run_tokens(cache, "a", prompt, 0, 4, 1);  // a's first 4 tokens: one complete block, its states
+  REQUIRE(cache.save_state_snapshot("a", std::span(prompt).first(4)));
+  run_tokens(cache, "a", prompt, 4, 8, 2);
+  // b starts with a's 8 tokens
+  const kvc::PagedPrefixMatch m = cache.match_prefix("b", prompt);
+  CHECK(m.attention_tokens == 8);  // cached blocks
+  CHECK(m.state_tokens == 4);      // the last snapshot
+  CHECK(m.tokens == 4);            // what b reuses: the longest prefix both can resume from
+  // [/snippet]
+  CHECK(cache.block_table(0, "b").size() == 1);
+  CHECK(cache.has_previous_state("b", 0));
 }

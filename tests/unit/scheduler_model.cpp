@@ -1,6 +1,7 @@
 // Model-checked random operation sequences over kvc::ContinuousBatchingScheduler and its
 // kvc::PagedCache (tests/support/scheduler_model.hpp: what is drawn, what is checked after every
-// operation). Each seed is one run: a layout (full, full + sliding, all sliding), a small pool,
+// operation). Each seed is one run: a layout (full, full + sliding, all sliding, and two with
+// linear-attention layers: with state snapshots, and with a sliding group), a small pool,
 // block sharing on or off, either schedule order, a swap pool of 0 to 9 blocks, then up to 400
 // operations and every request to its end. The fuzz target runs the same model on its inputs
 // (mode 'M', tests/fuzz/fuzz_kvc.cpp).
@@ -27,6 +28,7 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
       total.refusals += c.refusals;
       total.rows_checked += c.rows_checked;
       total.finished += c.finished;
+      total.state_prefix_hits += c.state_prefix_hits;
     } catch (const kvc_model::violation& v) {
       kvc::set_warning_handler(previous);
       FAIL(std::string(v.what()));
@@ -38,6 +40,8 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   CHECK(total.refusals > 300);
   CHECK(total.finished > 1000);
   CHECK(total.rows_checked > 100000);
+  CHECK(total.state_prefix_hits > 100);  // hybrid models resumed prompts from state snapshots
   MESSAGE("operations " << total.operations << ", steps " << total.steps << ", refusals " << total.refusals
-                        << ", finished " << total.finished << ", rows checked " << total.rows_checked);
+                        << ", finished " << total.finished << ", rows checked " << total.rows_checked
+                        << ", prompt tokens resumed from state snapshots " << total.state_prefix_hits);
 }

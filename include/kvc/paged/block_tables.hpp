@@ -63,9 +63,11 @@ class BlockTables {
   // "sliding_attention"; anything else is refused as transformers refuses it). Blocks num_blocks
   // and num_blocks + 1 are the padding zone no request gets (docs/paged.md). With state_slots > 0
   // (a model with linear-attention states) every request that holds blocks also holds one of that
-  // many state slots, and prompts are not matched against cached blocks.
+  // many state slots, and prompts are matched against cached blocks only with `match_states` (the
+  // caller keeps state snapshots to resume from: PagedCache).
   BlockTables(std::span<const std::string> group_types, std::int64_t num_blocks, std::int64_t block_size,
-              std::optional<std::int64_t> sliding_window, bool allow_block_sharing, std::int64_t state_slots = 0)
+              std::optional<std::int64_t> sliding_window, bool allow_block_sharing, std::int64_t state_slots = 0,
+              bool match_states = false)
       : manager_(num_blocks, block_size), slots_(state_slots) {
     for (const std::string& type : group_types)
       if (type != "full_attention" && type != "sliding_attention") throw ValueError("Invalid group type: " + type);
@@ -80,8 +82,8 @@ class BlockTables {
                                                                 write_trash_index(), &names_));
       }
     }
-    use_prefix_sharing_ =
-        allow_block_sharing && group_types.size() == 1 && group_types[0] == "full_attention" && state_slots == 0;
+    use_prefix_sharing_ = allow_block_sharing && group_types.size() == 1 && group_types[0] == "full_attention" &&
+                          (state_slots == 0 || match_states);
     reserve_scratch();
   }
   // A copy has its own names: its allocators point at them.
@@ -439,11 +441,24 @@ class BlockTables {
   // ---- prefix sharing and forks -------------------------------------------------------------------
 
   // The prompt's leading whole blocks already in the cache (by hash) become the request's first
-  // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on.
+  // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on. With
+  // state slots a match takes one for the request too (none free: no match, 0). Strong guarantee.
   std::int64_t search_prefix_match(RequestKey request, std::span<const std::int64_t> prompt_ids) {
     if (!use_prefix_sharing_) return 0;
     auto& full = std::get<FullAttentionCacheAllocator>(allocators_[0]);
-    const std::int64_t n = full.search_prefix_match(request, prompt_ids, manager_);
+    const bool slot = slots_.slots() > 0 && slots_.slot_of(request) < 0;
+    if (slot) {
+      if (slots_.free_slots() == 0) return 0;
+      slots_.take(log(), request);
+    }
+    std::int64_t n = 0;
+    try {
+      n = full.search_prefix_match(request, prompt_ids, manager_);
+      if (n == 0 && slot) slots_.give_back(log(), request);  // (outside a transaction: allocates nothing)
+    } catch (...) {
+      if (slot && !log().active()) slots_.give_back(log(), request);
+      throw;
+    }
     log().set(total_prefix_length_, total_prefix_length_ + n);
     return n;
   }

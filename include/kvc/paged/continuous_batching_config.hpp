@@ -48,6 +48,15 @@ struct ContinuousBatchingConfig {
   // state slot each, taken with a request's first blocks); unset: max_requests_per_batch, else
   // 256, at most num_blocks.
   std::optional<std::int64_t> max_state_slots;
+  // kvc's own, for a hybrid model whose attention layers form one full-attention group: every how
+  // many tokens (a multiple of block_size; 0: never) a request's linear-attention states are kept
+  // as a snapshot under the hash of the prefix they follow, so that a later prompt with that prefix
+  // resumes from them (prefix sharing for hybrid models, docs/paged.md). 0 keeps such models out of
+  // prefix sharing.
+  std::int64_t state_snapshot_interval = 0;
+  // kvc's own: how many state snapshots the cache keeps (the least recently used one makes room);
+  // unset: as many as it has state slots.
+  std::optional<std::int64_t> max_state_snapshots;
 
   // transformers' fallback_max_blocks_per_request property.
   static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }
@@ -61,6 +70,11 @@ struct ContinuousBatchingConfig {
     if (max_state_slots) return *max_state_slots;
     const std::int64_t n = max_requests_per_batch.value_or(256);
     return n < blocks ? n : blocks;
+  }
+  // Returns max_state_snapshots, or, when it is unset, the state slots `slots`; 0 when
+  // state_snapshot_interval is 0.
+  std::int64_t resolved_max_state_snapshots(std::int64_t slots) const noexcept {
+    return state_snapshot_interval == 0 ? 0 : max_state_snapshots.value_or(slots);
   }
 };
 

@@ -99,6 +99,17 @@ struct PagedSeqlensK {
   std::optional<std::int64_t> sliding_attention;
 };
 
+// What a prompt's prefix match found (PagedCache::match_prefix), in prompt tokens.
+struct PagedPrefixMatch {
+  // The leading whole blocks whose keys and values the cache holds.
+  std::int64_t attention_tokens = 0;
+  // The longest prefix the cache holds a state snapshot after (a hybrid model; equal to
+  // attention_tokens for a model without linear-attention states).
+  std::int64_t state_tokens = 0;
+  // What the request reuses: the longest prefix every layer kind can resume from (0: no match).
+  std::int64_t tokens = 0;
+};
+
 namespace paged {
 
 // A request whose blocks could not be allocated this step, with the blocks it asked for
@@ -185,6 +196,7 @@ class PagedCache<S> {
     paged::PageGeometry page;
     std::int64_t num_blocks;
     std::int64_t state_slots;
+    std::int64_t snapshots;  // state snapshots kept (0: none)
   };
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, std::int64_t head_divisor, resolved)
       : PagedCache(config, cb, checked(config, cb, head_divisor)) {}
@@ -193,13 +205,15 @@ class PagedCache<S> {
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, const checked_sizes& sizes)
       : groups_(grouped(config)),
         tables_(groups_.types, sizes.num_blocks, sizes.page.block_size, config.sliding_window, cb.allow_block_sharing,
-                groups_.state_layers.empty() ? 0 : sizes.state_slots),
+                groups_.state_layers.empty() ? 0 : sizes.state_slots, sizes.snapshots > 0),
         pages_(sizes.page, sizes.num_blocks + 2, groups_.group_size, true),
         swap_(sizes.page, groups_.group_size,
               static_cast<std::int64_t>(groups_.state_layers.size()) * config.number_of_conv_states),
         states_per_layer_(groups_.state_layers.empty() ? 0 : config.number_of_conv_states),
         states_(static_cast<std::int64_t>(groups_.state_layers.size()) * states_per_layer_,
-                groups_.state_layers.empty() ? 0 : sizes.state_slots),
+                groups_.state_layers.empty() ? 0 : sizes.state_slots + sizes.snapshots),
+        snapshots_(static_cast<std::size_t>(sizes.snapshots)),
+        snapshot_interval_(sizes.snapshots > 0 ? cb.state_snapshot_interval : 0),
         max_batch_tokens_(cb.max_batch_tokens),
         max_blocks_per_request_(cb.resolved_max_blocks_per_request()) {
     cut_.source.reserve(static_cast<std::size_t>(num_groups()));
@@ -510,11 +524,24 @@ class PagedCache<S> {
   // ---- prefix sharing and forks ----------------------------------------------------------------
 
   // The prompt's leading whole blocks already in the cache (by hash) become the request's first
-  // blocks; returns the number of prompt tokens they hold. 0 unless prefix sharing is on.
+  // blocks; returns the number of prompt tokens they hold (match_prefix(...).tokens). 0 unless
+  // prefix sharing is on.
   std::int64_t search_prefix_match(paged::RequestRef request, std::span<const std::int64_t> prompt_ids) {
-    if (!use_prefix_sharing()) return 0;
+    return match_prefix(request, prompt_ids).tokens;
+  }
+  // search_prefix_match, reporting what each layer kind found. A hybrid model (state snapshots
+  // on) reuses the longest prefix, short of the prompt's last token, that ends on a snapshot and
+  // whose blocks are all cached: the request gets those blocks and a state slot, into which the
+  // snapshot is copied (in a transaction: when it commits); no free state slot is no match. The
+  // request must hold no blocks yet (kvc::ValueError). Strong guarantee.
+  PagedPrefixMatch match_prefix(paged::RequestRef request, std::span<const std::int64_t> prompt_ids) {
+    if (!use_prefix_sharing()) return {};
     return with_keys(std::span(&request, 1), [&](std::span<const paged::RequestKey> k) {
-      return tables_.search_prefix_match(k[0], prompt_ids);
+      if (state_slots() == 0) {
+        const std::int64_t n = tables_.search_prefix_match(k[0], prompt_ids);
+        return PagedPrefixMatch{n, n, n};
+      }
+      return match_with_states(k[0], prompt_ids);
     });
   }
   // Prompt tokens served from shared blocks so far (the prefix-sharing statistic).
@@ -880,10 +907,54 @@ class PagedCache<S> {
     const auto k = tables_.find(request);
     return k ? tables_.state_slots().slot_of(*k) : -1;
   }
-  // Returns the bytes of the state tensors made so far (each holds every slot).
+  // Returns the bytes of the state tensors made so far (each holds every slot and snapshot).
   std::int64_t state_bytes() const noexcept { return states_.bytes(); }
+
+  // ---- state snapshots (prefix sharing for hybrid models) -----------------------------------------
+  // Returns every how many tokens states are kept as snapshots (0: the cache keeps none; it keeps
+  // them for a model with states whose attention layers form one full-attention group, with block
+  // sharing allowed and ContinuousBatchingConfig::state_snapshot_interval set).
+  std::int64_t state_snapshot_interval() const noexcept { return snapshot_interval_; }
+  // Returns the most state snapshots the cache keeps.
+  std::int64_t max_state_snapshots() const noexcept { return static_cast<std::int64_t>(snapshots_.size()); }
+  // Returns the state snapshots the cache holds.
+  std::int64_t num_state_snapshots() const noexcept {
+    return std::count_if(snapshots_.begin(), snapshots_.end(), [](const snapshot& s) { return s.epoch != 0; });
+  }
+  // Keeps the request's states as the snapshot of `token_ids`, the tokens it has run so far (a
+  // positive multiple of state_snapshot_interval()), under the hash of their last block, so that
+  // match_prefix can resume a later prompt from there; the least recently used snapshot makes
+  // room. Returns false, changing nothing, when the cache keeps no snapshots, the length is not
+  // such a multiple or the request holds no state slot; true when the snapshot is held afterwards
+  // (it may have been already: same tokens, same states). Refused in a transaction
+  // (kvc::ValueError), as is a request the cache does not know; allocates nothing.
+  bool save_state_snapshot(paged::RequestRef request, std::span<const std::int64_t> token_ids) {
+    if (in_transaction())
+      throw ValueError(
+          "kvc::PagedCache::save_state_snapshot: not in a transaction (a snapshot is kept outside the undo log)");
+    const paged::RequestKey k = tables_.find_known(request);
+    const auto n = static_cast<std::int64_t>(token_ids.size());
+    if (snapshot_interval_ == 0 || n == 0 || n % snapshot_interval_ != 0) return false;
+    const paged::StateSlots& slots = tables_.state_slots();
+    const std::int64_t slot = slots.slot_of(k);
+    if (slot < 0) return false;
+    const std::uint64_t h = prefix_hash(token_ids);
+    if (const std::int64_t at = find_snapshot(h); at >= 0) {
+      snapshots_[static_cast<std::size_t>(at)].used = ++snapshot_tick_;
+      return true;
+    }
+    // The least recently used entry (an empty one, used 0, first).
+    const auto victim = std::min_element(snapshots_.begin(), snapshots_.end(),
+                                         [](const snapshot& a, const snapshot& b) { return a.used < b.used; });
+    const std::uint64_t epoch = ++snapshot_epoch_;
+    paged::StatePools<S>::copy_slot(states_, slot, slots.epoch(slot), states_,
+                                    state_slots() + (victim - snapshots_.begin()), epoch);
+    *victim = {h, epoch, ++snapshot_tick_};
+    return true;
+  }
   // The state tensors, read-only: entry i * states_per_layer() + s is state s of state_layers()[i],
-  // its conv tensor [state_slots(), channels, kernel] and recurrent tensor [state_slots(), ...].
+  // its conv tensor [slots, channels, kernel] and recurrent tensor [slots, ...], where slots is
+  // state_slots() + max_state_snapshots() (the snapshots after the request slots).
   const paged::StatePools<S>& state_pools() const noexcept { return states_; }
 
   // Stores the request's conv states ([1, channels, time]) of state `state_idx` of layer
@@ -1359,6 +1430,58 @@ class PagedCache<S> {
       if (x.extent(r) != shape[static_cast<std::size_t>(r)]) return false;
     return true;
   }
+  // match_prefix for a model with state slots: the prompt's whole blocks short of its last token,
+  // hashed once; the cached run of them (attention), the last boundary with a snapshot (states),
+  // and the last boundary with a snapshot within the cached run (what is reused).
+  PagedPrefixMatch match_with_states(paged::RequestKey k, std::span<const std::int64_t> prompt_ids) {
+    PagedPrefixMatch out;
+    if (prompt_ids.empty()) return out;
+    const std::int64_t bs = block_size();
+    const auto whole = (static_cast<std::int64_t>(prompt_ids.size()) - 1) / bs;
+    std::optional<std::uint64_t> parent;
+    bool cached = true;
+    std::int64_t from = -1;  // the snapshot the reused prefix ends on
+    for (std::int64_t b = 0; b < whole; ++b) {
+      const std::uint64_t h = paged::compute_block_hash(
+          parent, prompt_ids.subspan(static_cast<std::size_t>(b * bs), static_cast<std::size_t>(bs)), 0);
+      parent = h;
+      cached = cached && manager().find_hash(h).has_value();
+      const std::int64_t end = (b + 1) * bs;
+      if (cached) out.attention_tokens = end;
+      if (end % snapshot_interval_ != 0) continue;
+      if (const std::int64_t at = find_snapshot(h); at >= 0) {
+        out.state_tokens = end;
+        if (cached) {
+          out.tokens = end;
+          from = at;
+        }
+      }
+    }
+    if (from < 0 || tables_.search_prefix_match(k, prompt_ids.first(static_cast<std::size_t>(out.tokens))) == 0) {
+      out.tokens = 0;  // (no free state slot)
+      return out;
+    }
+    snapshot& s = snapshots_[static_cast<std::size_t>(from)];
+    const paged::StateSlots& slots = tables_.state_slots();
+    const std::int64_t slot = slots.slot_of(k);
+    move_states({state_slots() + from, s.epoch, slot, slots.epoch(slot)});
+    s.used = ++snapshot_tick_;
+    return out;
+  }
+  // The hash of the last block of `tokens` (whole blocks), chained as group 0 chains its blocks.
+  std::uint64_t prefix_hash(std::span<const std::int64_t> tokens) const {
+    const auto bs = static_cast<std::size_t>(block_size());
+    std::optional<std::uint64_t> parent;
+    for (std::size_t at = 0; at < tokens.size(); at += bs)
+      parent = paged::compute_block_hash(parent, tokens.subspan(at, bs), 0);
+    return *parent;
+  }
+  // The snapshot entry holding `hash`, or -1.
+  std::int64_t find_snapshot(std::uint64_t hash) const noexcept {
+    for (std::size_t i = 0; i < snapshots_.size(); ++i)
+      if (snapshots_[i].epoch != 0 && snapshots_[i].hash == hash) return static_cast<std::int64_t>(i);
+    return -1;
+  }
   // Each fork destination's slot gets its source's states (in a transaction: when it commits).
   template <class Forks>
   void copy_forked_states(const Forks& forks) {
@@ -1405,11 +1528,12 @@ class PagedCache<S> {
     if (paged::group_paged_layers(config).state_layers.empty()) return 0;
     detail::check_size("kvc::PagedMemoryBudget: state_bytes_per_request", budget.state_bytes_per_request, 0,
                        max_extent);
-    const std::int64_t slots = cb.max_state_slots.value_or(cb.max_requests_per_batch.value_or(256));
-    detail::check_size("kvc::PagedCache: max_state_slots", slots, 1, max_extent);
+    const std::int64_t n = cb.max_state_slots.value_or(cb.max_requests_per_batch.value_or(256));
+    detail::check_size("kvc::PagedCache: max_state_slots", n, 1, max_extent);
+    const std::int64_t slots = n + snapshots_for(paged::group_paged_layers(config), cb, n);
     std::int64_t out = 0;
     if (!detail::mul_fits(slots, budget.state_bytes_per_request, out) || out > budget.available_bytes)
-      throw MemoryError("kvc::PagedCache: the state slots need " + std::to_string(slots) + " x " +
+      throw MemoryError("kvc::PagedCache: the state slots and snapshots need " + std::to_string(slots) + " x " +
                         std::to_string(budget.state_bytes_per_request) + " bytes, more than the " +
                         std::to_string(budget.available_bytes) + " available");
     return out;
@@ -1422,9 +1546,28 @@ class PagedCache<S> {
     out.page.head_dim = head_dim_of(config);
     out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, out.page.head_dim);
     out.state_slots = cb.resolved_max_state_slots(out.num_blocks);
-    if (!paged::group_paged_layers(config).state_layers.empty())
+    const paged::LayerGroups groups = paged::group_paged_layers(config);
+    if (!groups.state_layers.empty())
       detail::check_size("kvc::PagedCache: max_state_slots", out.state_slots, 1, max_extent);
+    out.snapshots = snapshots_for(groups, cb, out.state_slots);
     return out;
+  }
+  // The state snapshots a cache of `groups` keeps with `slots` state slots: for a model with states
+  // whose attention layers form one full-attention group, with block sharing allowed. Checks
+  // state_snapshot_interval and max_state_snapshots for every model.
+  static std::int64_t snapshots_for(const paged::LayerGroups& groups, const ContinuousBatchingConfig& cb,
+                                    std::int64_t slots) {
+    const std::int64_t bs = checked_block_size(cb.block_size), every = cb.state_snapshot_interval;
+    if (every < 0 || every % bs != 0)
+      throw ValueError("kvc::PagedCache: state_snapshot_interval must be 0 or a positive multiple of block_size (" +
+                       std::to_string(bs) + "), got " + std::to_string(every));
+    if (cb.max_state_snapshots)
+      detail::check_size("kvc::PagedCache: max_state_snapshots", *cb.max_state_snapshots, 0, max_extent);
+    const bool one_full = groups.types.size() == 1 && groups.types[0] == "full_attention";
+    if (groups.state_layers.empty() || !cb.allow_block_sharing || !one_full) return 0;
+    const std::int64_t n = cb.resolved_max_state_snapshots(slots);
+    detail::check_size("kvc::PagedCache: max_state_slots + max_state_snapshots", slots + n, 1, max_extent);
+    return n;
   }
   static std::int64_t kv_heads_of(const ModelConfig& config, std::int64_t divisor) {
     const std::int64_t n = config.num_key_value_heads.value_or(config.num_attention_heads);
@@ -1551,6 +1694,17 @@ class PagedCache<S> {
   paged::StatePools<S> states_;             // every slot's states
   typename S::buffer_type out_conv_;        // what the last update_conv_state returned
   std::vector<state_copy> pending_states_;  // a transaction's state copies, waiting for the commit
+  // A state snapshot: slot state_slots() + i of states_ for entry i.
+  struct snapshot {
+    std::uint64_t hash = 0;   // of the prefix's last block (group 0's chain)
+    std::uint64_t epoch = 0;  // its marks in states_ (0: the entry is empty)
+    std::uint64_t used = 0;   // when it was last saved or matched (0: never)
+  };
+  std::vector<snapshot> snapshots_;
+  std::int64_t snapshot_interval_ = 0;
+  // Snapshot epochs: above every slot epoch StateSlots gives out, so that no mark is ambiguous.
+  std::uint64_t snapshot_epoch_ = std::uint64_t{1} << 63;
+  std::uint64_t snapshot_tick_ = 0;
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
   paged::BlockCopies cut_;                 // truncate_request's scratch, kept between calls

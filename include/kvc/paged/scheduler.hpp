@@ -99,7 +99,9 @@ struct RequestState {
   // Where the request is: pending (waiting), prefilling, decoding, finished or failed.
   RequestStatus status = RequestStatus::pending;
   std::int64_t preemptions = 0;  // times it was offloaded or soft reset
-  std::string error;             // why it failed
+  // What its last prefix match found, per layer kind, and reused (PagedCache::match_prefix).
+  PagedPrefixMatch prefix_match;
+  std::string error;  // why it failed
 
   // Returns the prompt: the first prompt_length tokens.
   std::span<const std::int64_t> prompt() const noexcept {
@@ -450,6 +452,7 @@ class ContinuousBatchingScheduler {
       record(batch, next_tokens);
       return true;
     });
+    save_snapshots(batch);
   }
 
  private:
@@ -641,6 +644,21 @@ class ContinuousBatchingScheduler {
       cache_->mark_shareable_blocks_as_complete(key_of(st), r.complete_blocks, st.tokens);
     }
     for (const ScheduledRequest& r : batch.requests) maybe_fork(slot_state(r.handle.slot));
+  }
+
+  // A hybrid model's states, where a step ended on a snapshot boundary, are kept for later prompts
+  // with the same prefix (PagedCache::save_state_snapshot). After the step's transaction: a
+  // snapshot is what a prefix leads to whatever becomes of the step, and keeping one allocates
+  // nothing and cannot fail here (the tokens were checked when they came in).
+  void save_snapshots(const ScheduledBatch& batch) {
+    const std::int64_t every = cache_->state_snapshot_interval();
+    if (every == 0) return;
+    for (const ScheduledRequest& r : batch.requests) {
+      const std::int64_t end = r.past + r.query_length;
+      const RequestState& st = slot_state(r.handle.slot);
+      if (end % every != 0 || end > st.prompt_length || st.has_ended() || st.position_offset != end) continue;
+      (void)cache_->save_state_snapshot(key_of(st), std::span(st.tokens).first(static_cast<std::size_t>(end)));
+    }
   }
 
   struct pass {
@@ -939,6 +957,7 @@ class ContinuousBatchingScheduler {
     // The cache computes these from its groups: once per pass, not per candidate.
     const bool all_sliding = cache_->num_full_attention_groups() == 0;
     const std::int64_t window = cache_->sliding_window();
+    const std::int64_t snapshot_every = cache_->state_snapshot_interval();
     for (const std::uint32_t at : candidates()) {
       RequestState& st = slot_state(at);
       const paged::RequestKey key = slots_[at]->key;
@@ -946,7 +965,9 @@ class ContinuousBatchingScheduler {
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
       if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(key)) {
-        const std::int64_t k = cache_->search_prefix_match(key, st.remaining_prefill_tokens());
+        const PagedPrefixMatch m = cache_->match_prefix(key, st.remaining_prefill_tokens());
+        undo_.set(st.prefix_match, m);
+        const std::int64_t k = m.tokens;
         if (k > 0) {
           activate(st);
           // At least one token is left to compute: its logits start the generation.
@@ -960,6 +981,12 @@ class ContinuousBatchingScheduler {
       const std::int64_t available = decoding ? 1 : std::ssize(st.remaining_prefill_tokens());
       std::int64_t q = std::min(available, token_budget);
       if (!decoding && st.num_children > 0 && available > 1) q = std::min(q, available - 1);  // fork first
+      // A hybrid model's prefill chunk ends at the last snapshot boundary it reaches, where its
+      // states are kept (save_snapshots); one that reaches none runs whole.
+      if (!decoding && snapshot_every > 0) {
+        const std::int64_t end = (st.position_offset + q) / snapshot_every * snapshot_every;
+        if (end > st.position_offset) q = end - st.position_offset;
+      }
       std::int64_t need = st.position_offset;
       if (all_sliding) need = std::min(need, window);
       const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
