@@ -762,3 +762,50 @@ TEST_CASE("scheduler: a hybrid model's prompts resume from state snapshots, repo
   CHECK(s.stats().prefix_hit_tokens == 8);
   CHECK(std::vector<std::int64_t>(got.generated().begin(), got.generated().end()) == alone(b.prompt, 3, std::nullopt));
 }
+
+TEST_CASE("scheduler: a prompt that shares cached blocks but no snapshot stops at the shared boundary") {
+  // Snapshots every block (4 tokens). a runs its 11 tokens as [0, 8) and [8, 11): a snapshot at 8
+  // only. b shares a's first 6 tokens: one cached block, no snapshot there, so b computes from 0,
+  // but stops at 4, the boundary it shares with a; c, sharing the same 6 tokens, resumes there.
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 16;
+  cb.max_batch_tokens = 20;
+  cb.state_snapshot_interval = 4;
+  Cache cache(model({"linear_attention", "full_attention"}), cb);
+  Scheduler s(cache, cb);
+  const auto add = [&](const std::string& id, std::vector<std::int64_t> prompt) {
+    kvc::GenerationRequest r;
+    r.request_id = id;
+    r.prompt = std::move(prompt);
+    r.max_new_tokens = 2;
+    (void)s.add_request(r);
+  };
+  std::vector<kvc::RequestState> done;
+  std::map<std::string, std::vector<std::int64_t>> chunks;
+  const auto run_all = [&] {
+    while (auto next = s.schedule()) {
+      for (const kvc::ScheduledRequest& r : next->requests)
+        if (!r.has_new_token || r.past + r.query_length < s.request(r.request_id).prompt_length)
+          chunks[r.request_id].push_back(r.query_length);
+      kvc_toy::write_batch(cache, s, *next, 2);
+      s.update(*next, kvc_toy::next_tokens(s, *next));
+      for (auto& st : s.take_finished()) done.push_back(std::move(st));
+    }
+  };
+  add("a", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
+  run_all();
+  add("b", {1, 2, 3, 4, 5, 6, 20, 21, 22, 23});
+  run_all();
+  add("c", {1, 2, 3, 4, 5, 6, 30, 31, 32});
+  run_all();
+  REQUIRE(done.size() == 3);
+  CHECK(chunks["a"] == std::vector<std::int64_t>{8});  // then [8, 11): its last chunk gives a token
+  CHECK(chunks["b"] == std::vector<std::int64_t>{4, 4});
+  CHECK(done[1].prefix_match.attention_tokens == 4);
+  CHECK(done[1].prefix_match.tokens == 0);
+  CHECK(done[2].prefix_match.tokens == 4);
+  for (const kvc::RequestState& st : done)
+    CHECK(std::vector<std::int64_t>(st.generated().begin(), st.generated().end()) ==
+          alone(std::vector<std::int64_t>(st.prompt().begin(), st.prompt().end()), 2, std::nullopt));
+}

@@ -982,10 +982,15 @@ class ContinuousBatchingScheduler {
       std::int64_t q = std::min(available, token_budget);
       if (!decoding && st.num_children > 0 && available > 1) q = std::min(q, available - 1);  // fork first
       // A hybrid model's prefill chunk ends at the last snapshot boundary it reaches, where its
-      // states are kept (save_snapshots); one that reaches none runs whole.
+      // states are kept (save_snapshots); one that reaches none runs whole. A prompt whose match
+      // found more cached blocks than snapshots stops first at the last boundary within those
+      // blocks: other prompts share that prefix, and the snapshot there serves them all.
       if (!decoding && snapshot_every > 0) {
-        const std::int64_t end = (st.position_offset + q) / snapshot_every * snapshot_every;
-        if (end > st.position_offset) q = end - st.position_offset;
+        const std::int64_t from = st.position_offset;
+        std::int64_t end = (from + q) / snapshot_every * snapshot_every;
+        const std::int64_t shared = st.prefix_match.attention_tokens / snapshot_every * snapshot_every;
+        if (shared > from && shared < from + q) end = shared;
+        if (end > from) q = end - from;
       }
       std::int64_t need = st.position_offset;
       if (all_sliding) need = std::min(need, window);
