@@ -8,7 +8,8 @@
 // comparison.
 //
 //   kvc_serve_demo [--requests N] [--seed N] [--block-size N] [--blocks N] [--swap-blocks N]
-//                  [--max-batch-tokens N] [--scheduler fifo|prefill_first] [--hybrid] [--linear] [--json]
+//                  [--max-batch-tokens N] [--scheduler fifo|prefill_first] [--hybrid] [--linear]
+//                  [--linear-full] [--snapshot-interval N] [--shared-prefix N] [--json]
 //
 // Exits 0 when every sequence passes, 1 when one fails, 2 for a bad option.
 #include <kvc/kvc.hpp>
@@ -61,6 +62,10 @@ const char* const usage =
     "  --scheduler NAME      fifo or prefill_first (default fifo)\n"
     "  --hybrid              the demo model with sliding and full layers (no prefix sharing)\n"
     "  --linear              linear-attention, sliding and full layers (states in state slots)\n"
+    "  --linear-full         linear-attention and full layers: prefix sharing through state snapshots\n"
+    "  --snapshot-interval N tokens between state snapshots, a multiple of the block size\n"
+    "                        (default: the block size with --linear-full, else 0: none)\n"
+    "  --shared-prefix N     tokens of the system prefix half of the prompts start with (default 32)\n"
     "  --json                print one JSON object instead of the table\n"
     "exit status: 0 every sequence passes, 1 one fails, 2 bad option\n";
 
@@ -77,6 +82,9 @@ struct Options {
   std::string scheduler = "fifo";
   bool hybrid = false;
   bool linear = false;
+  bool linear_full = false;
+  std::optional<std::int64_t> snapshot_interval;
+  std::int64_t shared_prefix = 32;
   bool json = false;
 };
 
@@ -120,6 +128,12 @@ Options parse(int argc, char** argv) {
       o.hybrid = true;
     } else if (a == "--linear") {
       o.linear = true;
+    } else if (a == "--linear-full") {
+      o.linear_full = true;
+    } else if (a == "--snapshot-interval") {
+      o.snapshot_interval = parse_count(a, value(), 0, std::int64_t{1} << 20);
+    } else if (a == "--shared-prefix") {
+      o.shared_prefix = parse_count(a, value(), 0, std::int64_t{1} << 16);
     } else if (a == "--json") {
       o.json = true;
     } else {
@@ -156,6 +170,7 @@ PagedRun serve(const Options& o, const Decoder<float>& model, const std::vector<
   cb.num_blocks = o.blocks.value_or(std::max<std::int64_t>(need / 2, 1));
   cb.max_batch_tokens = o.max_batch_tokens;
   cb.scheduler_type = o.scheduler;
+  cb.state_snapshot_interval = o.snapshot_interval.value_or(o.linear_full ? o.block_size : 0);
   kvc::PagedCache<Storage> cache(model.config().cache_config(), cb);
   cache.reserve_swap_space(o.swap_blocks.value_or(*cb.num_blocks / 8));
   kvc::ContinuousBatchingScheduler<Storage> scheduler(cache, cb);
@@ -227,9 +242,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const DecoderConfig config = examples::serving_model(o.hybrid, o.linear);
+    const DecoderConfig config = examples::serving_model(o.hybrid, o.linear, o.linear_full);
     const Decoder<float> model(config, o.seed);
-    const auto requests = examples::make_requests(o.requests, o.seed, config.vocab_size, examples::WorkloadShape{});
+    examples::WorkloadShape shape;
+    shape.shared_prefix = o.shared_prefix;
+    const auto requests = examples::make_requests(o.requests, o.seed, config.vocab_size, shape);
     PagedRun run = serve(o, model, requests);
     check(model, run);
     std::vector<const kvc::RequestState*> finished;
@@ -289,6 +306,10 @@ int main(int argc, char** argv) {
                         {"prompt_tokens", s.state.prompt_length},
                         {"generated_tokens", s.state.generated().size()},
                         {"preemptions", s.state.preemptions},
+                        {"prefix_match",
+                         {{"attention_tokens", s.state.prefix_match.attention_tokens},
+                          {"state_tokens", s.state.prefix_match.state_tokens},
+                          {"reused_tokens", s.state.prefix_match.tokens}}},
                         {"max_abs_logit_diff", s.max_diff},
                         {"result", s.pass ? "PASS" : "FAIL"}});
       j["passed"] = passed;
@@ -296,9 +317,10 @@ int main(int argc, char** argv) {
     } else {
       std::printf("model:   %lld layers (%s), hidden %lld, %lld KV heads of %lld, vocabulary %lld, float\n",
                   static_cast<long long>(config.num_hidden_layers),
-                  o.linear   ? "linear, sliding and full"
-                  : o.hybrid ? "sliding and full"
-                             : "all full",
+                  o.linear        ? "linear, sliding and full"
+                  : o.linear_full ? "linear and full"
+                  : o.hybrid      ? "sliding and full"
+                                  : "all full",
                   static_cast<long long>(config.hidden_size), static_cast<long long>(config.num_key_value_heads),
                   static_cast<long long>(config.head_dim), static_cast<long long>(config.vocab_size));
       std::printf(
@@ -306,10 +328,11 @@ int main(int argc, char** argv) {
           static_cast<long long>(run.num_blocks), static_cast<long long>(run.block_size),
           human_bytes(static_cast<double>(run.num_blocks * run.bytes_per_block)).c_str(),
           static_cast<long long>(run.swap_blocks), o.scheduler.c_str(), static_cast<long long>(o.max_batch_tokens));
-      std::printf("\n%-16s %7s %9s %11s %13s  %s\n", "sequence", "prompt", "generated", "preemptions", "max |dlogit|",
-                  "result");
+      std::printf("\n%-16s %7s %6s %9s %11s %13s  %s\n", "sequence", "prompt", "reused", "generated", "preemptions",
+                  "max |dlogit|", "result");
       for (const auto& [id, s] : run.sequences)
-        std::printf("%-16s %7lld %9lld %11lld %13.2e  %s\n", id.c_str(), static_cast<long long>(s.state.prompt_length),
+        std::printf("%-16s %7lld %6lld %9lld %11lld %13.2e  %s\n", id.c_str(),
+                    static_cast<long long>(s.state.prompt_length), static_cast<long long>(s.state.prefix_match.tokens),
                     static_cast<long long>(s.state.generated().size()), static_cast<long long>(s.state.preemptions),
                     s.max_diff, s.pass ? "PASS" : ("FAIL " + s.state.error).c_str());
       std::printf("\nrequests:      %lld (%lld sequences), %lld steps, %lld tokens through the model, %lld generated\n",

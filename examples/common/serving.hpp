@@ -28,8 +28,10 @@ using ServingScheduler = kvc::ContinuousBatchingScheduler<ServingStorage>;
 // decoding one token at a time reads every weight from memory while a batch of tokens shares each
 // read. Llama-style (every layer full attention, so prompts can share blocks), Gemma-style with
 // sliding layers of window 64, or (linear) a hybrid of linear-attention, sliding and full layers,
-// the linear layers' states kept in the paged cache's state slots.
-inline DecoderConfig serving_model(bool hybrid, bool linear = false) {
+// the linear layers' states kept in the paged cache's state slots, or (linear_full) linear-attention
+// and full layers only (Qwen3-Next's kind of hybrid, which prefix sharing serves through state
+// snapshots).
+inline DecoderConfig serving_model(bool hybrid, bool linear = false, bool linear_full = false) {
   DecoderConfig c;
   c.num_hidden_layers = 4;
   c.hidden_size = 768;
@@ -41,6 +43,9 @@ inline DecoderConfig serving_model(bool hybrid, bool linear = false) {
   if (linear) {
     c.layer_types = {"linear_attention", "sliding_attention", "full_attention", "linear_attention"};
     c.sliding_window = 64;
+  } else if (linear_full) {
+    c.layer_types = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
+    c.sliding_window.reset();
   } else if (hybrid) {
     c.layer_types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
     c.sliding_window = 64;
