@@ -168,7 +168,8 @@ inline std::string wrong_row(const Cache& cache, const std::string& id, const st
 }
 
 // The first layer whose states (conv window, recurrent state) are not those of the request's
-// tokens [0, end), as "layer L state"; empty when every state is right (or the model has none).
+// tokens [0, end) (none written for end 0), as "layer L state"; empty when every state is right (or
+// the model has none).
 inline std::string wrong_state(const Cache& cache, const std::string& id, const std::vector<std::int64_t>& tokens,
                                std::int64_t end) {
   for (const std::int64_t layer : cache.state_layers()) {
@@ -176,6 +177,10 @@ inline std::string wrong_state(const Cache& cache, const std::string& id, const 
     for (std::int64_t p = 0; p < end; ++p) want = fold(want, tokens[static_cast<std::size_t>(p)], layer);
     const auto r = cache.recurrent_state(id, layer);
     const auto c = cache.conv_state(id, layer);
+    if (end == 0) {  // nothing run yet: nothing written
+      if (r.rank != 0 || c.rank != 0) return "layer " + std::to_string(layer) + " state";
+      continue;
+    }
     bool ok = r.rank > 0 && r.size() == 2 && r.data()[0] == want[0] && r.data()[1] == want[1] && c.rank == 3 &&
               c.extent(1) == 2 && c.extent(2) == conv_kernel;
     for (std::int64_t j = 0; ok && j < conv_kernel; ++j) {

@@ -809,3 +809,50 @@ TEST_CASE("scheduler: a prompt that shares cached blocks but no snapshot stops a
     CHECK(std::vector<std::int64_t>(st.generated().begin(), st.generated().end()) ==
           alone(std::vector<std::int64_t>(st.prompt().begin(), st.prompt().end()), 2, std::nullopt));
 }
+
+TEST_CASE("scheduler: a prompt resumed from a snapshot and offloaded in the same pass keeps its states") {
+  // A matches W's snapshot at 8, starves and is offloaded, C fails (it cannot fit) and A is
+  // restored, all in one schedule(): the copies chained in that pass must give A the snapshot.
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 8;
+  cb.max_batch_tokens = 12;
+  cb.scheduler_type = "prefill_first";
+  cb.max_state_slots = 4;
+  cb.state_snapshot_interval = 4;
+  Cache cache(model({"linear_attention", "full_attention"}), cb);
+  cache.reserve_swap_space(8);
+  Scheduler s(cache, cb);
+  const std::vector<std::int64_t> system = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<std::int64_t> w = system, c, a = system;
+  w.push_back(9);
+  for (std::int64_t i = 0; i < 40; ++i) c.push_back(20 + i % 17);
+  for (std::int64_t i = 0; i < 12; ++i) a.push_back(30 + i);
+  const auto add = [&](const char* id, const std::vector<std::int64_t>& prompt, std::int64_t n) {
+    kvc::GenerationRequest r;
+    r.request_id = id;
+    r.prompt = prompt;
+    r.max_new_tokens = n;
+    (void)s.add_request(r);
+  };
+  const auto step = [&] {
+    auto batch = s.schedule();
+    if (!batch) return false;
+    for (const kvc::ScheduledRequest& r : batch->requests) {
+      CAPTURE(r.request_id);
+      const kvc::RequestState& st = s.request(r.request_id);
+      CHECK(kvc_toy::wrong_state(cache, r.request_id, st.tokens, r.past) == "");
+    }
+    kvc_toy::write_batch(cache, s, *batch, 2);
+    s.update(*batch, kvc_toy::next_tokens(s, *batch));
+    return true;
+  };
+  add("W", w, 1);
+  add("C", c, 5);
+  for (int i = 0; i < 3; ++i) (void)step();
+  add("A", a, 3);
+  bool resumed = false;
+  for (int i = 0; i < 12 && step(); ++i) resumed = resumed || s.request("A").prefix_match.tokens == 8;
+  CHECK(resumed);
+  CHECK(s.stats().cpu_offloads >= 1);
+}

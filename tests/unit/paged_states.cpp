@@ -843,7 +843,7 @@ TEST_CASE("PagedCache states: snapshots and their refusals, slots, transactions 
     CHECK(c.free_state_slots() == 1);
     c.begin_transaction();
     CHECK(c.match_prefix("b", prompt).tokens == 4);
-    CHECK(!c.has_previous_state("b", 0));  // not yet copied
+    CHECK(states_of(c, "b") == four);  // copied at once
     CHECK_THROWS_WITH_AS((void)c.save_state_snapshot("a", ids(prompt.begin(), prompt.begin() + 8)),
                          "kvc::PagedCache::save_state_snapshot: not in a transaction (a snapshot is kept outside the "
                          "undo log)",
@@ -922,4 +922,81 @@ TEST_CASE("PagedCache states: the example of docs/paged.md on state snapshots") 
   // [/snippet]
   CHECK(cache.block_table(0, "b").size() == 1);
   CHECK(cache.has_previous_state("b", 0));
+}
+
+TEST_CASE("PagedCache states: copies chained in one transaction, in every order, and rolled back") {
+  // Copies of states happen at once (the destination saved first, for a rollback), so a chain of
+  // them in one transaction reads what each link wrote, whatever is given back and taken again.
+  kvc::ModelConfig config = hybrid_model(1);
+  Cache c(config, snapshotting(16, 4, 4));
+  c.reserve_swap_space(8, 2);
+  const ids prompt = {1, 2, 3, 4, 5, 6};
+  run_tokens(c, "a", prompt, 0, 4, 7);
+  REQUIRE(c.save_state_snapshot("a", std::span(prompt).first(4)));
+  const auto four = states_of(c, "a");
+  // p resumes from the snapshot, is offloaded, and its slot goes to q, in one transaction.
+  c.begin_transaction();
+  REQUIRE(c.match_prefix("p", prompt).tokens == 4);
+  const std::int64_t slot = c.state_slot("p");
+  REQUIRE(c.offload_request("p"));
+  CHECK_THROWS_WITH_AS((void)c.match_prefix("p", prompt),
+                       "kvc::paged: request p is offloaded; a prefix match starts a table (restore or drop it first)",
+                       kvc::ValueError);
+  REQUIRE(c.allocate_blocks(1, "q", 0));
+  CHECK(c.state_slot("q") == slot);
+  c.commit_transaction();
+  CHECK(!c.has_previous_state("q", 0));  // a slot taken again reads as never written
+  c.free_blocks("q");
+  REQUIRE(c.allocate_blocks(1, "p", 0));
+  c.restore_request("p");
+  CHECK(states_of(c, "p") == four);
+  // A fork of a fork whose source's slot was given back and refilled in between.
+  c.free_blocks("a");
+  run_tokens(c, "t", ids{40, 41, 42, 43}, 0, 4, 11);
+  const auto t = states_of(c, "t");
+  c.transaction([&] {
+    (void)c.fork_request("p", std::vector<std::string>{"r"});
+    c.free_blocks("p");
+    (void)c.fork_request("t", std::vector<std::string>{"u"});  // u takes p's slot
+    (void)c.fork_request("r", std::vector<std::string>{"r2"});
+  });
+  CHECK(states_of(c, "r2") == four);
+  CHECK(states_of(c, "u") == t);
+  // Restored, a request's swap slot is taken by another offload, and it is offloaded again.
+  c.free_all_requests();
+  run_tokens(c, "a", prompt, 0, 4, 7);
+  run_tokens(c, "b", ids{50, 51, 52, 53}, 0, 4, 13);
+  const auto b = states_of(c, "b");
+  REQUIRE(c.offload_request("a"));
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  c.transaction([&] {
+    c.restore_request("a");
+    REQUIRE(c.offload_request("b"));
+    REQUIRE(c.offload_request("a"));
+  });
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  c.restore_request("a");
+  CHECK(states_of(c, "a") == four);
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  c.restore_request("b");
+  CHECK(states_of(c, "b") == b);
+  // A fork's source given back, its slot taken and written in the same transaction: the fork has
+  // the source's states; rolled back instead, everything is as before.
+  c.transaction([&] {
+    (void)c.fork_request("a", std::vector<std::string>{"f"});
+    c.free_blocks("a");
+    REQUIRE(c.allocate_blocks(1, "g", 0));
+    (void)c.update_recurrent_state(random_conv(1, 2, 2, 21), "g", 0);
+  });
+  CHECK(states_of(c, "f") == four);
+  const auto before = kvc_test::take_paged_snapshot(c, {"b", "f", "g", "h"});
+  c.begin_transaction();
+  (void)c.fork_request("f", std::vector<std::string>{"h"});
+  c.free_blocks("f");
+  (void)c.fork_request("b", std::vector<std::string>{"i"});  // i takes f's slot: f's states are saved
+  c.rollback_transaction();
+  CHECK(kvc_test::take_paged_snapshot(c, {"b", "f", "g", "h"}) == before);
+  // A match on a request that holds blocks is refused, snapshot or not.
+  CHECK_THROWS_WITH_AS((void)c.match_prefix("f", ids{9, 9, 9, 9, 9}),
+                       "kvc::paged: request f already has blocks; a prefix match starts a table", kvc::ValueError);
 }

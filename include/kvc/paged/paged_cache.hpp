@@ -532,7 +532,7 @@ class PagedCache<S> {
   // search_prefix_match, reporting what each layer kind found. A hybrid model (state snapshots
   // on) reuses the longest prefix, short of the prompt's last token, that ends on a snapshot and
   // whose blocks are all cached: the request gets those blocks and a state slot, into which the
-  // snapshot is copied (in a transaction: when it commits); no free state slot is no match. The
+  // snapshot is copied (a rollback puts back what it overwrote); no free state slot is no match. The
   // request must hold no blocks yet (kvc::ValueError). Strong guarantee.
   PagedPrefixMatch match_prefix(paged::RequestRef request, std::span<const std::int64_t> prompt_ids) {
     if (!use_prefix_sharing()) return {};
@@ -633,19 +633,18 @@ class PagedCache<S> {
     for (const pending_copy& c : pending_)
       copy_between(c.from, std::span(pending_ids_).subspan(c.at, c.n), c.to,
                    std::span(pending_ids_).subspan(c.at + c.n, c.n));
-    for (const state_copy& c : pending_states_) copy_states_now(c);
     pending_.clear();
     pending_ids_.clear();
-    pending_states_.clear();
     tables_.log().commit();
+    saved_states_.clear();
   }
   // Undoes every change since begin_transaction(), newest first, and drops the waiting block
   // copies.
   void rollback_transaction() noexcept {
     pending_.clear();
     pending_ids_.clear();
-    pending_states_.clear();
-    tables_.log().rollback();
+    tables_.log().rollback();  // (puts back the state slots that copies overwrote)
+    saved_states_.clear();
   }
   // f() as one transaction: kept when it returns, rolled back when it throws (the exception goes
   // on to the caller).
@@ -1434,6 +1433,11 @@ class PagedCache<S> {
   // hashed once; the cached run of them (attention), the last boundary with a snapshot (states),
   // and the last boundary with a snapshot within the cached run (what is reused).
   PagedPrefixMatch match_with_states(paged::RequestKey k, std::span<const std::int64_t> prompt_ids) {
+    if (tables_.has_any_table(k))
+      throw ValueError("kvc::paged: request " + tables_.id(k) + " already has blocks; a prefix match starts a table");
+    if (swap_.is_offloaded(k))
+      throw ValueError("kvc::paged: request " + tables_.id(k) +
+                       " is offloaded; a prefix match starts a table (restore or drop it first)");
     PagedPrefixMatch out;
     if (prompt_ids.empty()) return out;
     const std::int64_t bs = block_size();
@@ -1461,11 +1465,11 @@ class PagedCache<S> {
       out.tokens = 0;  // (no free state slot)
       return out;
     }
-    snapshot& s = snapshots_[static_cast<std::size_t>(from)];
     const paged::StateSlots& slots = tables_.state_slots();
     const std::int64_t slot = slots.slot_of(k);
-    move_states({state_slots() + from, s.epoch, slot, slots.epoch(slot)});
-    s.used = ++snapshot_tick_;
+    snapshot& used = snapshots_[static_cast<std::size_t>(from)];
+    move_states({state_slots() + from, used.epoch, slot, slots.epoch(slot)});
+    tables_.log().set(used.used, ++snapshot_tick_);  // (a rollback forgets the use)
     return out;
   }
   // The hash of the last block of `tokens` (whole blocks), chained as group 0 chains its blocks.
@@ -1482,7 +1486,7 @@ class PagedCache<S> {
       if (snapshots_[i].epoch != 0 && snapshots_[i].hash == hash) return static_cast<std::int64_t>(i);
     return -1;
   }
-  // Each fork destination's slot gets its source's states (in a transaction: when it commits).
+  // Each fork destination's slot gets its source's states (a rollback puts back what they overwrote).
   template <class Forks>
   void copy_forked_states(const Forks& forks) {
     if (state_slots() == 0) return;
@@ -1648,19 +1652,66 @@ class PagedCache<S> {
     bool from_swap = false, to_swap = false;
   };
   void copy_states_now(const state_copy& c) noexcept {
-    // A destination taken again since the copy was queued (in the same transaction) holds another
-    // request's states now: the copy is moot, and must not overwrite them.
-    const paged::StateSlots& to = c.to_swap ? swap_.state_slots() : tables_.state_slots();
-    if (to.epoch(c.b) != c.eb) return;
     paged::StatePools<S>::copy_slot(c.from_swap ? swap_.states() : states_, c.a, c.ea,
                                     c.to_swap ? swap_.states() : states_, c.b, c.eb);
   }
-  // Copies states now, or in a transaction when it commits (as move_blocks copies blocks).
+  // Copies states at once. In a transaction the destination slot's states and marks are saved
+  // first (std::bad_alloc possible, with nothing changed), and a rollback puts them back: the slot
+  // may have been given back earlier in the transaction, and what its holder had must survive.
   void move_states(const state_copy& c) {
-    if (!in_transaction()) return copy_states_now(c);
-    if (pending_states_.size() == pending_states_.capacity())
-      pending_states_.reserve(std::max<std::size_t>(8, 2 * pending_states_.capacity()));
-    pending_states_.push_back(c);
+    if (in_transaction()) save_slot(c.to_swap, c.b);
+    copy_states_now(c);
+  }
+  // A state slot as a transaction found it before a copy overwrote it.
+  struct saved_slot {
+    bool swap;  // the swap pool's slot, else the cache's
+    std::int64_t slot;
+    std::vector<std::int64_t> sizes;   // each entry's conv then recurrent elements, as saved
+    std::vector<std::uint64_t> marks;  // each entry's conv then recurrent mark
+    typename S::buffer_type data;      // the states, in that order
+  };
+  void save_slot(bool swap, std::int64_t slot) {
+    const paged::StatePools<S>& p = swap ? swap_.states() : states_;
+    const auto entries = static_cast<std::size_t>(p.entries());
+    std::vector<std::int64_t> sizes(2 * entries);
+    std::vector<std::uint64_t> marks(2 * entries);
+    std::int64_t n = 0;
+    for (std::size_t e = 0; e < entries; ++e) {
+      const auto& x = p.at(static_cast<std::int64_t>(e));
+      sizes[2 * e] = x.conv_size();
+      sizes[2 * e + 1] = x.recurrent_size;
+      marks[2 * e] = p.conv_mark(static_cast<std::int64_t>(e), slot);
+      marks[2 * e + 1] = p.recurrent_mark(static_cast<std::int64_t>(e), slot);
+      n += x.conv_size() + x.recurrent_size;
+    }
+    saved_slot saved{swap, slot, std::move(sizes), std::move(marks), typename S::buffer_type(n)};
+    T* out = saved.data.data();
+    for (std::size_t e = 0; e < entries; ++e) {
+      const auto i = static_cast<std::int64_t>(e);
+      const std::int64_t c = saved.sizes[2 * e], r = saved.sizes[2 * e + 1];
+      if (c > 0) S::copy_2d(out, c, p.conv(i, slot), c, c, 1);
+      if (r > 0) S::copy_2d(out + c, r, p.recurrent(i, slot), r, r, 1);
+      out += c + r;
+    }
+    if (saved_states_.size() == saved_states_.capacity())
+      saved_states_.reserve(std::max<std::size_t>(8, 2 * saved_states_.capacity()));
+    tables_.log().on_undo(&restore_slot, this, saved_states_.size());
+    saved_states_.push_back(std::move(saved));  // (within the capacity reserved)
+  }
+  static void restore_slot(void* self, const std::byte* data) noexcept {
+    auto& me = *static_cast<PagedCache*>(self);
+    const saved_slot& s = me.saved_states_[paged::UndoLog::load<std::size_t>(data)];
+    paged::StatePools<S>& p = s.swap ? me.swap_.states() : me.states_;
+    const T* in = s.data.data();
+    for (std::size_t e = 0; e < s.sizes.size() / 2; ++e) {
+      const auto i = static_cast<std::int64_t>(e);
+      const std::int64_t c = s.sizes[2 * e], r = s.sizes[2 * e + 1];
+      if (c > 0) S::copy_2d(p.conv(i, s.slot), c, in, c, c, 1);
+      if (r > 0) S::copy_2d(p.recurrent(i, s.slot), r, in + c, r, r, 1);
+      in += c + r;
+      p.mark_conv(i, s.slot, s.marks[2 * e]);
+      p.mark_recurrent(i, s.slot, s.marks[2 * e + 1]);
+    }
   }
 
   // Where block copies go: the pools or the swap pool.
@@ -1690,10 +1741,10 @@ class PagedCache<S> {
   paged::BlockTables tables_;
   paged::PagePools<S> pages_;  // (num_blocks + 2) blocks: the padding zone is the last two
   paged::SwapPool<S> swap_;
-  std::int64_t states_per_layer_ = 0;       // 0: the model has no linear-attention states
-  paged::StatePools<S> states_;             // every slot's states
-  typename S::buffer_type out_conv_;        // what the last update_conv_state returned
-  std::vector<state_copy> pending_states_;  // a transaction's state copies, waiting for the commit
+  std::int64_t states_per_layer_ = 0;     // 0: the model has no linear-attention states
+  paged::StatePools<S> states_;           // every slot's states
+  typename S::buffer_type out_conv_;      // what the last update_conv_state returned
+  std::vector<saved_slot> saved_states_;  // what a transaction's state copies overwrote
   // A state snapshot: slot state_slots() + i of states_ for entry i.
   struct snapshot {
     std::uint64_t hash = 0;   // of the prefix's last block (group 0's chain)

@@ -965,13 +965,14 @@ class ContinuousBatchingScheduler {
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
       if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(key)) {
-        const PagedPrefixMatch m = cache_->match_prefix(key, st.remaining_prefill_tokens());
-        undo_.set(st.prefix_match, m);
+        PagedPrefixMatch m = cache_->match_prefix(key, st.remaining_prefill_tokens());
         const std::int64_t k = m.tokens;
+        // At least one token is left to compute: its logits start the generation.
+        const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens()) - 1);
+        m.tokens = keep;  // what the request reuses
+        undo_.set(st.prefix_match, m);
         if (k > 0) {
           activate(st);
-          // At least one token is left to compute: its logits start the generation.
-          const std::int64_t keep = std::min<std::int64_t>(k, std::ssize(st.remaining_prefill_tokens()) - 1);
           undo_.set(st.position_offset, st.position_offset + keep);
           stats_.prefix_hit_tokens += keep;
         }

@@ -136,6 +136,10 @@ class StatePools {
   bool recurrent_written(std::int64_t e, std::int64_t s, std::uint64_t epoch) const noexcept {
     return recurrent_marks_[mark(e, s)] == epoch;
   }
+  // Returns the epoch slot s's conv state of entry e was last written under (0: never).
+  std::uint64_t conv_mark(std::int64_t e, std::int64_t s) const noexcept { return conv_marks_[mark(e, s)]; }
+  // Returns the epoch slot s's recurrent state of entry e was last written under (0: never).
+  std::uint64_t recurrent_mark(std::int64_t e, std::int64_t s) const noexcept { return recurrent_marks_[mark(e, s)]; }
   // Marks slot s's conv state of entry e written under `epoch`.
   void mark_conv(std::int64_t e, std::int64_t s, std::uint64_t epoch) noexcept { conv_marks_[mark(e, s)] = epoch; }
   // Marks slot s's recurrent state of entry e written under `epoch`.
@@ -223,11 +227,18 @@ class StatePools {
 
   // Slot a of `from` (epoch ea) to slot b of `to` (epoch eb): the states written in a are copied
   // and marked written in b, the others marked unwritten. `to` is shaped like `from` (shape_like).
+  // A slot onto itself only changes its marks.
   static void copy_slot(const StatePools& from, std::int64_t a, std::uint64_t ea, StatePools& to, std::int64_t b,
                         std::uint64_t eb) {
+    const bool same = &from == &to && a == b;
     for (std::int64_t e = 0; e < from.entries(); ++e) {
       const entry& x = from.at(e);
       const bool conv = from.conv_written(e, a, ea), rec = from.recurrent_written(e, a, ea);
+      if (same) {
+        to.mark_conv(e, b, conv ? eb : 0);
+        to.mark_recurrent(e, b, rec ? eb : 0);
+        continue;
+      }
       if (conv) S::copy_2d(to.conv(e, b), x.conv_size(), from.conv(e, a), x.conv_size(), x.conv_size(), 1);
       if (rec)
         S::copy_2d(to.recurrent(e, b), x.recurrent_size, from.recurrent(e, a), x.recurrent_size, x.recurrent_size, 1);
