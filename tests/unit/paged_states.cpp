@@ -393,7 +393,7 @@ TEST_CASE("PagedCache states: offload and restore carry them through a swap stat
   REQUIRE(c.allocate_blocks(1, "c", 0));
   CHECK(c.state_slot("c") == 0);
   (void)c.update_conv_state(random_conv(1, 3, 2, 5), "c", 2, 1, 3);
-  // Back, into a new slot, in a transaction: the copy is made when it commits.
+  // Back, into a new slot, in a transaction (the copy saves the slot it overwrites first).
   REQUIRE(c.allocate_blocks(2, "a", 0));
   c.transaction([&] { c.restore_request("a"); });
   CHECK(!c.is_offloaded("a"));
@@ -429,7 +429,7 @@ TEST_CASE("PagedCache states: offload and restore carry them through a swap stat
   CHECK(kvc_test::take_paged_snapshot(c, {"x", "y"}) == full);
 }
 
-TEST_CASE("PagedCache states: forks copy them, in a transaction when it commits, and a rollback gives slots back") {
+TEST_CASE("PagedCache states: forks copy them, in a transaction too, and a rollback gives slots back") {
   Cache c(hybrid_model(), blocks(8, 3));
   REQUIRE(c.allocate_blocks(1, "a", 0));
   const Conv x = random_conv(1, 3, 5);
@@ -449,7 +449,7 @@ TEST_CASE("PagedCache states: forks copy them, in a transaction when it commits,
   CHECK(c.free_state_slots() == 2);
   CHECK(kvc_test::take_paged_snapshot(c, {"a", "x"}) == before);
 
-  // Committed: the copy is made at the commit.
+  // Committed: the copies stay.
   c.transaction([&] { (void)c.fork_request("a", std::vector<std::string>{"x", "y"}); });
   CHECK(states_of(c, "x") == a);
   CHECK(states_of(c, "y") == a);
@@ -604,8 +604,8 @@ TEST_CASE("PagedCache states: a slot given back and taken again in one transacti
   REQUIRE(c.allocate_blocks(1, "r", 0));
   c.restore_request("r");
   CHECK(states_of(c, "r") == r);
-  // A fork's copy into a slot that was given back and taken again before the commit does not
-  // overwrite what the new holder wrote.
+  // A fork's copy into a slot that is then given back and taken again in the same transaction:
+  // the new holder's writes stay.
   c.free_all_requests();
   Cache d(hybrid_model(), blocks(8, 2));
   REQUIRE(d.allocate_blocks(1, "a", 0));
@@ -820,7 +820,7 @@ TEST_CASE("PagedCache states: snapshots at block boundaries let a later prompt r
 TEST_CASE("PagedCache states: snapshots and their refusals, slots, transactions and the models that keep none") {
   ids prompt(12);
   for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int64_t>(i + 1);
-  SUBCASE("a match needs a free state slot; in a transaction the states arrive at the commit") {
+  SUBCASE("a match needs a free state slot; in a transaction a rollback takes the states back") {
     Cache c(hybrid_model(1), snapshotting(16, 2, 4));
     CHECK(c.max_state_snapshots() == 2);  // unset: as many as the state slots
     run_tokens(c, "a", prompt, 0, 4, 1);
@@ -835,7 +835,7 @@ TEST_CASE("PagedCache states: snapshots and their refusals, slots, transactions 
     CHECK(m.tokens == 0);
     CHECK(kvc_test::take_paged_snapshot(c, {"a", "b", "full"}) == before);
     c.free_blocks("full");
-    // Rolled back: nothing; committed: b holds the blocks and, from the commit, the states.
+    // Rolled back: nothing; committed: b holds the blocks and the states.
     c.begin_transaction();
     CHECK(c.match_prefix("b", prompt).tokens == 4);
     c.rollback_transaction();

@@ -617,10 +617,12 @@ class PagedCache<S> {
   // ---- transactions ------------------------------------------------------------------------------
   // Several calls as one, all or nothing: between begin_transaction() and commit_transaction(),
   // every change to the bookkeeping (tables, block manager, swap pool) is recorded before it is
-  // made, and block copies (forks, offload, restore) wait for the commit; rollback_transaction()
-  // undoes the changes, newest first, and drops the copies, allocating nothing. Calls in between
-  // see the changes as they are made; one that throws may leave part of its work to the rollback,
-  // so roll back after an exception. The scheduler runs each schedule() and update() as one, so
+  // made, and block copies (forks, offload, restore) wait for the commit; state copies are made at
+  // once, each destination slot saved first; rollback_transaction() undoes the changes, newest
+  // first, puts the saved slots back and drops the block copies, allocating nothing. Calls in
+  // between see the changes as they are made; one that throws may leave part of its work to the
+  // rollback, so roll back after an exception. The cache must not be copied or moved while a
+  // transaction is open (the undo records point into it). The scheduler runs each schedule() and update() as one, so
   // that a std::bad_alloc anywhere in them leaves the cache as it was.
   bool in_transaction() const noexcept { return tables_.in_transaction(); }
   // Starts a transaction; throws kvc::ValueError when one is already open.
@@ -636,7 +638,7 @@ class PagedCache<S> {
     pending_.clear();
     pending_ids_.clear();
     tables_.log().commit();
-    saved_states_.clear();
+    saved_used_ = 0;
   }
   // Undoes every change since begin_transaction(), newest first, and drops the waiting block
   // copies.
@@ -644,7 +646,7 @@ class PagedCache<S> {
     pending_.clear();
     pending_ids_.clear();
     tables_.log().rollback();  // (puts back the state slots that copies overwrote)
-    saved_states_.clear();
+    saved_used_ = 0;
   }
   // f() as one transaction: kept when it returns, rolled back when it throws (the exception goes
   // on to the caller).
@@ -1664,39 +1666,45 @@ class PagedCache<S> {
   }
   // A state slot as a transaction found it before a copy overwrote it.
   struct saved_slot {
-    bool swap;  // the swap pool's slot, else the cache's
-    std::int64_t slot;
+    bool swap = false;  // the swap pool's slot, else the cache's
+    std::int64_t slot = 0;
     std::vector<std::int64_t> sizes;   // each entry's conv then recurrent elements, as saved
     std::vector<std::uint64_t> marks;  // each entry's conv then recurrent mark
     typename S::buffer_type data;      // the states, in that order
   };
+  // Saves the slot's states and marks in the next record and registers their undo. A record of an
+  // earlier transaction is used again with its memory, so a steady state of forks, offloads and
+  // matches allocates nothing here. Strong guarantee: what fails leaves the record unused.
   void save_slot(bool swap, std::int64_t slot) {
     const paged::StatePools<S>& p = swap ? swap_.states() : states_;
     const auto entries = static_cast<std::size_t>(p.entries());
-    std::vector<std::int64_t> sizes(2 * entries);
-    std::vector<std::uint64_t> marks(2 * entries);
     std::int64_t n = 0;
-    for (std::size_t e = 0; e < entries; ++e) {
-      const auto& x = p.at(static_cast<std::int64_t>(e));
-      sizes[2 * e] = x.conv_size();
-      sizes[2 * e + 1] = x.recurrent_size;
-      marks[2 * e] = p.conv_mark(static_cast<std::int64_t>(e), slot);
-      marks[2 * e + 1] = p.recurrent_mark(static_cast<std::int64_t>(e), slot);
-      n += x.conv_size() + x.recurrent_size;
+    for (std::int64_t e = 0; e < p.entries(); ++e) n += p.at(e).conv_size() + p.at(e).recurrent_size;
+    if (saved_used_ == saved_states_.size()) {
+      if (saved_states_.size() == saved_states_.capacity())
+        saved_states_.reserve(std::max<std::size_t>(8, 2 * saved_states_.capacity()));
+      saved_states_.emplace_back();
     }
-    saved_slot saved{swap, slot, std::move(sizes), std::move(marks), typename S::buffer_type(n)};
+    saved_slot& saved = saved_states_[saved_used_];
+    if (saved.data.size() < n) saved.data = typename S::buffer_type(n);
+    saved.sizes.resize(2 * entries);
+    saved.marks.resize(2 * entries);
+    saved.swap = swap;
+    saved.slot = slot;
     T* out = saved.data.data();
     for (std::size_t e = 0; e < entries; ++e) {
       const auto i = static_cast<std::int64_t>(e);
-      const std::int64_t c = saved.sizes[2 * e], r = saved.sizes[2 * e + 1];
+      const std::int64_t c = p.at(i).conv_size(), r = p.at(i).recurrent_size;
+      saved.sizes[2 * e] = c;
+      saved.sizes[2 * e + 1] = r;
+      saved.marks[2 * e] = p.conv_mark(i, slot);
+      saved.marks[2 * e + 1] = p.recurrent_mark(i, slot);
       if (c > 0) S::copy_2d(out, c, p.conv(i, slot), c, c, 1);
       if (r > 0) S::copy_2d(out + c, r, p.recurrent(i, slot), r, r, 1);
       out += c + r;
     }
-    if (saved_states_.size() == saved_states_.capacity())
-      saved_states_.reserve(std::max<std::size_t>(8, 2 * saved_states_.capacity()));
-    tables_.log().on_undo(&restore_slot, this, saved_states_.size());
-    saved_states_.push_back(std::move(saved));  // (within the capacity reserved)
+    tables_.log().on_undo(&restore_slot, this, saved_used_);
+    ++saved_used_;
   }
   static void restore_slot(void* self, const std::byte* data) noexcept {
     auto& me = *static_cast<PagedCache*>(self);
@@ -1741,10 +1749,13 @@ class PagedCache<S> {
   paged::BlockTables tables_;
   paged::PagePools<S> pages_;  // (num_blocks + 2) blocks: the padding zone is the last two
   paged::SwapPool<S> swap_;
-  std::int64_t states_per_layer_ = 0;     // 0: the model has no linear-attention states
-  paged::StatePools<S> states_;           // every slot's states
-  typename S::buffer_type out_conv_;      // what the last update_conv_state returned
-  std::vector<saved_slot> saved_states_;  // what a transaction's state copies overwrote
+  std::int64_t states_per_layer_ = 0;  // 0: the model has no linear-attention states
+  paged::StatePools<S> states_;        // every slot's states
+  typename S::buffer_type out_conv_;   // what the last update_conv_state returned
+  // What a transaction's state copies overwrote: the first saved_used_ records (the others are kept
+  // for their memory).
+  std::vector<saved_slot> saved_states_;
+  std::size_t saved_used_ = 0;
   // A state snapshot: slot state_slots() + i of states_ for entry i.
   struct snapshot {
     std::uint64_t hash = 0;   // of the prefix's last block (group 0's chain)

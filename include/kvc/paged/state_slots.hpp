@@ -10,8 +10,8 @@
 // that a transaction undoes them with the block tables'). StatePools holds the data and knows
 // nothing of requests. A slot's states are "written" when their mark equals the slot's epoch, a
 // number each taking of a slot gets afresh (never reused, also across rollbacks): a slot taken
-// again reads as never written without being cleared, and a transaction's rollback needs no undo
-// of the marks.
+// again reads as never written without being cleared. A state copy in a transaction saves the
+// destination's states and marks first (PagedCache), and the rollback puts them back.
 
 #include <algorithm>
 #include <array>
