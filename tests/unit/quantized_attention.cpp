@@ -155,11 +155,11 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
   }
   // Decode steps in key splits: long histories, one seed (the test's slowest part under the
   // sanitizers and valgrind).
-  compare<float>(kivi, std::nullopt, 1, 700);
-  compare<float>(quanto, std::nullopt, 2, 700);
-  compare<double>(hqq, std::nullopt, 1, 700);
-  compare<float>(quanto, 600, 2, 700);
-  compare<float>(quanto, 4096, 1, 700);  // a window longer than the context
+  compare<float>(kivi, std::nullopt, 1, 560);
+  compare<float>(quanto, std::nullopt, 2, 560);
+  compare<double>(hqq, std::nullopt, 1, 560);
+  compare<float>(quanto, 540, 2, 560);
+  compare<float>(quanto, 4096, 1, 560);  // a window longer than the context
 }
 
 TEST_CASE("attend_quantized: views whose heads lie apart read as their contiguous copies") {
