@@ -939,7 +939,7 @@ class PagedCache<S> {
     const paged::StateSlots& slots = tables_.state_slots();
     const std::int64_t slot = slots.slot_of(k);
     if (slot < 0) return false;
-    const std::uint64_t h = prefix_hash(token_ids);
+    const std::uint64_t h = snapshot_key(k, token_ids);
     if (const std::int64_t at = find_snapshot(h); at >= 0) {
       snapshots_[static_cast<std::size_t>(at)].used = ++snapshot_tick_;
       return true;
@@ -1473,6 +1473,16 @@ class PagedCache<S> {
     move_states({state_slots() + from, used.epoch, slot, slots.epoch(slot)});
     tables_.log().set(used.used, ++snapshot_tick_);  // (a rollback forgets the use)
     return out;
+  }
+  // The key of a snapshot after `tokens` (whole blocks): the hash of the request's group-0 block
+  // ending there where the block is complete (the scheduler marks a step's complete blocks before
+  // it saves, so a save costs O(1) there, not O(prefix)), else the hash computed from the tokens.
+  std::uint64_t snapshot_key(paged::RequestKey k, std::span<const std::int64_t> tokens) const {
+    const auto last = tokens.size() / static_cast<std::size_t>(block_size()) - 1;
+    if (tables_.has_table(0, k))
+      if (const auto& t = tables_.table(0, k); last < t.size())
+        if (const paged::Block* b = manager().block(t[last]); b != nullptr && b->hash) return *b->hash;
+    return prefix_hash(tokens);
   }
   // The hash of the last block of `tokens` (whole blocks), chained as group 0 chains its blocks.
   std::uint64_t prefix_hash(std::span<const std::int64_t> tokens) const {
