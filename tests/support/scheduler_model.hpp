@@ -168,8 +168,9 @@ class run {
            std::to_string(st.prompt_length) + "," + std::to_string(st.num_children) + "," +
            std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + "," +
            std::to_string(st.preemptions) + "," + st.error + ",";
-      for (const std::int64_t t : st.tokens) s += std::to_string(t) + " ";
-      for (std::int64_t g = 0; g < cache_->num_groups(); ++g) s += "|" + std::to_string(cache_->blocks_in_group(g, id));
+      for (const std::int64_t token : st.tokens) s += std::to_string(token) + " ";
+      for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
+        s += "|" + std::to_string(cache_->blocks_in_group(static_cast<std::size_t>(g), id));
       s += ";";
     }
     return s;

@@ -662,10 +662,10 @@ std::string sched_state(const sched_rig& r) {
 
 // One step of the model loop; then every running request's cached rows must be its own.
 void sched_step(sched_rig& r) {
-  auto batch = r.sched->schedule();
-  if (!batch) return;
-  kvc_toy::write_batch(*r.cache, *r.sched, *batch, sched_layers);
-  r.sched->update(*batch, kvc_toy::next_tokens(*r.sched, *batch));
+  auto scheduled = r.sched->schedule();
+  if (!scheduled) return;
+  kvc_toy::write_batch(*r.cache, *r.sched, *scheduled, sched_layers);
+  r.sched->update(*scheduled, kvc_toy::next_tokens(*r.sched, *scheduled));
   for (const std::string& id : sched_ids) {
     if (!known(r, id)) continue;
     const kvc::RequestState& st = r.sched->request(id);
