@@ -134,6 +134,46 @@ inline std::vector<std::int64_t> repeated_rows(std::int64_t batch, std::int64_t 
   return idx;
 }
 
+// The layer a length or mask query on layer `idx` reads (transformers' Cache methods on a cache
+// with linear-attention layers): idx itself when it has keys and values; for idx 0 the first
+// layer that has them; otherwise transformers' ValueError. `has_kv(i)` says whether layer i has
+// keys and values; idx is in range.
+template <class HasKV>
+std::int64_t attention_layer_for(const char* method, std::int64_t idx, std::int64_t layers, HasKV&& has_kv) {
+  if (has_kv(idx)) return idx;
+  if (idx != 0)
+    throw ValueError("You called `" + std::string(method) + "` on layer index " + std::to_string(idx) +
+                     ", but this layer is a LinearAttention layer, which does not track sequence length.");
+  for (std::int64_t i = 0; i < layers; ++i)
+    if (has_kv(i)) return i;
+  throw ValueError("`" + std::string(method) +
+                   "` can only be called on Attention layers, and the current Cache seem to only contain "
+                   "LinearAttention layers.");
+}
+
+// The layer has_previous_state reads: `layer_idx` (checked: not negative; -1 past the last layer,
+// where the answer is false), else the last layer with linear-attention states; transformers'
+// ValueError for a layer without them or a cache with none. `has_states(i)` says whether layer i
+// has them.
+template <class HasStates>
+std::int64_t previous_state_layer(std::optional<std::int64_t> layer_idx, std::int64_t layers, HasStates&& has_states) {
+  if (layer_idx) {
+    if (*layer_idx < 0)
+      throw IndexError("has_previous_state: layer_idx " + std::to_string(*layer_idx) +
+                       " is out of range: layer indices start at 0");
+    if (*layer_idx >= layers) return -1;
+    if (!has_states(*layer_idx))
+      throw ValueError("You called `has_previous_state` on layer index " + std::to_string(*layer_idx) +
+                       ", but this layer is an Attention layer, which does not support calling it.");
+    return *layer_idx;
+  }
+  for (std::int64_t i = layers - 1; i >= 0; --i)
+    if (has_states(i)) return i;
+  throw ValueError(
+      "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
+      "contain Attention layers.");
+}
+
 }  // namespace detail
 
 namespace concepts {
@@ -718,22 +758,9 @@ class Cache<L, S, O> {
   // No layer index: the last linear-attention layer. False past the last layer.
   bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
                           std::optional<std::int64_t> state_idx = std::nullopt) const {
-    std::int64_t idx = -1;
-    if (layer_idx) {
-      check_index(*layer_idx, "has_previous_state");
-      if (*layer_idx >= size()) return false;
-      if (!layer_has_linear(*layer_idx))
-        throw ValueError("You called `has_previous_state` on layer index " + std::to_string(*layer_idx) +
-                         ", but this layer is an Attention layer, which does not support calling it.");
-      idx = *layer_idx;
-    } else {
-      for (std::int64_t i = size() - 1; i >= 0 && idx < 0; --i)
-        if (layer_has_linear(i)) idx = i;
-      if (idx < 0)
-        throw ValueError(
-            "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
-            "contain Attention layers.");
-    }
+    const std::int64_t idx =
+        detail::previous_state_layer(layer_idx, size(), [&](std::int64_t i) { return layer_has_linear(i); });
+    if (idx < 0) return false;
     if (state_idx && *state_idx < 0)
       throw KeyError("has_previous_state: state_idx " + std::to_string(*state_idx) + " is negative");
     return visit_layer(idx, [&](const auto& l) {
@@ -1012,15 +1039,7 @@ class Cache<L, S, O> {
   // The layer that answers a length query asked of `idx`: itself, unless it is a pure
   // linear-attention layer (then index 0 redirects to the first attention layer).
   std::int64_t attention_layer_for(const char* method, std::int64_t idx) const {
-    if (layer_has_kv(idx)) return idx;
-    if (idx != 0)
-      throw ValueError("You called `" + std::string(method) + "` on layer index " + std::to_string(idx) +
-                       ", but this layer is a LinearAttention layer, which does not track sequence length.");
-    for (std::int64_t i = 0; i < size(); ++i)
-      if (layer_has_kv(i)) return i;
-    throw ValueError("`" + std::string(method) +
-                     "` can only be called on Attention layers, and the current Cache seem to only contain "
-                     "LinearAttention layers.");
+    return detail::attention_layer_for(method, idx, size(), [&](std::int64_t i) { return layer_has_kv(i); });
   }
 
   template <class F>
