@@ -597,6 +597,47 @@ TEST_CASE("PagedBatchCache: updates, beam reorders, repeats, selections") {
       });
 }
 
+TEST_CASE("PagedBatchCache on a hybrid model: state updates with the rows' first blocks, reorders, repeats") {
+  using C = batch_rig;
+  const auto make = [] {
+    return C{
+        kvc::PagedBatchCache<Host>(paged_model({"linear_attention", "full_attention", "hybrid"}), paged_blocks(40))};
+  };
+  scenario<C> s{"PagedBatchCache (hybrid)", make, {}};
+  auto step = [&](std::int64_t q, unsigned seed) {
+    s.ops.push_back({"conv layer 0 q " + std::to_string(q),
+                     [=](C& r) { r.cache.update_conv_state(conv_input(q, seed), 0, 0, 4); }});
+    s.ops.push_back({"recurrent layer 0", [=](C& r) { r.cache.update_recurrent_state(recurrent_input(seed), 0); }});
+    s.ops.push_back({"update layer 1 q " + std::to_string(q),
+                     [=](C& r) { r.cache.update(tokens(q, seed), tokens(q, seed + 1), 1); }});
+    s.ops.push_back({"update layer 2 q " + std::to_string(q),
+                     [=](C& r) { r.cache.update(tokens(q, seed + 2), tokens(q, seed + 3), 2); }});
+    s.ops.push_back({"conv layer 2 q " + std::to_string(q),
+                     [=](C& r) { r.cache.update_conv_state(conv_input(q, seed + 4), 2, 0, 3); }});
+  };
+  step(5, 1);  // the rows take their blocks and slots at the first conv update
+  step(1, 2);
+  s.ops.push_back({"reorder_cache({1, 1})", [](C& r) { r.cache.reorder_cache({1, 1}); }});
+  s.ops.push_back({"batch_repeat_interleave(2)", [](C& r) { r.cache.batch_repeat_interleave(2); }});
+  s.ops.push_back({"batch_select_indices({0, 2, 2, 1})", [](C& r) { r.cache.batch_select_indices({0, 2, 2, 1}); }});
+  s.ops.push_back({"reset", [](C& r) { r.cache.reset(); }});
+  s.ops.push_back({"update layer 1 first", [](C& r) { r.cache.update(tokens(2, 7), tokens(2, 8), 1); }});
+  check_paged_failures<C>(
+      s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache.paged(); }, [](C& r) { r.cache.reset(); },
+      [](const std::string&) { return true; },
+      [](C& r) {  // every layer's tokens and length, the rows, and the pages and states under them
+        std::vector<std::vector<double>> held;
+        std::vector<std::string> rows;
+        for (const std::int64_t i : {1, 2}) {
+          const auto kv = r.cache.stored(i);
+          held.push_back(kvc_test::flatten(kv.keys));
+          held.push_back({static_cast<double>(r.cache.get_seq_length(i))});
+        }
+        for (std::int64_t b = 0; b < r.cache.batch_size(); ++b) rows.push_back(r.cache.row_request(b));
+        return std::tuple{held, rows, kvc_test::take_paged_snapshot(r.cache.paged(), rows)};
+      });
+}
+
 namespace {
 
 // ---- the scheduler ---------------------------------------------------------------------------------

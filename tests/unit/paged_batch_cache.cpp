@@ -2,6 +2,7 @@
 // to it: make_cache("paged") and AnyCache. Its contract is the dynamic cache's: every read, length
 // and mask size is compared with make_dynamic_cache's on the same inputs.
 
+#include <map>
 #include <random>
 
 #include <kvc/attention.hpp>
@@ -40,6 +41,8 @@ kvc::ContinuousBatchingConfig blocks(std::int64_t block_size, std::optional<std:
   return cb;
 }
 using Paged = kvc::PagedBatchCache<kvc::HostStorage<float>>;
+using Conv = Eigen::Tensor<float, 3, Eigen::RowMajor>;
+using Recurrent = Eigen::Tensor<float, 4, Eigen::RowMajor>;
 
 const Paged& held(const kvc::AnyCache& c) { return *c.get<Paged>(); }
 
@@ -271,8 +274,8 @@ TEST_CASE("PagedBatchCache: a call that fails changes nothing, and says why") {
   CHECK_THROWS_WITH_AS(pc.crop(-1), "'PagedAttentionCache' object has no attribute 'crop'", kvc::AttributeError);
   CHECK_THROWS_WITH_AS(pc.set_write_position(0), "'PagedAttentionCache' object has no attribute 'set_write_position'",
                        kvc::AttributeError);
-  CHECK_THROWS_WITH_AS(pc.update_conv_state(kvc::HostTensor<float>(1, 2, 3, 4), 0),
-                       "'PagedAttentionCache' object has no attribute 'update_conv_state'", kvc::AttributeError);
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(Conv(2, 3, 4), 0),
+                       "Cannot call `update_conv_state` on a non-LinearAttention layer!", kvc::ValueError);
   CHECK_THROWS_WITH_AS(pc.has_previous_state(),
                        "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem "
                        "to only contain Attention layers.",
@@ -317,4 +320,248 @@ TEST_CASE("attend over make_cache('paged') gives what it gives over the dynamic 
       CHECK(kvc_test::flatten(kvc::HostStorage<float>::input_view(b)) == fa);
     }
   }
+}
+
+namespace {
+// A hybrid model with linear-attention states: 0 linear_attention, 1 sliding_attention,
+// 2 full_attention, 3 hybrid (full attention with states), 4 conv; two states per layer with states.
+kvc::ModelConfig linear_model() {
+  kvc::ModelConfig c = hybrid_model(5);
+  c.num_hidden_layers = 5;
+  c.layer_types = std::vector<std::string>{"linear_attention", "sliding_attention", "full_attention", "hybrid", "conv"};
+  c.number_of_conv_states = 2;
+  return c;
+}
+// A state view's elements (state views are contiguous).
+std::vector<double> elements(const kvc::StateView<float>& v) {
+  return std::vector<double>(v.data(), v.data() + (v.rank > 0 ? v.size() : 0));
+}
+bool has_states(std::int64_t layer) { return layer == 0 || layer == 3 || layer == 4; }
+bool has_kv(std::int64_t layer) { return layer == 1 || layer == 2 || layer == 3; }
+
+template <class X>
+X random_state(X x, std::mt19937& rng) {
+  for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(rng() % 2000) / 16.f - 60.f;
+  return x;
+}
+
+// The recurrent states a caller gave each row last, per (layer, state): what the paged rows must hold.
+using held_recurrent = std::map<std::pair<std::int64_t, std::int64_t>, std::vector<std::vector<float>>>;
+
+// One step of q tokens through every layer of both caches (conv states of q columns and a
+// recurrent state for each state of a layer with states, keys and values for a layer with them);
+// every result must agree.
+void hybrid_step(kvc::AnyCache& dynamic, kvc::AnyCache& paged_cache, std::int64_t batch, std::int64_t q,
+                 std::mt19937& rng, held_recurrent& given, const std::string& where) {
+  for (std::int64_t layer = 0; layer < dynamic.size(); ++layer) {
+    INFO(where << " layer " << layer << " q " << q);
+    if (has_states(layer))
+      for (std::int64_t s = 0; s < 2; ++s) {
+        const Conv x = random_state(Conv(batch, 5, q), rng);
+        const auto dc = dynamic.update_conv_state(x, layer, s, 4);
+        const auto shape = dc.extents;
+        const std::vector<double> d = elements(dc);
+        const auto p = paged_cache.update_conv_state(x, layer, s, 4);
+        CHECK(p.extents == shape);
+        CHECK(elements(p) == d);
+        const Recurrent r = random_state(Recurrent(batch, 2, 3, 3), rng);
+        const std::vector<double> dr = elements(dynamic.update_recurrent_state(r, layer, s));
+        CHECK(elements(paged_cache.update_recurrent_state(r, layer, s)) == dr);
+        auto& rows = given[{layer, s}];
+        rows.assign(static_cast<std::size_t>(batch), {});
+        for (std::int64_t b = 0; b < batch; ++b)
+          rows[static_cast<std::size_t>(b)].assign(r.data() + b * 18, r.data() + (b + 1) * 18);
+        CHECK(paged_cache.has_previous_state(layer, s) == dynamic.has_previous_state(layer, s));
+      }
+    if (has_kv(layer)) {
+      CHECK(paged_cache.get_mask_sizes(q, layer) == dynamic.get_mask_sizes(q, layer));
+      const auto k = kvc_test::random_tensor<float>(batch, 2, q, 8, rng);
+      const auto v = kvc_test::random_tensor<float>(batch, 2, q, 8, rng);
+      const auto rd = dynamic.update(k, v, layer);
+      const std::vector<double> dk = kvc_test::flatten(rd.keys), dv = kvc_test::flatten(rd.values);
+      const auto rp = paged_cache.update(k, v, layer);
+      CHECK(kvc_test::flatten(rp.keys) == dk);
+      CHECK(kvc_test::flatten(rp.values) == dv);
+      CHECK(paged_cache.get_seq_length(layer) == dynamic.get_seq_length(layer));
+    }
+  }
+  CHECK(paged_cache.get_seq_length(0) == dynamic.get_seq_length(0));
+  CHECK(paged_cache.get_mask_sizes(2, 0) == dynamic.get_mask_sizes(2, 0));
+  CHECK(paged_cache.has_previous_state() == dynamic.has_previous_state());
+}
+
+// Each row's recurrent states in the paged cache are the ones last given to that row.
+void check_recurrent(const kvc::AnyCache& c, const held_recurrent& given) {
+  const Paged& p = held(c);
+  for (const auto& [at, rows] : given) {
+    REQUIRE(static_cast<std::int64_t>(rows.size()) == p.batch_size());
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      const auto r = p.paged().recurrent_state(p.row_request(static_cast<std::int64_t>(b)), at.first, at.second);
+      CHECK(std::vector<float>(r.data(), r.data() + r.size()) == rows[b]);
+    }
+  }
+}
+
+// The same row permutation applied to what the test gave each row.
+void permute(held_recurrent& given, const std::vector<std::int64_t>& idx) {
+  for (auto& [at, rows] : given) {
+    std::vector<std::vector<float>> next;
+    for (const std::int64_t i : idx) next.push_back(rows[static_cast<std::size_t>(i)]);
+    rows = std::move(next);
+  }
+}
+}  // namespace
+
+TEST_CASE("make_cache('paged') serves a hybrid model's states as the dynamic cache does") {
+  std::mt19937 rng(32);
+  const kvc::ModelConfig m = linear_model();
+  kvc::AnyCache dynamic = kvc::make_cache(kvc::GenerationConfig{}, m);
+  kvc::AnyCache pc = kvc::make_cache(paged(), m, {}, blocks(4, 400));
+  CHECK(pc.is_linear() == dynamic.is_linear());
+  CHECK(pc.is_linear() == std::vector<bool>{true, false, false, false, true});
+  CHECK(pc.is_sliding() == dynamic.is_sliding());
+  CHECK(pc.get_max_length() == dynamic.get_max_length());
+  CHECK(pc.get_max_length(0) == dynamic.get_max_length(0));
+  CHECK_FALSE(pc.has_previous_state(0));
+  CHECK_FALSE(pc.has_previous_state());
+  CHECK(pc.get_seq_length(0) == 0);
+
+  held_recurrent given;
+  std::int64_t batch = 2;
+  hybrid_step(dynamic, pc, batch, 6, rng, given, "prefill");
+  CHECK(held(pc).paged().free_state_slots() == held(pc).paged().state_slots() - 2);
+  std::uniform_int_distribution<int> op(0, 5);
+  for (int round = 0; round < 40; ++round) {
+    const int o = op(rng);
+    const std::string where = "round " + std::to_string(round) + " op " + std::to_string(o);
+    INFO(where);
+    std::vector<std::int64_t> idx;
+    std::uniform_int_distribution<std::int64_t> pick(0, batch - 1);
+    if (o <= 1) {  // beam reorder, duplicates included
+      idx.resize(static_cast<std::size_t>(batch));
+      for (auto& i : idx) i = pick(rng);
+      dynamic.reorder_cache(idx);
+      pc.reorder_cache(idx);
+    } else if (o == 2 && batch <= 3) {
+      idx = kvc::detail::repeated_rows(batch, 2);
+      dynamic.batch_repeat_interleave(2);
+      pc.batch_repeat_interleave(2);
+    } else if (o == 3 && batch > 1) {  // keep a random, possibly repeated, selection
+      idx.resize(static_cast<std::size_t>(std::uniform_int_distribution<std::int64_t>(1, 4)(rng)));
+      for (auto& i : idx) i = pick(rng);
+      dynamic.batch_select_indices(idx);
+      pc.batch_select_indices(idx);
+    } else {
+      hybrid_step(dynamic, pc, batch, o == 4 ? 3 : 1, rng, given, where);
+    }
+    if (!idx.empty()) {
+      permute(given, idx);
+      batch = static_cast<std::int64_t>(idx.size());
+    }
+    REQUIRE(pc.batch_size() == batch);
+    check_recurrent(pc, given);
+    // Every row holds one state slot: the rows' and the free ones add up.
+    CHECK(held(pc).paged().free_state_slots() == held(pc).paged().state_slots() - batch);
+  }
+  hybrid_step(dynamic, pc, batch, 1, rng, given, "last");  // (the conv windows after the last operation)
+
+  // reset gives the slots back; the next batch's states start unwritten.
+  pc.reset();
+  dynamic.reset();
+  CHECK(held(pc).paged().free_state_slots() == held(pc).paged().state_slots());
+  CHECK_FALSE(pc.has_previous_state(0));
+  given.clear();
+  hybrid_step(dynamic, pc, batch, 2, rng, given, "after reset");  // (the dynamic states keep their batch)
+
+  // A batch whose first update is an attention layer's takes its slots there.
+  kvc::AnyCache later = kvc::make_cache(paged(), m, {}, blocks(4, 40));
+  const auto k = kvc_test::random_tensor<float>(2, 2, 3, 8, rng);
+  (void)later.update(k, k, 2);
+  CHECK(held(later).paged().free_state_slots() == held(later).paged().state_slots() - 2);
+  CHECK_FALSE(later.has_previous_state(3, 1));
+}
+
+TEST_CASE("PagedBatchCache on a hybrid model: what it refuses, before anything changes") {
+  std::mt19937 rng(33);
+  const kvc::ModelConfig m = linear_model();
+  auto cb = blocks(4, 40);
+  cb.max_state_slots = 2;
+  kvc::AnyCache pc = kvc::make_cache(paged(), m, {}, cb);
+  const Conv three = random_state(Conv(3, 5, 2), rng);
+  const auto k3 = kvc_test::random_tensor<float>(3, 2, 2, 8, rng);
+  // Three rows, two state slots: refused by the state update and by the attention update.
+  const char* const slots =
+      "kvc::PagedBatchCache: the batch needs 3 state slots, 2 are free (ContinuousBatchingConfig::max_state_slots)";
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(three, 0, 0, 4), slots, kvc::MemoryError);
+  CHECK_THROWS_WITH_AS(pc.update(k3, k3, 1), slots, kvc::MemoryError);
+  CHECK_FALSE(pc.is_initialized());
+  CHECK(held(pc).paged().get_num_free_blocks() == 40);
+  CHECK(held(pc).paged().free_state_slots() == 2);
+
+  // Too few blocks for the rows' first ones (3 groups: a block in each per row).
+  kvc::AnyCache tight = kvc::make_cache(paged(), m, {}, blocks(4, 5));
+  const Conv two = random_state(Conv(2, 5, 2), rng);
+  CHECK_THROWS_WITH_AS(tight.update_conv_state(two, 0, 0, 4),
+                       "kvc::PagedBatchCache: the step needs 6 more blocks for 2 rows, 5 are free "
+                       "(ContinuousBatchingConfig::num_blocks)",
+                       kvc::MemoryError);
+  CHECK_FALSE(tight.is_initialized());
+
+  // A first state update that fails its checks takes no blocks and names no rows.
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(Conv(2, 5, 0), 0),
+                       "update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, "
+                       "got [2, 5, 0]",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(two, 0, 2),
+                       "update_conv_state: state_idx 2 is out of range for a layer with 2 states", kvc::KeyError);
+  CHECK_THROWS_WITH_AS(pc.update_recurrent_state(two, 1),
+                       "Cannot call `update_recurrent_state` on a non-LinearAttention layer!", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(two, 5),
+                       "update_conv_state: layer_idx 5 is out of range for a Cache with 5 layers", kvc::IndexError);
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(two, 0, 0, -1),
+                       "update_conv_state: conv_kernel_size must be positive, got -1", kvc::ValueError);
+  CHECK_FALSE(pc.is_initialized());
+  CHECK(held(pc).paged().get_num_free_blocks() == 40);
+  CHECK(held(pc).paged().free_state_slots() == 2);
+
+  // The batch is fixed by the first call; a later one of another batch or shape is refused.
+  const auto first = pc.update_conv_state(two, 0, 0, 4);
+  CHECK(first.extent(2) == 4);  // two columns left-padded to the kernel
+  const auto before = elements(held(pc).paged().conv_state(held(pc).row_request(1), 0, 0));
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(three, 0),
+                       "kvc::PagedBatchCache::update_conv_state: the cache holds a batch of 2 rows, got 3",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(pc.update_recurrent_state(Recurrent(3, 2, 3, 3), 0),
+                       "kvc::PagedBatchCache::update_recurrent_state: the cache holds a batch of 2 rows, got 3",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(pc.update_conv_state(Conv(2, 6, 1), 0),
+                       "update_conv_state: conv states of shape [2, 6, 1] do not match state 0, which holds 5 channels",
+                       kvc::ValueError);
+  (void)pc.update_recurrent_state(Recurrent(2, 2, 3, 3), 0);
+  CHECK_THROWS_WITH_AS(pc.update_recurrent_state(Recurrent(2, 2, 3, 4), 0),
+                       "update_recurrent_state: recurrent states of shape [2, 2, 3, 4] do not match state 0, which "
+                       "holds [2, 2, 3, 3]",
+                       kvc::ValueError);
+  CHECK(elements(held(pc).paged().conv_state(held(pc).row_request(1), 0, 0)) == before);
+  CHECK(pc.has_previous_state(0, 0));
+  CHECK_FALSE(pc.has_previous_state(0));  // state 1 not yet
+  CHECK_THROWS_WITH_AS(pc.has_previous_state(0, 2),
+                       "has_previous_state: state_idx 2 is out of range for a layer with 2 states", kvc::KeyError);
+
+  // The key/value methods on a linear-attention layer, as the dynamic cache's LinearAttentionLayer.
+  const auto k2 = kvc_test::random_tensor<float>(2, 2, 1, 8, rng);
+  CHECK_THROWS_WITH_AS(pc.update(k2, k2, 4), "'LinearAttentionLayer' object has no attribute 'update'",
+                       kvc::AttributeError);
+  CHECK_THROWS_WITH_AS(pc.stored<float>(0), "'LinearAttentionLayer' object has no attribute 'keys'",
+                       kvc::AttributeError);
+  CHECK_THROWS_WITH_AS(pc.get_seq_length(4),
+                       "You called `get_seq_length` on layer index 4, but this layer is a LinearAttention layer, "
+                       "which does not track sequence length.",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(pc.has_previous_state(2),
+                       "You called `has_previous_state` on layer index 2, but this layer is an Attention layer, which "
+                       "does not support calling it.",
+                       kvc::ValueError);
+  CHECK_FALSE(pc.is_sliding(0));
+  CHECK(pc.get_max_length(4) == -1);
 }

@@ -144,9 +144,9 @@ TEST_CASE("PagedCache on a hybrid model: layers, groups, state slots and the mes
                        "layers next to attention layers only (a model of linear-attention layers alone keeps "
                        "fixed-size states: use a dynamic cache)",
                        kvc::ValueError);
-  // The batch form (make_cache's "paged") keeps no states: transformers' refusal.
-  CHECK_THROWS_WITH_AS(kvc::PagedBatchCache<Host>(hybrid_model(), blocks(10)), "Invalid group type: linear_attention",
-                       kvc::ValueError);
+  // The batch form (make_cache's "paged") keeps them too (transformers refuses the model:
+  // "Invalid group type: linear_attention"); paged_batch_cache.cpp checks it.
+  CHECK(kvc::PagedBatchCache<Host>(hybrid_model(), blocks(10)).paged().state_slots() == 10);
   // A model without states has no slots and no limit from them.
   auto plain = hybrid_model();
   plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
@@ -468,6 +468,49 @@ TEST_CASE("PagedCache states: forks copy them, in a transaction too, and a rollb
   CHECK(!c.find_request("z"));
   REQUIRE(c.allocate_blocks(1, "w", 0));
   CHECK(!c.has_previous_state("w", 0));
+}
+
+TEST_CASE("PagedCache states: copy_states copies one request's states onto another's, rolled back in a transaction") {
+  Cache c(hybrid_model(), blocks(8, 3));
+  REQUIRE(c.allocate_blocks(1, "a", 0));
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  (void)c.update_conv_state(random_conv(1, 3, 5), "a", 3, 1, 2);
+  (void)c.update_conv_state(random_conv(1, 3, 2, 4), "b", 0, 0, 2);
+  const auto a = states_of(c, "a"), b = states_of(c, "b");
+  REQUIRE(a != b);
+
+  // In a transaction: b holds a's states until the rollback gives b's back.
+  c.begin_transaction();
+  c.copy_states("a", "b");
+  CHECK(states_of(c, "b") == a);
+  c.rollback_transaction();
+  CHECK(states_of(c, "b") == b);
+  // Outside one: b's written states are a's, and what a never wrote reads as unwritten in b.
+  c.copy_states("a", "b");
+  CHECK(states_of(c, "b") == a);
+  CHECK(c.has_previous_state("b", 3, 1));
+  CHECK_FALSE(c.has_previous_state("b", 0, 0));
+  c.copy_states("b", "b");  // onto itself: nothing changes
+  CHECK(states_of(c, "b") == a);
+
+  // A request without a slot (open, no blocks yet) is refused, an unknown one too; a model
+  // without states has nothing to copy.
+  const kvc::paged::RequestKey k = c.open_request("k");
+  const auto before = kvc_test::take_paged_snapshot(c, {"a", "b"});
+  CHECK_THROWS_WITH_AS(c.copy_states("a", k), "kvc::PagedCache::copy_states: request k holds no state slot",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(c.copy_states(k, "b"), "kvc::PagedCache::copy_states: request k holds no state slot",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(c.copy_states("a", "nobody"), "No block table found for request nobody", kvc::ValueError);
+  CHECK(kvc_test::take_paged_snapshot(c, {"a", "b"}) == before);
+  auto plain = hybrid_model();
+  plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  plain.num_hidden_layers = 2;
+  Cache p(plain, blocks(10, 0));
+  REQUIRE(p.allocate_blocks(1, "a", 0));
+  REQUIRE(p.allocate_blocks(1, "b", 0));
+  p.copy_states("a", "b");
+  CHECK(p.state_slots() == 0);
 }
 
 TEST_CASE("PagedCache states: the example of docs/paged.md") {

@@ -16,7 +16,15 @@
 //     tokens: a row kept once keeps its blocks, a row kept twice is copied into the blocks of a
 //     row that is dropped, else into new blocks (a fork);
 //   - crop and set_write_position do not exist, as on transformers' PagedAttentionCache
-//     (AnyCache's AttributeError).
+//     (AnyCache's AttributeError);
+//   - a hybrid model's layers with linear-attention states ("linear_attention", "conv", and the
+//     hybrids) keep each row's conv and recurrent states in the row's state slot of the paged
+//     cache: update_conv_state and update_recurrent_state take and return [batch, ...] tensors as
+//     LinearAttentionLayer does (each row's state goes to its request, the results are gathered
+//     into one buffer that the next such call overwrites), has_previous_state and is_linear answer
+//     as the dynamic cache does, and the batch operations copy the states with the rows. A row
+//     takes its slot with its first block, at its first update of either kind (transformers'
+//     continuous batching refuses these models: docs/differences.md).
 // Semantics of the pages: docs/paged.md; the runtime path: docs/runtime.md.
 
 #include <algorithm>
@@ -65,10 +73,14 @@ class PagedBatchCache {
   static constexpr std::string_view class_name = "PagedAttentionCache";
 
   // A paged cache for `config` sized by `cb` (cb.num_blocks must be set), holding no batch yet.
-  // Throws PagedCache's errors (kvc::ValueError for a bad config), and transformers' "Invalid
-  // group type" for a layer with linear-attention states (the batch form keeps none).
+  // Throws PagedCache's errors (kvc::ValueError for a bad config or layer type).
   PagedBatchCache(const ModelConfig& config, const ContinuousBatchingConfig& cb)
-      : cache_(without_states(config), cb), seen_(paged::paged_layer_types(config).size(), 0) {}
+      : cache_(config, cb), seen_(static_cast<std::size_t>(cache_.num_layers()), 0), kinds_(seen_.size(), 0) {
+    const paged::LayerGroups groups = paged::group_paged_layers(config);
+    for (const auto& g : groups.groups)
+      for (const std::int64_t l : g) kinds_[static_cast<std::size_t>(l)] |= has_kv_bit;
+    for (const std::int64_t l : groups.state_layers) kinds_[static_cast<std::size_t>(l)] |= has_states_bit;
+  }
 
   // Returns the paged cache behind the batch, read-only.
   const PagedCache<S>& paged() const noexcept { return cache_; }
@@ -90,6 +102,7 @@ class PagedBatchCache {
   // nothing changed, when the step's blocks are not free; kvc::ValueError or kvc::IndexError for a
   // bad shape or layer.
   KV<view_type> update(const view_type& k, const view_type& v, std::int64_t layer_idx) {
+    if (is_linear_layer(layer_idx)) no_linear_attribute("update");
     const std::int64_t group = cache_.layer_group(layer_idx).first;
     check_input(k, v);
     const std::int64_t batch = k.extent(0), q = k.extent(2);
@@ -107,6 +120,7 @@ class PagedBatchCache {
       throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
                         std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
                         " are free (ContinuousBatchingConfig::num_blocks)");
+    if (allocated_ == 0) check_free_slots(batch);
     std::vector<std::string> names;
     if (rows_.empty()) names = row_names(batch);
     const std::vector<std::string>& ids = rows_.empty() ? names : rows_;
@@ -150,6 +164,7 @@ class PagedBatchCache {
   // What layer `layer_idx` holds, [batch, heads, L, head_dim] (full layers: every token; sliding
   // layers: the last sliding_window - 1), gathered into a buffer that the next call overwrites.
   KV<view_type> stored(std::int64_t layer_idx) const {
+    if (is_linear_layer(layer_idx)) no_linear_attribute("keys");
     const auto gi = static_cast<std::size_t>(cache_.layer_group(layer_idx).first);  // checks layer_idx
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
     if (rows_.empty()) return {};
@@ -175,7 +190,8 @@ class PagedBatchCache {
   // for a negative index.
   std::int64_t get_seq_length(std::int64_t layer_idx = 0) const {
     check_index(layer_idx, "get_seq_length");
-    return layer_idx < size() ? seen_[static_cast<std::size_t>(layer_idx)] : 0;
+    if (layer_idx >= size()) return 0;
+    return seen_[static_cast<std::size_t>(attention_layer_for("get_seq_length", layer_idx))];
   }
   // Returns the position of the next query token: get_seq_length(layer_idx).
   std::int64_t get_query_offset(std::int64_t layer_idx = 0) const { return get_seq_length(layer_idx); }
@@ -186,22 +202,25 @@ class PagedBatchCache {
     check_index(layer_idx, "get_mask_sizes");
     detail::check_size("get_mask_sizes: query_length", query_length, 0, max_extent);
     if (layer_idx >= size()) return {query_length, 0};
+    layer_idx = attention_layer_for("get_mask_sizes", layer_idx);
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
     if (!is_sliding(layer_idx)) return {past + query_length, 0};
     const std::int64_t w = cache_.sliding_window();
     return {std::min(past, w - 1) + query_length, std::max<std::int64_t>(past - w + 1, 0)};
   }
-  // Returns the sliding window when every layer is a sliding one; -1 otherwise (no maximum).
+  // Returns the sliding window when every layer with keys and values is a sliding one; -1
+  // otherwise (no maximum).
   std::int64_t get_max_length() const {
     std::int64_t out = -1;
     for (std::int64_t i = 0; i < size(); ++i) {
+      if (!has_kv(i)) continue;
       if (!is_sliding(i)) return -1;
       out = std::max(out, get_max_length(i));
     }
     return out;
   }
-  // Returns the sliding window for a sliding layer, -1 for a full one or past the last layer;
-  // throws kvc::IndexError for a negative index.
+  // Returns the sliding window for a sliding layer, -1 for a full one, a linear-attention one or
+  // past the last layer; throws kvc::IndexError for a negative index.
   std::int64_t get_max_length(std::int64_t layer_idx) const {
     check_index(layer_idx, "get_max_length");
     return layer_idx < size() && is_sliding(layer_idx) ? cache_.sliding_window() : -1;
@@ -243,8 +262,9 @@ class PagedBatchCache {
                             const detail::int_or_list& head_dim) {
     const auto n = static_cast<std::size_t>(size());
     detail::check_early_initialization(n, batch_size, num_heads, head_dim);
-    for (std::size_t i = 0; i < n; ++i)
-      if (num_heads.at(i) != cache_.num_key_value_heads() || head_dim.at(i) != cache_.head_dim())
+    for (std::size_t i = 0; i < n; ++i)  // (linear-attention layers take their shapes from their states)
+      if (has_kv(static_cast<std::int64_t>(i)) &&
+          (num_heads.at(i) != cache_.num_key_value_heads() || head_dim.at(i) != cache_.head_dim()))
         throw ValueError("kvc::PagedBatchCache::early_initialization: layer " + std::to_string(i) + " has " +
                          std::to_string(cache_.num_key_value_heads()) + " heads of " +
                          std::to_string(cache_.head_dim()) + ", got " + std::to_string(num_heads.at(i)) + " of " +
@@ -273,10 +293,16 @@ class PagedBatchCache {
   }
   // Returns true when layer `layer_idx` is a sliding-window layer; kvc::IndexError out of range.
   bool is_sliding(std::int64_t layer_idx) const {
-    return group_is_sliding(static_cast<std::size_t>(cache_.layer_group(layer_idx).first));
+    return !is_linear_layer(layer_idx) &&
+           group_is_sliding(static_cast<std::size_t>(cache_.layer_group(layer_idx).first));  // checks layer_idx
   }
-  // Returns false for every layer: none is a linear-attention layer.
-  std::vector<bool> is_linear() const { return std::vector<bool>(seen_.size(), false); }
+  // Returns, for each layer, whether it is a linear-attention layer (states and no keys and
+  // values: "linear_attention" and "conv"), as the dynamic cache does.
+  std::vector<bool> is_linear() const {
+    std::vector<bool> out(seen_.size());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = !has_kv(static_cast<std::int64_t>(i));
+    return out;
+  }
   // Returns class_name for every layer.
   std::string_view layer_name(std::int64_t) const noexcept { return class_name; }
   // Returns transformers' repr: PagedAttentionCache(num_blocks=..., block_size=...).
@@ -284,36 +310,95 @@ class PagedBatchCache {
     return std::string(class_name) + "(num_blocks=" + std::to_string(cache_.num_blocks()) +
            ", block_size=" + std::to_string(cache_.block_size()) + ")";
   }
-  // Returns the bytes of the paged cache's K and V pools.
+  // Returns the bytes of the paged cache's K and V pools and state tensors.
   std::int64_t bytes() const noexcept { return cache_.bytes(); }
 
-  // No layer is a linear-attention layer: Cache's messages for a cache of attention layers.
+  // Whether layer `layer_idx` (default: the last layer with linear-attention states) has had an
+  // update_conv_state since the rows took their state slots, for state `state_idx` (default:
+  // every state), as the dynamic cache answers; false past the last layer or before the batch
+  // holds slots. transformers' ValueError for a layer without states or a model with none.
   bool has_previous_state(std::optional<std::int64_t> layer_idx = std::nullopt,
-                          std::optional<std::int64_t> = std::nullopt) const {
-    if (layer_idx) {
-      check_index(*layer_idx, "has_previous_state");
-      if (*layer_idx >= size()) return false;
-      throw ValueError("You called `has_previous_state` on layer index " + std::to_string(*layer_idx) +
-                       ", but this layer is an Attention layer, which does not support calling it.");
+                          std::optional<std::int64_t> state_idx = std::nullopt) const {
+    const std::int64_t idx = detail::previous_state_layer(
+        layer_idx, size(), [&](std::int64_t i) { return (kinds_[static_cast<std::size_t>(i)] & has_states_bit) != 0; });
+    if (idx < 0) return false;
+    if (state_idx && (*state_idx < 0 || *state_idx >= cache_.states_per_layer()))
+      throw KeyError("has_previous_state: state_idx " + std::to_string(*state_idx) +
+                     " is out of range for a layer with " + std::to_string(cache_.states_per_layer()) + " states");
+    if (!holds_slots()) return false;
+    // (every row of a dense batch has had the same updates: row 0 answers for all)
+    if (state_idx) return cache_.has_previous_state(rows_.front(), idx, *state_idx);
+    for (std::int64_t s = 0; s < cache_.states_per_layer(); ++s)
+      if (!cache_.has_previous_state(rows_.front(), idx, s)) return false;
+    return true;
+  }
+  // Stores conv states ([batch, channels, time]) in state `state_idx` of linear-attention layer
+  // `layer_idx`, each row in its request's slot, and returns them with their left context as
+  // LinearAttentionLayer does: on the first call the input (left-padded with zeros to the kernel
+  // size), afterwards the kernel's stored columns followed by the new ones, [batch, channels,
+  // width], in a buffer of this cache that the next call overwrites. `conv_kernel_size` 0 takes
+  // the kernel from the first input's time axis. kvc::ValueError for a bad shape, a batch other
+  // than the cache's, or a layer without states; kvc::MemoryError when the rows' first blocks or
+  // state slots are not free; strong guarantee.
+  template <class X>
+  typename S::state_view_type update_conv_state(const X& conv_states, std::int64_t layer_idx,
+                                                std::int64_t state_idx = 0, std::int64_t conv_kernel_size = 0) {
+    const auto x = detail::checked_state_view<S>(conv_states, "kvc::PagedBatchCache");
+    const std::int64_t entry = state_entry(layer_idx, state_idx, "update_conv_state");
+    detail::check_conv_input(x, conv_kernel_size);
+    check_batch(x.extent(0), "update_conv_state");
+    const std::int64_t batch = x.extent(0), c = x.extent(1), t = x.extent(2);
+    const auto& made = cache_.state_pools().at(entry);
+    if (made.channels > 0 && made.channels != c)
+      throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
+                       std::to_string(state_idx) + ", which holds " + std::to_string(made.channels) + " channels");
+    // The width PagedCache::update_conv_state returns for each row, known before anything changes.
+    const std::int64_t k = made.channels > 0 ? made.kernel : (conv_kernel_size > 0 ? conv_kernel_size : t);
+    const bool first = !holds_slots() || !cache_.has_previous_state(rows_.front(), layer_idx, state_idx);
+    const std::int64_t width = first ? std::max(k, t) : k + t;
+    T* out = state_buffer(out_conv_, detail::checked_elements({batch, c, width}, sizeof(T)), x.data());
+    for_state_rows(batch, [&](const std::string& row, std::int64_t b) {
+      const auto got = cache_.update_conv_state(S::make_state_view(x.data() + b * c * t, 3, {1, c, t, 0}), row,
+                                                layer_idx, state_idx, conv_kernel_size);
+      S::copy_2d(out + b * c * width, c * width, got.data(), got.size(), c * width, 1);
+    });
+    return S::make_state_view(out, 3, {batch, c, width, 0});
+  }
+  // Overwrites recurrent state `state_idx` of linear-attention layer `layer_idx` with
+  // `recurrent_states` ([batch, ...], rank 1 to 4), each row in its request's slot, and returns
+  // what the rows hold, gathered into a buffer of this cache that the next call overwrites; the
+  // errors and guarantee of update_conv_state.
+  template <class X>
+  typename S::state_view_type update_recurrent_state(const X& recurrent_states, std::int64_t layer_idx,
+                                                     std::int64_t state_idx = 0) {
+    const auto x = detail::checked_state_view<S>(recurrent_states, "kvc::PagedBatchCache");
+    const std::int64_t entry = state_entry(layer_idx, state_idx, "update_recurrent_state");
+    if (x.rank < 1 || x.size() < 1)
+      throw ValueError("update_recurrent_state: recurrent states must be a non-empty tensor, got " + shape_string(x));
+    check_batch(x.extent(0), "update_recurrent_state");
+    const std::int64_t batch = x.extent(0), per_row = x.size() / batch;
+    auto one = x.extents;
+    one[0] = 1;
+    if (const auto& made = cache_.state_pools().at(entry);
+        made.rank > 0 && (made.rank != x.rank || made.shape != one)) {
+      auto held = made.shape;
+      held[0] = batch;
+      throw ValueError("update_recurrent_state: recurrent states of shape " + shape_string(x) + " do not match state " +
+                       std::to_string(state_idx) + ", which holds " +
+                       shape_string(S::make_state_view(nullptr, made.rank, held)));
     }
-    throw ValueError(
-        "`has_previous_state` can only be called on LinearAttention layers, and the current Cache seem to only "
-        "contain Attention layers.");
-  }
-  // Throws kvc::AttributeError: no layer has a convolution state.
-  template <class X>
-  typename S::state_view_type update_conv_state(const X&, std::int64_t, std::int64_t = 0, std::int64_t = 0) {
-    no_linear_layer("update_conv_state");
-  }
-  // Throws kvc::AttributeError: no layer has a recurrent state.
-  template <class X>
-  typename S::state_view_type update_recurrent_state(const X&, std::int64_t, std::int64_t = 0) {
-    no_linear_layer("update_recurrent_state");
+    T* out = state_buffer(out_recurrent_, x.size(), x.data());
+    for_state_rows(batch, [&](const std::string& row, std::int64_t b) {
+      const auto got = cache_.update_recurrent_state(S::make_state_view(x.data() + b * per_row, x.rank, one), row,
+                                                     layer_idx, state_idx);
+      S::copy_2d(out + b * per_row, per_row, got.data(), per_row, per_row, 1);
+    });
+    return S::make_state_view(out, x.rank, x.extents);
   }
   // Throws kvc::AttributeError: no layer has an indexer.
   template <class X>
   typename S::state_view_type update_indexer(const X&, std::int64_t) {
-    no_linear_layer("update_indexer");
+    throw AttributeError("'" + std::string(class_name) + "' object has no attribute 'update_indexer'");
   }
 
   // Nothing is offloaded layer by layer; past recording is a DynamicSlidingWindowLayer option.
@@ -326,15 +411,95 @@ class PagedBatchCache {
     PagedIndices reads, writes;
   };
 
-  static const ModelConfig& without_states(const ModelConfig& config) {
-    const paged::LayerGroups groups = paged::group_paged_layers(config);
-    if (!groups.state_layers.empty())
-      throw ValueError("Invalid group type: " +
-                       paged::paged_layer_types(config)[static_cast<std::size_t>(groups.state_layers.front())]);
-    return config;
+  static constexpr unsigned char has_kv_bit = 1, has_states_bit = 2;
+  bool has_kv(std::int64_t layer_idx) const noexcept {
+    return (kinds_[static_cast<std::size_t>(layer_idx)] & has_kv_bit) != 0;
   }
-  [[noreturn]] static void no_linear_layer(const char* method) {
-    throw AttributeError("'" + std::string(class_name) + "' object has no attribute '" + method + "'");
+  // A layer in range with states and no keys and values (out of range: false, for the caller's
+  // own range check).
+  bool is_linear_layer(std::int64_t layer_idx) const noexcept {
+    return layer_idx >= 0 && layer_idx < size() && !has_kv(layer_idx);
+  }
+  // What the dynamic cache's LinearAttentionLayer raises for a K/V method.
+  [[noreturn]] static void no_linear_attribute(const char* method) {
+    throw AttributeError(std::string("'LinearAttentionLayer' object has no attribute '") + method + "'");
+  }
+  std::int64_t attention_layer_for(const char* method, std::int64_t idx) const {
+    return detail::attention_layer_for(method, idx, size(), [&](std::int64_t i) { return has_kv(i); });
+  }
+  // Checks layer_idx and state_idx of a state update (the dynamic cache's messages, before
+  // anything changes) and returns their entry in the paged cache's state pools.
+  std::int64_t state_entry(std::int64_t layer_idx, std::int64_t state_idx, const char* method) const {
+    check_existing(layer_idx, method);
+    const auto& layers = cache_.state_layers();
+    const auto it = std::lower_bound(layers.begin(), layers.end(), layer_idx);
+    if (it == layers.end() || *it != layer_idx)
+      throw ValueError("Cannot call `" + std::string(method) + "` on a non-LinearAttention layer!");
+    if (state_idx < 0 || state_idx >= cache_.states_per_layer())
+      throw KeyError(std::string(method) + ": state_idx " + std::to_string(state_idx) +
+                     " is out of range for a layer with " + std::to_string(cache_.states_per_layer()) + " states");
+    return (it - layers.begin()) * cache_.states_per_layer() + state_idx;
+  }
+  // Whether the rows hold their blocks, and with them their state slots.
+  bool holds_slots() const noexcept { return !rows_.empty() && allocated_ > 0; }
+  void check_batch(std::int64_t batch, const char* method) const {
+    if (!rows_.empty() && batch != static_cast<std::int64_t>(rows_.size()))
+      throw ValueError("kvc::PagedBatchCache::" + std::string(method) + ": the cache holds a batch of " +
+                       std::to_string(rows_.size()) + " rows, got " + std::to_string(batch));
+  }
+  void check_free_slots(std::int64_t batch) const {
+    if (cache_.state_slots() > 0 && batch > cache_.free_state_slots())
+      throw MemoryError("kvc::PagedBatchCache: the batch needs " + std::to_string(batch) + " state slots, " +
+                        std::to_string(cache_.free_state_slots()) +
+                        " are free (ContinuousBatchingConfig::max_state_slots)");
+  }
+  // A buffer of at least `elems` elements for a state update's result: `kept`, unless it is too
+  // small or holds the input (the view the last call returned, handed back), then a new one.
+  static T* state_buffer(typename S::buffer_type& kept, std::int64_t elems, const T* input) {
+    const bool aliased = input >= kept.data() && input < kept.data() + kept.size();
+    if (aliased || kept.size() < elems) {
+      typename S::buffer_type fresh(elems);
+      kept = std::move(fresh);
+    }
+    return kept.data();
+  }
+  // Runs row(request, b) for every batch row b of a state update. Rows that hold no blocks yet
+  // (the batch's first update, or rows early_initialization named) take one block and a state
+  // slot each, in one transaction with row 0's call: PagedCache's state updates change nothing
+  // when they throw, so a failure there undoes the blocks and changes nothing. The other rows'
+  // calls cannot fail (the same checks as row 0's, and nothing left to allocate).
+  template <class Row>
+  void for_state_rows(std::int64_t batch, Row&& row) {
+    std::int64_t b = 0;
+    if (!holds_slots()) {
+      const std::int64_t need = batch * cache_.blocks_needed(1, 0);
+      if (need > cache_.get_num_free_blocks())
+        throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
+                          std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
+                          " are free (ContinuousBatchingConfig::num_blocks)");
+      check_free_slots(batch);
+      std::vector<std::string> names;
+      if (rows_.empty()) names = row_names(batch);
+      const std::vector<std::string>& ids = rows_.empty() ? names : rows_;
+      cache_.transaction([&] {
+        (void)cache_.allocate_blocks(1, ids);  // fits: checked above
+        row(ids.front(), 0);
+      });
+      allocated_ = 1;
+      indices_.clear();
+      if (rows_.empty()) {
+        rows_ = std::move(names);
+        next_id_ += batch;
+      }
+      b = 1;
+    }
+    for (; b < batch; ++b) row(rows_[static_cast<std::size_t>(b)], b);
+  }
+  void check_existing(std::int64_t layer_idx, const char* method) const {
+    check_index(layer_idx, method);
+    if (layer_idx >= size())
+      throw IndexError(std::string(method) + ": layer_idx " + std::to_string(layer_idx) +
+                       " is out of range for a Cache with " + std::to_string(size()) + " layers");
   }
   static void check_index(std::int64_t layer_idx, const char* method) {
     if (layer_idx < 0)
@@ -462,6 +627,8 @@ class PagedBatchCache {
     }
     // From here nothing fails: the block copies into the reused rows, then the table moves.
     cache_.copy_cache(from, to);
+    for (std::size_t c = 0; c < reused; ++c)  // (outside a transaction: a state copy cannot fail)
+      cache_.copy_states(rows_[static_cast<std::size_t>(copies[c].second)], spare[c]);
     for (std::size_t c = 0; c < reused; ++c) next[copies[c].first] = spare[c];
     for (std::size_t c = reused; c < copies.size(); ++c) next[copies[c].first] = forked[c - reused];
     for (std::size_t s = reused; s < spare.size(); ++s) cache_.free_blocks(spare[s]);
@@ -470,13 +637,14 @@ class PagedBatchCache {
     indices_.clear();
   }
   PagedCache<S> cache_;
-  std::vector<std::int64_t> seen_;  // tokens seen, per layer
-  std::vector<std::string> rows_;   // request id of each batch row
-  std::int64_t allocated_ = 0;      // logical blocks each row holds (its full-group count)
+  std::vector<std::int64_t> seen_;    // tokens seen, per layer
+  std::vector<unsigned char> kinds_;  // per layer: has_kv_bit, has_states_bit
+  std::vector<std::string> rows_;     // request id of each batch row
+  std::int64_t allocated_ = 0;        // logical blocks each row holds (its full-group count)
   std::int64_t next_id_ = 0;
   std::vector<step_rows> indices_;
   std::int64_t indices_past_ = -1, indices_q_ = -1;
-  typename S::buffer_type out_k_, out_v_;
+  typename S::buffer_type out_k_, out_v_, out_conv_, out_recurrent_;
   mutable typename S::buffer_type stored_k_, stored_v_;
 };
 

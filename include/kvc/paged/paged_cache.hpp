@@ -606,6 +606,21 @@ class PagedCache<S> {
     });
   }
 
+  // Copies the source request's linear-attention states (every state of every layer with states,
+  // and whether each is written) into the destination's state slot, as a fork copies them: for a
+  // caller that moves rows between requests itself (PagedBatchCache's reorder_cache). Both must
+  // hold a state slot (kvc::ValueError otherwise); a model without states has none to copy. In a
+  // transaction a rollback puts the destination's states back.
+  void copy_states(paged::RequestRef source, paged::RequestRef destination) {
+    if (state_slots() == 0) return;
+    const paged::StateSlots& slots = tables_.state_slots();
+    const paged::RequestKey from = tables_.find_known(source), to = tables_.find_known(destination);
+    const std::int64_t a = slots.slot_of(from), b = slots.slot_of(to);
+    if (a < 0 || b < 0)
+      throw ValueError("kvc::PagedCache::copy_states: request " + tables_.id(a < 0 ? from : to) +
+                       " holds no state slot");
+    if (a != b) move_states({a, slots.epoch(a), b, slots.epoch(b)});
+  }
   // Copies block src[i] to block dst[i] in every pool tensor (in a transaction: when it commits).
   void copy_cache(std::span<const std::int64_t> src, std::span<const std::int64_t> dst) {
     if (src.size() != dst.size()) throw ValueError("kvc::PagedCache::copy_cache: as many sources as destinations");

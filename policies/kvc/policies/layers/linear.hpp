@@ -97,6 +97,19 @@ struct dense_state {
   }
 };
 
+// update_conv_state's checks of its input ([batch, channels, time], positive sizes) and kernel
+// size, with LinearAttentionLayer's messages (PagedBatchCache's update_conv_state uses them too).
+template <class View>
+void check_conv_input(const View& x, std::int64_t conv_kernel_size) {
+  if (x.rank != 3 || x.extent(0) < 1 || x.extent(1) < 1 || x.extent(2) < 1)
+    throw ValueError(
+        "update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, got " +
+        shape_string(x));
+  if (conv_kernel_size < 0)
+    throw ValueError("update_conv_state: conv_kernel_size must be positive, got " + std::to_string(conv_kernel_size));
+  check_size("update_conv_state: conv_kernel_size", conv_kernel_size, 0, max_extent);
+}
+
 }  // namespace detail
 
 // LinearAttentionLayer's layer over storage S (transformers' LinearAttentionLayer):
@@ -192,13 +205,7 @@ class LinearAttentionLayer::state {
   // ring (the oldest kept state makes room once the ring is full).
   state_view update_conv_state(const state_view& x, std::int64_t state_idx, std::int64_t conv_kernel_size) {
     const slot& cur = at(state_idx, "update_conv_state");
-    if (x.rank != 3 || x.extent(0) < 1 || x.extent(1) < 1 || x.extent(2) < 1)
-      throw ValueError(
-          "update_conv_state: conv states must have shape [batch, channels, time] with positive sizes, got " +
-          shape_string(x));
-    if (conv_kernel_size < 0)
-      throw ValueError("update_conv_state: conv_kernel_size must be positive, got " + std::to_string(conv_kernel_size));
-    detail::check_size("update_conv_state: conv_kernel_size", conv_kernel_size, 0, max_extent);
+    detail::check_conv_input(x, conv_kernel_size);
     check_batch(x.extent(0), "update_conv_state");
     if (cur.conv.initialized && cur.conv.extents[1] != x.extent(1))
       throw ValueError("update_conv_state: conv states of shape " + shape_string(x) + " do not match state " +
