@@ -920,6 +920,12 @@ TEST_CASE("PagedCache states: snapshots and their refusals, slots, transactions 
     negative.max_state_snapshots = -1;
     CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), negative),
                          "kvc::PagedCache: max_state_snapshots must be 0 or more, got -1", kvc::ValueError);
+    kvc::ContinuousBatchingConfig huge = snapshotting(16, 2, 4);
+    huge.max_state_snapshots = kvc::max_extent;  // allowed alone, too many with the 2 slots
+    CHECK_THROWS_WITH_AS(Cache(hybrid_model(1), huge),
+                         "kvc::PagedCache: max_state_slots + max_state_snapshots is 1099511627778, above kvc's limit "
+                         "of 1099511627776",
+                         kvc::ValueError);
     kvc::ModelConfig sliding = hybrid_model(1);
     sliding.layer_types = std::vector<std::string>{"linear_attention", "full_attention", "sliding_attention", "conv"};
     sliding.sliding_window = 8;
