@@ -763,6 +763,50 @@ TEST_CASE("scheduler: a hybrid model's prompts resume from state snapshots, repo
   CHECK(std::vector<std::int64_t>(got.generated().begin(), got.generated().end()) == alone(b.prompt, 3, std::nullopt));
 }
 
+TEST_CASE("scheduler: seq_rm on a hybrid request prefills again from its last snapshot, not from 0") {
+  // A hybrid request's states cannot be cut back: seq_rm drops its cache. Its next pass looks for
+  // its prefix in the cache again and finds its own blocks and the snapshot its prompt left at 12.
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 16;
+  cb.max_batch_tokens = 20;
+  cb.state_snapshot_interval = 4;
+  Cache cache(model({"linear_attention", "full_attention"}), cb);
+  Scheduler s(cache, cb);
+  kvc::GenerationRequest a;
+  a.request_id = "a";
+  for (std::int64_t t = 0; t < 13; ++t) a.prompt.push_back(t + 1);
+  a.max_new_tokens = 8;
+  (void)s.add_request(a);
+  const auto run = [&] {
+    auto batch = s.schedule();
+    REQUIRE(batch);
+    kvc_toy::write_batch(cache, s, *batch, 2);
+    s.update(*batch, kvc_toy::next_tokens(s, *batch));
+    if (s.request("a").is_active()) {
+      const kvc::RequestState& st = s.request("a");
+      CHECK(kvc_toy::wrong_row(cache, "a", st.tokens, st.position_offset, 2) == "");
+      CHECK(kvc_toy::wrong_state(cache, "a", st.tokens, st.position_offset) == "");
+    }
+  };
+  while (s.request("a").generated().size() < 4) run();  // [0, 12), [12, 13), then decode steps
+  CHECK(cache.num_state_snapshots() >= 1);
+  const std::int64_t hits = s.stats().prefix_hit_tokens;
+  REQUIRE(s.seq_rm("a", 15, -1));  // 13 prompt tokens and 2 generated stay
+  CHECK(s.request("a").position_offset == 0);
+  run();
+  const kvc::RequestState& st = s.request("a");
+  CHECK(st.prefix_match.attention_tokens == 12);
+  CHECK(st.prefix_match.state_tokens == 12);
+  CHECK(st.prefix_match.tokens == 12);
+  CHECK(s.stats().prefix_hit_tokens == hits + 12);
+  while (!s.request("a").has_ended()) run();
+  const std::vector<kvc::RequestState> done = s.take_finished();
+  REQUIRE(done.size() == 1);
+  CHECK(std::vector<std::int64_t>(done[0].generated().begin(), done[0].generated().end()) ==
+        alone(a.prompt, 8, std::nullopt));
+}
+
 TEST_CASE("scheduler: a prompt that shares cached blocks but no snapshot stops at the shared boundary") {
   // Snapshots every block (4 tokens). a runs its 11 tokens as [0, 8) and [8, 11): a snapshot at 8
   // only. b shares a's first 6 tokens: one cached block, no snapshot there, so b computes from 0,

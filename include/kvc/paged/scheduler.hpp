@@ -377,8 +377,10 @@ class ContinuousBatchingScheduler {
   // seq_rm does for memory that cannot drop part of a sequence). The request then holds p0
   // tokens and continues from them, its last token computed again for the next one's logits
   // (speculative decoding's rollback; transformers' crop). Removing from 0 ends the request.
-  // Where a sliding group's ring has wrapped, or no block is free to copy a shared partial
-  // block, the kept tokens are prefilled again (a soft reset) instead of truncated in place.
+  // Where a sliding group's ring has wrapped, no block is free to copy a shared partial block, or
+  // the model keeps linear-attention states (they cannot be cut back), the kept tokens are
+  // prefilled again (a soft reset) instead of truncated in place: with prefix sharing, from the
+  // longest prefix the cache still holds (the request's own blocks, a state snapshot).
   bool seq_rm(const std::string& id, std::int64_t p0, std::int64_t p1) {
     return remove_suffix(live_state(id, "seq_rm"), p0, p1);
   }
@@ -461,6 +463,7 @@ class ContinuousBatchingScheduler {
     std::uint32_t generation = 0;  // of the handle that names it
     bool live = false;
     paged::RequestKey key;  // the request's key in the cache (opened when it was added, closed when it ends)
+    bool rematch = false;   // a cut dropped its cache: its next pass looks for its prefix in the cache again
   };
 
   paged::RequestKey key_of(const RequestState& st) const noexcept { return slots_[st.handle.slot]->key; }
@@ -504,7 +507,9 @@ class ContinuousBatchingScheduler {
                                       ? stage_children(s, st, 0, std::span(st.tokens).first(1))
                                       : 0;
     prepare(s);
-    cut(st, key_of(st), p0);
+    // A cache dropped by the cut (a wrapped ring, a hybrid model's states): the kept tokens are
+    // prefilled again, from the longest prefix the cache still holds (its own blocks, a snapshot).
+    slots_[st.handle.slot]->rematch = cut(st, key_of(st), p0) && st.is_active();
     if (requeued > 0) {
       st.num_children = 0;
       commit(s);
@@ -533,22 +538,25 @@ class ContinuousBatchingScheduler {
     stage(s, std::move(copy), !fork);
     prepare(s);
     RequestState& made = s.states.front();  // moved in by commit, after the cut
+    const std::uint32_t made_at = made.handle.slot;
+    bool dropped = false;  // the copy's cache, by the cut: it looks for its prefix again (remove_suffix)
     if (fork) {
       // The fork and the cut as one transaction of the cache: a failure in the cut (a copied
       // cache's truncation makes its scratch memory first) undoes the fork too.
       cache_->transaction([&] {
         cache_->fork_request(src, std::span(s.keys).first(1));
-        if (p1 < n) cut(made, s.keys[0], p1);
+        if (p1 < n) dropped = cut(made, s.keys[0], p1);
       });
       // Committed: the copy runs right after its source.
       const auto after = std::find(active_.begin(), active_.end(), st.handle.slot);
       active_.insert(after == active_.end() ? after : after + 1, made.handle.slot);
       ++stats_.forks;
     } else {
-      if (p1 < n) cut(made, s.keys[0], p1);  // nothing cached: cannot fail
+      if (p1 < n) (void)cut(made, s.keys[0], p1);  // nothing cached: cannot fail
       ++stats_.forks_requeued;
     }
     commit(s);
+    slots_[made_at]->rematch = dropped;
     return true;
   }
   // seq_keep's work, for a live request.
@@ -778,6 +786,7 @@ class ContinuousBatchingScheduler {
       }
       slot& sl = *slots_[at];
       sl.state = std::move(s.states[i]);
+      sl.rematch = false;
       sl.live = true;
       sl.key = s.keys[i];
       if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), at);
@@ -964,7 +973,10 @@ class ContinuousBatchingScheduler {
       if (!p.scheduled.empty() && st.status != RequestStatus::decoding &&
           static_cast<double>(cache_->get_num_free_blocks()) < margin)
         break;
-      if (st.status == RequestStatus::pending && cache_->use_prefix_sharing() && !cache_->is_offloaded(key)) {
+      bool& rematch = slots_[at]->rematch;
+      if ((st.status == RequestStatus::pending || rematch) && cache_->use_prefix_sharing() &&
+          !cache_->is_offloaded(key)) {
+        if (rematch) undo_.set(rematch, false);
         PagedPrefixMatch m = cache_->match_prefix(key, st.remaining_prefill_tokens());
         const std::int64_t k = m.tokens;
         // At least one token is left to compute: its logits start the generation.
@@ -1126,19 +1138,22 @@ class ContinuousBatchingScheduler {
   // Cuts the request to its first p0 tokens (0 < p0 < its token count), for seq_rm and seq_cp: its
   // blocks past them are given back (truncate_request), or, where a sliding group's ring has
   // wrapped or no block is free to copy a shared partial block, the kept tokens are prefilled
-  // again (a soft reset). Allocates nothing.
-  void cut(RequestState& st, paged::RequestKey key, std::int64_t p0) {
+  // again (a soft reset). Returns true when it dropped the cache so. Allocates nothing.
+  bool cut(RequestState& st, paged::RequestKey key, std::int64_t p0) {
     std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
     const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
+    bool dropped = false;
     if (cached < st.position_offset &&
         (cache_->is_offloaded(key) || wrapped || !cache_->truncate_request(key, cached))) {
       drop_cache(key, st);
       cached = 0;
+      dropped = true;
     }
     st.tokens.resize(static_cast<std::size_t>(p0));
     st.prompt_length = std::min(st.prompt_length, p0);
     st.position_offset = cached;
     if (st.is_active()) st.status = RequestStatus::prefilling;
+    return dropped;
   }
 
   // A request forks once its prompt is cached but for its last token.
