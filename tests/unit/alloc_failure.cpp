@@ -622,6 +622,10 @@ TEST_CASE("PagedBatchCache on a hybrid model: state updates with the rows' first
   s.ops.push_back({"batch_select_indices({0, 2, 2, 1})", [](C& r) { r.cache.batch_select_indices({0, 2, 2, 1}); }});
   s.ops.push_back({"reset", [](C& r) { r.cache.reset(); }});
   s.ops.push_back({"update layer 1 first", [](C& r) { r.cache.update(tokens(2, 7), tokens(2, 8), 1); }});
+  s.ops.push_back({"reset again", [](C& r) { r.cache.reset(); }});
+  s.ops.push_back({"early_initialization", [](C& r) { r.cache.early_initialization(batch, heads, head_dim); }});
+  s.ops.push_back({"recurrent layer 2 first, on rows early_initialization named",
+                   [](C& r) { r.cache.update_recurrent_state(recurrent_input(9), 2); }});
   check_paged_failures<C>(
       s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache.paged(); }, [](C& r) { r.cache.reset(); },
       [](const std::string&) { return true; },
@@ -633,8 +637,12 @@ TEST_CASE("PagedBatchCache on a hybrid model: state updates with the rows' first
           held.push_back(kvc_test::flatten(kv.keys));
           held.push_back({static_cast<double>(r.cache.get_seq_length(i))});
         }
-        for (std::int64_t b = 0; b < r.cache.batch_size(); ++b) rows.push_back(r.cache.row_request(b));
-        return std::tuple{held, rows, kvc_test::take_paged_snapshot(r.cache.paged(), rows)};
+        std::vector<std::string> known;  // (rows early_initialization named have no table yet)
+        for (std::int64_t b = 0; b < r.cache.batch_size(); ++b) {
+          rows.push_back(r.cache.row_request(b));
+          if (r.cache.paged().state_slot(rows.back()) >= 0) known.push_back(rows.back());
+        }
+        return std::tuple{held, rows, kvc_test::take_paged_snapshot(r.cache.paged(), known)};
       });
 }
 

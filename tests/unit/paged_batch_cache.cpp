@@ -9,6 +9,7 @@
 #include <kvc/runtime.hpp>
 
 #include "../support/kvc_test.hpp"
+#include "../support/paged_snapshot.hpp"
 
 namespace {
 kvc::ModelConfig hybrid_model(std::int64_t window) {
@@ -292,7 +293,8 @@ TEST_CASE("PagedBatchCache::early_initialization fixes the batch before the firs
   CHECK_FALSE(pc.is_initialized());
   pc.early_initialization(2, 2, 8);
   CHECK(pc.batch_size() == 2);
-  CHECK(held(pc).paged().get_num_free_blocks() == 40);  // blocks come with the first update
+  CHECK(held(pc).paged().get_num_free_blocks() == 40);         // blocks come with the first update
+  CHECK(kvc_test::flatten(pc.stored<float>(1).keys).empty());  // the rows hold nothing yet
   pc.batch_repeat_interleave(3);
   CHECK(pc.batch_size() == 6);
   CHECK_THROWS_WITH_AS(pc.early_initialization(4, 2, 8),
@@ -547,6 +549,34 @@ TEST_CASE("PagedBatchCache on a hybrid model: what it refuses, before anything c
   CHECK_FALSE(pc.has_previous_state(0));  // state 1 not yet
   CHECK_THROWS_WITH_AS(pc.has_previous_state(0, 2),
                        "has_previous_state: state_idx 2 is out of range for a layer with 2 states", kvc::KeyError);
+
+  CHECK_THROWS_WITH_AS(pc.has_previous_state(0, -1), "has_previous_state: state_idx -1 is negative", kvc::KeyError);
+
+  // A view a call returned, handed back as the next call's input: read before its buffer goes.
+  const auto v = pc.update_conv_state(two, 0, 1, 4);  // state 1's first call: [2, 5, 4], left-padded
+  const std::vector<double> held_v = elements(v);
+  const auto w = pc.update_conv_state(v, 0, 1, 4);  // [2, 5, 8]: the 4 columns kept, then v's
+  REQUIRE(w.extents == std::array<std::int64_t, 4>{2, 5, 8, 0});
+  for (std::int64_t row = 0; row < 2 * 5; ++row)
+    for (std::int64_t col = 0; col < 4; ++col) {
+      CHECK(static_cast<double>(w.data()[row * 8 + col]) == held_v[static_cast<std::size_t>(row * 4 + col)]);
+      CHECK(static_cast<double>(w.data()[row * 8 + 4 + col]) == held_v[static_cast<std::size_t>(row * 4 + col)]);
+    }
+  const Recurrent given = random_state(Recurrent(2, 2, 3, 3), rng);
+  const auto r = pc.update_recurrent_state(given, 3, 1);
+  const auto r2 = pc.update_recurrent_state(r, 3, 1);
+  CHECK(elements(r2) == std::vector<double>(given.data(), given.data() + given.size()));
+
+  // Rows copied by a fork need state slots: none free (the two rows hold both), nothing changes.
+  const auto slots_before = kvc_test::take_paged_snapshot(held(pc).paged(), {"0", "1"});
+  CHECK_THROWS_WITH_AS(pc.batch_repeat_interleave(2),
+                       "kvc::PagedBatchCache::batch_repeat_interleave: copying rows needs 2 free state slots, 0 are "
+                       "free",
+                       kvc::MemoryError);
+  CHECK(pc.batch_size() == 2);
+  CHECK(kvc_test::take_paged_snapshot(held(pc).paged(), {"0", "1"}) == slots_before);
+  pc.reorder_cache({1, 1});  // row 1 twice: the copy takes row 0's blocks and slot
+  CHECK(pc.batch_size() == 2);
 
   // The key/value methods on a linear-attention layer, as the dynamic cache's LinearAttentionLayer.
   const auto k2 = kvc_test::random_tensor<float>(2, 2, 1, 8, rng);

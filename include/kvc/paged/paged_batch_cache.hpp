@@ -167,7 +167,7 @@ class PagedBatchCache {
     if (is_linear_layer(layer_idx)) no_linear_attribute("keys");
     const auto gi = static_cast<std::size_t>(cache_.layer_group(layer_idx).first);  // checks layer_idx
     const std::int64_t past = seen_[static_cast<std::size_t>(layer_idx)];
-    if (rows_.empty()) return {};
+    if (rows_.empty() || allocated_ == 0) return {};  // (rows early_initialization named hold nothing yet)
     const auto batch = static_cast<std::int64_t>(rows_.size());
     std::vector<std::vector<std::int64_t>> held(rows_.size());
     for (std::size_t b = 0; b < rows_.size(); ++b) {
@@ -322,7 +322,9 @@ class PagedBatchCache {
     const std::int64_t idx = detail::previous_state_layer(
         layer_idx, size(), [&](std::int64_t i) { return (kinds_[static_cast<std::size_t>(i)] & has_states_bit) != 0; });
     if (idx < 0) return false;
-    if (state_idx && (*state_idx < 0 || *state_idx >= cache_.states_per_layer()))
+    if (state_idx && *state_idx < 0)
+      throw KeyError("has_previous_state: state_idx " + std::to_string(*state_idx) + " is negative");
+    if (state_idx && *state_idx >= cache_.states_per_layer())
       throw KeyError("has_previous_state: state_idx " + std::to_string(*state_idx) +
                      " is out of range for a layer with " + std::to_string(cache_.states_per_layer()) + " states");
     if (!holds_slots()) return false;
@@ -356,12 +358,14 @@ class PagedBatchCache {
     const std::int64_t k = made.channels > 0 ? made.kernel : (conv_kernel_size > 0 ? conv_kernel_size : t);
     const bool first = !holds_slots() || !cache_.has_previous_state(rows_.front(), layer_idx, state_idx);
     const std::int64_t width = first ? std::max(k, t) : k + t;
-    T* out = state_buffer(out_conv_, detail::checked_elements({batch, c, width}, sizeof(T)), x.data());
+    typename S::buffer_type fresh;
+    T* out = state_buffer(out_conv_, fresh, detail::checked_elements({batch, c, width}, sizeof(T)), x.data());
     for_state_rows(batch, [&](const std::string& row, std::int64_t b) {
       const auto got = cache_.update_conv_state(S::make_state_view(x.data() + b * c * t, 3, {1, c, t, 0}), row,
                                                 layer_idx, state_idx, conv_kernel_size);
       S::copy_2d(out + b * c * width, c * width, got.data(), got.size(), c * width, 1);
     });
+    if (fresh.size() > 0) out_conv_ = std::move(fresh);  // (the input, read above, may have been the old one)
     return S::make_state_view(out, 3, {batch, c, width, 0});
   }
   // Overwrites recurrent state `state_idx` of linear-attention layer `layer_idx` with
@@ -387,12 +391,14 @@ class PagedBatchCache {
                        std::to_string(state_idx) + ", which holds " +
                        shape_string(S::make_state_view(nullptr, made.rank, held)));
     }
-    T* out = state_buffer(out_recurrent_, x.size(), x.data());
+    typename S::buffer_type fresh;
+    T* out = state_buffer(out_recurrent_, fresh, x.size(), x.data());
     for_state_rows(batch, [&](const std::string& row, std::int64_t b) {
       const auto got = cache_.update_recurrent_state(S::make_state_view(x.data() + b * per_row, x.rank, one), row,
                                                      layer_idx, state_idx);
       S::copy_2d(out + b * per_row, per_row, got.data(), per_row, per_row, 1);
     });
+    if (fresh.size() > 0) out_recurrent_ = std::move(fresh);
     return S::make_state_view(out, x.rank, x.extents);
   }
   // Throws kvc::AttributeError: no layer has an indexer.
@@ -401,9 +407,11 @@ class PagedBatchCache {
     throw AttributeError("'" + std::string(class_name) + "' object has no attribute 'update_indexer'");
   }
 
-  // Nothing is offloaded layer by layer; past recording is a DynamicSlidingWindowLayer option.
+  // Nothing is offloaded layer by layer.
   void make_resident(std::int64_t = -1) noexcept {}
-  // Does nothing: past recording is a DynamicSlidingWindowLayer option.
+  // Does nothing. Past recording keeps what `crop` needs (DynamicSlidingWindowLayer's past tokens,
+  // LinearAttentionLayer's every conv column), and a paged cache has no crop: a hybrid model's
+  // conv results keep the kernel's window, where a recording dynamic cache returns every column.
   void activate_past_recording() noexcept {}
 
  private:
@@ -453,15 +461,15 @@ class PagedBatchCache {
                         std::to_string(cache_.free_state_slots()) +
                         " are free (ContinuousBatchingConfig::max_state_slots)");
   }
-  // A buffer of at least `elems` elements for a state update's result: `kept`, unless it is too
-  // small or holds the input (the view the last call returned, handed back), then a new one.
-  static T* state_buffer(typename S::buffer_type& kept, std::int64_t elems, const T* input) {
+  // Where a state update's result of `elems` elements goes: `kept`, unless it is too small or holds
+  // the input (the view the last call returned, handed back); then a new buffer, made in `fresh`,
+  // which the caller moves into `kept` once the update is done: the input is read until then,
+  // and a refused call leaves the last result where it was.
+  static T* state_buffer(typename S::buffer_type& kept, typename S::buffer_type& fresh, std::int64_t elems,
+                         const T* input) {
     const bool aliased = input >= kept.data() && input < kept.data() + kept.size();
-    if (aliased || kept.size() < elems) {
-      typename S::buffer_type fresh(elems);
-      kept = std::move(fresh);
-    }
-    return kept.data();
+    if (aliased || kept.size() < elems) fresh = typename S::buffer_type(elems);
+    return fresh.size() > 0 ? fresh.data() : kept.data();
   }
   // Runs row(request, b) for every batch row b of a state update. Rows that hold no blocks yet
   // (the batch's first update, or rows early_initialization named) take one block and a state
@@ -623,6 +631,10 @@ class PagedBatchCache {
         throw MemoryError(std::string("kvc::PagedBatchCache::") + method + ": copying rows needs " +
                           std::to_string(need) + " free blocks, " + std::to_string(cache_.get_num_free_blocks()) +
                           " are free");
+      if (cache_.state_slots() > 0 && std::ssize(forked) > cache_.free_state_slots())
+        throw MemoryError(std::string("kvc::PagedBatchCache::") + method + ": copying rows needs " +
+                          std::to_string(forked.size()) + " free state slots, " +
+                          std::to_string(cache_.free_state_slots()) + " are free");
       (void)cache_.fork_requests(forks);
     }
     // From here nothing fails: the block copies into the reused rows, then the table moves.
