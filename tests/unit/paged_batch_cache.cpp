@@ -539,7 +539,7 @@ TEST_CASE("PagedBatchCache on a hybrid model: what it refuses, before anything c
   CHECK_THROWS_WITH_AS(pc.update_conv_state(Conv(2, 6, 1), 0),
                        "update_conv_state: conv states of shape [2, 6, 1] do not match state 0, which holds 5 channels",
                        kvc::ValueError);
-  (void)pc.update_recurrent_state(Recurrent(2, 2, 3, 3), 0);
+  (void)pc.update_recurrent_state(random_state(Recurrent(2, 2, 3, 3), rng), 0);
   CHECK_THROWS_WITH_AS(pc.update_recurrent_state(Recurrent(2, 2, 3, 4), 0),
                        "update_recurrent_state: recurrent states of shape [2, 2, 3, 4] do not match state 0, which "
                        "holds [2, 2, 3, 3]",
