@@ -792,8 +792,10 @@ TEST_CASE("scheduler: seq_rm on a hybrid request prefills again from its last sn
   while (s.request("a").generated().size() < 4) run();  // [0, 12), [12, 13), then decode steps
   CHECK(cache.num_state_snapshots() >= 1);
   const std::int64_t hits = s.stats().prefix_hit_tokens;
-  REQUIRE(s.seq_rm("a", 15, -1));  // 13 prompt tokens and 2 generated stay
+  REQUIRE(s.seq_rm("a", 16, -1));  // 13 prompt tokens and 3 generated stay
   CHECK(s.request("a").position_offset == 0);
+  REQUIRE(s.seq_rm("a", 15, -1));  // a second cut before the next pass: 2 generated stay
+  CHECK(s.request("a").tokens.size() == 15);
   run();
   const kvc::RequestState& st = s.request("a");
   CHECK(st.prefix_match.attention_tokens == 12);

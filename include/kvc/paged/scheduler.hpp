@@ -509,7 +509,8 @@ class ContinuousBatchingScheduler {
     prepare(s);
     // A cache dropped by the cut (a wrapped ring, a hybrid model's states): the kept tokens are
     // prefilled again, from the longest prefix the cache still holds (its own blocks, a snapshot).
-    slots_[st.handle.slot]->rematch = cut(st, key_of(st), p0) && st.is_active();
+    bool& rematch = slots_[st.handle.slot]->rematch;  // (a second cut before the pass keeps the mark)
+    rematch = (cut(st, key_of(st), p0) || rematch) && st.is_active();
     if (requeued > 0) {
       st.num_children = 0;
       commit(s);
