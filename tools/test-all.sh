@@ -121,8 +121,24 @@ fi
 # test; tools/valgrind.supp lists the one accepted report.
 stage "valgrind memcheck: the g++ unit tests"
 if command -v valgrind >/dev/null 2>&1 && [[ -f build/gcc/CTestTestfile.cmake ]]; then
+  # memcheck <key> <test command...>: one test command under valgrind; its log and its verdict
+  # (memcheck-<key>.ok or .failed) go to $log_dir. The commands run JOBS at a time (valgrind runs
+  # each on one core); the verdicts are printed in ctest's order once all are done.
+  memcheck() {
+    local key=$1
+    shift
+    rm -f "$log_dir/memcheck-$key".{ok,failed}
+    if (cd "$(dirname "$1")" && timeout 900 valgrind -q --error-exitcode=99 \
+          --soname-synonyms=somalloc=nouserintercepts \
+          --suppressions="$PWD_ROOT/tools/valgrind.supp" "$@") >"$log_dir/memcheck-$key.log" 2>&1; then
+      : >"$log_dir/memcheck-$key.ok"
+    else
+      : >"$log_dir/memcheck-$key.failed"
+    fi
+  }
   mc_pass=0
   mc_fail=0
+  mc_keys=()
   while read -r -a cmd; do
     [[ ${#cmd[@]} -gt 0 ]] || continue
     name=$(basename "${cmd[0]}")
@@ -136,18 +152,24 @@ if command -v valgrind >/dev/null 2>&1 && [[ -f build/gcc/CTestTestfile.cmake ]]
     # nouserintercepts: a test that replaces operator new/delete (execution's allocation counts)
     # keeps its own; memcheck replacing them too, where the compiler did not inline them, paired its
     # new with the test's inlined free ("mismatched free", depending on inlining).
-    if (cd "$(dirname "${cmd[0]}")" && timeout 900 valgrind -q --error-exitcode=99 \
-          --soname-synonyms=somalloc=nouserintercepts \
-          --suppressions="$PWD_ROOT/tools/valgrind.supp" "${cmd[@]}") >"$log_dir/memcheck-$name.log" 2>&1; then
+    while [[ $(jobs -rp | wc -l) -ge $JOBS ]]; do wait -n || true; done
+    # The key tells apart two tests of one binary (unit.execution and unit.execution.one_thread).
+    key="$name.${#mc_keys[@]}"
+    memcheck "$key" "${cmd[@]}" &
+    mc_keys+=("$key")
+  done < <(ctest --test-dir build/gcc -N -V -L '^unit$' | sed -n 's/^[0-9]*: Test command: //p')
+  wait
+  for key in "${mc_keys[@]}"; do
+    if [[ -f $log_dir/memcheck-$key.ok ]]; then
       mc_pass=$((mc_pass + 1))
-      echo "memcheck $name: clean"
+      echo "memcheck ${key%.*}: clean"
     else
       mc_fail=$((mc_fail + 1))
-      echo "memcheck $name: FAILED"
-      grep -E '^==[0-9]+== ' "$log_dir/memcheck-$name.log" | head -n 40 || true
-      tail -n 5 "$log_dir/memcheck-$name.log"
+      echo "memcheck ${key%.*}: FAILED"
+      grep -E '^==[0-9]+== ' "$log_dir/memcheck-$key.log" | head -n 40 || true
+      tail -n 5 "$log_dir/memcheck-$key.log"
     fi
-  done < <(ctest --test-dir build/gcc -N -V -L '^unit$' | sed -n 's/^[0-9]*: Test command: //p')
+  done
   echo "-- memcheck: $mc_pass passed, $mc_fail failed"
   total_pass=$((total_pass + mc_pass))
   total_fail=$((total_fail + mc_fail))
