@@ -1,6 +1,8 @@
 // The code blocks of docs/quantized.md, paged.md, state.md, linear_attention.md and runtime.md,
 // quoted by docs.snippets and compiled by the build (kvc_docs_examples): each page's block is the
 // body of a function whose parameters are the inputs the page leaves to the reader.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -9,6 +11,7 @@
 
 #include <kvc/fp8_attention.hpp>
 #include <kvc/kvc.hpp>
+#include <kvc/nvfp4.hpp>
 #include <kvc/paged.hpp>
 #include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
@@ -57,6 +60,21 @@ void fp8(const Half& calib_keys, const Half& calib_values, const Half& queries, 
   kvc::HostTensor<Eigen::half> out = kvc::attend_fp8(cache, layer_idx, queries, keys, values, scales);
   // [/snippet]
   (void)out;
+}
+
+std::vector<float> nvfp4(const std::vector<float>& row) {  // a row of 128 values
+  // [snippet:nvfp4]
+  // #include <kvc/nvfp4.hpp>
+  float amax = 0.0f;
+  for (const float x : row) amax = std::max(amax, std::abs(x));
+  const float g = kvc::nvfp4_tensor_scale(amax);  // amax / (6 * 448): the tensor scale
+  std::vector<std::uint8_t> codes(64);            // two E2M1 codes a byte, value 2i in the low half
+  std::vector<kvc::float8_e4m3> scales(8);        // one E4M3 scale per 16 values
+  kvc::nvfp4_quantize(row.data(), 128, g, codes.data(), scales.data());
+  std::vector<float> back(128);
+  kvc::nvfp4_dequantize(codes.data(), scales.data(), 128, g, back.data());
+  // [/snippet]
+  return back;
 }
 
 void paged(kvc::PagedCache<kvc::HostStorage<float>>& cache, std::int64_t layer,
