@@ -22,7 +22,7 @@
 set(kvc_layer_0
     detail/element_conversion.hpp detail/fixed_name.hpp detail/host_device.hpp detail/json.hpp
     detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp execution.hpp float8.hpp
-    limits.hpp nvfp4.hpp version.hpp warnings.hpp
+    limits.hpp nvfp4.hpp rotation.hpp version.hpp warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
     paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
     paged/page_pools.hpp paged/request_keys.hpp paged/state_slots.hpp paged/swap_pool.hpp paged/undo_log.hpp

@@ -15,6 +15,7 @@
 #include <kvc/paged.hpp>
 #include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/runtime.hpp>
 #include <kvc/state.hpp>
 
@@ -75,6 +76,20 @@ std::vector<float> nvfp4(const std::vector<float>& row) {  // a row of 128 value
   kvc::nvfp4_dequantize(codes.data(), scales.data(), 128, g, back.data());
   // [/snippet]
   return back;
+}
+
+kvc::HostTensor<float> rotation(kvc::HostTensor<float> queries, kvc::HostTensor<float> keys,
+                                kvc::HostTensor<float> values, const kvc::AttentionMask& mask) {
+  // [snippet:rotation]
+  // #include <kvc/rotation.hpp>; [batch, heads, tokens, head_dim] tensors, rotated in place
+  const std::int64_t d = queries.dimension(3);
+  kvc::hadamard_rotate(queries.data(), queries.size() / d, d);  // queries as the keys: scores kept
+  kvc::hadamard_rotate(keys.data(), keys.size() / d, d);
+  kvc::hadamard_rotate(values.data(), values.size() / d, d);
+  kvc::HostTensor<float> out = kvc::scaled_dot_product_attention(queries, keys, values, mask);
+  kvc::hadamard_rotate(out.data(), out.size() / d, d);  // values were rotated: rotate the output back
+  // [/snippet]
+  return out;
 }
 
 void paged(kvc::PagedCache<kvc::HostStorage<float>>& cache, std::int64_t layer,
