@@ -18,7 +18,10 @@
 //   S     = float(s) * g                    (the block's scale)
 //   q_i   = float4_e2m1(x_i / S)            (0 with x_i's sign where S is 0)
 // and nvfp4_dequantize gives float(q_i) * S. A block with a NaN gets the NaN scale code, so all of
-// it reads back as NaN.
+// it reads back as NaN. The codes mean what they mean in NVIDIA's format, so nvfp4_dequantize reads
+// NVFP4 data from anywhere; NVIDIA's quantization kernels (TensorRT-LLM's, FlashInfer's) multiply by
+// approximate reciprocals where these steps divide, so a value right at a rounding boundary may
+// get the neighbouring code there, and a NaN changes only its own code.
 
 #include <algorithm>
 #include <array>
@@ -84,13 +87,22 @@ constexpr std::int64_t nvfp4_bytes(std::int64_t n) noexcept {
 
 namespace detail {
 
-// ValueError "{method}: {what} must be positive and finite, got {v}" unless v is.
-inline void check_nvfp4_positive(float v, std::string_view method, std::string_view what) {
-  if (v > 0.0f && std::isfinite(v)) return;
+// ValueError "{method}: {what} must be positive and finite{limit}, got {v}" unless v is (and at
+// most `most`, where a limit is named).
+inline void check_nvfp4_positive(float v, std::string_view method, std::string_view what,
+                                 float most = std::numeric_limits<float>::max(), std::string_view limit = {}) {
+  if (v > 0.0f && v <= most) return;
   char digits[32];
   const auto end = std::to_chars(digits, digits + sizeof digits, v).ptr;
-  throw ValueError(join_message({method, ": ", what, " must be positive and finite, got ",
+  throw ValueError(join_message({method, ": ", what, " must be positive and finite", limit, ", got ",
                                  std::string_view(digits, static_cast<std::size_t>(end - digits))}));
+}
+
+// The largest tensor scale, 2^116: the largest value NVFP4 codes can take, 6 * 448 * 2^116 (about
+// 2.2e38), is a float, and every product on the way is exact.
+inline constexpr float nvfp4_max_tensor_scale = 0x1p116f;
+inline void check_nvfp4_tensor_scale(float g, std::string_view method) {
+  check_nvfp4_positive(g, method, "the tensor scale", nvfp4_max_tensor_scale, " (at most 2^116)");
 }
 
 }  // namespace detail
@@ -105,11 +117,11 @@ inline float nvfp4_tensor_scale(float amax) {
 
 // NVFP4 codes of x[0, n): codes[(n + 1) / 2] two per byte (value 2i in the low 4 bits of byte i,
 // value 2i + 1 in the high 4; the high half of a last odd byte is 0), scales[(n + 15) / 16] one per
-// 16 values (the last block may be shorter). ValueError unless the tensor scale is positive and
-// finite; nothing is written then.
+// 16 values (the last block may be shorter). ValueError unless the tensor scale is positive and at
+// most 2^116 (so that the largest value the codes can take is a float); nothing is written then.
 inline void nvfp4_quantize(const float* x, std::int64_t n, float tensor_scale, std::uint8_t* codes,
                            float8_e4m3* scales) {
-  detail::check_nvfp4_positive(tensor_scale, "kvc::nvfp4_quantize", "the tensor scale");
+  detail::check_nvfp4_tensor_scale(tensor_scale, "kvc::nvfp4_quantize");
   std::array<std::uint8_t, nvfp4_block_size> q{};
   for (std::int64_t start = 0; start < n; start += nvfp4_block_size) {
     const std::int64_t len = std::min(nvfp4_block_size, n - start);
@@ -135,10 +147,11 @@ inline void nvfp4_quantize(const float* x, std::int64_t n, float tensor_scale, s
 }
 
 // The values of NVFP4 codes (as nvfp4_quantize writes them): out[i] = float(code i) * S, S the
-// block's float(scale) * tensor_scale. ValueError unless the tensor scale is positive and finite.
+// block's float(scale) * tensor_scale. ValueError unless the tensor scale is positive and at most
+// 2^116.
 inline void nvfp4_dequantize(const std::uint8_t* codes, const float8_e4m3* scales, std::int64_t n, float tensor_scale,
                              float* out) {
-  detail::check_nvfp4_positive(tensor_scale, "kvc::nvfp4_dequantize", "the tensor scale");
+  detail::check_nvfp4_tensor_scale(tensor_scale, "kvc::nvfp4_dequantize");
   constexpr auto values = float4_e2m1::values();
   for (std::int64_t start = 0; start < n; start += nvfp4_block_size) {
     const std::int64_t len = std::min(nvfp4_block_size, n - start);

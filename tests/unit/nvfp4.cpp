@@ -203,6 +203,20 @@ TEST_CASE("nvfp4_quantize / nvfp4_dequantize: every code and block scale as the 
   for (int i = 0; i < 16; ++i) CHECK(std::isnan(y[static_cast<std::size_t>(i)]));
   CHECK(y[17] == 448.0f * 6.0f);
   CHECK(y[18] == -448.0f * 6.0f);
+  // The largest tensor scale: the largest magnitude reads back finite, exactly 6 * 448 * 2^116.
+  const std::vector<float> big = check_codec(x, 0x1p116f);
+  CHECK(big[17] == 2688.0f * 0x1p116f);
+  CHECK(std::isfinite(big[18]));
+  CHECK(big[19] == 0.0f);  // 0.5 is far below that block's scale
+  // Worked by hand: a block of 1.0 with g = 1 has a / 6 = 0.1667, whose nearest E4M3 value is
+  // 1.375 * 2^-3 = 0.171875 (code 0x23); 1 / 0.171875 = 5.8 rounds to E2M1's 6, read back 1.03125.
+  const std::vector<float> ones(16, 1.0f);
+  std::vector<std::uint8_t> one_codes(8);
+  std::vector<kvc::float8_e4m3> one_scale(1);
+  kvc::nvfp4_quantize(ones.data(), 16, 1.0f, one_codes.data(), one_scale.data());
+  CHECK(one_scale[0].bits == 0x23);
+  CHECK(one_codes == std::vector<std::uint8_t>(8, 0x77));
+  CHECK(check_codec(ones, 1.0f) == std::vector<float>(16, 1.03125f));
   std::vector<float> tiny(16, 1e-12f);  // a/(6g) below E4M3's smallest subnormal: scale 0, codes 0
   tiny[5] = -1e-12f;
   const std::vector<float> z = check_codec(tiny, 1.0f);
@@ -229,8 +243,8 @@ TEST_CASE("NVFP4: a tensor scale that is not positive and finite is refused befo
     const float g = bad.first;
     const std::string& text = bad.second;
     CAPTURE(text);
-    const std::string quantize = "kvc::nvfp4_quantize: the tensor scale must be positive and finite, got " + text;
-    const std::string dequantize = "kvc::nvfp4_dequantize: the tensor scale must be positive and finite, got " + text;
+    const std::string tail = "the tensor scale must be positive and finite (at most 2^116), got " + text;
+    const std::string quantize = "kvc::nvfp4_quantize: " + tail, dequantize = "kvc::nvfp4_dequantize: " + tail;
     CHECK_THROWS_WITH_AS(kvc::nvfp4_quantize(x.data(), 16, g, codes.data(), scales.data()), quantize.c_str(),
                          kvc::ValueError);
     CHECK_THROWS_WITH_AS(kvc::nvfp4_dequantize(codes.data(), scales.data(), 16, g, y.data()), dequantize.c_str(),
