@@ -15,17 +15,21 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvc {
 
 // The width of the blocks a row of head_dim values is rotated in: the largest power of two that
-// divides head_dim (1 for an odd head_dim, which the rotation leaves unchanged; 0 for 0).
-constexpr std::int64_t hadamard_block(std::int64_t head_dim) noexcept { return head_dim & -head_dim; }
+// divides head_dim (1 for an odd head_dim, which the rotation leaves unchanged; 0 for 0 or less).
+constexpr std::int64_t hadamard_block(std::int64_t head_dim) noexcept {
+  return head_dim > 0 ? head_dim & -head_dim : 0;
+}
 
 // Rotates `rows` rows of head_dim values in place, row r at x + r * head_dim (see the top of
 // <kvc/rotation.hpp>). A second call undoes the first, to rounding. A is float or double.
 template <class A>
 void hadamard_rotate(A* x, std::int64_t rows, std::int64_t head_dim) noexcept {
+  static_assert(std::is_floating_point_v<A>, "kvc::hadamard_rotate: rows of float or double");
   const std::int64_t b = hadamard_block(head_dim);
   if (b < 2) return;
   const A norm = static_cast<A>(1.0 / std::sqrt(static_cast<double>(b)));
