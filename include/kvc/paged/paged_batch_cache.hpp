@@ -116,10 +116,7 @@ class PagedBatchCache {
     const std::int64_t wanted = (past + q + bs - 1) / bs;
     const std::int64_t more = std::max<std::int64_t>(wanted - allocated_, 0);
     const std::int64_t need = more > 0 ? batch * cache_.blocks_needed(more, allocated_) : 0;
-    if (need > cache_.get_num_free_blocks())
-      throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
-                        std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
-                        " are free (ContinuousBatchingConfig::num_blocks)");
+    check_free_blocks(need, batch);
     if (allocated_ == 0) check_free_slots(batch);
     std::vector<std::string> names;
     if (rows_.empty()) names = row_names(batch);
@@ -455,6 +452,14 @@ class PagedBatchCache {
       throw ValueError("kvc::PagedBatchCache::" + std::string(method) + ": the cache holds a batch of " +
                        std::to_string(rows_.size()) + " rows, got " + std::to_string(batch));
   }
+  // MemoryError unless `need` blocks are free for a step of `batch` rows.
+  void check_free_blocks(std::int64_t need, std::int64_t batch) const {
+    if (need > cache_.get_num_free_blocks())
+      throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
+                        std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
+                        " are free (ContinuousBatchingConfig::num_blocks)");
+  }
+  // MemoryError unless a state slot is free for each of `batch` rows.
   void check_free_slots(std::int64_t batch) const {
     if (cache_.state_slots() > 0 && batch > cache_.free_state_slots())
       throw MemoryError("kvc::PagedBatchCache: the batch needs " + std::to_string(batch) + " state slots, " +
@@ -480,11 +485,7 @@ class PagedBatchCache {
   void for_state_rows(std::int64_t batch, Row&& row) {
     std::int64_t b = 0;
     if (!holds_slots()) {
-      const std::int64_t need = batch * cache_.blocks_needed(1, 0);
-      if (need > cache_.get_num_free_blocks())
-        throw MemoryError("kvc::PagedBatchCache: the step needs " + std::to_string(need) + " more blocks for " +
-                          std::to_string(batch) + " rows, " + std::to_string(cache_.get_num_free_blocks()) +
-                          " are free (ContinuousBatchingConfig::num_blocks)");
+      check_free_blocks(batch * cache_.blocks_needed(1, 0), batch);
       check_free_slots(batch);
       std::vector<std::string> names;
       if (rows_.empty()) names = row_names(batch);
