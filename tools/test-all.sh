@@ -11,7 +11,7 @@
 #   build/asan   clang++ -O0 -gline-tables-only + ASan/UBSan: the compile_fail .ko cases, the unit
 #                tests, and the fuzz target (-O1) from three seed sets (fuzz.json: the JSON readers;
 #                fuzz.e2e: model files to caches and attention; fuzz.state: saved cache states through
-#                kvc::load), KVC_FUZZ_SECONDS (default 40)
+#                kvc::load), KVC_FUZZ_SECONDS (default 30)
 #                seconds each, side by side
 # Each stage prints its elapsed time.
 # Ends with "N passed, N failed" summed over the format check, the two ctest runs and the
@@ -187,7 +187,7 @@ stage "clang++ -O0 + ASan/UBSan: compile_fail, unit, fuzz (json, e2e, state)"
 if configure build/asan -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common[@]}" \
      -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -gline-tables-only -DNDEBUG" \
      -DKVC_SANITIZE=ON -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_BENCHMARKS=OFF -DKVC_ENABLE_CUDA=OFF \
-     -DKVC_BUILD_FUZZERS=ON -DKVC_FUZZ_SECONDS="${KVC_FUZZ_SECONDS:-40}"; then
+     -DKVC_BUILD_FUZZERS=ON -DKVC_FUZZ_SECONDS="${KVC_FUZZ_SECONDS:-30}"; then
   build build/asan --target kvc_unit_and_fuzz_tests
   ASAN_OPTIONS=${ASAN_OPTIONS:-strict_string_checks=1:detect_stack_use_after_return=1} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
