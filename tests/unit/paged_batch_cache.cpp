@@ -285,6 +285,34 @@ TEST_CASE("PagedBatchCache: a call that fails changes nothing, and says why") {
   CHECK_FALSE(pc.is_compileable());
 }
 
+TEST_CASE("PagedBatchCache::update given the views it returned reads them before writing the next result") {
+  // A caller handing back what the last update returned (each step twice as long as the last, so
+  // the output grows): the next result must be what a twin given copies returns.
+  std::mt19937 rng(9);
+  kvc::AnyCache a = kvc::make_cache(paged(), full_model(), {}, blocks(4, 100));
+  kvc::AnyCache b = kvc::make_cache(paged(), full_model(), {}, blocks(4, 100));
+  Paged& pa = *a.get<Paged>();
+  Paged& pb = *b.get<Paged>();
+  const auto k = kvc_test::random_tensor<float>(2, 1, 3, 4, rng), v = kvc_test::random_tensor<float>(2, 1, 3, 4, rng);
+  auto ra = pa.update(kvc::input_view(k), kvc::input_view(v), 0);
+  (void)pb.update(kvc::input_view(k), kvc::input_view(v), 0);
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    const kvc::HostTensor<float> ck = ra.keys.to_tensor(), cv = ra.values.to_tensor();
+    ra = pa.update(ra.keys, ra.values, 0);  // keys and values: the views the last call returned
+    const auto rb = pb.update(kvc::input_view(ck), kvc::input_view(cv), 0);
+    CHECK(ra.keys.extents == rb.keys.extents);
+    CHECK(kvc_test::flatten(ra.keys) == kvc_test::flatten(rb.keys));
+    CHECK(kvc_test::flatten(ra.values) == kvc_test::flatten(rb.values));
+  }
+  // The same layer fed the other's views crosswise (values as keys): still read before written.
+  const kvc::HostTensor<float> ck = ra.values.to_tensor(), cv = ra.keys.to_tensor();
+  const auto crossed = pa.update(ra.values, ra.keys, 1);
+  const auto twin = pb.update(kvc::input_view(ck), kvc::input_view(cv), 1);
+  CHECK(kvc_test::flatten(crossed.keys) == kvc_test::flatten(twin.keys));
+  CHECK(kvc_test::flatten(crossed.values) == kvc_test::flatten(twin.values));
+}
+
 TEST_CASE("PagedBatchCache::early_initialization fixes the batch before the first update") {
   kvc::AnyCache pc = kvc::make_cache(paged(), hybrid_model(5), {}, blocks(4, 40));
   CHECK_THROWS_WITH_AS(pc.early_initialization(2, 3, 8),

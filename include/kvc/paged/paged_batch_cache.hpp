@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <optional>
 #include <span>
@@ -127,8 +128,18 @@ class PagedBatchCache {
     const auto gi = static_cast<std::size_t>(group);
     const std::int64_t r =
         reuse ? static_cast<std::int64_t>(indices_.front().reads[gi].size()) : read_rows(gi, past, q);
-    T* ok = out_buffer(out_k_, out_v_, batch * cache_.num_key_value_heads() * r * cache_.head_dim());
-    T* ov = out_v_.data();
+    // The output: out_k_ / out_v_, or new buffers made aside (when those are too small, or when an
+    // input is a view a previous update returned, read while the output is written), moved in once
+    // the step is written; a refused call leaves the last result where it was.
+    const std::int64_t elems = batch * cache_.num_key_value_heads() * r * cache_.head_dim();
+    typename S::buffer_type fresh_k, fresh_v;
+    if (out_k_.size() < elems || holds(out_k_, k.data()) || holds(out_k_, v.data()) || holds(out_v_, k.data()) ||
+        holds(out_v_, v.data())) {
+      fresh_k = typename S::buffer_type(elems);
+      fresh_v = typename S::buffer_type(elems);
+    }
+    T* ok = fresh_k.size() > 0 ? fresh_k.data() : out_k_.data();
+    T* ov = fresh_k.size() > 0 ? fresh_v.data() : out_v_.data();
     if (more > 0 || !reuse)
       cache_.transaction([&] {
         // All rows or none, and they fit (counted above); were a block missing, the indices
@@ -155,6 +166,10 @@ class PagedBatchCache {
                          ov + b * row_elems);
     }
     seen_[static_cast<std::size_t>(layer_idx)] = past + q;
+    if (fresh_k.size() > 0) {
+      out_k_ = std::move(fresh_k);
+      out_v_ = std::move(fresh_v);
+    }
     return {dense_view(ok, batch, r), dense_view(ov, batch, r)};
   }
 
@@ -472,8 +487,7 @@ class PagedBatchCache {
   // and a refused call leaves the last result where it was.
   static T* state_buffer(typename S::buffer_type& kept, typename S::buffer_type& fresh, std::int64_t elems,
                          const T* input) {
-    const bool aliased = input >= kept.data() && input < kept.data() + kept.size();
-    if (aliased || kept.size() < elems) fresh = typename S::buffer_type(elems);
+    if (holds(kept, input) || kept.size() < elems) fresh = typename S::buffer_type(elems);
     return fresh.size() > 0 ? fresh.data() : kept.data();
   }
   // Runs row(request, b) for every batch row b of a state update. Rows that hold no blocks yet
@@ -545,6 +559,11 @@ class PagedBatchCache {
   view_type dense_view(const T* p, std::int64_t batch, std::int64_t r) const {
     const std::int64_t h = cache_.num_key_value_heads(), d = cache_.head_dim();
     return S::make_view(p, {batch, h, r, d}, {h * r * d, r * d, d, 1});
+  }
+  // Whether p points into buffer b.
+  static bool holds(const typename S::buffer_type& b, const T* p) noexcept {
+    return p != nullptr && b.size() > 0 && std::less_equal<const T*>{}(b.data(), p) &&
+           std::less<const T*>{}(p, b.data() + b.size());
   }
   static T* out_buffer(typename S::buffer_type& k, typename S::buffer_type& v, std::int64_t elems) {
     if (k.size() < elems) {
