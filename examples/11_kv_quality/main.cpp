@@ -322,7 +322,7 @@ int main(int argc, char** argv) try {
   DecoderConfig config;
   config.num_attention_heads = 4;
   config.head_dim = 64;
-  config.sliding_window = std::nullopt;
+  config.sliding_window = std::nullopt;  // (head_dim 64: the outlier channels, up to 40, exist)
   config.layer_types = {"full_attention", "full_attention", "full_attention", "full_attention"};
   const Decoder<float> model(config, 2026);
 

@@ -154,8 +154,10 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
     compare<double>(hqq, std::nullopt, seed);
     compare<double>(quanto, 9, seed);
   }
+  compare<float>(quanto, 4096, 1);  // a window longer than the context: no key is out of it
   // Decode steps in key splits: long histories, one seed (the test's slowest part under the
-  // sanitizers and valgrind; under the sanitizers, the append-only, double and windowed ones).
+  // sanitizers and valgrind; under the sanitizers, the append-only, double and windowed ones: the
+  // window longer than the context runs short above).
   compare<float>(kivi, std::nullopt, 1, 560);
   compare<double>(hqq, std::nullopt, 1, 560);
   compare<float>(quanto, 540, 2, 560);
