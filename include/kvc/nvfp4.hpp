@@ -108,11 +108,12 @@ inline void check_nvfp4_tensor_scale(float g, std::string_view method) {
 }  // namespace detail
 
 // The tensor scale that maps amax, the largest magnitude the tensor will hold, onto the largest
-// NVFP4 value (6 times E4M3's 448): amax / 2688, at least the smallest normal float. ValueError
-// unless amax is positive and finite.
+// NVFP4 value (6 times E4M3's 448): amax / 2688, at least the smallest normal float and at most
+// 2^116 (the largest tensor scale nvfp4_quantize takes). ValueError unless amax is positive and
+// finite.
 inline float nvfp4_tensor_scale(float amax) {
   detail::check_nvfp4_positive(amax, "kvc::nvfp4_tensor_scale", "amax");
-  return std::fmax(amax / 2688.0f, std::numeric_limits<float>::min());
+  return std::fmin(std::fmax(amax / 2688.0f, std::numeric_limits<float>::min()), detail::nvfp4_max_tensor_scale);
 }
 
 // NVFP4 codes of x[0, n): codes[(n + 1) / 2] two per byte (value 2i in the low 4 bits of byte i,

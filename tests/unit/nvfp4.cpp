@@ -231,6 +231,15 @@ TEST_CASE("NVFP4 takes 4.5 bits per value: 0.28 of fp16 for a 128-wide head") {
   CHECK(kvc::nvfp4_bytes(17) == 9 + 2);
   CHECK(kvc::nvfp4_tensor_scale(2688.0f) == 1.0f);
   CHECK(kvc::nvfp4_tensor_scale(1e-40f) == std::numeric_limits<float>::min());
+  // The largest amax gives the largest tensor scale nvfp4_quantize takes (FLT_MAX / 2688 is above it).
+  const float top = kvc::nvfp4_tensor_scale(std::numeric_limits<float>::max());
+  CHECK(top == 0x1p116f);
+  std::vector<float> huge(16, std::numeric_limits<float>::max()), back(16);
+  std::vector<std::uint8_t> codes(8);
+  std::vector<kvc::float8_e4m3> scales(1);
+  kvc::nvfp4_quantize(huge.data(), 16, top, codes.data(), scales.data());
+  kvc::nvfp4_dequantize(codes.data(), scales.data(), 16, top, back.data());
+  CHECK(back[0] == 2688.0f * 0x1p116f);  // saturated at the largest value, finite
 }
 
 TEST_CASE("NVFP4: a tensor scale that is not positive and finite is refused before anything is written") {
