@@ -156,14 +156,22 @@ struct DecoderConfig {
 };
 
 // Runs body(0) .. body(count - 1) on up to `threads` threads (0: one per hardware thread);
-// rethrows the first exception.
+// rethrows the first exception. With more than one thread, each body runs with an OpenMP team of
+// one: a std::thread is not inside an OpenMP region, so each would otherwise start a team of its
+// own, and N threads of N-thread teams spinning on N cores slow the whole program many times over.
 inline void parallel_for(std::int64_t count, const std::function<void(std::int64_t)>& body, unsigned threads = 0) {
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   threads = static_cast<unsigned>(std::clamp<std::int64_t>(count, 1, threads));
   std::atomic<std::int64_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;
+#if defined(_OPENMP)
+  const int caller_team = omp_get_max_threads();  // the calling thread's setting, restored below
+#endif
   auto worker = [&] {
+#if defined(_OPENMP)
+    if (threads > 1) omp_set_num_threads(1);  // this thread's setting only
+#endif
     for (std::int64_t i; (i = next.fetch_add(1)) < count;) {
       try {
         body(i);
@@ -177,6 +185,9 @@ inline void parallel_for(std::int64_t count, const std::function<void(std::int64
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (auto& t : pool) t.join();
+#if defined(_OPENMP)
+  omp_set_num_threads(caller_team);
+#endif
   if (error) std::rethrow_exception(error);
 }
 
