@@ -7,8 +7,8 @@
 // score as it was, and rotating values is undone on the attention output by rotating it again.
 //
 // A row of head_dim values is rotated in blocks of hadamard_block(head_dim) values, the largest
-// power of two that divides head_dim (the whole row for 64 or 128; two blocks of 64 for 192). Each
-// block x becomes H x / sqrt(b), H the b x b Hadamard matrix in Sylvester's order
+// power of two that divides head_dim, at most 1024 (the whole row for 64 or 128; two blocks of 64
+// for 192). Each block x becomes H x / sqrt(b), H the b x b Hadamard matrix in Sylvester's order
 // (H[i][j] = (-1)^popcount(i & j)): symmetric and, scaled so, its own inverse. Cost: b log2(b)
 // additions and b multiplications per block, in place, no allocation; the butterflies run on
 // contiguous runs of values, which the compiler vectorizes.
@@ -17,12 +17,18 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <kvc/detail/element_conversion.hpp>
+
 namespace kvc {
 
+// The widest block a row is rotated in: 1024 values.
+inline constexpr std::int64_t hadamard_max_block = 1024;
+
 // The width of the blocks a row of head_dim values is rotated in: the largest power of two that
-// divides head_dim (1 for an odd head_dim, which the rotation leaves unchanged; 0 for 0 or less).
+// divides head_dim, at most hadamard_max_block (1 for an odd head_dim, which the rotation leaves
+// unchanged; 0 for 0 or less).
 constexpr std::int64_t hadamard_block(std::int64_t head_dim) noexcept {
-  return head_dim > 0 ? head_dim & -head_dim : 0;
+  return head_dim > 0 ? (head_dim & -head_dim) < hadamard_max_block ? head_dim & -head_dim : hadamard_max_block : 0;
 }
 
 // Rotates `rows` rows of head_dim values in place, row r at x + r * head_dim (see the top of
@@ -47,5 +53,28 @@ void hadamard_rotate(A* x, std::int64_t rows, std::int64_t head_dim) noexcept {
     for (std::int64_t j = 0; j < b; ++j) v[j] *= norm;
   }
 }
+
+namespace detail {
+
+// hadamard_rotate for rows of any element type: float and double in place; other types (half,
+// bfloat16) one block at a time through float, each value rounded to T once. No allocation.
+template <class T>
+void hadamard_rotate_any(T* x, std::int64_t rows, std::int64_t head_dim) noexcept {
+  if constexpr (std::is_floating_point_v<T>) {
+    hadamard_rotate(x, rows, head_dim);
+  } else {
+    const std::int64_t b = hadamard_block(head_dim);
+    if (b < 2) return;
+    float block[hadamard_max_block];
+    for (std::int64_t k = 0, blocks = rows * (head_dim / b); k < blocks; ++k) {
+      T* v = x + k * b;
+      for (std::int64_t j = 0; j < b; ++j) block[j] = to_float(v[j]);
+      hadamard_rotate(block, 1, b);
+      for (std::int64_t j = 0; j < b; ++j) v[j] = from_float<T>(block[j]);
+    }
+  }
+}
+
+}  // namespace detail
 
 }  // namespace kvc

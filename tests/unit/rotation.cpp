@@ -38,6 +38,8 @@ TEST_CASE("hadamard_rotate: the Hadamard matrix multiplied out, block by block, 
   CHECK(kvc::hadamard_block(192) == 64);
   CHECK(kvc::hadamard_block(96) == 32);
   CHECK(kvc::hadamard_block(7) == 1);
+  CHECK(kvc::hadamard_block(4096) == kvc::hadamard_max_block);  // blocks of at most 1024 values
+  CHECK(kvc::hadamard_block(3 * 2048) == 1024);
   std::mt19937 rng(3);
   std::normal_distribution<double> normal(0.0, 1.0);
   for (const std::int64_t d : {1, 2, 8, 64, 96, 128, 192}) {
@@ -65,6 +67,31 @@ TEST_CASE("hadamard_rotate: the Hadamard matrix multiplied out, block by block, 
     for (std::size_t i = 0; i < y.size(); ++i) back_err = std::fmax(back_err, std::fabs(y[i] - x[i]));
     CHECK(back_err < 1e-12);
   }
+}
+
+TEST_CASE("detail::hadamard_rotate_any: 16-bit rows through float, each value rounded once") {
+  // 3 rows of 2048 values: blocks of 1024 (kvc::hadamard_max_block), through the stack buffer.
+  const std::int64_t rows = 3, d = 2048;
+  std::mt19937 rng(4);
+  std::uniform_int_distribution<int> dist(-64, 64);
+  std::vector<float> exact(static_cast<std::size_t>(rows * d));
+  std::vector<Eigen::half> half(exact.size());
+  std::vector<Eigen::bfloat16> bf16(exact.size());
+  for (std::size_t i = 0; i < exact.size(); ++i) {
+    exact[i] = static_cast<float>(dist(rng)) / 8.0f;  // exact in both 16-bit types
+    half[i] = Eigen::half(exact[i]);
+    bf16[i] = Eigen::bfloat16(exact[i]);
+  }
+  std::vector<float> rotated = exact;
+  kvc::hadamard_rotate(rotated.data(), rows, d);
+  kvc::detail::hadamard_rotate_any(half.data(), rows, d);
+  kvc::detail::hadamard_rotate_any(bf16.data(), rows, d);
+  for (std::size_t i = 0; i < exact.size(); ++i) {  // the float result, rounded once
+    CHECK(half[i] == Eigen::half(rotated[i]));
+    CHECK(bf16[i] == Eigen::bfloat16(rotated[i]));
+  }
+  kvc::detail::hadamard_rotate_any(rotated.data(), rows, d);  // float: in place, its own inverse
+  for (std::size_t i = 0; i < exact.size(); ++i) CHECK(rotated[i] == doctest::Approx(exact[i]).epsilon(1e-5));
 }
 
 TEST_CASE("hadamard_rotate spreads an outlier channel over the whole row, keeping its norm") {
