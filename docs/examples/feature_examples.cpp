@@ -92,6 +92,17 @@ kvc::HostTensor<float> rotation(kvc::HostTensor<float> queries, kvc::HostTensor<
   return out;
 }
 
+Half rotated_quantized(const kvc::ModelConfig& config, const Half& queries, const Half& keys, const Half& values) {
+  // [snippet:rotated_quantized]
+  // #include <kvc/quantized_cache.hpp> and <kvc/quantized_attention.hpp>
+  kvc::QuantizedOptions opts{.nbits = 4, .q_group_size = 64, .residual_length = 128};
+  opts.rotate_keys = opts.rotate_values = true;  // codes of rotated rows
+  kvc::QuantizedCache<Eigen::half> cache("quanto", config, opts);
+  Half out = kvc::attend_quantized(cache, 0, queries, keys, values);  // queries rotated, output back
+  // [/snippet]
+  return out;
+}
+
 void paged(kvc::PagedCache<kvc::HostStorage<float>>& cache, std::int64_t layer,
            const std::vector<std::string>& request_ids, const std::vector<std::int64_t>& cu_seqlens_q,
            const std::vector<std::int64_t>& past, const kvc::TensorView<float>& queries,

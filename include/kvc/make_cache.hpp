@@ -63,7 +63,8 @@ inline constexpr std::string_view quantized_unsupported_message =
     "open an issue and tag @zucchini-nlp.";
 
 // transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
-// without changing the caller's cache_config (docs/differences.md item 19). An unknown key is the TypeError Python
+// without changing the caller's cache_config (docs/differences.md item 19), and kvc's own options
+// append_only, rotate_keys and rotate_values (booleans). An unknown key is the TypeError Python
 // raises for an unexpected keyword argument.
 template <class T>
 AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {
@@ -79,6 +80,10 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
                             : key == "q_group_size"    ? &opts.q_group_size
                             : key == "residual_length" ? &opts.residual_length
                                                        : nullptr;
+      bool* flag = key == "append_only"     ? &opts.append_only
+                   : key == "rotate_keys"   ? &opts.rotate_keys
+                   : key == "rotate_values" ? &opts.rotate_values
+                                            : nullptr;
       if (key == "backend") {
         if (!value.is_string())
           throw ValueError("make_cache: `cache_config.backend` must be a string, got " + json_excerpt(value));
@@ -91,6 +96,10 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
           throw ValueError("make_cache: `cache_config." + key + "` must be an integer" +
                            (value.is_number_integer() ? " that fits in 64 bits" : "") + ", got " + json_excerpt(value));
         *field = *v;
+      } else if (flag) {
+        if (!value.is_boolean())
+          throw ValueError("make_cache: `cache_config." + key + "` must be true or false, got " + json_excerpt(value));
+        *flag = value.template get<bool>();
       } else {
         throw TypeError("QuantizedCache.__init__() got an unexpected keyword argument '" + key + "'");
       }

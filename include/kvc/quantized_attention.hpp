@@ -15,6 +15,10 @@
 // paths agree to float rounding; the layer holds its codes and residual only. A difference from transformers by choice
 // (docs/differences.md).
 //
+// A layer with rotate_keys / rotate_values holds codes of rotated rows: attention rotates the
+// step's queries and own rows, reads the residual from the layer's rotated copy, and rotates the
+// output back when the values are rotated (scores and outputs are those of the rows as given).
+//
 // Host storage; a Cache whose layer `layer_idx` is a QuantizedLayer. Masking as kvc::attend:
 // causal, with the model's sliding window or chunk if given; no padding mask. Scores accumulate in
 // float (double for double).
@@ -33,6 +37,7 @@
 
 #include <kvc/attention.hpp>
 #include <kvc/errors.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -45,6 +50,16 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
   c.quantized_keys();
   c.quantized_values();
   c.residual_kv();
+  c.options().rotate_keys;
+  s.rotated_residual();
+};
+
+// Which of a layer's quantized K and V histories hold codes of rotated rows, and the block's
+// residual rows rotated (QuantizedLayer::rotated_residual) for each that does.
+struct kv_rotation {
+  bool keys = false, values = false;
+  const float* residual_keys = nullptr;
+  const float* residual_values = nullptr;
 };
 
 // The scratch of one attend_block call, carved from a workspace area (aligned, as
@@ -114,12 +129,16 @@ struct strided_rows {
 // Scratch from `area` (quantized_scratch<A>::bytes(group * fresh, dim) bytes); outputs contiguous,
 // [group, fresh, dim], or with `partials` each row's partial result there (m, l and the
 // unnormalised output: 2 + dim values a row, rows contiguous) for merge_partials.
+// With `rotation`, the history's keys (values) are codes of rotated rows (QuantizedLayer's
+// rotate_keys, rotate_values): the queries are rotated once, the residual's rows are read from the
+// layer's rotated copy, the step's own rows rotated as they are loaded, and with rotated values the
+// output is rotated back once (before any merge: the merge is linear in it).
 template <class T, class A, class QH>
 void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, const T* rv, std::int64_t resid,
                   strided_rows<T> nk, strided_rows<T> nv, std::int64_t fresh, strided_rows<T> queries,
                   std::int64_t q_head, std::int64_t group, std::int64_t dim, std::int64_t past,
                   const AttentionMask& mask, A scale, std::int64_t lo, std::int64_t hi, std::byte* area, T* outputs,
-                  A* partials) {
+                  A* partials, kv_rotation rotation = {}) {
   using Mat = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Vec = Eigen::Matrix<A, Eigen::Dynamic, 1>;
   constexpr std::int64_t tile = quantized_scratch<A>::tile, decode_rows = quantized_scratch<A>::decode_rows;
@@ -133,6 +152,7 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
       for (std::int64_t d = 0; d < dim; ++d)
         qm(h * fresh + i, d) =
             static_cast<A>(strided_rows<T>{queries.data + h * q_head, queries.row, queries.inner}.at(i, d)) * scale;
+  if (rotation.keys) hadamard_rotate(t.qm, rows, dim);
   Eigen::Map<Mat> acc(t.acc, rows, dim), sc(t.sc, rows, tile);
   Eigen::Map<Vec> m(t.m, rows), l(t.l, rows);
   acc.setZero();
@@ -179,9 +199,10 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
     else
       packed_product<A>::template run<false>(rows, dim, n, t.sc, tile, t.va, dim, t.acc, dim, A(1), t.pack);
   };
-  const auto load = [&](float* dst, strided_rows<T> src, std::int64_t r0, std::int64_t n) {
+  const auto load = [&](float* dst, strided_rows<T> src, std::int64_t r0, std::int64_t n, bool rotate) {
     for (std::int64_t i = 0; i < n; ++i)
       for (std::int64_t d = 0; d < dim; ++d) dst[i * dim + d] = static_cast<float>(src.at(r0 + i, d));
+    if (rotate) hadamard_rotate(dst, n, dim);
   };
   // Rows [t0, t0 + n) of a source whose row 0 sits at absolute position p0, cut to [lo, hi):
   // read(first row, count) loads them into the tiles, then they are folded.
@@ -205,14 +226,21 @@ void attend_block(const QH& qk, const QH& qv, std::int64_t blk, const T* rk, con
   const std::int64_t history = start;
   for (std::int64_t t0 = 0; t0 < resid; t0 += tile)
     visit(history, t0, std::min(tile, resid - t0), [&](std::int64_t r0, std::int64_t n) {
-      load(kt.data(), {rk, dim, 1}, r0, n);
-      load(vt.data(), {rv, dim, 1}, r0, n);
+      if (rotation.keys)
+        std::copy_n(rotation.residual_keys + r0 * dim, n * dim, kt.data());
+      else
+        load(kt.data(), {rk, dim, 1}, r0, n, false);
+      if (rotation.values)
+        std::copy_n(rotation.residual_values + r0 * dim, n * dim, vt.data());
+      else
+        load(vt.data(), {rv, dim, 1}, r0, n, false);
     });
   for (std::int64_t t0 = 0; t0 < fresh; t0 += tile)
     visit(history + resid, t0, std::min(tile, fresh - t0), [&](std::int64_t r0, std::int64_t n) {
-      load(kt.data(), nk, r0, n);
-      load(vt.data(), nv, r0, n);
+      load(kt.data(), nk, r0, n, rotation.keys);
+      load(vt.data(), nv, r0, n, rotation.values);
     });
+  if (rotation.values) hadamard_rotate(t.acc, rows, dim);
   for (std::int64_t r = 0; r < rows; ++r) {
     if (partials != nullptr) {
       store_partial(m(r), l(r), t.acc + r * dim, dim, partials + r * (2 + dim));
@@ -247,7 +275,8 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
       const std::int64_t past = st.get_seq_length();
       if (keys.extents != values.extents || keys.extent(0) != B || keys.extent(2) != q || keys.extent(3) != D ||
           keys.extent(1) < 1 || Hq % keys.extent(1) != 0 || D > 256 ||
-          (past > 0 && (keys.extent(1) != st.shape().heads || D != st.shape().key_head_dim)))
+          (past > 0 &&
+           (keys.extent(1) != st.shape().heads || D != st.shape().key_head_dim || D != st.shape().value_head_dim)))
         throw ValueError("kvc::attend_quantized: queries " + shape_string(queries.extents) + ", keys " +
                          shape_string(keys.extents) + " and values " + shape_string(values.extents) +
                          " do not fit each other or the layer (head_dim at most 256)");
@@ -261,6 +290,8 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
       } else if (past > 0) {
         const auto r = st.residual_kv();
         const std::int64_t resid = st.residual_tokens();
+        const bool rotating = st.options().rotate_keys || st.options().rotate_values;
+        const auto rotated = rotating ? st.rotated_residual() : typename St::rotated_rows{nullptr, nullptr, 0};
         // A decode step over many keys with few (batch row, KV head) blocks is cut into key
         // splits of the dense attention's plan, merged in split order: the cuts depend on the
         // problem alone, so the executor's choice of threads does not change the results.
@@ -282,6 +313,10 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
           const std::int64_t split = i % splits, b = i / splits / Hkv, hk = i / splits % Hkv;
           const T* rk = resid > 0 ? &r.keys(b, hk, 0, 0) : nullptr;
           const T* rv = resid > 0 ? &r.values(b, hk, 0, 0) : nullptr;
+          const std::int64_t rotated_block = (b * Hkv + hk) * rotated.capacity * D;
+          const kv_rotation rotation{st.options().rotate_keys, st.options().rotate_values,
+                                     rotated.keys ? rotated.keys + rotated_block : nullptr,
+                                     rotated.values ? rotated.values + rotated_block : nullptr};
           const auto rows_of = [&](const TensorView<T>& x, std::int64_t head) {
             return detail::strided_rows<T>{x.data() + b * x.stride(0) + head * x.stride(1), x.stride(2), x.stride(3)};
           };
@@ -290,7 +325,8 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
           detail::attend_block<T, A>(st.quantized_keys(), st.quantized_values(), b * Hkv + hk, rk, rv, resid,
                                      rows_of(keys, hk), rows_of(values, hk), q, rows_of(queries, hk * group),
                                      queries.stride(1), group, D, past, mask, scale, lo, hi, ws.worker(worker),
-                                     &out(b, hk * group, 0, 0), splits > 1 ? partials + i * rows * pitch : nullptr);
+                                     &out(b, hk * group, 0, 0), splits > 1 ? partials + i * rows * pitch : nullptr,
+                                     rotation);
         });
         if (splits > 1)  // each block's rows merged over its splits, in split order
           context.executor.parallel_for(B * Hkv, [&](std::int64_t bh, int) {

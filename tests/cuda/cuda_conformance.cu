@@ -315,6 +315,19 @@ TEST_CASE("QuantizedCache over device memory returns what the host's returns (he
   quantized_cache_matches_host<float>("hqq");
 }
 
+TEST_CASE("QuantizedCache over device memory refuses rotation") {
+  kvc::ModelConfig config;
+  config.num_hidden_layers = 1;
+  config.num_attention_heads = 2;
+  config.head_dim = 64;
+  for (const bool keys : {true, false}) {
+    const kvc::QuantizedOptions opts{.rotate_keys = keys, .rotate_values = !keys};
+    using DeviceQuantized = kvc::QuantizedCache<float, kvc::CudaStorage<float>>;
+    CHECK_THROWS_WITH_AS(DeviceQuantized("quanto", config, opts),
+                         "QuantoQuantizedLayer: rotate_keys and rotate_values need host storage", kvc::ValueError);
+  }
+}
+
 // The 16-byte dequantization kernel's entry point (public for kvc_bench_cuda) checks its
 // preconditions: a compile-time head_dim other than the tensor's, or an output that is not 16-byte
 // aligned, is refused before any launch. Groups along seq: the runs whose head_dim division the

@@ -20,6 +20,7 @@
 
 #include <kvc/kvc.hpp>
 #include <kvc/paged/paged_batch_cache.hpp>
+#include <kvc/quantized_attention.hpp>
 
 #include "../support/kvc_test.hpp"
 #include "../support/failing_allocator.hpp"
@@ -941,6 +942,40 @@ TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop of the residual, b
                   layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
     add_dynamic_ops(s.ops, -1);  // the residual holds 1 token: 4 decode steps, residual_length 3
     add_common_ops<C>(s.ops, make);
+    check_every_failure(s);
+  }
+}
+
+TEST_CASE("QuantizedCache with rotated codes: attend_quantized, update, flushes, crop, batch selection") {
+  // rotate_keys / rotate_values keep a rotated copy of the residual beside it: every call that
+  // grows the residual grows the copy before anything changes.
+  for (const bool append_only : {false, true}) {
+    using C = kvc::QuantizedCache<float>;
+    const auto make = [append_only] {
+      kvc::QuantizedOptions o{.nbits = 4, .q_group_size = 4, .residual_length = 3, .append_only = append_only};
+      o.rotate_keys = true;
+      o.rotate_values = !append_only;
+      return C("quanto", config_of({"full_attention"}), o);
+    };
+    scenario<C> s{std::string("QuantizedCache rotated") + (append_only ? ", append_only" : ""), make, {}};
+    for (std::int64_t step = 0; step < 7; ++step) {
+      const std::int64_t q = step == 0 ? 5 : step == 3 ? 2 : 1;
+      s.ops.push_back({"attend_quantized of " + std::to_string(q) + " tokens", [q, step](C& c) {
+                         const auto x = tokens(q, static_cast<unsigned>(step) + 40);
+                         (void)kvc::attend_quantized(c, 0, x, x, x);
+                       }});
+    }
+    s.ops.push_back({"update of 1 token", [](C& c) {
+                       const auto x = tokens(1, 50);
+                       (void)c.update(x, x, 0);
+                     }});
+    s.ops.push_back({"crop(-1)", [](C& c) { c.crop(-1); }});
+    s.ops.push_back({"batch_select_indices({1})", [](C& c) { c.batch_select_indices({1}); }});
+    s.ops.push_back({"attend_quantized after the selection", [](C& c) {
+                       kvc::HostTensor<float> x(1, heads, 1, head_dim);
+                       x.setConstant(0.5f);
+                       (void)kvc::attend_quantized(c, 0, x, x, x);
+                     }});
     check_every_failure(s);
   }
 }

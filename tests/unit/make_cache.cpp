@@ -173,6 +173,13 @@ TEST_CASE("'quantized': QuantizedCache from cache_config, which is never changed
     CHECK(l.options().residual_length == 4);
   });
   CHECK(kvc::make_cache(with("quantized"), llama_like()).layer_name(0) == "QuantoQuantizedLayer");  // the default
+  // kvc's own options, booleans.
+  g.cache_config = nlohmann::ordered_json{{"append_only", true}, {"rotate_keys", true}, {"rotate_values", false}};
+  kvc::make_cache(g, llama_like()).get<kvc::QuantizedCache<float>>()->visit_layer(0, [](const auto& l) {
+    CHECK(l.options().append_only);
+    CHECK(l.options().rotate_keys);
+    CHECK(!l.options().rotate_values);
+  });
 }
 
 TEST_CASE("'quantized': the messages of the quantized path") {
@@ -194,6 +201,9 @@ TEST_CASE("'quantized': the messages of the quantized path") {
   g.cache_config = nlohmann::ordered_json{{"nbits", "4"}};
   CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
                        "make_cache: `cache_config.nbits` must be an integer, got \"4\"", kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"rotate_keys", 1}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
+                       "make_cache: `cache_config.rotate_keys` must be true or false, got 1", kvc::ValueError);
   g.cache_config = nullptr;
   CHECK_THROWS_WITH_AS(kvc::make_cache(g, gemma_like()),
                        "`QuantizedCache` is only supported for models with only full attention layers. We found the "

@@ -10,6 +10,7 @@
 #include "../support/kvc_test.hpp"
 
 #include <kvc/quantized_cache.hpp>
+#include <kvc/rotation.hpp>
 
 namespace {
 
@@ -875,4 +876,78 @@ TEST_CASE("decode_rows (attention's tiles) gives decode()'s values: every width,
           }
           kvc::detail::avx2_enabled() = had_avx2;
         }
+}
+
+// ---- rotate_keys / rotate_values -----------------------------------------------------------------
+
+TEST_CASE("rotate_keys / rotate_values: codes of rotated rows; update, stored and crop see the rows as given") {
+  kvc::QuantoQuantizedLayer kind{.nbits = 4, .q_group_size = 16, .residual_length = 4, .append_only = true};
+  kind.rotate_keys = kind.rotate_values = true;
+  kvc::QuantoQuantizedLayer plain = kind;
+  plain.rotate_keys = plain.rotate_values = false;
+  std::mt19937 rng(31);
+  LayerCache<kvc::QuantoQuantizedLayer> c(kind), p(plain);
+  const std::vector<std::int64_t> steps = {9, 1, 1, 1, 1, 2, 1, 1, 1, 1};
+  kvc::HostTensor<float> ks, vs;
+  std::vector<std::int64_t> chunk_ends;
+  std::int64_t total = 0;
+  for (std::size_t s = 0; s < steps.size(); ++s) {
+    CAPTURE(s);
+    const std::int64_t q = steps[s];
+    const auto k = gaussian<float>(2, 2, q, 32, rng, 2), v = gaussian<float>(2, 2, q, 32, rng);
+    ks = s == 0 ? k : kvc_test::cat(ks, k);
+    vs = s == 0 ? v : kvc_test::cat(vs, v);
+    const std::int64_t history_before = quantized_tokens(c);
+    const auto kv = c.update(k, v, 0);
+    const auto kp = p.update(k, v, 0);
+    total += q;
+    REQUIRE(quantized_tokens(c) == quantized_tokens(p));  // the same schedule
+    if (chunk_count(c) > chunk_ends.size()) chunk_ends.push_back(quantized_tokens(c));
+    // Each chunk: the codes of its tokens rotated, then quantized.
+    kvc::HostTensor<float> kr = ks, vr = vs;
+    kvc::hadamard_rotate(kr.data(), kr.size() / 32, 32);
+    kvc::hadamard_rotate(vr.data(), vr.size() / 32, 32);
+    for (std::size_t i = 0; i < chunk_ends.size(); ++i) {
+      const std::int64_t from = i == 0 ? 0 : chunk_ends[i - 1];
+      CHECK(chunk_codes(c, i) == encode_slice(kr, from, chunk_ends[i] - from, kind, kind.axis_key));
+      CHECK(chunk_codes(c, i, false) == encode_slice(vr, from, chunk_ends[i] - from, kind, kind.axis_value));
+    }
+    // update returns the rows as given: the history rotated back (closer to the keys than the
+    // unrotated layer's, their two outlier channels 20x the rest), the rest exact.
+    REQUIRE(kv.keys.extent(2) == total);
+    const auto got = flatten(kv.keys);
+    const auto want = kvc_test::slice_seq(ks, 0, total);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (static_cast<std::int64_t>(i) % (total * 32) >= history_before * 32) CHECK(got[i] == want[i]);
+    if (history_before > 0) {
+      CHECK(rel_rms(kv.keys, ks, history_before) < 0.5 * rel_rms(kp.keys, ks, history_before));
+      CHECK(rel_rms(kv.values, vs, history_before) < 0.2);
+    }
+    // stored(): the residual, as given.
+    const auto r = c.visit_layer(0, [](const auto& l) { return l.stored(); });
+    CHECK(flatten(r.keys) == kvc_test::slice_seq(ks, total - residual_tokens(c), residual_tokens(c)));
+  }
+  SUBCASE("crop(-1) drops the residual's last token, as for unrotated layers") {
+    REQUIRE(residual_tokens(c) >= 1);
+    c.crop(-1);
+    CHECK(c.get_seq_length() == total - 1);
+    const std::int64_t history = quantized_tokens(c);
+    const auto k = gaussian<float>(2, 2, 1, 32, rng);
+    const auto a = c.update(k, k, 0);
+    REQUIRE(a.keys.extent(2) == total);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t d = 0; d < 32; ++d) {
+          for (std::int64_t t = history; t < total - 1; ++t) CHECK(a.keys(b, h, t, d) == ks(b, h, t, d));
+          CHECK(a.keys(b, h, total - 1, d) == k(b, h, 0, d));
+        }
+  }
+  SUBCASE("batch selection keeps rotated codes (copied as they are)") {
+    auto one = c;
+    one.batch_select_indices({1});
+    CHECK(one.visit_layer(0, [](const auto& l) { return l.options().rotate_keys; }));
+    const auto k = gaussian<float>(1, 2, 1, 32, rng);
+    const auto a = one.update(k, k, 0);
+    CHECK(rel_rms(a.keys, batch_entry(ks, 1), quantized_tokens(one)) < 0.2);
+  }
 }

@@ -191,24 +191,37 @@ TEST_CASE("save/load: dynamic, sliding, static and static sliding layers, before
   check_round_trip(a, b, 1, 2, 3, rng);
 }
 
-TEST_CASE("save/load: quantized caches (quanto and HQQ, append_only too) round trip bit for bit") {
+TEST_CASE("save/load: quantized caches (quanto and HQQ, append_only, rotated too) round trip bit for bit") {
   for (const char* backend : {"quanto", "hqq"})
-    for (const bool append_only : {false, true}) {
-      CAPTURE(backend);
-      CAPTURE(append_only);
-      std::mt19937 rng(5);
-      const kvc::QuantizedOptions opts{.nbits = 4, .q_group_size = 8, .residual_length = 3, .append_only = append_only};
-      kvc::QuantizedCache<float> a(backend, config(2, 2, 8), opts), b(backend, config(2, 2, 8), opts);
-      fill(a, 1, 2, 8, 1, 6, rng);
-      fill(a, 1, 2, 8, 5, 1, rng);
-      check_round_trip(a, b, 1, 2, 8, rng, 5);
-      // Another option: named.
-      kvc::QuantizedOptions other = opts;
-      other.residual_length = 4;
-      kvc::QuantizedCache<float> c(backend, config(2, 2, 8), other);
-      CHECK(load_error(c, saved(a)) == "kvc::load: layer 0 (" + std::string(c.layer_name(0)) +
-                                           "): residual_length is 3 in the file and 4 in the cache");
-    }
+    for (const bool append_only : {false, true})
+      for (const int rotate : {0, 1, 2}) {  // none, keys, values
+        CAPTURE(backend);
+        CAPTURE(append_only);
+        CAPTURE(rotate);
+        std::mt19937 rng(5);
+        const kvc::QuantizedOptions opts{.nbits = 4,
+                                         .q_group_size = 8,
+                                         .residual_length = 3,
+                                         .append_only = append_only,
+                                         .rotate_keys = rotate == 1,
+                                         .rotate_values = rotate == 2};
+        kvc::QuantizedCache<float> a(backend, config(2, 2, 8), opts), b(backend, config(2, 2, 8), opts);
+        fill(a, 1, 2, 8, 1, 6, rng);
+        fill(a, 1, 2, 8, 5, 1, rng);
+        check_round_trip(a, b, 1, 2, 8, rng, 5);
+        // Another option: named.
+        kvc::QuantizedOptions other = opts;
+        other.residual_length = 4;
+        kvc::QuantizedCache<float> c(backend, config(2, 2, 8), other);
+        CHECK(load_error(c, saved(a)) == "kvc::load: layer 0 (" + std::string(c.layer_name(0)) +
+                                             "): residual_length is 3 in the file and 4 in the cache");
+        other = opts;
+        other.rotate_keys = !opts.rotate_keys;
+        kvc::QuantizedCache<float> d(backend, config(2, 2, 8), other);
+        CHECK(load_error(d, saved(a)) == "kvc::load: layer 0 (" + std::string(d.layer_name(0)) + "): rotate_keys is " +
+                                             (opts.rotate_keys ? "1" : "0") + " in the file and " +
+                                             (opts.rotate_keys ? "0" : "1") + " in the cache");
+      }
 }
 
 TEST_CASE("save/load: linear-attention layers and hybrids keep their conv and recurrent states") {
@@ -316,8 +329,8 @@ TEST_CASE("kvc::load names what differs, and leaves the cache as it was") {
     CHECK(load_error(target, "GGUF and more bytes") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     CHECK(load_error(target, "") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     std::string v3 = bytes;
-    v3[8] = 3;  // before paged requests saved their linear-attention states
-    CHECK(load_error(target, v3) == "kvc::load: the state has format version 3, and this kvc reads version 4");
+    v3[8] = 4;  // before quantized layers saved rotate_keys and rotate_values
+    CHECK(load_error(target, v3) == "kvc::load: the state has format version 4, and this kvc reads version 5");
     const std::string cut = bytes.substr(0, bytes.size() - 100);
     CHECK(load_error(target, cut) == "kvc::load: the file is truncated: it announces " +
                                          std::to_string(bytes.size() - 32) + " bytes of state and a checksum, and " +

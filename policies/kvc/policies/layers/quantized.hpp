@@ -39,13 +39,26 @@
 // quantized on its own (detail::quantized_history); without the option it is always one chunk.
 // kvc::kivi_options() are KIVI's settings: keys grouped along seq (one scale per channel and
 // chunk of tokens), values along head_dim (per token), append-only.
+//
+// `rotate_keys` / `rotate_values` (kvc options, off by default; docs/quantized.md): the history's
+// codes are those of the rows rotated by kvc::hadamard_rotate (quantized from a float copy), which
+// spreads a few large channels over the whole row. Nothing else is rotated: the residual, what
+// `stored` returns and the views `update` returns hold the rows as given (the workspace's history is
+// rotated back after it is dequantized). The layer also keeps the residual's rows rotated, in
+// float (rotated_residual(): each token rotated once, as it arrives; counted in residual_bytes()),
+// so that kvc::attend_quantized reads codes and residual alike with rotated queries, rotating its
+// output back once when the values are rotated; a flush of the fused path (append) quantizes the
+// history again in rotated space, from its codes and that copy. Host storage only: over
+// CudaStorage the constructor throws.
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -55,6 +68,7 @@
 #include <kvc/policies/layers/dynamic.hpp>
 #include <kvc/policies/layers/kv_store.hpp>
 #include <kvc/policies/quantization/codecs.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -73,7 +87,8 @@ namespace detail {
 // its backend).
 template <class Codec, class From>
 constexpr QuantizedLayer<Codec> with_codec(const QuantizedLayer<From>& o) noexcept {
-  return {o.nbits, o.axis_key, o.axis_value, o.q_group_size, o.residual_length, o.append_only};
+  return {o.nbits,           o.axis_key,    o.axis_value,  o.q_group_size,
+          o.residual_length, o.append_only, o.rotate_keys, o.rotate_values};
 }
 
 // The quantized history of one K or V tensor: chunks of consecutive tokens, each a quantized tensor
@@ -185,6 +200,12 @@ struct QuantizedLayer {
   std::int64_t residual_length = 128;
   // kvc's option: quantize only what leaves the residual, as a chunk appended to the history.
   bool append_only = false;
+  // kvc's options: quantize keys (values) rotated by kvc::hadamard_rotate, which spreads outlier
+  // channels over the row; what the layer returns and stores in full precision is not rotated
+  // (see the top of this header). Host storage only.
+  bool rotate_keys = false;
+  // See rotate_keys.
+  bool rotate_values = false;
 
   // Any storage with a quantized tensor type (detail::quantized_tensor_for): HostStorage, where
   // the codecs run on the CPU, and CudaStorage, where they run as kernels.
@@ -214,7 +235,13 @@ struct QuantizedLayer {
     static constexpr std::string_view name = Codec::layer_name;
 
     // Checks the options (detail::validate_quantized_options).
-    explicit state(const QuantizedLayer& kind) : opts_(kind) { detail::validate_quantized_options(kind); }
+    explicit state(const QuantizedLayer& kind) : opts_(kind) {
+      detail::validate_quantized_options(kind);
+      if constexpr (S::space != memory_space::host)
+        if (kind.rotate_keys || kind.rotate_values)
+          throw ValueError(
+              detail::join_message({Codec::layer_name, ": rotate_keys and rotate_values need host storage"}));
+    }
 
     // Returns the layer's options.
     const QuantizedLayer& options() const noexcept { return opts_; }
@@ -227,8 +254,10 @@ struct QuantizedLayer {
     std::int64_t bytes() const noexcept { return quantized_bytes() + residual_bytes() + workspace_bytes(); }
     // The quantized history of K and V: packed codes plus scales and offsets.
     std::int64_t quantized_bytes() const noexcept { return qk_.bytes() + qv_.bytes(); }
-    // The full-precision residual (its allocated capacity).
-    std::int64_t residual_bytes() const noexcept { return residual_.bytes(); }
+    // The full-precision residual (its allocated capacity), and with rotation its rotated copy.
+    std::int64_t residual_bytes() const noexcept {
+      return residual_.bytes() + static_cast<std::int64_t>((rot_.k.size() + rot_.v.size()) * sizeof(float));
+    }
     // The dequantized workspace the returned views point into (its allocated capacity).
     std::int64_t workspace_bytes() const noexcept { return ws_.bytes(); }
     // No buffer for offload engines to move (docs/offload.md): the walk is empty, on purpose.
@@ -272,8 +301,11 @@ struct QuantizedLayer {
       // Everything that can throw on the host happens first, aside; the commit below cannot throw
       // there (on a device its writes can, and they come before its moves).
       std::optional<detail::kv_store<S>> grown_residual;
-      if (!flush && rlen_ + q > residual_.capacity())
+      std::optional<rotated_store> grown_rotated;
+      if (!flush && rlen_ + q > residual_.capacity()) {
         grown_residual = residual_.relocated(residual_capacity_for(q), 0, rlen_);
+        grown_rotated = rotated_copy(grown_residual->capacity(), rlen_);
+      }
       const bool rebuild_in_place = !ws_fresh_ && !flush && ws_.capacity() >= total;
       std::optional<detail::kv_store<S>> grown_ws;
       if (ws_.capacity() < total || (!ws_fresh_ && !rebuild_in_place)) {
@@ -292,16 +324,21 @@ struct QuantizedLayer {
         // residual and the new ones (w holds the residual exactly after the history).
         w.write(held, k, v);
         if (opts_.append_only) {
-          qtensor nk = encode(w.keys(qlen, total - qlen), opts_.axis_key);
-          qtensor nv = encode(w.values(qlen, total - qlen), opts_.axis_value);
+          qtensor nk = encode(w.keys(qlen, total - qlen), opts_.axis_key, opts_.rotate_keys);
+          qtensor nv = encode(w.values(qlen, total - qlen), opts_.axis_value, opts_.rotate_values);
           qk_.reserve_one();
           qv_.reserve_one();
           if (grown_ws) ws_ = std::move(*grown_ws);
           qk_.push(std::move(nk));
           qv_.push(std::move(nv));
         } else {
-          history nk(encode(w.keys(0, total), opts_.axis_key));
-          history nv(encode(w.values(0, total), opts_.axis_value));
+          // A rotated part from its codes and the residual's rotated copy, as append does (the same
+          // codes and scales; w holds the history rotated back).
+          const rotated_rows rot = rotated_residual();
+          history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, opts_.axis_key)
+                                       : encode(w.keys(0, total), opts_.axis_key, false));
+          history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, opts_.axis_value)
+                                         : encode(w.values(0, total), opts_.axis_value, false));
           if (grown_ws) ws_ = std::move(*grown_ws);
           qk_ = std::move(nk);
           qv_ = std::move(nv);
@@ -318,8 +355,10 @@ struct QuantizedLayer {
       w.write(held, k, v);
       detail::kv_store<S>& r = grown_residual ? *grown_residual : residual_;
       r.write(rlen_, k, v);
+      write_rotated(grown_rotated ? *grown_rotated : rot_, rlen_, k, v);
       if (grown_ws) ws_ = std::move(*grown_ws);
       if (grown_residual) residual_ = std::move(*grown_residual);
+      if (grown_rotated) rot_ = std::move(*grown_rotated);
       rlen_ += q;
       cumulative_ += q;
       ws_fresh_ = true;
@@ -335,13 +374,14 @@ struct QuantizedLayer {
       const std::int64_t q = k.extent(2);
       if (!initialized_ || cumulative_ == 0) {
         const LayerShape shape = detail::shape_of(k, v);
-        history nk(encode(k, opts_.axis_key));
-        history nv(encode(v, opts_.axis_value));
+        history nk(encode(k, opts_.axis_key, opts_.rotate_keys));
+        history nv(encode(v, opts_.axis_value, opts_.rotate_values));
         detail::kv_store<S> residual(shape, 0, false);
         shape_ = shape;
         qk_ = std::move(nk);
         qv_ = std::move(nv);
         residual_ = std::move(residual);
+        rot_ = rotated_store();
         rlen_ = 0;
         cumulative_ = q;
         initialized_ = true;
@@ -354,29 +394,41 @@ struct QuantizedLayer {
         const KV<view> r = residual_.kv(0, rlen_);
         chunk.write(0, r.keys, r.values);
         chunk.write(rlen_, k, v);
-        qtensor nk = encode(chunk.keys(0, rlen_ + q), opts_.axis_key);
-        qtensor nv = encode(chunk.values(0, rlen_ + q), opts_.axis_value);
+        qtensor nk = encode(chunk.keys(0, rlen_ + q), opts_.axis_key, opts_.rotate_keys);
+        qtensor nv = encode(chunk.values(0, rlen_ + q), opts_.axis_value, opts_.rotate_values);
         qk_.reserve_one();
         qv_.reserve_one();
         qk_.push(std::move(nk));
         qv_.push(std::move(nv));
         rlen_ = 0;
       } else if (rlen_ > 0 && rlen_ + 1 >= opts_.residual_length) {
-        detail::kv_store<S> all(shape_, total, false);
-        fill_from_store(all);
-        all.write(held, k, v);
-        history nk(encode(all.keys(0, total), opts_.axis_key));
-        history nv(encode(all.values(0, total), opts_.axis_value));
+        // A rotated part is quantized again where it is stored, in rotated space (requantized);
+        // a part that is not, from the sequence dequantized.
+        const rotated_rows rot = rotated_residual();
+        std::optional<detail::kv_store<S>> all;
+        if (!opts_.rotate_keys || !opts_.rotate_values) {
+          all.emplace(shape_, total, false);
+          fill_from_store(*all);
+          all->write(held, k, v);
+        }
+        history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, opts_.axis_key)
+                                     : encode(all->keys(0, total), opts_.axis_key, false));
+        history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, opts_.axis_value)
+                                       : encode(all->values(0, total), opts_.axis_value, false));
         qk_ = std::move(nk);
         qv_ = std::move(nv);
         rlen_ = 0;
       } else {
         if (rlen_ + q > residual_.capacity()) {
           detail::kv_store<S> grown = residual_.relocated(residual_capacity_for(q), 0, rlen_);
+          rotated_store grown_rotated = rotated_copy(grown.capacity(), rlen_);
           grown.write(rlen_, k, v);
+          write_rotated(grown_rotated, rlen_, k, v);
           residual_ = std::move(grown);
+          rot_ = std::move(grown_rotated);
         } else {
           residual_.write(rlen_, k, v);
+          write_rotated(rot_, rlen_, k, v);
         }
         rlen_ += q;
       }
@@ -390,6 +442,22 @@ struct QuantizedLayer {
     const auto& quantized_values() const noexcept { return qv_; }
     // Returns the residual's tokens, K and V.
     KV<view> residual_kv() const noexcept { return residual_.kv(0, rlen_); }
+
+    // The residual's rows rotated, in float (what the rotated codes are read against), kept with the
+    // residual while the layer rotates: rows of block (batch b, head h) from keys + (b * heads + h) *
+    // capacity * key_head_dim (values likewise); null for a part the layer does not rotate.
+    struct rotated_rows {
+      // The keys' rows, or null when the keys are not rotated.
+      const float* keys;
+      // The values' rows, or null when the values are not rotated.
+      const float* values;
+      // Rows per (batch, head) block.
+      std::int64_t capacity;
+    };
+    // Returns the residual's rotated rows (rows [0, residual_tokens()) of each block).
+    rotated_rows rotated_residual() const noexcept {
+      return {rot_.k.empty() ? nullptr : rot_.k.data(), rot_.v.empty() ? nullptr : rot_.v.data(), rot_.cap};
+    }
 
     // Returns the number of tokens held: quantized plus residual.
     std::int64_t get_seq_length() const noexcept { return cumulative_; }
@@ -443,6 +511,8 @@ struct QuantizedLayer {
       out.qk_ = qk_.gathered(batch_indices);
       out.qv_ = qv_.gathered(batch_indices);
       out.residual_ = residual_.gathered(batch_indices);
+      out.rot_ = out.rotated_copy(out.residual_.capacity());
+      out.write_rotated(out.rot_, 0, out.residual_.keys(0, rlen_), out.residual_.values(0, rlen_));
       if (ws_fresh_) out.ws_ = ws_.gathered(batch_indices, qk_.tokens() + rlen_);
       out.ws_fresh_ = ws_fresh_;
       return out;
@@ -462,6 +532,8 @@ struct QuantizedLayer {
       ar.param("q_group_size", opts_.q_group_size);
       ar.param("residual_length", opts_.residual_length);
       ar.param("append_only", opts_.append_only);
+      ar.param("rotate_keys", opts_.rotate_keys);
+      ar.param("rotate_values", opts_.rotate_values);
       ar.value(initialized_);
       ar.value(shape_.batch);
       ar.value(shape_.heads);
@@ -484,6 +556,15 @@ struct QuantizedLayer {
                  "the quantized tensors' shapes");
         ws_ = detail::kv_store<S>();
         ws_fresh_ = false;
+        rot_ = rotated_store();
+        if (initialized_ && (opts_.rotate_keys || opts_.rotate_values)) {
+          try {
+            rot_ = rotated_copy(residual_.capacity());
+          } catch (const ValueError&) {  // above kvc's limits: the file's residual is too large
+            ar.check(false, "the residual's size");
+          }
+          write_rotated(rot_, 0, residual_.keys(0, rlen_), residual_.values(0, rlen_));
+        }
       }
     }
 
@@ -499,6 +580,7 @@ struct QuantizedLayer {
       qv_ = history();
       ws_ = detail::kv_store<S>();
       rlen_ = cumulative_ = 0;
+      rot_ = rotated_store();
       ws_fresh_ = false;
     }
 
@@ -519,11 +601,102 @@ struct QuantizedLayer {
     }
 
     // x ([batch, heads, tokens, head_dim], each token's head_dim elements contiguous) quantized with
-    // the options, grouped as `axis` says (axis_key for K, axis_value for V).
-    qtensor encode(const view& x, std::int64_t axis) const {
+    // the options, grouped as `axis` says (axis_key for K, axis_value for V); with `rotate`, its
+    // rows rotated first, in a float copy of x.
+    qtensor encode(const view& x, std::int64_t axis, bool rotate) const {
+      const int bits = static_cast<int>(opts_.nbits);
+      const std::int64_t B = x.extent(0), H = x.extent(1), n = x.extent(2), d = x.extent(3);
+      if constexpr (S::space == memory_space::host) {
+        if (rotate && B * H * n * d > 0) {  // (an empty view may have no data to offset)
+          std::vector<float> rows(static_cast<std::size_t>(detail::checked_elements({B, H, n, d}, sizeof(float))));
+          for (std::int64_t b = 0; b < B; ++b)
+            for (std::int64_t h = 0; h < H; ++h) {
+              const element_type* src = x.data() + b * x.stride(0) + h * x.stride(1);
+              float* dst = rows.data() + (b * H + h) * n * d;
+              for (std::int64_t i = 0; i < n * d; ++i) dst[i] = detail::to_float(src[i]);
+            }
+          hadamard_rotate(rows.data(), B * H * n, d);
+          return qtensor::template encode<Codec>(bits, Codec::grouping(axis), opts_.q_group_size, rows.data(), B, H, n,
+                                                 d, H * n * d, n * d);
+        }
+      }
+      return qtensor::template encode<Codec>(bits, Codec::grouping(axis), opts_.q_group_size, x.data(), B, H, n, d,
+                                             x.stride(0), x.stride(1));
+    }
+
+    // The residual's rows rotated, for the parts the layer rotates: [batch * heads, cap, head_dim]
+    // floats each (empty for a part it does not rotate), rows [0, rlen_) written.
+    struct rotated_store {
+      std::vector<float> k, v;
+      std::int64_t cap = 0;
+    };
+    // A store of `cap` rows per block for the layer's shape, holding rows [0, keep) of rot_.
+    rotated_store rotated_copy(std::int64_t cap, std::int64_t keep = 0) const {
+      rotated_store out;
+      if constexpr (S::space == memory_space::host) {
+        const std::int64_t blocks = shape_.batch * shape_.heads;
+        for (auto [part, from, dim, on] : {std::tuple{&out.k, &rot_.k, shape_.key_head_dim, opts_.rotate_keys},
+                                           std::tuple{&out.v, &rot_.v, shape_.value_head_dim, opts_.rotate_values}}) {
+          if (!on) continue;
+          part->resize(static_cast<std::size_t>(
+              detail::checked_elements({shape_.batch, shape_.heads, cap, dim}, sizeof(float))));
+          for (std::int64_t blk = 0; blk < blocks && keep > 0; ++blk)
+            std::copy_n(from->data() + blk * rot_.cap * dim, keep * dim, part->data() + blk * cap * dim);
+        }
+        out.cap = cap;
+      }
+      return out;
+    }
+    // Writes k's and v's rows, rotated, to rows [at, at + q) of `to`'s blocks. Allocates nothing.
+    void write_rotated(rotated_store& to, std::int64_t at, const view& k, const view& v) const noexcept {
+      if constexpr (S::space == memory_space::host) {
+        const std::int64_t H = shape_.heads, blocks = shape_.batch * H, q = k.extent(2);
+        if (q == 0) return;  // (an empty view may have no data to offset)
+        assert(at + q <= to.cap);
+        for (auto [part, x, dim] :
+             {std::tuple{&to.k, &k, shape_.key_head_dim}, std::tuple{&to.v, &v, shape_.value_head_dim}}) {
+          if (part->empty()) continue;
+          for (std::int64_t blk = 0; blk < blocks; ++blk) {
+            const element_type* src = x->data() + blk / H * x->stride(0) + blk % H * x->stride(1);
+            float* dst = part->data() + (blk * to.cap + at) * dim;
+            for (std::int64_t t = 0; t < q; ++t)
+              for (std::int64_t d = 0; d < dim; ++d) dst[t * dim + d] = detail::to_float(src[t * x->stride(2) + d]);
+            hadamard_rotate(dst, q, dim);
+          }
+        }
+      }
+    }
+
+    // The whole sequence quantized again in rotated space, for a part whose codes are rotated: the
+    // history `h` decoded as it is stored (rotated) into float, the residual's rotated copy
+    // (`rotated`, rot_'s part), then x's rows rotated. Nothing of the history is rotated.
+    qtensor requantized(const history& h, const float* rotated, std::int64_t dim, const view& x,
+                        std::int64_t axis) const {
+      const std::int64_t B = shape_.batch, H = shape_.heads, q = x.extent(2), past = h.tokens(),
+                         total = past + rlen_ + q;
+      std::vector<float> rows(static_cast<std::size_t>(detail::checked_elements({B, H, total, dim}, sizeof(float))));
+      h.decode(rows.data(), H * total * dim, total * dim, dim);
+      for (std::int64_t blk = 0; blk < B * H; ++blk) {
+        float* dst = rows.data() + blk * total * dim;
+        std::copy_n(rotated + blk * rot_.cap * dim, rlen_ * dim, dst + past * dim);
+        if (q == 0) continue;  // (an empty view may have no data to offset)
+        const element_type* src = x.data() + blk / H * x.stride(0) + blk % H * x.stride(1);
+        float* fresh = dst + (past + rlen_) * dim;
+        for (std::int64_t t = 0; t < q; ++t)
+          for (std::int64_t d = 0; d < dim; ++d) fresh[t * dim + d] = detail::to_float(src[t * x.stride(2) + d]);
+        hadamard_rotate(fresh, q, dim);
+      }
       return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
-                                             x.data(), x.extent(0), x.extent(1), x.extent(2), x.extent(3), x.stride(0),
-                                             x.stride(1));
+                                             rows.data(), B, H, total, dim, H * total * dim, total * dim);
+    }
+
+    // Rotates rows [0, tokens) of every (batch, head) block of a workspace back (a rotation is its
+    // own inverse): the history decode() wrote there rotated.
+    void unrotate(const typename detail::kv_store<S>::blocks& w, std::int64_t tokens, std::int64_t dim) const noexcept {
+      if constexpr (S::space == memory_space::host)
+        for (std::int64_t b = 0; b < shape_.batch; ++b)
+          for (std::int64_t h = 0; h < shape_.heads; ++h)
+            detail::hadamard_rotate_any(w.data + b * w.stride_b + h * w.stride_h, tokens, dim);
     }
 
     // Writes dequant(history) + residual to the front of `w`. Cannot throw on the host (a device
@@ -532,6 +705,8 @@ struct QuantizedLayer {
       const auto wk = w.key_blocks(), wv = w.value_blocks();
       qk_.decode(wk.data, wk.stride_b, wk.stride_h, shape_.key_head_dim);
       qv_.decode(wv.data, wv.stride_b, wv.stride_h, shape_.value_head_dim);
+      if (opts_.rotate_keys) unrotate(wk, qk_.tokens(), shape_.key_head_dim);
+      if (opts_.rotate_values) unrotate(wv, qv_.tokens(), shape_.value_head_dim);
       const KV<view> r = residual_.kv(0, rlen_);
       w.write(qk_.tokens(), r.keys, r.values);
     }
@@ -539,8 +714,8 @@ struct QuantizedLayer {
     KV<view> first_update(const view& k, const view& v) {
       const LayerShape shape = detail::shape_of(k, v);
       const std::int64_t q = k.extent(2);
-      history nk(encode(k, opts_.axis_key));
-      history nv(encode(v, opts_.axis_value));
+      history nk(encode(k, opts_.axis_key, opts_.rotate_keys));
+      history nv(encode(v, opts_.axis_value, opts_.rotate_values));
       detail::kv_store<S> w(shape, std::max(q, detail::min_dynamic_capacity), false);
       w.write(0, k, v);
       detail::kv_store<S> residual(shape, 0, false);
@@ -549,6 +724,7 @@ struct QuantizedLayer {
       qv_ = std::move(nv);
       ws_ = std::move(w);
       residual_ = std::move(residual);
+      rot_ = rotated_store();
       rlen_ = 0;
       cumulative_ = q;
       ws_fresh_ = false;  // it holds the inputs, not dequant of what was quantized
@@ -563,6 +739,7 @@ struct QuantizedLayer {
     detail::kv_store<S> ws_;        // the workspace: what the last update returned
     std::int64_t rlen_ = 0;
     std::int64_t cumulative_ = 0;  // tokens held: quantized + residual
+    rotated_store rot_;            // the residual's rows rotated (rotated_residual()), as its capacity
     bool ws_fresh_ = false;        // ws_[0, quantized + residual) == dequant(history) + residual
     bool initialized_ = false;
   };
