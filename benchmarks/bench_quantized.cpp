@@ -18,7 +18,9 @@
 //   attend/<cache>   a decode step with attention at 4096 tokens, Eigen::half, one layer of
 //        [1, 8, S, 128] K/V and 32 query heads: a 4032-token prefill, then 64 steps of kvc::attend
 //        (DynamicCache<half>; quanto int4 through update, transformers' path) or
-//        kvc::attend_quantized (quanto int4 from the codes, no workspace; KIVI int2,
+//        kvc::attend_quantized (quanto int4 from the codes, no workspace; the same with
+//        rotate_keys and rotate_values, "fused+rotated"; both also over 128 steps, a whole residual
+//        cycle with its flush, "/128steps"; KIVI int2,
 //        kvc::kivi_options()), or kvc::attend_fp8 (DynamicCache<float8_e4m3> / <float8_e5m2>, per-head
 //        scales calibrated on the prefill). Counters: steps_per_s, held (the cache's bytes after the
 //        steps, as a fraction of fp16 K/V of 4096 tokens).
@@ -132,11 +134,11 @@ kvc::QuantizedCache<float> make_quantized() {
 
 // ---- decode with attention at 4k tokens ----------------------------------------------------------
 
-enum class AttendMode { dynamic, quantized_update, quantized_fused, kivi_fused, fp8_e4m3, fp8_e5m2 };
+enum class AttendMode { dynamic, quantized_update, quantized_fused, quantized_rotated, kivi_fused, fp8_e4m3, fp8_e5m2 };
 
-void BM_Attend(benchmark::State& state, AttendMode mode) {
+void BM_Attend(benchmark::State& state, AttendMode mode, std::int64_t steps) {
   using H = Eigen::half;
-  constexpr std::int64_t prefill_len = 4032, steps = 64, query_heads = 32;
+  constexpr std::int64_t prefill_len = 4032, query_heads = 32;
   const auto prefill = make_input<H>(prefill_len, 6);
   const auto tok = make_input<H>(1, 7);
   kvc::HostTensor<H> queries(1, query_heads, 1, kHeadDim);
@@ -154,9 +156,11 @@ void BM_Attend(benchmark::State& state, AttendMode mode) {
     kvc::DynamicCache<H> dynamic;
     kvc::DynamicCache<kvc::float8_e4m3> fp8;
     kvc::DynamicCache<kvc::float8_e5m2> fp8_e5;
-    kvc::QuantizedCache<H> quantized(
-        "quanto", config(1),
-        mode == AttendMode::kivi_fused ? kvc::kivi_options(2) : kvc::QuantizedOptions{4, 0, 0, 64, 128});
+    const bool rotated = mode == AttendMode::quantized_rotated;
+    kvc::QuantizedCache<H> quantized("quanto", config(1),
+                                     mode == AttendMode::kivi_fused
+                                         ? kvc::kivi_options(2)
+                                         : kvc::QuantizedOptions{4, 0, 0, 64, 128, false, rotated, rotated});
     switch (mode) {
       case AttendMode::dynamic:
         dynamic.update(prefill, prefill, 0);
@@ -270,16 +274,24 @@ int main(int argc, char** argv) {
                                make_quantized<true, 8, 0>)
       ->Unit(benchmark::kMillisecond);
 
-  benchmark::RegisterBenchmark("attend/DynamicCache<half>", BM_Attend, AttendMode::dynamic)
+  benchmark::RegisterBenchmark("attend/DynamicCache<half>", BM_Attend, AttendMode::dynamic, 64)
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attend/quanto/nbits:4/update", BM_Attend, AttendMode::quantized_update)
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/update", BM_Attend, AttendMode::quantized_update, 64)
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused", BM_Attend, AttendMode::quantized_fused)
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused", BM_Attend, AttendMode::quantized_fused, 64)
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attend/kivi/nbits:2/fused", BM_Attend, AttendMode::kivi_fused)
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused+rotated", BM_Attend, AttendMode::quantized_rotated, 64)
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attend/fp8/e4m3", BM_Attend, AttendMode::fp8_e4m3)->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("attend/fp8/e5m2", BM_Attend, AttendMode::fp8_e5m2)->Unit(benchmark::kMillisecond);
+  // A whole residual cycle: 128 steps, one of them quantizing the whole sequence again.
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused/128steps", BM_Attend, AttendMode::quantized_fused, 128)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/quanto/nbits:4/fused+rotated/128steps", BM_Attend, AttendMode::quantized_rotated,
+                               128)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/kivi/nbits:2/fused", BM_Attend, AttendMode::kivi_fused, 64)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/fp8/e4m3", BM_Attend, AttendMode::fp8_e4m3, 64)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("attend/fp8/e5m2", BM_Attend, AttendMode::fp8_e5m2, 64)->Unit(benchmark::kMillisecond);
 
   for (const Codec& c :
        {Codec{false, 2, 0}, Codec{false, 4, 0}, Codec{true, 2, 1}, Codec{true, 4, 1}, Codec{true, 8, 1}}) {
@@ -316,13 +328,22 @@ int main(int argc, char** argv) {
   const auto* dyn_attend = reporter.find("attend/DynamicCache<half>");
   std::printf("\n%-30s %12s %12s %10s   (Eigen::half, 4096 tokens, 8 KV / 32 query heads x 128)\n",
               "decode step with attention", "steps/s", "vs Dynamic", "held");
-  for (const char* n : {"attend/DynamicCache<half>", "attend/quanto/nbits:4/update", "attend/quanto/nbits:4/fused",
-                        "attend/kivi/nbits:2/fused", "attend/fp8/e4m3", "attend/fp8/e5m2"}) {
+  for (const char* n :
+       {"attend/DynamicCache<half>", "attend/quanto/nbits:4/update", "attend/quanto/nbits:4/fused",
+        "attend/quanto/nbits:4/fused+rotated", "attend/kivi/nbits:2/fused", "attend/fp8/e4m3", "attend/fp8/e5m2"}) {
     const auto* r = reporter.find(n);
     if (!r) continue;
     const double sps = r->counters.at("steps_per_s");
     std::printf("%-30s %12.1f %12.3f %10.3f\n", n, sps, dyn_attend ? sps / dyn_attend->counters.at("steps_per_s") : NAN,
                 r->counters.at("held"));
+  }
+  for (const char* steps : {"", "/128steps"}) {
+    const auto* fused = reporter.find(std::string("attend/quanto/nbits:4/fused") + steps);
+    const auto* rotated = reporter.find(std::string("attend/quanto/nbits:4/fused+rotated") + steps);
+    if (fused && rotated)
+      std::printf("rotation (keys and values) over %s steps: %+.1f%% time per fused int4 decode step\n",
+                  *steps ? "128 (a flush included)" : "64",
+                  100.0 * (fused->counters.at("steps_per_s") / rotated->counters.at("steps_per_s") - 1.0));
   }
   std::printf("\n%-22s %10s %10s %10s   (fraction of fp16 bytes, 4096 tokens)\n", "memory (Eigen::half)", "quantized",
               "held", "total");
