@@ -13,7 +13,9 @@
 // last, incomplete group kept exact), fp8 (E4M3, scale 1, vLLM's default), nvfp4 (E2M1 with an
 // E4M3 scale per 16 values and a tensor scale per layer from the prompt's largest magnitude), fp32
 // (kept exact). "rot" rotates keys, queries and values with kvc::hadamard_rotate before they are
-// stored (the attention output is rotated back).
+// stored (the attention output is rotated back). These formats are simulated (each row quantized
+// and dequantized in place); the two "QuantizedCache" rows hold int4 in kvc's quantized layers
+// instead (CacheAttention), plain and with their rotate_keys / rotate_values.
 //
 // Two models: the decoder's random weights, and the same model with the outlier structure real
 // keys have: key channels 3, 17 and 40 of every head 30, 60 and 100 times larger, the queries'
@@ -22,11 +24,13 @@
 //   kvc_kv_quality [--context N ...] [--steps M] [--check]
 // --check runs the assertions (printed PASS/FAIL): rotation is exact without quantization; on the
 // outlier model, rotation lowers the mean KL divergence of int4 keys at least 2x, and keys per
-// channel beat keys per token. Exits 0 when they hold (or without --check), 1 otherwise.
+// channel beat keys per token, and QuantizedCache's rotation lowers int4's KL at least 2x. Exits 0
+// when they hold (or without --check), 1 otherwise.
 #include "../common/decoder.hpp"
 
 #include <kvc/float8.hpp>
 #include <kvc/nvfp4.hpp>
+#include <kvc/quantized_attention.hpp>
 #include <kvc/rotation.hpp>
 
 #include <algorithm>
@@ -220,6 +224,58 @@ class QuantizedAttention {
   std::vector<Store> keys_, values_;
 };
 
+// The same attention with K/V held by kvc's own quantized layers instead of the simulation above: a
+// QuantizedCache<float> of quanto int4, one group per row of head_dim (per token and KV head, the
+// simulation's int4), read from its codes by kvc::attend_quantized, with rotate_keys and
+// rotate_values when asked (the layer rotates; nothing is rotated here). Its residual keeps the
+// last token exact between flushes (residual_length 2, append-only), and a step's own token is
+// exact in its own attention: the simulation quantizes both.
+class CacheAttention {
+ public:
+  CacheAttention(const DecoderConfig& config, bool rotate, bool outliers)
+      : outliers_(outliers), dim_(config.head_dim), cache_("quanto", config.cache_config(), options(config, rotate)) {}
+
+  void load(std::int64_t layer, kvc::HostTensor<float> k, const kvc::HostTensor<float>& v) {
+    kvc::HostTensor<float> none;
+    outlier_channels_in(none, k);
+    const auto kv = kvc::input_view(k), vv = kvc::input_view(v);
+    cache_.update_with(kv, vv, layer, [&](auto& st) {
+      st.append(kv, vv);
+      return 0;
+    });
+  }
+
+  kvc::HostTensor<float> operator()(std::int64_t layer, const kvc::HostTensor<float>& q,
+                                    const kvc::HostTensor<float>& k, const kvc::HostTensor<float>& v) {
+    kvc::HostTensor<float> qq = q, kk = k;
+    outlier_channels_in(qq, kk);
+    return kvc::attend_quantized(cache_, layer, qq, kk, v);
+  }
+
+ private:
+  static kvc::QuantizedOptions options(const DecoderConfig& config, bool rotate) {
+    kvc::QuantizedOptions o{.nbits = 4,
+                            .axis_key = 0,
+                            .axis_value = 0,
+                            .q_group_size = config.head_dim,
+                            .residual_length = 2,
+                            .append_only = true};
+    o.rotate_keys = o.rotate_values = rotate;
+    return o;
+  }
+  void outlier_channels_in(kvc::HostTensor<float>& q, kvc::HostTensor<float>& k) const {
+    if (outliers_)
+      for (std::size_t o = 0; o < outlier_channels.size(); ++o) {
+        for (std::int64_t i = outlier_channels[o]; i < k.size(); i += dim_) k.data()[i] *= outlier_factors[o];
+        for (std::int64_t i = outlier_channels[o]; i < q.size(); i += dim_) q.data()[i] /= outlier_factors[o];
+      }
+  }
+
+  bool outliers_;
+  std::int64_t dim_;
+  kvc::QuantizedCache<float> cache_;
+};
+
 // The exact prefill: attention over the prompt's own keys and values, which it keeps per layer.
 struct Prefill {
   std::vector<std::pair<kvc::HostTensor<float>, kvc::HostTensor<float>>> kv;
@@ -259,8 +315,9 @@ double kl_divergence(const Eigen::RowVectorXf& p_logits, const Eigen::RowVectorX
 
 // Decodes `feed.size()` tokens fed `feed` after the prompt `prefill` holds (the exact model's
 // greedy tokens): the logits of each step.
-std::vector<Eigen::RowVectorXf> decode(const Decoder<float>& model, QuantizedAttention& attention,
-                                       const Prefill& prefill, const std::vector<std::int32_t>& feed) {
+template <class Attention>
+std::vector<Eigen::RowVectorXf> decode(const Decoder<float>& model, Attention& attention, const Prefill& prefill,
+                                       const std::vector<std::int32_t>& feed) {
   for (std::size_t l = 0; l < prefill.kv.size(); ++l)
     attention.load(static_cast<std::int64_t>(l), prefill.kv[l].first, prefill.kv[l].second);
   const std::int64_t past = prefill.kv.front().first.dimension(2);
@@ -388,6 +445,15 @@ int main(int argc, char** argv) try {
         std::printf("  %-30s %12.3g %12.3g %12.3g %7.1f%%\n", name.c_str(), s.kl_mean, s.kl_p99, s.max_dlogit,
                     100.0 * s.agreement);
       }
+      Scores through_cache[2];  // plain, rotated
+      for (const bool rotate : {false, true}) {
+        CacheAttention attention(config, rotate, outliers);
+        const Scores s = compare(exact, decode(model, attention, prefill, feed));
+        through_cache[rotate ? 1 : 0] = s;
+        std::printf("  %-30s %12.3g %12.3g %12.3g %7.1f%%\n",
+                    rotate ? "int4 / int4 rot, QuantizedCache" : "int4 / int4, QuantizedCache", s.kl_mean, s.kl_p99,
+                    s.max_dlogit, 100.0 * s.agreement);
+      }
       if (check) {
         const auto at = [&](Format k, Format v, bool rotate) {
           for (std::size_t i = 0; i < setups.size(); ++i)
@@ -404,6 +470,10 @@ int main(int argc, char** argv) try {
                                             std::to_string(rotated) + ")");
           verdict(channel < plain, "int4 keys per channel beat int4 keys per token (" + std::to_string(channel) +
                                        " < " + std::to_string(plain) + ")");
+          verdict(2 * through_cache[1].kl_mean <= through_cache[0].kl_mean,
+                  "QuantizedCache's rotate_keys/rotate_values lower int4's KL at least 2x (" +
+                      std::to_string(through_cache[0].kl_mean) + " -> " + std::to_string(through_cache[1].kl_mean) +
+                      ")");
         }
       }
     }
