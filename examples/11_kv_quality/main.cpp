@@ -97,6 +97,15 @@ void int_row(float* x, std::int64_t n, std::int64_t stride, int bits) {
   }
 }
 
+// The outlier model: key channels outlier_channels of every head outlier_factors times larger, the
+// queries' as much smaller (scores unchanged). Rows of `dim` values.
+void add_outliers(kvc::HostTensor<float>& q, kvc::HostTensor<float>& k, std::int64_t dim) {
+  for (std::size_t o = 0; o < outlier_channels.size(); ++o) {
+    for (std::int64_t i = outlier_channels[o]; i < k.size(); i += dim) k.data()[i] *= outlier_factors[o];
+    for (std::int64_t i = outlier_channels[o]; i < q.size(); i += dim) q.data()[i] /= outlier_factors[o];
+  }
+}
+
 // One layer's keys or values as the format stores them: [head][capacity][head_dim], the rows
 // past the tokens held unused (appending a step copies nothing already held).
 class Store {
@@ -209,11 +218,7 @@ class QuantizedAttention {
 
  private:
   void transform(kvc::HostTensor<float>& q, kvc::HostTensor<float>& k, kvc::HostTensor<float>& v) const {
-    if (outliers_)
-      for (std::size_t o = 0; o < outlier_channels.size(); ++o) {
-        for (std::int64_t i = outlier_channels[o]; i < k.size(); i += dim_) k.data()[i] *= outlier_factors[o];
-        for (std::int64_t i = outlier_channels[o]; i < q.size(); i += dim_) q.data()[i] /= outlier_factors[o];
-      }
+    if (outliers_) add_outliers(q, k, dim_);
     if (setup_.rotate)
       for (kvc::HostTensor<float>* t : {&q, &k, &v}) kvc::hadamard_rotate(t->data(), t->size() / dim_, dim_);
   }
@@ -237,7 +242,7 @@ class CacheAttention {
 
   void load(std::int64_t layer, kvc::HostTensor<float> k, const kvc::HostTensor<float>& v) {
     kvc::HostTensor<float> none;
-    outlier_channels_in(none, k);
+    if (outliers_) add_outliers(none, k, dim_);
     const auto kv = kvc::input_view(k), vv = kvc::input_view(v);
     cache_.update_with(kv, vv, layer, [&](auto& st) {
       st.append(kv, vv);
@@ -248,7 +253,7 @@ class CacheAttention {
   kvc::HostTensor<float> operator()(std::int64_t layer, const kvc::HostTensor<float>& q,
                                     const kvc::HostTensor<float>& k, const kvc::HostTensor<float>& v) {
     kvc::HostTensor<float> qq = q, kk = k;
-    outlier_channels_in(qq, kk);
+    if (outliers_) add_outliers(qq, kk, dim_);
     return kvc::attend_quantized(cache_, layer, qq, kk, v);
   }
 
@@ -262,13 +267,6 @@ class CacheAttention {
                             .append_only = true};
     o.rotate_keys = o.rotate_values = rotate;
     return o;
-  }
-  void outlier_channels_in(kvc::HostTensor<float>& q, kvc::HostTensor<float>& k) const {
-    if (outliers_)
-      for (std::size_t o = 0; o < outlier_channels.size(); ++o) {
-        for (std::int64_t i = outlier_channels[o]; i < k.size(); i += dim_) k.data()[i] *= outlier_factors[o];
-        for (std::int64_t i = outlier_channels[o]; i < q.size(); i += dim_) q.data()[i] /= outlier_factors[o];
-      }
   }
 
   bool outliers_;

@@ -290,8 +290,7 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
       } else if (past > 0) {
         const auto r = st.residual_kv();
         const std::int64_t resid = st.residual_tokens();
-        const bool rotating = st.options().rotate_keys || st.options().rotate_values;
-        const auto rotated = rotating ? st.rotated_residual() : typename St::rotated_rows{nullptr, nullptr, 0};
+        const auto rotated = st.rotated_residual();  // null parts where nothing is rotated
         // A decode step over many keys with few (batch row, KV head) blocks is cut into key
         // splits of the dense attention's plan, merged in split order: the cuts depend on the
         // problem alone, so the executor's choice of threads does not change the results.

@@ -609,13 +609,7 @@ struct QuantizedLayer {
       if constexpr (S::space == memory_space::host) {
         if (rotate && B * H * n * d > 0) {  // (an empty view may have no data to offset)
           std::vector<float> rows(static_cast<std::size_t>(detail::checked_elements({B, H, n, d}, sizeof(float))));
-          for (std::int64_t b = 0; b < B; ++b)
-            for (std::int64_t h = 0; h < H; ++h) {
-              const element_type* src = x.data() + b * x.stride(0) + h * x.stride(1);
-              float* dst = rows.data() + (b * H + h) * n * d;
-              for (std::int64_t i = 0; i < n * d; ++i) dst[i] = detail::to_float(src[i]);
-            }
-          hadamard_rotate(rows.data(), B * H * n, d);
+          for (std::int64_t blk = 0; blk < B * H; ++blk) rotated_rows_of(x, blk, rows.data() + blk * n * d);
           return qtensor::template encode<Codec>(bits, Codec::grouping(axis), opts_.q_group_size, rows.data(), B, H, n,
                                                  d, H * n * d, n * d);
         }
@@ -647,6 +641,15 @@ struct QuantizedLayer {
       }
       return out;
     }
+    // The rows of block `blk` (batch blk / heads, head blk % heads) of x, as floats, rotated, to
+    // dst (x's extent(2) rows of extent(3) values). x must hold at least one row.
+    static void rotated_rows_of(const view& x, std::int64_t blk, float* dst) noexcept {
+      const std::int64_t H = x.extent(1), q = x.extent(2), dim = x.extent(3);
+      const element_type* src = x.data() + blk / H * x.stride(0) + blk % H * x.stride(1);
+      for (std::int64_t t = 0; t < q; ++t)
+        for (std::int64_t d = 0; d < dim; ++d) dst[t * dim + d] = detail::to_float(src[t * x.stride(2) + d]);
+      hadamard_rotate(dst, q, dim);
+    }
     // Writes k's and v's rows, rotated, to rows [at, at + q) of `to`'s blocks. Allocates nothing.
     void write_rotated(rotated_store& to, std::int64_t at, const view& k, const view& v) const noexcept {
       if constexpr (S::space == memory_space::host) {
@@ -656,13 +659,8 @@ struct QuantizedLayer {
         for (auto [part, x, dim] :
              {std::tuple{&to.k, &k, shape_.key_head_dim}, std::tuple{&to.v, &v, shape_.value_head_dim}}) {
           if (part->empty()) continue;
-          for (std::int64_t blk = 0; blk < blocks; ++blk) {
-            const element_type* src = x->data() + blk / H * x->stride(0) + blk % H * x->stride(1);
-            float* dst = part->data() + (blk * to.cap + at) * dim;
-            for (std::int64_t t = 0; t < q; ++t)
-              for (std::int64_t d = 0; d < dim; ++d) dst[t * dim + d] = detail::to_float(src[t * x->stride(2) + d]);
-            hadamard_rotate(dst, q, dim);
-          }
+          for (std::int64_t blk = 0; blk < blocks; ++blk)
+            rotated_rows_of(*x, blk, part->data() + (blk * to.cap + at) * dim);
         }
       }
     }
@@ -679,12 +677,7 @@ struct QuantizedLayer {
       for (std::int64_t blk = 0; blk < B * H; ++blk) {
         float* dst = rows.data() + blk * total * dim;
         std::copy_n(rotated + blk * rot_.cap * dim, rlen_ * dim, dst + past * dim);
-        if (q == 0) continue;  // (an empty view may have no data to offset)
-        const element_type* src = x.data() + blk / H * x.stride(0) + blk % H * x.stride(1);
-        float* fresh = dst + (past + rlen_) * dim;
-        for (std::int64_t t = 0; t < q; ++t)
-          for (std::int64_t d = 0; d < dim; ++d) fresh[t * dim + d] = detail::to_float(src[t * x.stride(2) + d]);
-        hadamard_rotate(fresh, q, dim);
+        if (q > 0) rotated_rows_of(x, blk, dst + (past + rlen_) * dim);  // (an empty view may have no data)
       }
       return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
                                              rows.data(), B, H, total, dim, H * total * dim, total * dim);
