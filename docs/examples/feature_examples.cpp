@@ -16,6 +16,7 @@
 #include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
 #include <kvc/rotation.hpp>
+#include <kvc/row_codes.hpp>
 #include <kvc/runtime.hpp>
 #include <kvc/state.hpp>
 
@@ -114,6 +115,29 @@ void paged(kvc::PagedCache<kvc::HostStorage<float>>& cache, std::int64_t layer,
   cache.update(keys, values, layer, no_reads, write_index);  // store the step: the write-only path
   // [/snippet]
   (void)out;
+}
+
+void paged_row_codes(kvc::PagedCache<kvc::HostStorage<kvc::int4_row>>& cache,
+                     kvc::PagedCache<kvc::HostStorage<kvc::nvfp4_row>>& nvfp4_cache, std::int64_t layer,
+                     const kvc::PagedAttentionStep& step, const Half& queries, const Half& keys, const Half& values,
+                     float key_amax, float value_amax, const kvc::PagedIndices& no_reads,
+                     const kvc::PagedIndices& write_index) {
+  // [snippet:paged_row_codes]
+  // kvc::PagedCache<kvc::HostStorage<kvc::int4_row>> cache(config, cb);   (#include <kvc/row_codes.hpp>)
+  const auto k = kvc::to_row_codes<kvc::int4_row>(keys);  // [1, Hkv, T, cache.row_width()]: codes + scale
+  const auto v = kvc::to_row_codes<kvc::int4_row>(values);
+  Half out = kvc::paged_attention(cache, layer, step, queries, k, v);  // read from the codes
+  cache.update(k, v, layer, no_reads, write_index);
+
+  // NVFP4: a tensor scale for the keys and one for the values, given to paged_attention too.
+  const kvc::Nvfp4TensorScales g{kvc::nvfp4_tensor_scale(key_amax), kvc::nvfp4_tensor_scale(value_amax)};
+  const auto k4 = kvc::to_row_codes<kvc::nvfp4_row>(keys, g.keys);
+  const auto v4 = kvc::to_row_codes<kvc::nvfp4_row>(values, g.values);
+  Half out4 = kvc::paged_attention(nvfp4_cache, layer, step, queries, k4, v4, g);
+  nvfp4_cache.update(k4, v4, layer, no_reads, write_index);
+  // [/snippet]
+  (void)out;
+  (void)out4;
 }
 
 void state() {

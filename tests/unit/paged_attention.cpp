@@ -64,12 +64,14 @@ kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
 
 // Random steps over `requests` requests of a model with these layer types: every output of every
 // layer against the reference. Returns the largest difference seen. With an fp8 Pool, the pool
-// holds the codes of K and V made with `scales`, and the reference reads what they stand for.
+// holds the codes of K and V made with `scales`, and the reference reads what they stand for; with
+// a row-code Pool (int8_row, int4_row, nvfp4_row: its tensor scales scales.keys[0] and
+// scales.values[0]), the rows kvc::to_row_codes made, and the reference reads their values.
 template <class T, class Pool = T>
 double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads, std::int64_t window,
                   std::int64_t block_size, unsigned seed, const kvc::Fp8Scales& scales = {}) {
   using Cache = kvc::PagedCache<kvc::HostStorage<Pool>>;
-  constexpr bool fp8 = kvc::is_float8_v<Pool>;
+  constexpr bool fp8 = kvc::is_float8_v<Pool>, rows = kvc::is_row_code_v<Pool>;
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = block_size;
   cb.num_blocks = 400;
@@ -110,7 +112,21 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
       const auto v = kvc_test::random_tensor<T>(1, kv_heads, tokens, D, rng);
       kvc::HostTensor<Pool> kp, vp;  // what the pool holds
       kvc::HostTensor<T> out;
-      if constexpr (fp8) {
+      kvc::HostTensor<float> kd, vd;  // what row codes stand for
+      if constexpr (rows) {
+        const kvc::Nvfp4TensorScales g{scales.keys[0], scales.values[0]};
+        if constexpr (Pool::tensor_scaled) {
+          kp = kvc::to_row_codes<Pool>(view(k), g.keys);
+          vp = kvc::to_row_codes<Pool>(view(v), g.values);
+          out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), g);
+        } else {
+          kp = kvc::to_row_codes<Pool>(view(k));
+          vp = kvc::to_row_codes<Pool>(view(v));
+          out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp));
+        }
+        kd = kvc::from_row_codes<Pool>(view(kp), D, g.keys);
+        vd = kvc::from_row_codes<Pool>(view(vp), D, g.values);
+      } else if constexpr (fp8) {
         kp = kvc::to_fp8<Pool>(view(k), scales.keys);
         vp = kvc::to_fp8<Pool>(view(v), scales.values);
         out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), scales);
@@ -137,10 +153,15 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
           std::vector<std::vector<double>> kr(static_cast<std::size_t>(kv_heads)), vr(kr.size());
           for (std::int64_t h = 0; h < kv_heads; ++h)
             for (std::int64_t d = 0; d < D; ++d) {
-              kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(kp(0, h, t, d)) *
-                                                        (fp8 ? scales.key_scale(h) : 1.0));
-              vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(vp(0, h, t, d)) *
-                                                        (fp8 ? scales.value_scale(h) : 1.0));
+              if constexpr (rows) {
+                kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(kd(0, h, t, d)));
+                vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(vd(0, h, t, d)));
+              } else {
+                kr[static_cast<std::size_t>(h)].push_back(static_cast<double>(kp(0, h, t, d)) *
+                                                          (fp8 ? scales.key_scale(h) : 1.0));
+                vr[static_cast<std::size_t>(h)].push_back(static_cast<double>(vp(0, h, t, d)) *
+                                                          (fp8 ? scales.value_scale(h) : 1.0));
+              }
             }
           keys.push_back(kr);
           values.push_back(vr);
@@ -191,6 +212,15 @@ TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads
   CHECK(run_stream<float, kvc::float8_e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 7, per_tensor) < 1e-5);
   CHECK(run_stream<float, kvc::float8_e4m3>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 8, per_head) < 1e-5);
   CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, per_head) < 1e-12);
+}
+
+TEST_CASE("paged_attention over row-code pools (int8, int4, NVFP4 rows) reads what the codes stand for") {
+  // Float accumulation against double; half and bfloat16 outputs: their rounding, as above.
+  CHECK(run_stream<float, kvc::int8_row>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 11) < 5e-5);
+  CHECK(run_stream<Eigen::half, kvc::int4_row>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 12) < 8.0 / 1024);
+  CHECK(run_stream<float, kvc::nvfp4_row>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 13, {{0.01f}, {0.02f}}) <
+        5e-5);
+  CHECK(run_stream<Eigen::bfloat16, kvc::nvfp4_row>({"full_attention"}, 1, 2, 0, 16, 14) < 8.0 / 128);
 }
 
 TEST_CASE("paged_attention refuses a step it cannot read, before computing anything") {

@@ -35,6 +35,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/row_codes.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc::detail {
@@ -362,6 +363,8 @@ constexpr std::string_view state_element_name() {
     return "float8_e4m3";
   else if constexpr (std::is_same_v<T, float8_e5m2>)
     return "float8_e5m2";
+  else if constexpr (is_row_code_v<T>)
+    return T::name;
   else
     return element_name<T>();
 }

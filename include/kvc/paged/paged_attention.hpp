@@ -84,6 +84,7 @@ inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t blo
 // pool tensor, sizes, and the group's window (0: full attention).
 struct paged_call {
   std::int64_t group, pool, Hkv, D, block_size, Hq, T, R, window, pool_rows;
+  std::int64_t W;  // elements of a head's row in the pools and in the step's keys (D, or row codes' bytes)
 };
 
 // Every check of paged_attention on shapes and the step's layout: ValueError.
@@ -92,15 +93,16 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
                                  const QView& queries, const KVView& keys, const KVView& values) {
   const auto [group, pool] = cache.layer_group(layer_idx);
   const std::int64_t Hkv = cache.num_key_value_heads(), D = cache.head_dim(), bs = cache.block_size();
+  const std::int64_t W = cache.row_width();
   const std::int64_t Hq = queries.extent(1), T_ = queries.extent(2);
   const auto R = static_cast<std::int64_t>(step.requests.size());
   if (queries.extent(0) != 1 || queries.extent(3) != D || Hq < 1 || Hq % Hkv != 0)
     throw ValueError("kvc::paged_attention: queries must be [1, a multiple of " + std::to_string(Hkv) +
                      " heads, tokens, " + std::to_string(D) + "], got " + shape_string(queries.extents));
   for (const KVView* x : {&keys, &values})
-    if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, D})
+    if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, W})
       throw ValueError("kvc::paged_attention: keys and values must be [1, " + std::to_string(Hkv) + ", " +
-                       std::to_string(T_) + ", " + std::to_string(D) + "] like the queries' tokens, got " +
+                       std::to_string(T_) + ", " + std::to_string(W) + "] like the queries' tokens, got " +
                        shape_string(x->extents));
   if (queries.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1)
     throw ValueError("kvc::paged_attention: tensors must have contiguous head_dim rows");
@@ -118,7 +120,7 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
     throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests has " +
                      std::to_string(step.keys.size()) + " keys (give none, or one per request)");
   const bool sliding = cache.is_sliding_group(group);
-  return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs};
+  return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs, W};
 }
 
 // Request i's block table in `group`, by its key where the step has keys.
@@ -194,7 +196,8 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
 namespace detail {
 
 // paged_attention into `out` (resized to [1, Hq, T, D]) with queries of type T over a pool of
-// S::element_type (T, or fp8 codes) whose KV head hk's keys and values stand for
+// S::element_type (T, fp8 codes, or row codes widened a row at a time: <kvc/row_codes.hpp>) whose
+// KV head hk's keys and values stand for
 // scales.key_scale(hk) and value_scale(hk) times their values (detail::unit_scales: themselves).
 // Work items are (KV head, request, tile, split) as tile_plan cuts them (attention.hpp); a tile
 // reads its request's cached keys run by run from the pools and its own keys from the step's.
@@ -209,7 +212,8 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   using plan = tile_plan;
   const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
   const std::int64_t Hkv = call.Hkv, D = call.D, bs = call.block_size, Hq = call.Hq, R = call.R, T_ = call.T;
-  const std::int64_t window = call.window, head_pitch = call.pool_rows * D, group = Hq / Hkv, pitch = 2 + D;
+  const std::int64_t W = call.W;  // a row's elements in the pools (D, or the bytes of row codes)
+  const std::int64_t window = call.window, head_pitch = call.pool_rows * W, group = Hq / Hkv, pitch = 2 + D;
   const auto cu = step.cu_seqlens_q;
   const auto past_of = [&](std::int64_t r) { return step.past[static_cast<std::size_t>(r)]; };
   const auto queries_of = [&](std::int64_t r) {
@@ -314,7 +318,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
       if (lo < std::min(hi, past))
         visit_cached_runs(step_table(cache, call.group, step, static_cast<std::size_t>(r)), bs, window, lo,
                           std::min(hi, past), step.requests[static_cast<std::size_t>(r)], [&](const pool_run& run) {
-                            fn(kpool + hk * head_pitch + run.row * D, D, vpool + hk * head_pitch + run.row * D, D,
+                            fn(kpool + hk * head_pitch + run.row * W, W, vpool + hk * head_pitch + run.row * W, W,
                                run.position, run.count);
                           });
       const std::int64_t f0 = std::max(lo, past);
@@ -382,12 +386,14 @@ concept fp8_scale_lists = requires(const Scales& sc) {
 };
 
 // What paged_attention takes: queries any tensor_input of Q in the pool's memory space; keys and
-// values tensor_inputs of the pool's element type there.
+// values tensor_inputs of the pool's element type there. Row codes are widened to float: their
+// queries are float, half or bfloat16.
 template <class S, class Q, class QT, class KT, class VT>
 constexpr bool check_paged_inputs() {
   using KV = typename S::element_type;
-  constexpr bool accepted =
-      input_of<QT, Q, S::space> && !is_float8_v<Q> && input_of<KT, KV, S::space> && input_of<VT, KV, S::space>;
+  constexpr bool accepted = input_of<QT, Q, S::space> && !is_float8_v<Q> && !is_row_code_v<Q> &&
+                            !(is_row_code_v<KV> && std::is_same_v<Q, double>)&&input_of<KT, KV, S::space> &&
+                            input_of<VT, KV, S::space>;
   return require_inputs<accepted, QT, KT, VT>();
 }
 
@@ -399,7 +405,8 @@ constexpr bool check_paged_inputs() {
 // Returns [1, Hq, T, head_dim]. `scale` defaults to 1 / sqrt(head_dim). Throws kvc::ValueError for
 // a step or shapes that do not fit the cache.
 template <class S, class QT, class KT, class VT>
-  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
+  requires((S::space == memory_space::host || !detail::device_call<QT, KT, VT>) &&
+           !is_row_code_v<typename S::element_type>)
 HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
                                                      const PagedAttentionStep& step, const QT& queries, const KT& keys,
                                                      const VT& values, std::optional<double> scale = std::nullopt) {
@@ -413,7 +420,8 @@ HostTensor<typename S::element_type> paged_attention(const PagedCache<S>& cache,
 // with a workspace that has served a step of the same shape, the call allocates nothing. The
 // results are the same on any executor and any number of threads.
 template <class S, class QT, class KT, class VT>
-  requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
+  requires((S::space == memory_space::host || !detail::device_call<QT, KT, VT>) &&
+           !is_row_code_v<typename S::element_type>)
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
                      const QT& queries, const KT& keys, const VT& values, HostTensor<typename S::element_type>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
@@ -423,10 +431,36 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                                  scale, detail::unit_scales{}, context);
 }
 
+// The same over a pool of row codes (`PagedCache<HostStorage<kvc::int4_row>>`, int8_row or
+// nvfp4_row with tensor scale 1: <kvc/row_codes.hpp>): queries of the model's type T (float, half
+// or bfloat16); keys and values the step's tokens as the rows kvc::to_row_codes made,
+// [1, Hkv, T, cache.row_width()]. Each block of rows is widened to float as it is read. Returns
+// [1, Hq, T, head_dim] in T.
+template <class S, class QT, class KT, class VT>
+  requires(S::space == memory_space::host && is_row_code_v<typename S::element_type>)
+HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
+                                                           const PagedAttentionStep& step, const QT& queries,
+                                                           const KT& keys, const VT& values,
+                                                           std::optional<double> scale = std::nullopt) {
+  HostTensor<detail::input_element_or_t<QT>> out;
+  paged_attention(cache, layer_idx, step, queries, keys, values, detail::unit_scales{}, out, {}, scale);
+  return out;
+}
+
+// The row codes' attention into `out`, run by `context`.
+template <class S, class QT, class KT, class VT, class T>
+  requires(S::space == memory_space::host && is_row_code_v<typename S::element_type>)
+void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
+                     const QT& queries, const KT& keys, const VT& values, HostTensor<T>& out,
+                     const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
+  paged_attention(cache, layer_idx, step, queries, keys, values, detail::unit_scales{}, out, context, scale);
+}
+
 // The same over a pool of fp8 codes (`PagedCache<HostStorage<float8_e4m3>>` or `<float8_e5m2>`,
 // <kvc/fp8_attention.hpp>): queries of the model's type T; keys and values the step's tokens as
 // the codes kvc::to_fp8 made with `scales` (kvc::Fp8Scales: per tensor or per KV head), which the
-// pool's codes share. Returns [1, Hq, T, head_dim] in T.
+// pool's codes share. Returns [1, Hq, T, head_dim] in T. The same for an NVFP4 pool (nvfp4_row)
+// with its tensor scales (kvc::Nvfp4TensorScales).
 template <class S, class QT, class KT, class VT, detail::fp8_scale_lists Scales>
   requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
 HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,

@@ -131,7 +131,7 @@ class PagedBatchCache {
     // The output: out_k_ / out_v_, or new buffers made aside (when those are too small, or when an
     // input is a view a previous update returned, read while the output is written), moved in once
     // the step is written; a refused call leaves the last result where it was.
-    const std::int64_t elems = batch * cache_.num_key_value_heads() * r * cache_.head_dim();
+    const std::int64_t elems = batch * cache_.num_key_value_heads() * r * cache_.row_width();
     typename S::buffer_type fresh_k, fresh_v;
     if (out_k_.size() < elems || holds(out_k_, k.data()) || holds(out_k_, v.data()) || holds(out_v_, k.data()) ||
         holds(out_v_, v.data())) {
@@ -159,7 +159,7 @@ class PagedBatchCache {
       rows_ = std::move(names);
       next_id_ += batch;
     }
-    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
+    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.row_width();
     for (std::int64_t b = 0; b < batch; ++b) {
       const auto& rb = indices_[static_cast<std::size_t>(b)];
       cache_.update_rows(row_of(k, b), row_of(v, b), layer_idx, rb.reads[gi], rb.writes[gi], ok + b * row_elems,
@@ -188,7 +188,7 @@ class PagedBatchCache {
       held[b] = std::move(reads[gi]);
     }
     const auto r = static_cast<std::int64_t>(held.front().size());
-    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.head_dim();
+    const std::int64_t row_elems = cache_.num_key_value_heads() * r * cache_.row_width();
     T* sk = out_buffer(stored_k_, stored_v_, batch * row_elems);
     for (std::int64_t b = 0; b < batch; ++b)
       cache_.read_rows(layer_idx, held[static_cast<std::size_t>(b)], sk + b * row_elems,
@@ -533,7 +533,7 @@ class PagedBatchCache {
     if (k.extents != v.extents)
       throw ValueError("kvc::PagedBatchCache::update: keys " + shape_string(k.extents) + " and values " +
                        shape_string(v.extents) + " differ in shape");
-    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.head_dim();
+    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.row_width();
     if (k.extent(1) != h || k.extent(3) != d || k.extent(0) < 1)
       throw ValueError("kvc::PagedBatchCache::update: keys and values must be [batch, " + std::to_string(h) +
                        ", tokens, " + std::to_string(d) + "], got " + shape_string(k.extents));
@@ -557,7 +557,7 @@ class PagedBatchCache {
                         {x.stride(0), x.stride(1), x.stride(2), x.stride(3)});
   }
   view_type dense_view(const T* p, std::int64_t batch, std::int64_t r) const {
-    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.head_dim();
+    const std::int64_t h = cache_.num_key_value_heads(), d = cache_.row_width();
     return S::make_view(p, {batch, h, r, d}, {h * r * d, r * d, d, 1});
   }
   // Whether p points into buffer b.

@@ -47,6 +47,7 @@
 #include <kvc/paged/page_pools.hpp>
 #include <kvc/paged/state_slots.hpp>
 #include <kvc/paged/swap_pool.hpp>
+#include <kvc/row_codes.hpp>
 #include <kvc/tensor_view.hpp>
 #include <kvc/warnings.hpp>
 
@@ -193,7 +194,8 @@ class PagedCache<S> {
   struct resolved {};
   // The sizes, checked in this order before anything is made.
   struct checked_sizes {
-    paged::PageGeometry page;
+    paged::PageGeometry page;  // head_dim: the stored row width (detail::stored_row_width)
+    std::int64_t head_dim;     // the model's
     std::int64_t num_blocks;
     std::int64_t state_slots;
     std::int64_t snapshots;  // state snapshots kept (0: none)
@@ -215,7 +217,8 @@ class PagedCache<S> {
         snapshots_(static_cast<std::size_t>(sizes.snapshots)),
         snapshot_interval_(sizes.snapshots > 0 ? cb.state_snapshot_interval : 0),
         max_batch_tokens_(cb.max_batch_tokens),
-        max_blocks_per_request_(cb.resolved_max_blocks_per_request()) {
+        max_blocks_per_request_(cb.resolved_max_blocks_per_request()),
+        head_dim_(sizes.head_dim) {
     cut_.source.reserve(static_cast<std::size_t>(num_groups()));
     cut_.destination.reserve(static_cast<std::size_t>(num_groups()));
   }
@@ -237,7 +240,7 @@ class PagedCache<S> {
     m.vocab_size = budget.vocab_size;
     m.num_attention_heads = config.num_attention_heads;
     m.num_key_value_heads = kv_heads_of(config, head_divisor);
-    m.head_dim = head_dim_of(config);
+    m.head_dim = detail::stored_row_width<T>(head_dim_of(config));  // a pool of row codes: its bytes
     m.dtype_bytes = static_cast<std::int64_t>(sizeof(T));
     m.num_groups = static_cast<std::int64_t>(groups.groups.size());
     m.group_size = groups.group_size;
@@ -268,8 +271,12 @@ class PagedCache<S> {
   std::int64_t num_pages() const noexcept { return num_blocks() * block_size(); }
   // Returns the key/value heads this rank keeps (the model's / tp_size when they are sharded).
   std::int64_t num_key_value_heads() const noexcept { return pages_.geometry().kv_heads; }
-  // Returns the number of elements per head.
-  std::int64_t head_dim() const noexcept { return pages_.geometry().head_dim; }
+  // Returns the number of values per head (the model's head_dim).
+  std::int64_t head_dim() const noexcept { return head_dim_; }
+  // Returns the elements one head's row of a token takes in the pools: head_dim(), or for a pool
+  // of row codes (kvc::int8_row, int4_row, nvfp4_row: <kvc/row_codes.hpp>) the row's bytes,
+  // T::row_bytes(head_dim()). update() takes and returns rows of this width.
+  std::int64_t row_width() const noexcept { return pages_.geometry().head_dim; }
   // Returns the number of layers per group: the number of K (and of V) pool tensors.
   std::int64_t group_size() const noexcept { return groups_.group_size; }
   // Returns the number of layer groups.
@@ -323,7 +330,7 @@ class PagedCache<S> {
   const std::vector<std::int64_t>& block_table(std::int64_t g, paged::RequestRef request) const {
     return tables_.table(g, tables_.find_known(request));
   }
-  // Pool tensor j, [kv_heads, rows, head_dim] flat, rows = (num_blocks + 2) * block_size (a paged
+  // Pool tensor j, [kv_heads, rows, row_width()] flat, rows = (num_blocks + 2) * block_size (a paged
   // attention kernel reads it through a block table or read indices).
   const T* key_pool(std::int64_t j) const { return pages_.keys(j); }
   // Value pool tensor j, laid out as key_pool(j); throws std::out_of_range for j outside
@@ -867,7 +874,7 @@ class PagedCache<S> {
       return {k, v};
     }
     const auto r = static_cast<std::int64_t>(reads.size());
-    const std::int64_t h = num_key_value_heads(), d = head_dim();
+    const std::int64_t h = num_key_value_heads(), d = row_width();
     const std::int64_t out_elems = detail::checked_elements({h, r, d}, sizeof(T));
     if (out_k_.size() < out_elems) {
       typename S::buffer_type nk(out_elems), nv(out_elems);
@@ -1574,7 +1581,8 @@ class PagedCache<S> {
     checked_sizes out;
     out.page.block_size = checked_block_size(cb.block_size);
     out.page.kv_heads = kv_heads_of(config, head_divisor);
-    out.page.head_dim = head_dim_of(config);
+    out.head_dim = head_dim_of(config);
+    out.page.head_dim = detail::stored_row_width<T>(out.head_dim);
     out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, out.page.head_dim);
     out.state_slots = cb.resolved_max_state_slots(out.num_blocks);
     const paged::LayerGroups groups = paged::group_paged_layers(config);
@@ -1647,7 +1655,7 @@ class PagedCache<S> {
   }
 
   void check_input(const view_type& x, const char* what) const {
-    const std::int64_t h = num_key_value_heads(), d = head_dim();
+    const std::int64_t h = num_key_value_heads(), d = row_width();
     if (x.extent(0) != 1 || x.extent(1) != h || x.extent(3) != d)
       throw ValueError(std::string("kvc::PagedCache::update: ") + what + " must be [1, " + std::to_string(h) +
                        ", tokens, " + std::to_string(d) + "], got " + shape_string(x.extents));
@@ -1794,6 +1802,7 @@ class PagedCache<S> {
   std::uint64_t snapshot_tick_ = 0;
   std::optional<std::int64_t> max_batch_tokens_;
   std::int64_t max_blocks_per_request_ = 0;
+  std::int64_t head_dim_ = 0;              // the model's (the pools' rows are row_width() wide)
   paged::BlockCopies cut_;                 // truncate_request's scratch, kept between calls
   typename S::buffer_type out_k_, out_v_;  // what the last update with reads returned
   // Transactions: the copies waiting for the commit.

@@ -1,6 +1,7 @@
 #pragma once
 // kvc::HostStorage<T>: K/V tensors in host memory, 64-byte aligned, for T in
-// {float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2}. A storage policy owns allocation, copies and
+// {float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2} (and the row codes of
+// <kvc/row_codes.hpp>, for paged pools). A storage policy owns allocation, copies and
 // element kernels; layer kinds only call the static members below (docs/policies/storage.md).
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <kvc/detail/traits.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/row_codes.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -82,9 +84,10 @@ struct HostStorage {
   static constexpr memory_space space = memory_space::host;
   // Checked by kvc::Cache with a readable message instead of here, so that naming
   // HostStorage<int> in a concept check stays SFINAE-friendly.
-  // The 8-bit floats hold fp8 KV (<kvc/fp8_attention.hpp>): layers copy them as they are.
+  // The 8-bit floats hold fp8 KV (<kvc/fp8_attention.hpp>): layers copy them as they are. The
+  // row codes (<kvc/row_codes.hpp>) are the bytes of a quantized paged pool.
   static constexpr bool element_supported =
-      detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2>;
+      detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2> || is_row_code_v<T>;
 
   // The owning buffer: a 64-byte aligned array of T (copies are deep).
   using buffer_type = detail::host_buffer<T>;

@@ -1,0 +1,301 @@
+// Row codes (<kvc/row_codes.hpp>): int8 and int4 rows with a float scale each, NVFP4 rows; the
+// paged pools that hold them (bytes per token, and the codes moved bit for bit by update, forks,
+// offload and save/load). paged_attention over them is in paged_attention.cpp.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <kvc/paged/paged_cache.hpp>
+#include <kvc/row_codes.hpp>
+#include <kvc/state.hpp>
+
+#include "../support/kvc_test.hpp"
+
+namespace {
+
+template <class C>
+std::vector<std::uint8_t> encoded(const std::vector<float>& x, float g = 1.0f) {
+  std::vector<C> row(static_cast<std::size_t>(C::row_bytes(static_cast<std::int64_t>(x.size()))));
+  C::encode(x.data(), static_cast<std::int64_t>(x.size()), g, row.data());
+  std::vector<std::uint8_t> out;
+  for (const C c : row) out.push_back(c.bits);
+  return out;
+}
+
+template <class C>
+std::vector<float> widened(const std::vector<std::uint8_t>& bytes, std::int64_t n) {
+  std::vector<C> row;
+  for (const std::uint8_t b : bytes) row.push_back(C{b});
+  std::vector<float> out(static_cast<std::size_t>(n));
+  C::widen(row.data(), out.data(), n);
+  return out;
+}
+
+float scale_at(const std::vector<std::uint8_t>& bytes, std::size_t at) {
+  float s;
+  std::memcpy(&s, bytes.data() + at, sizeof s);
+  return s;
+}
+
+// The integer formats' definition, written out: scale = max |x| / top; code = x / scale rounded to
+// nearest even, in [-top, top].
+std::vector<int> definition_codes(const std::vector<float>& x, float top, float& scale) {
+  float amax = 0.0f;
+  for (const float v : x) amax = std::max(amax, std::fabs(v));
+  scale = amax / top;
+  std::vector<int> codes;
+  for (const float v : x) {
+    float q = scale > 0.0f ? std::nearbyint(v / scale) : 0.0f;
+    q = std::min(std::max(q, -top), top);
+    codes.push_back(static_cast<int>(q));
+  }
+  return codes;
+}
+
+}  // namespace
+
+TEST_CASE("int8_row and int4_row: codes, scale and values as the format defines them") {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (const std::int64_t n : {1, 7, 8, 128}) {
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (float& v : x) v = normal(rng);
+    float s8 = 0, s4 = 0;
+    const auto c8 = definition_codes(x, 127.0f, s8), c4 = definition_codes(x, 7.0f, s4);
+    const auto b8 = encoded<kvc::int8_row>(x), b4 = encoded<kvc::int4_row>(x);
+    REQUIRE(static_cast<std::int64_t>(b8.size()) == n + 4);
+    REQUIRE(static_cast<std::int64_t>(b4.size()) == (n + 1) / 2 + 4);
+    CHECK(std::bit_cast<std::uint32_t>(scale_at(b8, static_cast<std::size_t>(n))) == std::bit_cast<std::uint32_t>(s8));
+    CHECK(std::bit_cast<std::uint32_t>(scale_at(b4, static_cast<std::size_t>((n + 1) / 2))) ==
+          std::bit_cast<std::uint32_t>(s4));
+    const auto w8 = widened<kvc::int8_row>(b8, n), w4 = widened<kvc::int4_row>(b4, n);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      CHECK(static_cast<std::int8_t>(b8[i]) == c8[i]);
+      const int nibble = (i % 2 == 0 ? b4[i / 2] : b4[i / 2] >> 4) & 0x0F;
+      CHECK((nibble ^ 8) - 8 == c4[i]);  // two's complement in 4 bits
+      CHECK(w8[i] == static_cast<float>(c8[i]) * s8);
+      CHECK(w4[i] == static_cast<float>(c4[i]) * s4);
+    }
+    if (n % 2 != 0) CHECK((b4[static_cast<std::size_t>(n / 2)] >> 4) == 0);  // a last odd byte's high half
+  }
+  // Ties go to the even code: with max |x| = 127 (int8) or 7 (int4) the scale is 1.
+  const auto ties8 = encoded<kvc::int8_row>({127.0f, 2.5f, -3.5f, 0.5f, -126.5f});
+  CHECK(std::vector<int>{127, 2, -4, 0, -126} ==
+        std::vector<int>{static_cast<std::int8_t>(ties8[0]), static_cast<std::int8_t>(ties8[1]),
+                         static_cast<std::int8_t>(ties8[2]), static_cast<std::int8_t>(ties8[3]),
+                         static_cast<std::int8_t>(ties8[4])});
+  CHECK(widened<kvc::int4_row>(encoded<kvc::int4_row>({7.0f, 2.5f, -3.5f, 0.5f, -6.5f}), 5) ==
+        std::vector<float>{7.0f, 2.0f, -4.0f, 0.0f, -6.0f});
+  // A row of zeros: scale 0, codes 0, zeros back. A row with an infinity or a NaN: NaN back.
+  CHECK(encoded<kvc::int8_row>({0.0f, -0.0f}) == std::vector<std::uint8_t>(6, 0));
+  CHECK(widened<kvc::int4_row>(encoded<kvc::int4_row>({0.0f, 0.0f, 0.0f}), 3) == std::vector<float>(3, 0.0f));
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    for (const float v : widened<kvc::int8_row>(encoded<kvc::int8_row>({1.0f, bad, 2.0f}), 3)) CHECK(std::isnan(v));
+    for (const float v : widened<kvc::int4_row>(encoded<kvc::int4_row>({1.0f, bad, 2.0f}), 3)) CHECK(std::isnan(v));
+  }
+}
+
+TEST_CASE("nvfp4_row: nvfp4_quantize's codes and E4M3 scales, bit for bit") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (const std::int64_t n : {16, 20, 128}) {
+    for (const float g : {1.0f, 0.004f}) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (float& v : x) v = normal(rng);
+      std::vector<std::uint8_t> codes(static_cast<std::size_t>((n + 1) / 2));
+      std::vector<kvc::float8_e4m3> scales(static_cast<std::size_t>((n + 15) / 16));
+      kvc::nvfp4_quantize(x.data(), n, g, codes.data(), scales.data());
+      std::vector<std::uint8_t> want = codes;
+      for (const kvc::float8_e4m3 s : scales) want.push_back(s.bits);
+      const auto row = encoded<kvc::nvfp4_row>(x, g);
+      CHECK(static_cast<std::int64_t>(row.size()) == kvc::nvfp4_bytes(n));
+      CHECK(row == want);
+      // Widened with tensor scale 1: nvfp4_dequantize's values with tensor scale 1, bit for bit
+      // (the zeros' signs aside), with and without the AVX2 form.
+      std::vector<float> values(static_cast<std::size_t>(n));
+      kvc::nvfp4_dequantize(codes.data(), scales.data(), n, 1.0f, values.data());
+      const bool avx2 = kvc::detail::avx2_enabled();
+      for (const bool on : {avx2, false}) {
+        kvc::detail::avx2_enabled() = on;
+        const auto got = widened<kvc::nvfp4_row>(row, n);
+        kvc::detail::avx2_enabled() = avx2;
+        for (std::size_t i = 0; i < values.size(); ++i)
+          CHECK(std::bit_cast<std::uint32_t>(got[i] + 0.0f) == std::bit_cast<std::uint32_t>(values[i] + 0.0f));
+      }
+    }
+  }
+}
+
+TEST_CASE("to_row_codes / from_row_codes: each row alone, and the errors") {
+  std::mt19937 rng(7);
+  const auto x = kvc_test::random_tensor<Eigen::half>(2, 3, 4, 10, rng);
+  const auto codes = kvc::to_row_codes<kvc::int4_row>(x);
+  REQUIRE(codes.dimension(3) == kvc::int4_row::row_bytes(10));
+  const auto back = kvc::from_row_codes<kvc::int4_row>(codes, 10);
+  const auto nv = kvc::to_row_codes<kvc::nvfp4_row>(x, 0.01f);
+  const auto nv_back = kvc::from_row_codes<kvc::nvfp4_row>(nv, 10, 0.01f);
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t h = 0; h < 3; ++h)
+      for (std::int64_t s = 0; s < 4; ++s) {
+        std::vector<float> row;
+        for (std::int64_t d = 0; d < 10; ++d) row.push_back(static_cast<float>(x(b, h, s, d)));
+        const auto want = encoded<kvc::int4_row>(row);
+        const auto want_nv = encoded<kvc::nvfp4_row>(row, 0.01f);
+        const auto values = widened<kvc::int4_row>(want, 10), nv_values = widened<kvc::nvfp4_row>(want_nv, 10);
+        for (std::int64_t i = 0; i < codes.dimension(3); ++i)
+          CHECK(codes(b, h, s, i).bits == want[static_cast<std::size_t>(i)]);
+        for (std::int64_t i = 0; i < nv.dimension(3); ++i)
+          CHECK(nv(b, h, s, i).bits == want_nv[static_cast<std::size_t>(i)]);
+        for (std::int64_t d = 0; d < 10; ++d) {
+          CHECK(back(b, h, s, d) == values[static_cast<std::size_t>(d)]);
+          CHECK(nv_back(b, h, s, d) == nv_values[static_cast<std::size_t>(d)] * 0.01f);
+          // Within a step of the format of what was given: a row's largest magnitude is <= 8.
+          CHECK(std::fabs(back(b, h, s, d) - static_cast<float>(x(b, h, s, d))) <= 8.0f / 7.0f / 2.0f + 1e-6f);
+        }
+      }
+  CHECK_THROWS_WITH_AS(kvc::from_row_codes<kvc::int4_row>(codes, 12),
+                       "kvc::from_row_codes: rows of 12 values are 10 int4_row bytes wide, got 9", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::from_row_codes<kvc::int8_row>(kvc::HostTensor<kvc::int8_row>(1, 1, 1, 4), 0),
+                       "kvc::from_row_codes: rows of 0 values are 0 int8_row bytes wide, got 4", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::to_row_codes<kvc::nvfp4_row>(x, 0.0f),
+                       "kvc::to_row_codes: the tensor scale must be positive and finite (at most 2^116), got 0",
+                       kvc::ValueError);
+}
+
+namespace {
+
+kvc::ModelConfig model(std::int64_t kv_heads, std::int64_t head_dim) {
+  kvc::ModelConfig c;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = kv_heads * 2;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.hidden_size = kv_heads * 2 * head_dim;
+  c.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
+  return c;
+}
+
+kvc::ContinuousBatchingConfig blocks(std::int64_t n) {
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = n;
+  cb.allow_block_sharing = false;
+  return cb;
+}
+
+template <class C>
+std::int64_t bytes_per_block(std::int64_t head_dim) {
+  kvc::ContinuousBatchingConfig cb = blocks(4);
+  cb.block_size = 16;
+  return kvc::PagedCache<kvc::HostStorage<C>>(model(8, head_dim), cb).bytes_per_block();
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache over row codes: bytes per token against fp16 pools") {
+  const double half = static_cast<double>(bytes_per_block<Eigen::half>(128));
+  const double int8 = static_cast<double>(bytes_per_block<kvc::int8_row>(128)) / half;
+  const double int4 = static_cast<double>(bytes_per_block<kvc::int4_row>(128)) / half;
+  const double nvfp4 = static_cast<double>(bytes_per_block<kvc::nvfp4_row>(128)) / half;
+  MESSAGE("bytes per token against fp16 at head_dim 128: int8 ", int8, ", int4 ", int4, ", nvfp4 ", nvfp4);
+  CHECK(int8 <= 0.53);
+  CHECK(int4 <= 0.30);
+  CHECK(nvfp4 <= 0.29);
+  CHECK(int8 == 132.0 / 256.0);  // 128 codes and a float scale per head and token
+  CHECK(int4 == 68.0 / 256.0);   // 64 bytes of codes and a float scale
+  CHECK(nvfp4 == 72.0 / 256.0);  // 64 bytes of codes and 8 E4M3 scales
+  const kvc::PagedCache<kvc::HostStorage<kvc::int4_row>> cache(model(2, 10), blocks(4));
+  CHECK(cache.head_dim() == 10);
+  CHECK(cache.row_width() == 9);
+  const kvc::PagedCache<kvc::HostStorage<float>> plain(model(2, 10), blocks(4));
+  CHECK(plain.row_width() == plain.head_dim());
+}
+
+TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move the codes bit for bit") {
+  using C = kvc::int4_row;
+  using Paged = kvc::PagedCache<kvc::HostStorage<C>>;
+  const std::int64_t heads = 2, dim = 10, width = C::row_bytes(dim);
+  Paged a(model(heads, dim), blocks(16)), b(model(heads, dim), blocks(16));
+  REQUIRE(b.allocate_blocks(2, "other", 0));  // so that the loaded request lands on other blocks
+  a.reserve_swap_space(8);
+  std::mt19937 rng(11);
+  // Every layer's codes given so far for "r", [layer][k or v], each token's rows in order.
+  std::vector<std::vector<std::vector<std::uint8_t>>> given(2, std::vector<std::vector<std::uint8_t>>(2));
+  const auto codes_of = [](const kvc::HostTensor<C>& t, std::vector<std::uint8_t>& into) {
+    for (std::int64_t s = 0; s < t.dimension(2); ++s)
+      for (std::int64_t h = 0; h < t.dimension(1); ++h)
+        for (std::int64_t i = 0; i < t.dimension(3); ++i) into.push_back(t(0, h, s, i).bits);
+  };
+  const auto view_codes = [](const kvc::TensorView<C>& t) {
+    std::vector<std::uint8_t> out;
+    for (std::int64_t s = 0; s < t.extent(2); ++s)
+      for (std::int64_t h = 0; h < t.extent(1); ++h)
+        for (std::int64_t i = 0; i < t.extent(3); ++i) out.push_back(t(0, h, s, i).bits);
+    return out;
+  };
+  // One step of `id` with q tokens after `past` in cache c: the new rows are the codes of random
+  // values, and what each layer reads back must be every row given, in order.
+  const auto run = [&](Paged& c, const std::string& id, std::int64_t past, std::int64_t q, std::int64_t& alloc,
+                       bool record) {
+    const std::int64_t need = (past + q + 3) / 4 - alloc;
+    if (need > 0) alloc += *c.allocate_blocks(need, id, alloc);
+    kvc::PagedIndices reads(1), writes(1);
+    c.extend_read_and_write_indices(id, past, q, &reads, writes);
+    std::vector<std::vector<std::uint8_t>> out;
+    for (std::int64_t layer = 0; layer < 2; ++layer) {
+      const auto k = kvc::to_row_codes<C>(kvc_test::random_tensor<float>(1, heads, q, dim, rng));
+      const auto v = kvc::to_row_codes<C>(kvc_test::random_tensor<float>(1, heads, q, dim, rng));
+      REQUIRE(k.dimension(3) == width);
+      const auto got = c.update(k, v, layer, reads, writes);
+      auto want_k = given[static_cast<std::size_t>(layer)][0], want_v = given[static_cast<std::size_t>(layer)][1];
+      codes_of(k, want_k);
+      codes_of(v, want_v);
+      CHECK(view_codes(got.keys) == want_k);
+      CHECK(view_codes(got.values) == want_v);
+      if (record) {
+        given[static_cast<std::size_t>(layer)][0] = want_k;
+        given[static_cast<std::size_t>(layer)][1] = want_v;
+      }
+      out.push_back(view_codes(got.keys));
+      out.push_back(view_codes(got.values));
+    }
+    return out;
+  };
+  std::int64_t alloc = 0, past = 0;
+  for (const std::int64_t q : {9, 1, 1, 1}) {
+    run(a, "r", past, q, alloc, true);
+    past += q;
+  }
+  // A fork holds the same rows (its partial last block copied); it is saved before it runs on.
+  const auto forked = a.fork_request("r", std::vector<std::string>{"f"});
+  CHECK(!forked.first.empty());
+  std::ostringstream os(std::ios::binary);
+  kvc::save_request(a, "f", os);
+  std::int64_t alloc_f = alloc;
+  run(a, "f", past, 1, alloc_f, false);
+  // Offloaded and restored: the same rows.
+  REQUIRE(a.offload_request("r"));
+  CHECK(a.blocks_in_use("r") == 0);
+  REQUIRE(a.allocate_blocks(alloc, "r", 0));  // (restore_request fills the blocks the request has)
+  a.restore_request("r");
+  std::int64_t alloc_r = alloc;
+  run(a, "r", past, 1, alloc_r, false);
+  // Loaded into another cache: the same rows, under the element type's name.
+  {
+    std::istringstream is(os.str(), std::ios::binary);
+    kvc::load_request(b, "q", is);
+  }
+  std::int64_t alloc_q = b.blocks_in_use("q");
+  run(b, "q", past, 1, alloc_q, false);
+  kvc::PagedCache<kvc::HostStorage<kvc::int8_row>> other(model(heads, dim), blocks(16));
+  std::istringstream is(os.str(), std::ios::binary);
+  CHECK_THROWS_WITH_AS(kvc::load_request(other, "q", is),
+                       "kvc::load: the state: the element type is 'int4_row' in the file and 'int8_row' in the cache",
+                       kvc::StateError);
+}
