@@ -20,15 +20,21 @@
 //   attention/contiguous/requests:<r>/past:<p>   the same step through scaled_dot_product_attention
 //                            on one contiguous [r, 8, p + 1, 128] K and V: kvc's own attention on
 //                            the same bytes.
+//   attention/pool:<type>/requests:<r>/past:<p>   one decode step of kvc::paged_attention for r
+//                            requests with p cached tokens each (block size 16, 8 KV heads x 128,
+//                            32 query heads, half queries) from pools of half, or of int8, int4 or
+//                            NVFP4 row codes (<kvc/row_codes.hpp>) holding random values' codes.
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
-// per block size (the goal for block_size >= 16 is 0.8). CPU time throughout (the machines this
+// per block size (the goal for block_size >= 16 is 0.8), and the decode steps per second from
+// row-code pools against half pools. CPU time throughout (the machines this
 // runs on are shared). Command: <build>/benchmarks/kvc_bench_paged.
 
 #include <cstdint>
 #include <cstdio>
 #include <optional>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -40,6 +46,7 @@
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/paged/scheduler.hpp>
 #include <kvc/policies/storage/host.hpp>
+#include <kvc/row_codes.hpp>
 
 #include "bench_common.hpp"
 
@@ -220,6 +227,58 @@ void attention_contiguous(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * bytes);
 }
 
+// The step's tokens, or a chunk of cached ones, in the pool's element type: half values, or the
+// row codes of the same values.
+template <class Pool>
+kvc::HostTensor<Pool> pool_rows(const kvc::HostTensor<Eigen::half>& x) {
+  if constexpr (kvc::is_row_code_v<Pool>)
+    return kvc::to_row_codes<Pool>(x);
+  else
+    return x;
+}
+
+// A decode step of `requests` requests with `past` cached tokens each (random values, written
+// through update in chunks), from a pool of Pool, with half queries.
+template <class Pool>
+void attention_pool(benchmark::State& state) {
+  const std::int64_t requests = state.range(0), past = state.range(1), bs = 16, chunk = 512;
+  kvc::ModelConfig config = one_layer();
+  config.num_attention_heads = kQueryHeads;
+  kvc::PagedCache<kvc::HostStorage<Pool>> cache(config, blocks(bs, requests * (past / bs + 1)));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const auto random = [&](std::int64_t heads, std::int64_t tokens) {
+    kvc::HostTensor<Eigen::half> t(1, heads, tokens, kDim);
+    for (std::int64_t i = 0; i < t.size(); ++i) t.data()[i] = Eigen::half(normal(rng));
+    return t;
+  };
+  const auto view = [](const auto& t) { return kvc::input_view(t); };
+  std::vector<std::string> ids;
+  std::vector<std::int64_t> cu = {0}, pasts;
+  for (std::int64_t r = 0; r < requests; ++r) {
+    ids.push_back("req_" + std::to_string(r));
+    cache.allocate_blocks((past + 1 + bs - 1) / bs, ids.back(), 0);
+    for (std::int64_t at = 0; at < past; at += chunk) {
+      const std::int64_t n = std::min(chunk, past - at);
+      kvc::PagedIndices writes(1);
+      cache.extend_read_and_write_indices(ids.back(), at, n, nullptr, writes);
+      const auto k = pool_rows<Pool>(random(kHeads, n)), v = pool_rows<Pool>(random(kHeads, n));
+      cache.update(view(k), view(v), 0, kvc::PagedIndices(1), writes);
+    }
+    cu.push_back(r + 1);
+    pasts.push_back(past);
+  }
+  const auto q = random(kQueryHeads, requests);
+  const auto k = pool_rows<Pool>(random(kHeads, requests)), v = pool_rows<Pool>(random(kHeads, requests));
+  const kvc::PagedAttentionStep step{ids, cu, pasts};
+  kvc::HostTensor<Eigen::half> out;
+  for (auto _ : state) {
+    kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), out);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
 }  // namespace
 
 BENCHMARK(attention_paged)
@@ -231,6 +290,26 @@ BENCHMARK(attention_contiguous)
     ->Name("attention/contiguous")
     ->ArgNames({"requests", "past"})
     ->Args({64, 2048})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<Eigen::half>)
+    ->Name("attention/pool:half")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::int8_row>)
+    ->Name("attention/pool:int8_row")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::int4_row>)
+    ->Name("attention/pool:int4_row")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::nvfp4_row>)
+    ->Name("attention/pool:nvfp4_row")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(step_bookkeeping<false>)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(step_bookkeeping<true>)->Name("step_bookkeeping_by_key")->Arg(256)->Unit(benchmark::kMicrosecond);
@@ -256,6 +335,12 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&n, args.data());
   kvc_bench::ResultsReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
+  if (const kvc_bench::Result* half = reporter.find("attention/pool:half/requests:8/past:4096")) {
+    std::printf("decode steps/s from row-code pools / half pools (8 requests x 4096 tokens, same run):\n");
+    for (const char* type : {"int8_row", "int4_row", "nvfp4_row"})
+      if (const kvc_bench::Result* r = reporter.find(std::string("attention/pool:") + type + "/requests:8/past:4096"))
+        std::printf("  %-10s %.2f\n", type, half->seconds / r->seconds);
+  }
   const kvc_bench::Result* copy = reporter.find("memcpy/64");
   if (!copy) return 0;
   std::printf("\nupdate bandwidth / memcpy bandwidth (same binary, same run):\n");
