@@ -273,7 +273,10 @@ void attention_pool(benchmark::State& state) {
   const kvc::PagedAttentionStep step{ids, cu, pasts};
   kvc::HostTensor<Eigen::half> out;
   for (auto _ : state) {
-    kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), out);
+    if constexpr (requires { requires Pool::tensor_scaled; })  // NVFP4: its tensor scales (1 here)
+      kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), kvc::Nvfp4TensorScales{}, out);
+    else
+      kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), out);
     benchmark::DoNotOptimize(out.data());
   }
   state.SetItemsProcessed(state.iterations());

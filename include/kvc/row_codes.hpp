@@ -15,8 +15,9 @@
 //              values; the tensor scale is the pool's, given when rows are encoded and to
 //              paged_attention. nvfp4_bytes(head_dim) bytes (0.28 of fp16 at 128).
 //
-// A row of zeros gets scale 0 and codes 0. A row with a value that is not finite gets a NaN scale
-// (the integer formats) or its block's NaN scale (NVFP4): it reads back as NaN.
+// A row of zeros gets scale 0 and codes 0. In the integer formats a row with a value that is not
+// finite gets a NaN scale: it reads back as NaN. NVFP4 rows are nvfp4_quantize's: a NaN gives its
+// 16-value block the NaN scale, an infinity saturates (the block scale 448, the code +-6).
 //
 // The pool then holds rows of codes: update() and paged_attention take the step's keys and values
 // as the codes kvc::to_row_codes made, [1, kv_heads, tokens, row_bytes(head_dim)], and the cache
@@ -207,6 +208,10 @@ struct nvfp4_row {
   }
 #endif
 };
+
+static_assert(sizeof(int8_row) == 1 && sizeof(int4_row) == 1 && sizeof(nvfp4_row) == 1 &&
+                  std::is_trivially_copyable_v<int4_row>,
+              "row codes are bytes: a row of them is the bytes of its codes and scales");
 
 // Whether T is one of the row-code element types above.
 template <class T>

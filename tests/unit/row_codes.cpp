@@ -1,6 +1,6 @@
 // Row codes (<kvc/row_codes.hpp>): int8 and int4 rows with a float scale each, NVFP4 rows; the
 // paged pools that hold them (bytes per token, and the codes moved bit for bit by update, forks,
-// offload and save/load). paged_attention over them is in paged_attention.cpp.
+// offload and save/load); paged_attention over each format is in paged_attention.cpp.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -132,6 +132,16 @@ TEST_CASE("nvfp4_row: nvfp4_quantize's codes and E4M3 scales, bit for bit") {
   }
 }
 
+TEST_CASE("nvfp4_row: a NaN makes its block NaN, an infinity saturates, as nvfp4_quantize does") {
+  std::vector<float> x(32, 1.0f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[20] = std::numeric_limits<float>::infinity();
+  const auto v = widened<kvc::nvfp4_row>(encoded<kvc::nvfp4_row>(x), 32);
+  for (std::size_t i = 0; i < 16; ++i) CHECK(std::isnan(v[i]));
+  CHECK(v[20] == 6.0f * 448.0f);  // the code 6 times the block scale 448
+  CHECK(v[21] == 0.0f);           // 1 / 448 rounds to code 0
+}
+
 TEST_CASE("to_row_codes / from_row_codes: each row alone, and the errors") {
   std::mt19937 rng(7);
   const auto x = kvc_test::random_tensor<Eigen::half>(2, 3, 4, 10, rng);
@@ -215,6 +225,13 @@ TEST_CASE("PagedCache over row codes: bytes per token against fp16 pools") {
   CHECK(cache.row_width() == 9);
   const kvc::PagedCache<kvc::HostStorage<float>> plain(model(2, 10), blocks(4));
   CHECK(plain.row_width() == plain.head_dim());
+  kvc::ModelConfig hybrid = model(2, 10);
+  hybrid.layer_types = std::vector<std::string>{"linear_attention", "full_attention"};
+  CHECK_THROWS_WITH_AS(kvc::PagedCache<kvc::HostStorage<kvc::nvfp4_row>>(hybrid, blocks(4)),
+                       "kvc::PagedCache: a pool of nvfp4_row holds keys and values only; a model with "
+                       "linear-attention states needs a pool of float, double, half or bfloat16",
+                       kvc::ValueError);
+  CHECK_NOTHROW(kvc::PagedCache<kvc::HostStorage<float>>(hybrid, blocks(4)));
 }
 
 TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move the codes bit for bit") {

@@ -166,6 +166,7 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
     const PagedCache<S>& cache, const paged_call& call, const QView& q, const KVView& k, const KVView& v,
     std::remove_const_t<T>* out, const std::int64_t* cu, const std::int64_t* past, const std::int64_t* tables,
     std::int64_t width, std::optional<double> scale, head_scales key_scales, head_scales value_scales) {
+  static_assert(!is_row_code_v<std::remove_const_t<KV>>, "the device kernels read pools of values or fp8 codes");
   paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> p{};
   static_cast<problem_base&>(p) = problem_base::of(call.Hq, call.Hkv, call.D, call.D, scale, key_scales, value_scales);
   p.q = q.data();
@@ -378,6 +379,16 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
 
 namespace detail {
 
+// Whether a pool of KV reads its values through a scale list: fp8 codes and NVFP4 rows; not
+// int8 and int4 rows, whose scales are in the rows.
+template <class KV>
+inline constexpr bool takes_scale_lists = [] {
+  if constexpr (is_row_code_v<KV>)
+    return KV::tensor_scaled;
+  else
+    return true;
+}();
+
 // The scale lists of an fp8 pool's attention (kvc::Fp8Scales, detail::unit_scales).
 template <class Scales>
 concept fp8_scale_lists = requires(const Scales& sc) {
@@ -391,10 +402,16 @@ concept fp8_scale_lists = requires(const Scales& sc) {
 template <class S, class Q, class QT, class KT, class VT>
 constexpr bool check_paged_inputs() {
   using KV = typename S::element_type;
-  constexpr bool accepted = input_of<QT, Q, S::space> && !is_float8_v<Q> && !is_row_code_v<Q> &&
-                            !(is_row_code_v<KV> && std::is_same_v<Q, double>)&&input_of<KT, KV, S::space> &&
-                            input_of<VT, KV, S::space>;
-  return require_inputs<accepted, QT, KT, VT>();
+  if constexpr (is_row_code_v<KV> && std::is_same_v<Q, double>) {
+    static_assert(!std::is_same_v<Q, double>,
+                  "kvc::paged_attention: pools of row codes are read in float: the queries must be float, "
+                  "Eigen::half or Eigen::bfloat16");
+    return false;
+  } else {
+    constexpr bool accepted = input_of<QT, Q, S::space> && !is_float8_v<Q> && !is_row_code_v<Q> &&
+                              input_of<KT, KV, S::space> && input_of<VT, KV, S::space>;
+    return require_inputs<accepted, QT, KT, VT>();
+  }
 }
 
 }  // namespace detail
@@ -431,11 +448,11 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                                  scale, detail::unit_scales{}, context);
 }
 
-// The same over a pool of row codes (`PagedCache<HostStorage<kvc::int4_row>>`, int8_row or
-// nvfp4_row with tensor scale 1: <kvc/row_codes.hpp>): queries of the model's type T (float, half
-// or bfloat16); keys and values the step's tokens as the rows kvc::to_row_codes made,
-// [1, Hkv, T, cache.row_width()]. Each block of rows is widened to float as it is read. Returns
-// [1, Hq, T, head_dim] in T.
+// The same over a pool of int8 or int4 row codes (`PagedCache<HostStorage<kvc::int4_row>>`,
+// int8_row: <kvc/row_codes.hpp>; an NVFP4 pool takes its tensor scales, as
+// the fp8 pools below): queries of the model's type T (float, half or bfloat16); keys and values
+// the step's tokens as the rows kvc::to_row_codes made, [1, Hkv, T, cache.row_width()]. Each
+// block of rows is widened to float as it is read. Returns [1, Hq, T, head_dim] in T.
 template <class S, class QT, class KT, class VT>
   requires(S::space == memory_space::host && is_row_code_v<typename S::element_type>)
 HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
@@ -443,7 +460,7 @@ HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& 
                                                            const KT& keys, const VT& values,
                                                            std::optional<double> scale = std::nullopt) {
   HostTensor<detail::input_element_or_t<QT>> out;
-  paged_attention(cache, layer_idx, step, queries, keys, values, detail::unit_scales{}, out, {}, scale);
+  paged_attention(cache, layer_idx, step, queries, keys, values, out, {}, scale);
   return out;
 }
 
@@ -453,7 +470,11 @@ template <class S, class QT, class KT, class VT, class T>
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
                      const QT& queries, const KT& keys, const VT& values, HostTensor<T>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
-  paged_attention(cache, layer_idx, step, queries, keys, values, detail::unit_scales{}, out, context, scale);
+  static_assert(!S::element_type::tensor_scaled,
+                "kvc::paged_attention: an NVFP4 pool needs its tensor scales: pass kvc::Nvfp4TensorScales");
+  if constexpr (!S::element_type::tensor_scaled && detail::check_paged_inputs<S, T, QT, KT, VT>())
+    detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
+                                 scale, detail::unit_scales{}, context);
 }
 
 // The same over a pool of fp8 codes (`PagedCache<HostStorage<float8_e4m3>>` or `<float8_e5m2>`,
@@ -478,7 +499,11 @@ template <class S, class QT, class KT, class VT, detail::fp8_scale_lists Scales,
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
                      const QT& queries, const KT& keys, const VT& values, const Scales& scales, HostTensor<T>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
-  if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
+  using KV = typename S::element_type;
+  static_assert(detail::takes_scale_lists<KV>,
+                "kvc::paged_attention: int8 and int4 row codes keep their scales in the rows: call it without "
+                "scales");
+  if constexpr (detail::takes_scale_lists<KV> && detail::check_paged_inputs<S, T, QT, KT, VT>())
     detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
                                  scale, scales, context);
 }

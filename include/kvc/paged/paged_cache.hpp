@@ -1586,6 +1586,11 @@ class PagedCache<S> {
     out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, out.page.head_dim);
     out.state_slots = cb.resolved_max_state_slots(out.num_blocks);
     const paged::LayerGroups groups = paged::group_paged_layers(config);
+    if constexpr (is_row_code_v<T>)
+      if (!groups.state_layers.empty())
+        throw ValueError("kvc::PagedCache: a pool of " + std::string(T::name) +
+                         " holds keys and values only; a model with linear-attention states needs a pool of "
+                         "float, double, half or bfloat16");
     if (!groups.state_layers.empty())
       detail::check_size("kvc::PagedCache: max_state_slots", out.state_slots, 1, max_extent);
     out.snapshots = snapshots_for(groups, cb, out.state_slots);

@@ -1,7 +1,6 @@
 #pragma once
 // kvc::HostStorage<T>: K/V tensors in host memory, 64-byte aligned, for T in
-// {float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2} (and the row codes of
-// <kvc/row_codes.hpp>, for paged pools). A storage policy owns allocation, copies and
+// {float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2}. A storage policy owns allocation, copies and
 // element kernels; layer kinds only call the static members below (docs/policies/storage.md).
 
 #include <algorithm>
@@ -15,7 +14,6 @@
 #include <kvc/detail/traits.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
-#include <kvc/row_codes.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -84,10 +82,11 @@ struct HostStorage {
   static constexpr memory_space space = memory_space::host;
   // Checked by kvc::Cache with a readable message instead of here, so that naming
   // HostStorage<int> in a concept check stays SFINAE-friendly.
-  // The 8-bit floats hold fp8 KV (<kvc/fp8_attention.hpp>): layers copy them as they are. The
-  // row codes (<kvc/row_codes.hpp>) are the bytes of a quantized paged pool.
+  // The 8-bit floats hold fp8 KV (<kvc/fp8_attention.hpp>): layers copy them as they are.
+  // The row codes of <kvc/row_codes.hpp> are stored too, by paged pools (kvc::PagedCache) only:
+  // they are not supported here, so that kvc::Cache refuses them.
   static constexpr bool element_supported =
-      detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2> || is_row_code_v<T>;
+      detail::is_any_of<T, float, double, Eigen::half, Eigen::bfloat16, float8_e4m3, float8_e5m2>;
 
   // The owning buffer: a 64-byte aligned array of T (copies are deep).
   using buffer_type = detail::host_buffer<T>;
