@@ -23,7 +23,9 @@
 //   attention/pool:<type>/requests:<r>/past:<p>   one decode step of kvc::paged_attention for r
 //                            requests with p cached tokens each (block size 16, 8 KV heads x 128,
 //                            32 query heads, half queries) from pools of half, or of int8, int4 or
-//                            NVFP4 row codes (<kvc/row_codes.hpp>) holding random values' codes.
+//                            NVFP4 row codes (<kvc/row_codes.hpp>) holding random values' codes,
+//                            and of rotated int4 rows (kvc::rotated: the queries and the output
+//                            rotated in the step).
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
@@ -314,6 +316,11 @@ BENCHMARK(attention_pool<kvc::nvfp4_row>)
     ->ArgNames({"requests", "past"})
     ->Args({8, 4096})
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::rotated<kvc::int4_row>>)
+    ->Name("attention/pool:rotated_int4_row")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(step_bookkeeping<false>)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(step_bookkeeping<true>)->Name("step_bookkeeping_by_key")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(scheduler_step)->Name("scheduler_step")->Arg(256)->Iterations(512)->Unit(benchmark::kMicrosecond);
@@ -340,7 +347,7 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   if (const kvc_bench::Result* half = reporter.find("attention/pool:half/requests:8/past:4096")) {
     std::printf("decode steps/s from row-code pools / half pools (8 requests x 4096 tokens, same run):\n");
-    for (const char* type : {"int8_row", "int4_row", "nvfp4_row"})
+    for (const char* type : {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row"})
       if (const kvc_bench::Result* r = reporter.find(std::string("attention/pool:") + type + "/requests:8/past:4096"))
         std::printf("  %-10s %.2f\n", type, half->seconds / r->seconds);
   }

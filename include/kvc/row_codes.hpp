@@ -23,6 +23,7 @@
 // as the codes kvc::to_row_codes made, [1, kv_heads, tokens, row_bytes(head_dim)], and the cache
 // moves them as bytes (forks, offload, save and load). paged_attention reads them from the pool
 // and widens each block of rows to float as it reads it (docs/paged.md, "Quantized pages").
+// kvc::rotated<C> is C made from Walsh-Hadamard-rotated rows (rotation composed with the format).
 
 #include <algorithm>
 #include <array>
@@ -40,6 +41,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/nvfp4.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -78,8 +80,12 @@ struct int8_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "int8_row";
+  // The name of kvc::rotated<int8_row>.
+  static constexpr std::string_view rotated_name = "rotated_int8_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
@@ -104,8 +110,12 @@ struct int4_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "int4_row";
+  // The name of kvc::rotated<int4_row>.
+  static constexpr std::string_view rotated_name = "rotated_int4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: two codes a byte and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return (head_dim + 1) / 2 + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
@@ -139,8 +149,12 @@ struct nvfp4_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "nvfp4_row";
+  // The name of kvc::rotated<nvfp4_row>.
+  static constexpr std::string_view rotated_name = "rotated_nvfp4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = true;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: nvfp4_bytes(head_dim).
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return nvfp4_bytes(head_dim); }
   // The row of x[0, n) with tensor scale g (checked by the caller: positive, at most 2^116) into
@@ -209,13 +223,53 @@ struct nvfp4_row {
 #endif
 };
 
+// One byte of a row of C codes (int8_row, int4_row or nvfp4_row) made from the row rotated by
+// kvc::hadamard_rotate first (<kvc/rotation.hpp>): an outlier channel is spread over the row, so
+// the row's scale no longer has to cover it. to_row_codes rotates each row before encoding it and
+// from_row_codes rotates the values back; paged_attention over a pool of rotated codes rotates the
+// step's queries the same way (the scores are unchanged) and rotates the output back (the values
+// were rotated too). `PagedCache<HostStorage<kvc::rotated<kvc::int4_row>>>`.
+template <class C>
+struct rotated {
+  static_assert(detail::is_any_of<C, int8_row, int4_row, nvfp4_row>,
+                "kvc::rotated<C>: C must be kvc::int8_row, int4_row or nvfp4_row");
+  // The byte.
+  std::uint8_t bits = 0;
+  // The codes' format.
+  using codes = C;
+  // Its name in saved states and messages ("rotated_int4_row", ...).
+  static constexpr std::string_view name = C::rotated_name;
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = C::tensor_scaled;
+  // Whether rows are rotated before they are encoded: yes.
+  static constexpr bool rotates = true;
+  // The bytes of one head's row of head_dim values: C's.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return C::row_bytes(head_dim); }
+  // The row of x[0, n), already rotated, into out[0, row_bytes(n)): C's codes.
+  static void encode(const float* x, std::int64_t n, float tensor_scale, rotated* out) {
+    C::encode(x, n, tensor_scale, reinterpret_cast<C*>(out));
+  }
+  // The n values of a row, still rotated (the tensor scale not applied).
+  static void widen(const rotated* row, float* out, std::int64_t n) noexcept {
+    C::widen(reinterpret_cast<const C*>(row), out, n);
+  }
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_rotated_row_code = false;
+template <class C>
+inline constexpr bool is_rotated_row_code<rotated<C>> = true;
+}  // namespace detail
+
 static_assert(sizeof(int8_row) == 1 && sizeof(int4_row) == 1 && sizeof(nvfp4_row) == 1 &&
-                  std::is_trivially_copyable_v<int4_row>,
+                  sizeof(rotated<int4_row>) == 1 && std::is_trivially_copyable_v<int4_row>,
               "row codes are bytes: a row of them is the bytes of its codes and scales");
 
-// Whether T is one of the row-code element types above.
+// Whether T is one of the row-code element types above (kvc::rotated ones included).
 template <class T>
-inline constexpr bool is_row_code_v = detail::is_any_of<std::remove_cv_t<T>, int8_row, int4_row, nvfp4_row>;
+inline constexpr bool is_row_code_v = detail::is_any_of<std::remove_cv_t<T>, int8_row, int4_row, nvfp4_row> ||
+                                      detail::is_rotated_row_code<std::remove_cv_t<T>>;
 
 namespace detail {
 
@@ -235,7 +289,8 @@ namespace detail {
 
 template <class C, class X>
 HostTensor<C> row_codes_of(const X& input, float tensor_scale) {
-  static_assert(is_row_code_v<C>, "kvc::to_row_codes: the code type must be kvc::int8_row, int4_row or nvfp4_row");
+  static_assert(is_row_code_v<C>,
+                "kvc::to_row_codes: the code type must be kvc::int8_row, int4_row, nvfp4_row or kvc::rotated<one>");
   if constexpr (!require_inputs<input_in<X, memory_space::host>, X>()) {
     return {};
   } else {
@@ -249,6 +304,7 @@ HostTensor<C> row_codes_of(const X& input, float tensor_scale) {
       for (std::int64_t h = 0; h < x.extent(1); ++h)
         for (std::int64_t s = 0; s < x.extent(2); ++s, o += w) {
           for (std::int64_t i = 0; i < d; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(x(b, h, s, i));
+          if constexpr (C::rotates) hadamard_rotate(row.data(), 1, d);
           C::encode(row.data(), d, tensor_scale, o);
         }
     return out;
@@ -278,7 +334,8 @@ HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
 // integer formats). A ValueError when the rows are not row_bytes(head_dim) wide.
 template <class C, class X>
 HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float tensor_scale = 1.0f) {
-  static_assert(is_row_code_v<C>, "kvc::from_row_codes: the code type must be kvc::int8_row, int4_row or nvfp4_row");
+  static_assert(is_row_code_v<C>,
+                "kvc::from_row_codes: the code type must be kvc::int8_row, int4_row, nvfp4_row or kvc::rotated<one>");
   if constexpr (!detail::require_inputs<detail::input_of<X, C, memory_space::host>, X>()) {
     return {};
   } else {
@@ -295,6 +352,7 @@ HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float te
         for (std::int64_t s = 0; s < x.extent(2); ++s, o += head_dim) {
           for (std::int64_t i = 0; i < x.extent(3); ++i) row[static_cast<std::size_t>(i)] = x(b, h, s, i);
           C::widen(row.data(), o, head_dim);
+          if constexpr (C::rotates) hadamard_rotate(o, 1, head_dim);
           for (std::int64_t i = 0; i < head_dim; ++i) o[i] *= tensor_scale;
         }
     return out;

@@ -214,13 +214,19 @@ TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads
   CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, per_head) < 1e-12);
 }
 
-TEST_CASE("paged_attention over row-code pools (int8, int4, NVFP4 rows) reads what the codes stand for") {
+TEST_CASE(
+    "paged_attention over row-code pools (int8, int4, NVFP4 rows, rotated or not) reads what the codes stand for") {
   // Float accumulation against double; half and bfloat16 outputs: their rounding, as above.
   CHECK(run_stream<float, kvc::int8_row>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 11) < 5e-5);
   CHECK(run_stream<Eigen::half, kvc::int4_row>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 12) < 8.0 / 1024);
   CHECK(run_stream<float, kvc::nvfp4_row>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 13, {{0.01f}, {0.02f}}) <
         5e-5);
   CHECK(run_stream<Eigen::bfloat16, kvc::nvfp4_row>({"full_attention"}, 1, 2, 0, 16, 14) < 8.0 / 128);
+  // Rotated rows: the queries rotated as the keys were, the output rotated back.
+  CHECK(run_stream<float, kvc::rotated<kvc::int4_row>>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 15) < 5e-5);
+  CHECK(run_stream<Eigen::half, kvc::rotated<kvc::int8_row>>({"full_attention"}, 2, 4, 0, 8, 16) < 8.0 / 1024);
+  CHECK(run_stream<float, kvc::rotated<kvc::nvfp4_row>>({"full_attention", "sliding_attention"}, 2, 2, 9, 4, 17,
+                                                        {{0.01f}, {0.02f}}) < 5e-5);
 }
 
 TEST_CASE("paged_attention refuses a step it cannot read, before computing anything") {

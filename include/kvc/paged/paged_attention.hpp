@@ -42,6 +42,7 @@
 #include <kvc/float8.hpp>
 #include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/paged_cache.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -211,6 +212,10 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   using KV = typename S::element_type;
   using A = accum_t<T>;
   using plan = tile_plan;
+  // Rows rotated before they were encoded (kvc::rotated): queries are rotated the same way, and
+  // each tile's output rows rotated back before they are finished or stored (a linear step, so
+  // the partials of a split row merge as before).
+  constexpr bool rotated_rows = requires { requires KV::rotates; };
   const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
   const std::int64_t Hkv = call.Hkv, D = call.D, bs = call.block_size, Hq = call.Hq, R = call.R, T_ = call.T;
   const std::int64_t W = call.W;  // a row's elements in the pools (D, or the bytes of row codes)
@@ -303,6 +308,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
         for (std::int64_t d = 0; d < D; ++d)
           t.q[(g * per_head + i) * D + d] = static_cast<A>(qp[i * queries.stride(2) + d]);
     }
+    if constexpr (rotated_rows) hadamard_rotate(t.q, rows, D);
     t.start(rows, D);
     // Keys are numbered by absolute position.
     const auto vis = [&](std::int64_t row) {
@@ -353,6 +359,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
           });
       if (filled > 0) fold_keys<A, A>(t, rows, D, D, tl.decode, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
     }
+    if constexpr (rotated_rows) hadamard_rotate(t.acc, rows, D);
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t h = hk * group + row / per_head, i = t0 + i0 + row % per_head;
       if (tl.splits == 1)
@@ -449,7 +456,7 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
 }
 
 // The same over a pool of int8 or int4 row codes (`PagedCache<HostStorage<kvc::int4_row>>`,
-// int8_row: <kvc/row_codes.hpp>; an NVFP4 pool takes its tensor scales, as
+// int8_row, or kvc::rotated ones: <kvc/row_codes.hpp>; an NVFP4 pool takes its tensor scales, as
 // the fp8 pools below): queries of the model's type T (float, half or bfloat16); keys and values
 // the step's tokens as the rows kvc::to_row_codes made, [1, Hkv, T, cache.row_width()]. Each
 // block of rows is widened to float as it is read. Returns [1, Hq, T, head_dim] in T.
