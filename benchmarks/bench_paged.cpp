@@ -349,7 +349,7 @@ int main(int argc, char** argv) {
     std::printf("decode steps/s from row-code pools / half pools (8 requests x 4096 tokens, same run):\n");
     for (const char* type : {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row"})
       if (const kvc_bench::Result* r = reporter.find(std::string("attention/pool:") + type + "/requests:8/past:4096"))
-        std::printf("  %-10s %.2f\n", type, half->seconds / r->seconds);
+        std::printf("  %-17s %.2f\n", type, half->seconds / r->seconds);
   }
   const kvc_bench::Result* copy = reporter.find("memcpy/64");
   if (!copy) return 0;

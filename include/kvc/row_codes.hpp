@@ -262,9 +262,14 @@ template <class C>
 inline constexpr bool is_rotated_row_code<rotated<C>> = true;
 }  // namespace detail
 
-static_assert(sizeof(int8_row) == 1 && sizeof(int4_row) == 1 && sizeof(nvfp4_row) == 1 &&
-                  sizeof(rotated<int4_row>) == 1 && std::is_trivially_copyable_v<int4_row>,
-              "row codes are bytes: a row of them is the bytes of its codes and scales");
+namespace detail {
+// Whether every C is one trivially copyable byte.
+template <class... C>
+inline constexpr bool are_bytes = ((sizeof(C) == 1 && alignof(C) == 1 && std::is_trivially_copyable_v<C>)&&...);
+}  // namespace detail
+static_assert(
+    detail::are_bytes<int8_row, int4_row, nvfp4_row, rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>>,
+    "row codes are bytes: a row of them is the bytes of its codes and scales");
 
 // Whether T is one of the row-code element types above (kvc::rotated ones included).
 template <class T>

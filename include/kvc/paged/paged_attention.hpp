@@ -479,9 +479,11 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
   static_assert(!S::element_type::tensor_scaled,
                 "kvc::paged_attention: an NVFP4 pool needs its tensor scales: pass kvc::Nvfp4TensorScales");
-  if constexpr (!S::element_type::tensor_scaled && detail::check_paged_inputs<S, T, QT, KT, VT>())
-    detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
-                                 scale, detail::unit_scales{}, context);
+  if constexpr (!S::element_type::tensor_scaled) {  // (nested: one misuse, one error)
+    if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
+      detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
+                                   input_view(values), scale, detail::unit_scales{}, context);
+  }
 }
 
 // The same over a pool of fp8 codes (`PagedCache<HostStorage<float8_e4m3>>` or `<float8_e5m2>`,
@@ -510,9 +512,11 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
   static_assert(detail::takes_scale_lists<KV>,
                 "kvc::paged_attention: int8 and int4 row codes keep their scales in the rows: call it without "
                 "scales");
-  if constexpr (detail::takes_scale_lists<KV> && detail::check_paged_inputs<S, T, QT, KT, VT>())
-    detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys), input_view(values),
-                                 scale, scales, context);
+  if constexpr (detail::takes_scale_lists<KV>) {  // (nested: one misuse, one error)
+    if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
+      detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
+                                   input_view(values), scale, scales, context);
+  }
 }
 
 }  // namespace kvc
