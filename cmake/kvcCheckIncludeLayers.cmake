@@ -5,7 +5,7 @@
 # (ctest: docs.include_layers). The layers, from the bottom:
 #
 #   0 base         standard headers (and nlohmann/json): errors, limits, warnings, the fp8 formats
-#                  and element conversions, small traits, the paged bookkeeping (block manager,
+#                  and element conversions, the row-code types, small traits, the paged bookkeeping (block manager,
 #                  allocators, block tables, memory planner), the page and swap pools (templates
 #                  over a storage policy) and the configuration structs
 #   1 kinds        the layer kinds as tags, the config's layer-type table, ModelConfig and its JSON
@@ -13,7 +13,7 @@
 #   2 views        the views (Eigen/Core) and the concepts over them
 #   3 paged core   PagedCache and the scheduler: views, kinds and bookkeeping only
 #   4 tensors      HostTensor (the Eigen Tensor module), the attention functions, the host storage,
-#                  the codecs, the offload engines, paged attention
+#                  the codecs (row codes' tensor conversions too), the offload engines, paged attention
 #   5 layer states each layer kind's state for a storage
 #   6 caches       kvc::Cache, its ready-made forms, the type-erased AnyCache, PagedBatchCache
 #   7 library      state save/load, MPI, export, make_cache, the runtime, <kvc/kvc.hpp>
@@ -21,7 +21,8 @@
 
 set(kvc_layer_0
     detail/element_conversion.hpp detail/fixed_name.hpp detail/host_device.hpp detail/json.hpp
-    detail/py_repr.hpp detail/simd.hpp detail/traits.hpp errors.hpp execution.hpp float8.hpp
+    detail/py_repr.hpp detail/row_code_types.hpp detail/simd.hpp detail/traits.hpp errors.hpp execution.hpp
+    float8.hpp
     limits.hpp nvfp4.hpp rotation.hpp version.hpp warnings.hpp
     paged/allocators.hpp paged/attention_step.hpp paged/block_hash.hpp paged/block_manager.hpp
     paged/block_tables.hpp paged/continuous_batching_config.hpp paged/memory_planner.hpp
@@ -40,7 +41,7 @@ set(kvc_layer_3
     paged/paged_cache.hpp paged/scheduler.hpp)
 set(kvc_layer_4
     attention.hpp detail/attention_rows.hpp detail/state_io.hpp element_types.hpp
-    fp8_attention.hpp quantized_attention.hpp tensor.hpp
+    fp8_attention.hpp quantized_attention.hpp row_codes.hpp tensor.hpp
     paged/paged_attention.hpp
     policies/offload/engine.hpp policies/offload/file.hpp policies/offload/pinned_host.hpp
     policies/quantization/codecs.hpp policies/storage/host.hpp)

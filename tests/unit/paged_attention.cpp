@@ -12,6 +12,7 @@
 
 #include <kvc/fp8_attention.hpp>
 #include <kvc/paged/paged_attention.hpp>
+#include <kvc/row_codes.hpp>
 
 #include "../support/kvc_test.hpp"
 

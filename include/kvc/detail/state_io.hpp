@@ -35,7 +35,7 @@
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
-#include <kvc/row_codes.hpp>
+#include <kvc/detail/row_code_types.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc::detail {

@@ -47,7 +47,7 @@
 #include <kvc/paged/page_pools.hpp>
 #include <kvc/paged/state_slots.hpp>
 #include <kvc/paged/swap_pool.hpp>
-#include <kvc/row_codes.hpp>
+#include <kvc/detail/row_code_types.hpp>
 #include <kvc/tensor_view.hpp>
 #include <kvc/warnings.hpp>
 

@@ -1,0 +1,281 @@
+#pragma once
+// The row-code element types of kvc's paged pools (kvc::int8_row, int4_row, nvfp4_row and
+// kvc::rotated<C>) and their codecs, with no tensor types: what kvc::PagedCache needs of them.
+// Users include <kvc/row_codes.hpp>, which adds kvc::to_row_codes and kvc::from_row_codes and
+// describes the formats.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <type_traits>
+
+#include <kvc/detail/simd.hpp>
+#include <kvc/detail/traits.hpp>
+#include <kvc/errors.hpp>
+#include <kvc/float8.hpp>
+#include <kvc/nvfp4.hpp>
+
+namespace kvc {
+
+namespace detail {
+
+// The scale of a row of n values for a symmetric integer format whose largest code is `top`:
+// max |x_i| / top, NaN when a value is not finite.
+inline float symmetric_row_scale(const float* x, std::int64_t n, float top) noexcept {
+  float amax = 0.0f;
+  bool finite = true;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && std::isfinite(a);
+    amax = std::fmax(amax, a);
+  }
+  return finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
+}
+// The code of x for `scale` (0 where the scale is 0 or NaN), rounded to nearest even, in [-top, top].
+inline int symmetric_code(float x, float scale, float top) noexcept {
+  if (!(scale > 0.0f)) return 0;
+  return static_cast<int>(std::fmin(std::fmax(std::nearbyint(x / scale), -top), top));
+}
+inline void put_scale(std::uint8_t* at, float scale) noexcept { std::memcpy(at, &scale, sizeof scale); }
+inline float get_scale(const std::uint8_t* at) noexcept {
+  float s;
+  std::memcpy(&s, at, sizeof s);
+  return s;
+}
+
+}  // namespace detail
+
+// One byte of a row of int8 codes with its float scale (see the top of <kvc/row_codes.hpp>).
+struct int8_row {
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages.
+  static constexpr std::string_view name = "int8_row";
+  // The name of kvc::rotated<int8_row>.
+  static constexpr std::string_view rotated_name = "rotated_int8_row";
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
+  // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
+  // The row of x[0, n) into out[0, row_bytes(n)).
+  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int8_row* out) noexcept {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    const float scale = detail::symmetric_row_scale(x, n, 127.0f);
+    for (std::int64_t i = 0; i < n; ++i)
+      b[i] = static_cast<std::uint8_t>(static_cast<std::int8_t>(detail::symmetric_code(x[i], scale, 127.0f)));
+    detail::put_scale(b + n, scale);
+  }
+  // The n values of a row (the tensor scale not applied).
+  static void widen(const int8_row* row, float* out, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const float scale = detail::get_scale(b + n);
+    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<std::int8_t>(b[i])) * scale;
+  }
+};
+
+// One byte of a row of int4 codes with its float scale (see the top of <kvc/row_codes.hpp>).
+struct int4_row {
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages.
+  static constexpr std::string_view name = "int4_row";
+  // The name of kvc::rotated<int4_row>.
+  static constexpr std::string_view rotated_name = "rotated_int4_row";
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
+  // The bytes of one head's row of head_dim values: two codes a byte and a float scale.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return (head_dim + 1) / 2 + 4; }
+  // The row of x[0, n) into out[0, row_bytes(n)).
+  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int4_row* out) noexcept {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    const float scale = detail::symmetric_row_scale(x, n, 7.0f);
+    for (std::int64_t i = 0; i < n; i += 2) {
+      const auto lo = static_cast<unsigned>(detail::symmetric_code(x[i], scale, 7.0f)) & 0x0Fu;
+      const auto hi = i + 1 < n ? static_cast<unsigned>(detail::symmetric_code(x[i + 1], scale, 7.0f)) & 0x0Fu : 0u;
+      b[i / 2] = static_cast<std::uint8_t>(lo | (hi << 4));
+    }
+    detail::put_scale(b + (n + 1) / 2, scale);
+  }
+  // The n values of a row (the tensor scale not applied).
+  static void widen(const int4_row* row, float* out, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const float scale = detail::get_scale(b + (n + 1) / 2);
+    const std::int64_t pairs = n / 2;
+    for (std::int64_t i = 0; i < pairs; ++i) {
+      const int byte = b[i];
+      out[2 * i] = static_cast<float>(((byte & 0x0F) ^ 0x08) - 0x08) * scale;
+      out[2 * i + 1] = static_cast<float>(((byte >> 4) ^ 0x08) - 0x08) * scale;
+    }
+    if (n % 2 != 0) out[n - 1] = static_cast<float>(((b[pairs] & 0x0F) ^ 0x08) - 0x08) * scale;
+  }
+};
+
+// One byte of a row of NVFP4 codes with its E4M3 block scales (see the top of <kvc/row_codes.hpp>).
+struct nvfp4_row {
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages.
+  static constexpr std::string_view name = "nvfp4_row";
+  // The name of kvc::rotated<nvfp4_row>.
+  static constexpr std::string_view rotated_name = "rotated_nvfp4_row";
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = true;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
+  // The bytes of one head's row of head_dim values: nvfp4_bytes(head_dim).
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return nvfp4_bytes(head_dim); }
+  // The row of x[0, n) with tensor scale g (checked by the caller: positive, at most 2^116) into
+  // out[0, row_bytes(n)): nvfp4_quantize's codes, then its scales' bits.
+  static void encode(const float* x, std::int64_t n, float tensor_scale, nvfp4_row* out) {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    std::uint8_t* scales = b + (n + 1) / 2;
+    for (std::int64_t start = 0; start < n; start += nvfp4_block_size) {
+      float8_e4m3 s;
+      nvfp4_quantize(x + start, std::min(nvfp4_block_size, n - start), tensor_scale, b + start / 2, &s);
+      scales[start / nvfp4_block_size] = s.bits;
+    }
+  }
+  // The n values of a row with tensor scale 1 (paged_attention applies the pool's): with AVX2 a
+  // whole block at a time (detail::avx2_enabled); otherwise, and for a last short block, each
+  // byte's two values from a table of the 256 bytes' value pairs, times the block's scale.
+  static void widen(const nvfp4_row* row, float* out, std::int64_t n) noexcept {
+    static constexpr auto pairs = [] {
+      std::array<std::array<float, 2>, 256> t{};
+      for (std::size_t byte = 0; byte < 256; ++byte)
+        t[byte] = {float4_e2m1::values()[byte & 0x0Fu], float4_e2m1::values()[byte >> 4]};
+      return t;
+    }();
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const std::uint8_t* scales = b + (n + 1) / 2;
+    const float* scale_values = float8_e4m3::values_table();
+    std::int64_t start = 0;
+#if defined(KVC_X86_AVX2_DISPATCH)
+    if (detail::avx2_enabled()) start = widen_avx2(b, scales, scale_values, n, out);
+#endif
+    for (; start < n; start += nvfp4_block_size) {
+      const float s = scale_values[scales[start / nvfp4_block_size]];
+      const std::int64_t len = std::min(nvfp4_block_size, n - start), whole = len / 2;
+      const std::uint8_t* codes = b + start / 2;
+      float* o = out + start;
+      for (std::int64_t j = 0; j < whole; ++j) {
+        const auto& p = pairs[codes[j]];
+        o[2 * j] = p[0] * s;
+        o[2 * j + 1] = p[1] * s;
+      }
+      if (len % 2 != 0) o[len - 1] = pairs[codes[whole]][0] * s;
+    }
+  }
+
+ private:
+#if defined(KVC_X86_AVX2_DISPATCH)
+  // widen's whole blocks with AVX2: each block's codes as their doubled values (integers, -12 to
+  // 12) by a byte shuffle, widened to float and times the block's scale / 2 (exact: the products
+  // are the values' own). Returns how many values it did.
+  KVC_TARGET_AVX2 static std::int64_t widen_avx2(const std::uint8_t* codes, const std::uint8_t* scales,
+                                                 const float* scale_values, std::int64_t n, float* out) noexcept {
+    const __m128i doubled = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    std::int64_t start = 0;
+    for (; start + nvfp4_block_size <= n; start += nvfp4_block_size) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + start / 2));
+      const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m128i v = _mm_shuffle_epi8(doubled, _mm_unpacklo_epi8(lo, hi));  // value 2i, then 2i + 1
+      const __m256 half_s = _mm256_set1_ps(0.5f * scale_values[scales[start / nvfp4_block_size]]);
+      _mm256_storeu_ps(out + start, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), half_s));
+      _mm256_storeu_ps(out + start + 8,
+                       _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), half_s));
+    }
+    return start;
+  }
+#endif
+};
+
+// One byte of a row of C codes (int8_row, int4_row or nvfp4_row) made from the row rotated by
+// kvc::hadamard_rotate first (<kvc/rotation.hpp>): an outlier channel is spread over the row, so
+// the row's scale no longer has to cover it. to_row_codes rotates each row before encoding it and
+// from_row_codes rotates the values back; paged_attention over a pool of rotated codes rotates the
+// step's queries the same way (the scores are unchanged) and rotates the output back (the values
+// were rotated too). `PagedCache<HostStorage<kvc::rotated<kvc::int4_row>>>`.
+template <class C>
+struct rotated {
+  static_assert(detail::is_any_of<C, int8_row, int4_row, nvfp4_row>,
+                "kvc::rotated<C>: C must be kvc::int8_row, int4_row or nvfp4_row");
+  // The byte.
+  std::uint8_t bits = 0;
+  // The codes' format.
+  using codes = C;
+  // Its name in saved states and messages ("rotated_int4_row", ...).
+  static constexpr std::string_view name = C::rotated_name;
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = C::tensor_scaled;
+  // Whether rows are rotated before they are encoded: yes.
+  static constexpr bool rotates = true;
+  // The bytes of one head's row of head_dim values: C's.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return C::row_bytes(head_dim); }
+  // The row of x[0, n), already rotated, into out[0, row_bytes(n)): C's codes.
+  static void encode(const float* x, std::int64_t n, float tensor_scale, rotated* out) {
+    C::encode(x, n, tensor_scale, reinterpret_cast<C*>(out));
+  }
+  // The n values of a row, still rotated (the tensor scale not applied).
+  static void widen(const rotated* row, float* out, std::int64_t n) noexcept {
+    C::widen(reinterpret_cast<const C*>(row), out, n);
+  }
+};
+
+namespace detail {
+template <class T>
+inline constexpr bool is_rotated_row_code = false;
+template <class C>
+inline constexpr bool is_rotated_row_code<rotated<C>> = true;
+}  // namespace detail
+
+namespace detail {
+// Whether every C is one trivially copyable byte.
+template <class... C>
+inline constexpr bool are_bytes = ((sizeof(C) == 1 && alignof(C) == 1 && std::is_trivially_copyable_v<C>)&&...);
+}  // namespace detail
+static_assert(
+    detail::are_bytes<int8_row, int4_row, nvfp4_row, rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>>,
+    "row codes are bytes: a row of them is the bytes of its codes and scales");
+
+// Whether T is one of the row-code element types above (kvc::rotated ones included).
+template <class T>
+inline constexpr bool is_row_code_v = detail::is_any_of<std::remove_cv_t<T>, int8_row, int4_row, nvfp4_row> ||
+                                      detail::is_rotated_row_code<std::remove_cv_t<T>>;
+
+namespace detail {
+
+// The elements one head's row of head_dim values takes in a pool of T: head_dim, or the bytes of
+// the codes and scales.
+template <class T>
+constexpr std::int64_t stored_row_width(std::int64_t head_dim) noexcept {
+  if constexpr (is_row_code_v<T>)
+    return T::row_bytes(head_dim);
+  else
+    return head_dim;
+}
+
+}  // namespace detail
+
+// The tensor scales of an NVFP4 pool's keys and values, for paged_attention (the integer formats
+// need none: their scales are in the rows).
+struct Nvfp4TensorScales {
+  // The keys' tensor scale.
+  float keys = 1.0f;
+  // The values' tensor scale.
+  float values = 1.0f;
+  // The key scale of every KV head.
+  float key_scale(std::int64_t) const noexcept { return keys; }
+  // The value scale of every KV head.
+  float value_scale(std::int64_t) const noexcept { return values; }
+};
+
+}  // namespace kvc
