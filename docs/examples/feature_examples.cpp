@@ -140,6 +140,29 @@ void paged_row_codes(kvc::PagedCache<kvc::HostStorage<kvc::int4_row>>& cache,
   (void)out4;
 }
 
+// fp8 keys with int4 values in one pool, and int8 keys with NVFP4 values.
+using Fp8KeysInt4Values = kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>;
+using Int8KeysNvfp4Values = kvc::kv_codes<kvc::int8_row, kvc::nvfp4_row>;
+void paged_kv_codes(kvc::PagedCache<kvc::HostStorage<Fp8KeysInt4Values>>& cache,
+                    kvc::PagedCache<kvc::HostStorage<Int8KeysNvfp4Values>>& mixed, std::int64_t layer,
+                    const kvc::PagedAttentionStep& step, const Half& queries, const Half& keys, const Half& values,
+                    float value_amax, const kvc::PagedIndices& no_reads, const kvc::PagedIndices& write_index) {
+  // [snippet:paged_kv_codes]
+  // using Fp8KeysInt4Values = kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>;
+  // kvc::PagedCache<kvc::HostStorage<Fp8KeysInt4Values>> cache(config, cb);
+  const auto [k, v] = kvc::to_kv_codes<Fp8KeysInt4Values>(keys, values);  // widths: row_width(), value_row_width()
+  Half out = kvc::paged_attention(cache, layer, step, queries, k, v);     // each side read from its codes
+  cache.update(k, v, layer, no_reads, write_index);
+
+  // One NVFP4 side: its tensor scale, and 1 for the side whose scales are in its rows.
+  const kvc::Nvfp4TensorScales g{1.0f, kvc::nvfp4_tensor_scale(value_amax)};
+  const auto [k8, v4] = kvc::to_kv_codes<Int8KeysNvfp4Values>(keys, values, g);
+  Half out2 = kvc::paged_attention(mixed, layer, step, queries, k8, v4, g);
+  // [/snippet]
+  (void)out;
+  (void)out2;
+}
+
 void state() {
   // [snippet:save_load]
   // #include <kvc/state.hpp>

@@ -1,8 +1,9 @@
 #pragma once
-// kvc::int8_row, kvc::int4_row and kvc::nvfp4_row: the element types of paged pools whose rows
-// carry their own scales (vLLM's kv_cache_dtype int8_per_token_head, int4_per_token_head and
-// nvfp4). A pool of one of them, `PagedCache<HostStorage<kvc::int4_row>>`, stores each token's
-// row of each KV head, head_dim values, as row_bytes(head_dim) bytes: the codes, then the scales.
+// kvc::int8_row, kvc::int4_row, kvc::nvfp4_row and kvc::fp8_row<F8>: the element types of paged
+// pools whose rows carry their own scales (vLLM's kv_cache_dtype int8_per_token_head,
+// int4_per_token_head, nvfp4 and fp8_per_token_head). A pool of one of them,
+// `PagedCache<HostStorage<kvc::int4_row>>`, stores each token's row of each KV head, head_dim
+// values, as row_bytes(head_dim) bytes: the codes, then the scales.
 //
 //   int8_row   head_dim signed 8-bit codes, then one float scale (4 bytes, little-endian as the
 //              host's float): scale = max |x_i| / 127, code_i = x_i / scale rounded to nearest
@@ -14,8 +15,17 @@
 //   nvfp4_row  NVFP4 (<kvc/nvfp4.hpp>): E2M1 codes two per byte, then one E4M3 scale per 16
 //              values; the tensor scale is the pool's, given when rows are encoded and to
 //              paged_attention. nvfp4_bytes(head_dim) bytes (0.28 of fp16 at 128).
+//   fp8_row<F8>  head_dim codes of kvc::float8_e4m3 or float8_e5m2, then one float scale:
+//              scale = max |x_i| / 448 (E5M2: 57344), code_i = F8(x_i / scale) (nearest even).
+//              head_dim + 4 bytes.
+//   bfloat16_row  each value's upper 16 bits, rounded to nearest even: 2 * head_dim bytes (a
+//              16-bit side of a kv_codes pair).
 //
-// A row of zeros gets scale 0 and codes 0. In the integer formats a row with a value that is not
+// kvc::kv_codes<K, V> is a pool whose keys are rows of format K and values rows of format V (any
+// two of the above, rotated or not): kvc::to_kv_codes encodes a step's keys and values, each side
+// at its own width (PagedCache::row_width(), value_row_width()).
+//
+// A row of zeros gets scale 0 and codes 0. In the integer and fp8 formats a row with a value that is not
 // finite gets a NaN scale: it reads back as NaN. NVFP4 rows are nvfp4_quantize's: a NaN gives its
 // 16-value block the NaN scale, an infinity saturates (the block scale 448, the code +-6).
 //
@@ -39,29 +49,57 @@ namespace kvc {
 
 namespace detail {
 
-template <class C, class X>
-HostTensor<C> row_codes_of(const X& input, float tensor_scale) {
-  static_assert(is_row_code_v<C>,
-                "kvc::to_row_codes: the code type must be kvc::int8_row, int4_row, nvfp4_row or kvc::rotated<one>");
+// x's rows as C codes, in a tensor of O (C itself, or a kv_codes pool holding C on one side).
+template <class C, class O = C, class X>
+HostTensor<O> row_codes_of(const X& input, float tensor_scale, const char* who) {
   if constexpr (!require_inputs<input_in<X, memory_space::host>, X>()) {
     return {};
   } else {
-    if constexpr (C::tensor_scaled) check_nvfp4_tensor_scale(tensor_scale, "kvc::to_row_codes");
+    if constexpr (C::tensor_scaled) check_nvfp4_tensor_scale(tensor_scale, who);
     const auto x = input_view(input);
     const std::int64_t d = x.extent(3), w = C::row_bytes(d);
-    HostTensor<C> out(x.extent(0), x.extent(1), x.extent(2), w);
+    HostTensor<O> out(x.extent(0), x.extent(1), x.extent(2), w);
     std::vector<float> row(static_cast<std::size_t>(d));
-    C* o = out.data();
+    O* o = out.data();
     for (std::int64_t b = 0; b < x.extent(0); ++b)
       for (std::int64_t h = 0; h < x.extent(1); ++h)
         for (std::int64_t s = 0; s < x.extent(2); ++s, o += w) {
           for (std::int64_t i = 0; i < d; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(x(b, h, s, i));
           if constexpr (C::rotates) hadamard_rotate(row.data(), 1, d);
-          C::encode(row.data(), d, tensor_scale, o);
+          C::encode(row.data(), d, tensor_scale, reinterpret_cast<C*>(o));
         }
     return out;
   }
 }
+
+// The values of rows of C codes held in a tensor of O, times tensor_scale.
+template <class C, class O, class X>
+HostTensor<float> values_of_rows(const X& input, std::int64_t head_dim, float tensor_scale, const char* who) {
+  if constexpr (!require_inputs<input_of<X, O, memory_space::host>, X>()) {
+    return {};
+  } else {
+    const auto x = input_view(input);
+    if (head_dim < 1 || x.extent(3) != C::row_bytes(head_dim))
+      throw ValueError(std::string(who) + ": rows of " + std::to_string(head_dim) + " values are " +
+                       std::to_string(head_dim < 1 ? 0 : C::row_bytes(head_dim)) + " " + std::string(C::name) +
+                       " bytes wide, got " + std::to_string(x.extent(3)));
+    HostTensor<float> out(x.extent(0), x.extent(1), x.extent(2), head_dim);
+    std::vector<O> row(static_cast<std::size_t>(x.extent(3)));
+    float* o = out.data();
+    for (std::int64_t b = 0; b < x.extent(0); ++b)
+      for (std::int64_t h = 0; h < x.extent(1); ++h)
+        for (std::int64_t s = 0; s < x.extent(2); ++s, o += head_dim) {
+          for (std::int64_t i = 0; i < x.extent(3); ++i) row[static_cast<std::size_t>(i)] = x(b, h, s, i);
+          C::widen(reinterpret_cast<const C*>(row.data()), o, head_dim);
+          if constexpr (C::rotates) hadamard_rotate(o, 1, head_dim);
+          for (std::int64_t i = 0; i < head_dim; ++i) o[i] *= tensor_scale;
+        }
+    return out;
+  }
+}
+
+template <class C>
+inline constexpr bool is_one_row_format = is_row_code_v<C> && !is_kv_codes<C>;
 
 }  // namespace detail
 
@@ -70,7 +108,14 @@ HostTensor<C> row_codes_of(const X& input, float tensor_scale) {
 // alone (NVFP4 with tensor scale 1).
 template <class C, class X>
 HostTensor<C> to_row_codes(const X& input) {
-  return detail::row_codes_of<C>(input, 1.0f);
+  static_assert(detail::is_one_row_format<C>,
+                "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
+                "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
+                "kvc::to_kv_codes");
+  if constexpr (detail::is_one_row_format<C>)
+    return detail::row_codes_of<C>(input, 1.0f, "kvc::to_row_codes");
+  else
+    return {};
 }
 // The same as NVFP4 rows with the tensor scale `tensor_scale` (kvc::nvfp4_tensor_scale picks one
 // from the largest magnitude): a ValueError unless it is positive and at most 2^116. The integer
@@ -78,7 +123,7 @@ HostTensor<C> to_row_codes(const X& input) {
 template <class C, class X>
   requires(C::tensor_scaled)
 HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
-  return detail::row_codes_of<C>(input, tensor_scale);
+  return detail::row_codes_of<C>(input, tensor_scale, "kvc::to_row_codes");
 }
 
 // The values of rows of C codes ([batch, heads, seq, C::row_bytes(head_dim)], any tensor_input of C
@@ -86,28 +131,51 @@ HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
 // integer formats). A ValueError when the rows are not row_bytes(head_dim) wide.
 template <class C, class X>
 HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float tensor_scale = 1.0f) {
-  static_assert(is_row_code_v<C>,
-                "kvc::from_row_codes: the code type must be kvc::int8_row, int4_row, nvfp4_row or kvc::rotated<one>");
-  if constexpr (!detail::require_inputs<detail::input_of<X, C, memory_space::host>, X>()) {
+  static_assert(detail::is_one_row_format<C>,
+                "kvc::from_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
+                "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows go to "
+                "kvc::from_kv_codes");
+  if constexpr (detail::is_one_row_format<C>)
+    return detail::values_of_rows<C, C>(input, head_dim, tensor_scale, "kvc::from_row_codes");
+  else
     return {};
+}
+
+// A step's keys and values ([batch, heads, seq, head_dim] each, any host tensor_inputs a float
+// converts from) as the rows of a kvc::kv_codes<K, V> pool: keys as K codes, values as V codes,
+// [batch, heads, seq, K::row_bytes(head_dim)] and [..., V::row_bytes(head_dim)], both tensors of
+// P. `scales` are the NVFP4 tensor scales of a side that takes one (kvc::Nvfp4TensorScales; a
+// ValueError unless positive and at most 2^116); a side that takes none ignores its scale.
+template <class P, class KT, class VT>
+KV<HostTensor<P>> to_kv_codes(const KT& keys, const VT& values, const Nvfp4TensorScales& scales = {}) {
+  static_assert(detail::is_kv_codes<P>, "kvc::to_kv_codes: the pool type must be kvc::kv_codes<K, V>");
+  if constexpr (detail::is_kv_codes<P>) {
+    using K = typename P::key_codes;
+    using V = typename P::value_codes;
+    HostTensor<P> k = detail::row_codes_of<K, P>(keys, scales.keys, "kvc::to_kv_codes: the keys");
+    return {std::move(k), detail::row_codes_of<V, P>(values, scales.values, "kvc::to_kv_codes: the values")};
   } else {
-    const auto x = input_view(input);
-    if (head_dim < 1 || x.extent(3) != C::row_bytes(head_dim))
-      throw ValueError("kvc::from_row_codes: rows of " + std::to_string(head_dim) + " values are " +
-                       std::to_string(head_dim < 1 ? 0 : C::row_bytes(head_dim)) + " " + std::string(C::name) +
-                       " bytes wide, got " + std::to_string(x.extent(3)));
-    HostTensor<float> out(x.extent(0), x.extent(1), x.extent(2), head_dim);
-    std::vector<C> row(static_cast<std::size_t>(x.extent(3)));
-    float* o = out.data();
-    for (std::int64_t b = 0; b < x.extent(0); ++b)
-      for (std::int64_t h = 0; h < x.extent(1); ++h)
-        for (std::int64_t s = 0; s < x.extent(2); ++s, o += head_dim) {
-          for (std::int64_t i = 0; i < x.extent(3); ++i) row[static_cast<std::size_t>(i)] = x(b, h, s, i);
-          C::widen(row.data(), o, head_dim);
-          if constexpr (C::rotates) hadamard_rotate(o, 1, head_dim);
-          for (std::int64_t i = 0; i < head_dim; ++i) o[i] *= tensor_scale;
-        }
-    return out;
+    return {};
+  }
+}
+
+// The values a kvc::kv_codes<K, V> pool's rows stand for: keys and values (host tensor_inputs of
+// P, as to_kv_codes made them) as floats [batch, heads, seq, head_dim], each times its side's
+// tensor scale from `scales` where the side takes one. A ValueError when a side's rows are not
+// its format's row_bytes(head_dim) wide.
+template <class P, class KT, class VT>
+KV<HostTensor<float>> from_kv_codes(const KT& keys, const VT& values, std::int64_t head_dim,
+                                    const Nvfp4TensorScales& scales = {}) {
+  static_assert(detail::is_kv_codes<P>, "kvc::from_kv_codes: the pool type must be kvc::kv_codes<K, V>");
+  if constexpr (detail::is_kv_codes<P>) {
+    using K = typename P::key_codes;
+    using V = typename P::value_codes;
+    HostTensor<float> k = detail::values_of_rows<K, P>(keys, head_dim, K::tensor_scaled ? scales.keys : 1.0f,
+                                                       "kvc::from_kv_codes: the keys");
+    return {std::move(k), detail::values_of_rows<V, P>(values, head_dim, V::tensor_scaled ? scales.values : 1.0f,
+                                                       "kvc::from_kv_codes: the values")};
+  } else {
+    return {};
   }
 }
 

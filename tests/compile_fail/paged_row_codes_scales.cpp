@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc::paged_attention: int8 and int4 row codes keep their scales in the rows: call it without scales
+// EXPECT-ERROR: kvc::paged_attention: row codes other than NVFP4 keep their scales in the rows: call it without scales
 // An int8 or int4 row carries its own scale (<kvc/row_codes.hpp>): a scale list would scale the
 // values twice. docs/errors.md lists the fix.
 #include <kvc/paged/paged_attention.hpp>

@@ -41,10 +41,10 @@ paged_snapshot take_paged_snapshot(const Cache& c, const std::vector<std::string
   for (const kvc::paged::RequestKey k : c.block_tables().names().keys())
     s.names.push_back(std::to_string(k.index) + "." + std::to_string(k.generation) + " " + c.request_name(k) +
                       (c.block_tables().names().opened(k) ? " open" : ""));
-  const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads() * c.row_width();
+  const std::int64_t n = (c.num_blocks() + 2) * c.block_size() * c.num_key_value_heads();
   for (std::int64_t j = 0; j < c.group_size(); ++j) {
-    s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n);
-    s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n);
+    s.keys.insert(s.keys.end(), c.key_pool(j), c.key_pool(j) + n * c.row_width());
+    s.values.insert(s.values.end(), c.value_pool(j), c.value_pool(j) + n * c.value_row_width());
   }
   for (const std::string& r : requests) s.offloaded.push_back(c.is_offloaded(r));
   s.free_state_slots = c.free_state_slots();

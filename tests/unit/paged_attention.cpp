@@ -114,7 +114,23 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
       kvc::HostTensor<Pool> kp, vp;  // what the pool holds
       kvc::HostTensor<T> out;
       kvc::HostTensor<float> kd, vd;  // what row codes stand for
-      if constexpr (rows) {
+      if constexpr (kvc::detail::is_kv_codes<Pool>) {
+        // Each side in its own format; a side that keeps its scales in the rows takes tensor scale 1.
+        const kvc::Nvfp4TensorScales g{Pool::key_codes::tensor_scaled ? scales.keys[0] : 1.0f,
+                                       Pool::value_codes::tensor_scaled ? scales.values[0] : 1.0f};
+        auto codes = kvc::to_kv_codes<Pool>(view(k), view(v), g);
+        kp = std::move(codes.keys);
+        vp = std::move(codes.values);
+        CHECK(kp.dimension(3) == cache.row_width());
+        CHECK(vp.dimension(3) == cache.value_row_width());
+        if constexpr (kvc::detail::takes_scale_lists<Pool>)
+          out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), g);
+        else
+          out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp));
+        auto values = kvc::from_kv_codes<Pool>(view(kp), view(vp), D, g);
+        kd = std::move(values.keys);
+        vd = std::move(values.values);
+      } else if constexpr (rows) {
         const kvc::Nvfp4TensorScales g{scales.keys[0], scales.values[0]};
         if constexpr (Pool::tensor_scaled) {
           kp = kvc::to_row_codes<Pool>(view(k), g.keys);
@@ -230,6 +246,28 @@ TEST_CASE(
                                                         {{0.01f}, {0.02f}}) < 5e-5);
 }
 
+TEST_CASE("paged_attention over kv_codes pools: keys and values each read from their own format") {
+  using e4m3 = kvc::fp8_row<kvc::float8_e4m3>;
+  using e5m2 = kvc::fp8_row<kvc::float8_e5m2>;
+  // fp8 keys with int4 values, int8 keys with NVFP4 values, 16-bit keys with int4 values, and
+  // rotation on one side only (queries rotated for rotated keys, outputs back for rotated values).
+  CHECK(run_stream<float, kvc::kv_codes<e4m3, kvc::int4_row>>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 21) <
+        5e-5);
+  CHECK(run_stream<float, kvc::kv_codes<kvc::int8_row, kvc::nvfp4_row>>({"full_attention", "sliding_attention"}, 2, 4,
+                                                                        9, 8, 22, {{1.0f}, {0.02f}}) < 5e-5);
+  CHECK(run_stream<Eigen::half, kvc::kv_codes<kvc::bfloat16_row, kvc::int4_row>>({"full_attention"}, 2, 4, 0, 16, 23) <
+        8.0 / 1024);
+  CHECK(run_stream<float, kvc::kv_codes<kvc::rotated<kvc::int4_row>, kvc::int8_row>>(
+            {"sliding_attention", "full_attention"}, 2, 2, 4, 4, 24) < 5e-5);
+  CHECK(run_stream<float, kvc::kv_codes<kvc::nvfp4_row, kvc::rotated<e5m2>>>({"full_attention"}, 1, 2, 0, 8, 25,
+                                                                             {{0.01f}, {1.0f}}) < 5e-5);
+  CHECK(run_stream<Eigen::bfloat16, kvc::kv_codes<kvc::rotated<e4m3>, kvc::rotated<kvc::nvfp4_row>>>(
+            {"sliding_attention", "full_attention"}, 2, 4, 5, 4, 26, {{1.0f}, {0.03f}}) < 8.0 / 128);
+  // A single fp8 row format is a pool of its own (vLLM's fp8_per_token_head), rotated or not.
+  CHECK(run_stream<float, e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 27) < 5e-5);
+  CHECK(run_stream<float, kvc::rotated<e5m2>>({"full_attention"}, 2, 4, 0, 8, 28) < 5e-5);
+}
+
 TEST_CASE("paged_attention refuses a step it cannot read, before computing anything") {
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
@@ -247,7 +285,7 @@ TEST_CASE("paged_attention refuses a step it cannot read, before computing anyth
                        "kvc::paged_attention: queries must be [1, a multiple of 2 heads, tokens, 8], got [1, 3, 2, 8]",
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, cu, past}, view(q), view(k1), view(k)),
-                       "kvc::paged_attention: keys and values must be [1, 2, 2, 8] like the queries' tokens, got "
+                       "kvc::paged_attention: keys must be [1, 2, 2, 8] like the queries' tokens, got "
                        "[1, 2, 1, 8]",
                        kvc::ValueError);
   CHECK_THROWS_WITH_AS(kvc::paged_attention(grown, 0, {reqs, bad_cu, past}, view(q), view(k), view(k)),

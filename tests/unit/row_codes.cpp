@@ -102,6 +102,44 @@ TEST_CASE("int8_row and int4_row: codes, scale and values as the format defines 
   }
 }
 
+TEST_CASE("fp8_row and bfloat16_row: codes, scale and values as the formats define them") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const auto check_fp8 = [&]<class F8>(F8, float top) {
+    using C = kvc::fp8_row<F8>;
+    for (const std::int64_t n : {1, 9, 128}) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (float& v : x) v = normal(rng);
+      float amax = 0.0f;
+      for (const float v : x) amax = std::max(amax, std::fabs(v));
+      const float scale = amax / top;
+      const auto b = encoded<C>(x);
+      REQUIRE(static_cast<std::int64_t>(b.size()) == n + 4);
+      CHECK(std::bit_cast<std::uint32_t>(scale_at(b, static_cast<std::size_t>(n))) ==
+            std::bit_cast<std::uint32_t>(scale));
+      const auto w = widened<C>(b, n);
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        CHECK(b[i] == F8(x[i] / scale).bits);  // the OFP8 conversion: nearest even, saturating
+        CHECK(w[i] == static_cast<float>(F8(x[i] / scale)) * scale);
+      }
+    }
+    CHECK(encoded<C>({0.0f, -0.0f}) == std::vector<std::uint8_t>(6, 0));
+    for (const float v : widened<C>(encoded<C>({1.0f, std::numeric_limits<float>::quiet_NaN()}), 2))
+      CHECK(std::isnan(v));
+  };
+  check_fp8(kvc::float8_e4m3{}, 448.0f);
+  check_fp8(kvc::float8_e5m2{}, 57344.0f);
+  CHECK(kvc::fp8_row<kvc::float8_e4m3>::top() == 448.0f);
+  // bfloat16: the upper half of each float, rounded to nearest even; NaN stays NaN.
+  const std::vector<float> x = {1.0f, std::bit_cast<float>(0x3F808000u), std::bit_cast<float>(0x3F818000u),
+                                std::bit_cast<float>(0x3F808001u), -2.5f};
+  const auto b = encoded<kvc::bfloat16_row>(x);
+  REQUIRE(b.size() == 10);
+  CHECK(widened<kvc::bfloat16_row>(b, 5) ==
+        std::vector<float>{1.0f, 1.0f, std::bit_cast<float>(0x3F820000u), std::bit_cast<float>(0x3F810000u), -2.5f});
+  CHECK(std::isnan(widened<kvc::bfloat16_row>(encoded<kvc::bfloat16_row>({std::nanf("")}), 1)[0]));
+}
+
 TEST_CASE("nvfp4_row: nvfp4_quantize's codes and E4M3 scales, bit for bit") {
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 3.0f);
@@ -221,6 +259,18 @@ TEST_CASE("PagedCache over row codes: bytes per token against fp16 pools") {
   CHECK(int8 == 132.0 / 256.0);  // 128 codes and a float scale per head and token
   CHECK(int4 == 68.0 / 256.0);   // 64 bytes of codes and a float scale
   CHECK(nvfp4 == 72.0 / 256.0);  // 64 bytes of codes and 8 E4M3 scales
+  // A kv_codes pool: key rows in one format, value rows in another, each its own width.
+  using fp8k_int4v = kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>;
+  const double pair = static_cast<double>(bytes_per_block<fp8k_int4v>(128)) / half;
+  MESSAGE("fp8 keys with int4 values: ", pair, " of fp16");
+  CHECK(pair == (132.0 + 68.0) / 512.0);
+  CHECK(static_cast<double>(bytes_per_block<kvc::kv_codes<kvc::int8_row, kvc::nvfp4_row>>(128)) / half ==
+        (132.0 + 72.0) / 512.0);
+  const kvc::PagedCache<kvc::HostStorage<fp8k_int4v>> split(model(2, 10), blocks(4));
+  CHECK(split.row_width() == 14);
+  CHECK(split.value_row_width() == 9);
+  CHECK(fp8k_int4v::name == "kv_codes<fp8_e4m3_row, int4_row>");
+  CHECK(kvc::rotated<kvc::fp8_row<kvc::float8_e5m2>>::name == "rotated_fp8_e5m2_row");
   const kvc::PagedCache<kvc::HostStorage<kvc::int4_row>> cache(model(2, 10), blocks(4));
   CHECK(cache.head_dim() == 10);
   CHECK(cache.row_width() == 9);
@@ -235,10 +285,81 @@ TEST_CASE("PagedCache over row codes: bytes per token against fp16 pools") {
   CHECK_NOTHROW(kvc::PagedCache<kvc::HostStorage<float>>(hybrid, blocks(4)));
 }
 
-TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move the codes bit for bit") {
-  using C = kvc::int4_row;
+TEST_CASE("to_kv_codes / from_kv_codes: keys and values each in their own format, and the errors") {
+  using P = kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::rotated<kvc::nvfp4_row>>;
+  std::mt19937 rng(9);
+  const auto k = kvc_test::random_tensor<float>(2, 3, 5, 20, rng), v = kvc_test::random_tensor<float>(2, 3, 5, 20, rng);
+  const kvc::Nvfp4TensorScales g{1.0f, 0.004f};
+  const auto codes = kvc::to_kv_codes<P>(k, v, g);
+  const auto kc = kvc::to_row_codes<P::key_codes>(k);
+  const auto vc = kvc::to_row_codes<P::value_codes>(v, 0.004f);
+  REQUIRE(codes.keys.dimension(3) == 24);
+  REQUIRE(codes.values.dimension(3) == kvc::nvfp4_bytes(20));
+  for (std::int64_t i = 0; i < kc.size(); ++i) CHECK(codes.keys.data()[i].bits == kc.data()[i].bits);
+  for (std::int64_t i = 0; i < vc.size(); ++i) CHECK(codes.values.data()[i].bits == vc.data()[i].bits);
+  const auto back = kvc::from_kv_codes<P>(codes.keys, codes.values, 20, g);
+  const auto kb = kvc::from_row_codes<P::key_codes>(kc, 20), vb = kvc::from_row_codes<P::value_codes>(vc, 20, 0.004f);
+  for (std::int64_t i = 0; i < kb.size(); ++i) CHECK(back.keys.data()[i] == kb.data()[i]);
+  for (std::int64_t i = 0; i < vb.size(); ++i) CHECK(back.values.data()[i] == vb.data()[i]);
+  CHECK_THROWS_WITH_AS(kvc::from_kv_codes<P>(codes.keys, codes.values, 19, g),
+                       "kvc::from_kv_codes: the keys: rows of 19 values are 23 fp8_e4m3_row bytes wide, got 24",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::from_kv_codes<P>(codes.keys, codes.keys, 20, g),
+                       "kvc::from_kv_codes: the values: rows of 20 values are 12 rotated_nvfp4_row bytes wide, got 24",
+                       kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::to_kv_codes<P>(k, v, {1.0f, 0.0f}),
+                       "kvc::to_kv_codes: the values: the tensor scale must be positive and finite (at most 2^116), "
+                       "got 0",
+                       kvc::ValueError);
+  // paged_attention over a pool with one NVFP4 side: the other side's tensor scale must be 1.
+  using Mixed = kvc::kv_codes<kvc::int8_row, kvc::nvfp4_row>;
+  kvc::PagedCache<kvc::HostStorage<Mixed>> cache(model(1, 16), blocks(4));
+  REQUIRE(cache.allocate_blocks(1, "a", 0));
+  const auto q = kvc_test::random_tensor<float>(1, 2, 1, 16, rng);
+  const auto step = kvc::to_kv_codes<Mixed>(kvc_test::random_tensor<float>(1, 1, 1, 16, rng),
+                                            kvc_test::random_tensor<float>(1, 1, 1, 16, rng), {1.0f, 0.01f});
+  const std::vector<std::string> reqs = {"a"};
+  const std::vector<std::int64_t> cu = {0, 1}, past = {0};
+  CHECK_THROWS_WITH_AS(
+      kvc::paged_attention(cache, 0, {reqs, cu, past}, q, step.keys, step.values, kvc::Nvfp4TensorScales{2.0f, 0.01f}),
+      "kvc::paged_attention: the keys are int8_row rows, which keep their scales in the rows: their "
+      "tensor scale must be 1, got 2",
+      kvc::ValueError);
+  CHECK(kvc::paged_attention(cache, 0, {reqs, cu, past}, q, step.keys, step.values, kvc::Nvfp4TensorScales{1.0f, 0.01f})
+            .size() == 32);
+  // write_all_layers writes each side at its own width: read back bit for bit.
+  kvc::PagedIndices writes(1);
+  cache.extend_read_and_write_indices("a", 0, 1, nullptr, writes);
+  const kvc::TensorView<Mixed> kview = kvc::HostStorage<Mixed>::input_view(step.keys),
+                               vview = kvc::HostStorage<Mixed>::input_view(step.values);
+  const std::vector<kvc::TensorView<Mixed>> ks(2, kview), vs(2, vview);  // the model's two layers
+  cache.write_all_layers(ks, vs, writes);
+  std::vector<Mixed> rk(static_cast<std::size_t>(cache.row_width())),
+      rv(static_cast<std::size_t>(cache.value_row_width()));
+  cache.read_rows(0, writes[0], rk.data(), rv.data());
+  for (std::size_t i = 0; i < rk.size(); ++i) CHECK(rk[i].bits == step.keys.data()[i].bits);
+  for (std::size_t i = 0; i < rv.size(); ++i) CHECK(rv[i].bits == step.values.data()[i].bits);
+}
+
+namespace {
+
+// A step's keys and values as the rows of a pool of C: to_row_codes for one format, to_kv_codes
+// for a kv_codes pair.
+template <class C>
+kvc::KV<kvc::HostTensor<C>> step_codes(const kvc::HostTensor<float>& k, const kvc::HostTensor<float>& v) {
+  if constexpr (kvc::detail::is_kv_codes<C>)
+    return kvc::to_kv_codes<C>(k, v);
+  else
+    return {kvc::to_row_codes<C>(k), kvc::to_row_codes<C>(v)};
+}
+
+// Steps through a pool of C: what update reads back is every row given, bit for bit, after a
+// fork, an offload and restore, and a save and load into another cache; a cache of `Other` refuses
+// the saved request under the element types' names.
+template <class C, class Other>
+void codes_move_bit_for_bit() {
   using Paged = kvc::PagedCache<kvc::HostStorage<C>>;
-  const std::int64_t heads = 2, dim = 10, width = C::row_bytes(dim);
+  const std::int64_t heads = 2, dim = 10;
   Paged a(model(heads, dim), blocks(16)), b(model(heads, dim), blocks(16));
   REQUIRE(b.allocate_blocks(2, "other", 0));  // so that the loaded request lands on other blocks
   a.reserve_swap_space(8);
@@ -267,9 +388,10 @@ TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move 
     c.extend_read_and_write_indices(id, past, q, &reads, writes);
     std::vector<std::vector<std::uint8_t>> out;
     for (std::int64_t layer = 0; layer < 2; ++layer) {
-      const auto k = kvc::to_row_codes<C>(kvc_test::random_tensor<float>(1, heads, q, dim, rng));
-      const auto v = kvc::to_row_codes<C>(kvc_test::random_tensor<float>(1, heads, q, dim, rng));
-      REQUIRE(k.dimension(3) == width);
+      const auto kf = kvc_test::random_tensor<float>(1, heads, q, dim, rng);
+      const auto [k, v] = step_codes<C>(kf, kvc_test::random_tensor<float>(1, heads, q, dim, rng));
+      REQUIRE(k.dimension(3) == c.row_width());
+      REQUIRE(v.dimension(3) == c.value_row_width());
       const auto got = c.update(k, v, layer, reads, writes);
       auto want_k = given[static_cast<std::size_t>(layer)][0], want_v = given[static_cast<std::size_t>(layer)][1];
       codes_of(k, want_k);
@@ -311,11 +433,24 @@ TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move 
   }
   std::int64_t alloc_q = b.blocks_in_use("q");
   run(b, "q", past, 1, alloc_q, false);
-  kvc::PagedCache<kvc::HostStorage<kvc::int8_row>> other(model(heads, dim), blocks(16));
+  kvc::PagedCache<kvc::HostStorage<Other>> other(model(heads, dim), blocks(16));
   std::istringstream is(os.str(), std::ios::binary);
   CHECK_THROWS_WITH_AS(kvc::load_request(other, "q", is),
-                       "kvc::load: the state: the element type is 'int4_row' in the file and 'int8_row' in the cache",
+                       ("kvc::load: the state: the element type is '" + std::string(C::name) + "' in the file and '" +
+                        std::string(Other::name) + "' in the cache")
+                           .c_str(),
                        kvc::StateError);
+}
+
+}  // namespace
+
+TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move the codes bit for bit") {
+  codes_move_bit_for_bit<kvc::int4_row, kvc::int8_row>();
+  codes_move_bit_for_bit<kvc::fp8_row<kvc::float8_e5m2>, kvc::fp8_row<kvc::float8_e4m3>>();
+  // Keys and values of two formats, in pools of two row widths; the pair's name is in the state.
+  codes_move_bit_for_bit<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>,
+                         kvc::kv_codes<kvc::int4_row, kvc::fp8_row<kvc::float8_e4m3>>>();
+  codes_move_bit_for_bit<kvc::kv_codes<kvc::bfloat16_row, kvc::rotated<kvc::int8_row>>, kvc::bfloat16_row>();
 }
 
 TEST_CASE("rotated<C>: the codes of the rotated row; from_row_codes rotates the values back") {

@@ -83,6 +83,30 @@ void paged() {
   (void)scheduler;
 }
 
+// A pool of keys and values in two row formats, one of them NVFP4 (<kvc/row_codes.hpp>).
+void paged_row_codes() {
+  using Pool = kvc::kv_codes<kvc::rotated<kvc::fp8_row<kvc::float8_e4m3>>, kvc::nvfp4_row>;
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 16;
+  cb.num_blocks = 8;
+  kvc::ModelConfig c = model();
+  c.layer_types = std::vector<std::string>{"full_attention"};
+  c.num_hidden_layers = 1;
+  kvc::PagedCache<kvc::HostStorage<Pool>> cache(c, cb);
+  (void)cache.allocate_blocks(1, "r0", 0);
+  kvc::PagedIndices writes(1);
+  cache.extend_read_and_write_indices("r0", 0, 3, nullptr, writes);
+  const kvc::HostTensor<float> q(1, 4, 3, 16), k(1, 2, 3, 16), v(1, 2, 3, 16);
+  const kvc::Nvfp4TensorScales g{1.0f, 0.01f};
+  const auto codes = kvc::to_kv_codes<Pool>(k, v, g);
+  const std::vector<std::string> ids{"r0"};
+  const std::vector<std::int64_t> cu{0, 3}, past{0};
+  (void)kvc::paged_attention(cache, 0, kvc::PagedAttentionStep{ids, cu, past}, q, codes.keys, codes.values, g);
+  cache.update(codes.keys, codes.values, 0, kvc::PagedIndices(1), writes);
+  (void)kvc::from_kv_codes<Pool>(codes.keys, codes.values, 16, g);
+  (void)kvc::from_row_codes<kvc::int4_row>(kvc::to_row_codes<kvc::int4_row>(k), 16);
+}
+
 void runtime() {
   kvc::GenerationConfig generation;
   generation.cache_implementation = "static";
@@ -99,5 +123,6 @@ void kvc_user_program() {
   dense_caches<Eigen::bfloat16>();
   quantized_and_fp8();
   paged();
+  paged_row_codes();
   runtime();
 }

@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string_view>
 #include <type_traits>
@@ -55,8 +57,6 @@ struct int8_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "int8_row";
-  // The name of kvc::rotated<int8_row>.
-  static constexpr std::string_view rotated_name = "rotated_int8_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
   // Whether rows are rotated before they are encoded (kvc::rotated).
@@ -85,8 +85,6 @@ struct int4_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "int4_row";
-  // The name of kvc::rotated<int4_row>.
-  static constexpr std::string_view rotated_name = "rotated_int4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
   // Whether rows are rotated before they are encoded (kvc::rotated).
@@ -124,8 +122,6 @@ struct nvfp4_row {
   std::uint8_t bits = 0;
   // Its name in saved states and messages.
   static constexpr std::string_view name = "nvfp4_row";
-  // The name of kvc::rotated<nvfp4_row>.
-  static constexpr std::string_view rotated_name = "rotated_nvfp4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = true;
   // Whether rows are rotated before they are encoded (kvc::rotated).
@@ -198,24 +194,128 @@ struct nvfp4_row {
 #endif
 };
 
-// One byte of a row of C codes (int8_row, int4_row or nvfp4_row) made from the row rotated by
+namespace detail {
+
+// Names joined at compile time: the characters of the parts one after the other (N at least their
+// total length).
+template <std::size_t N>
+struct joined_name {
+  std::array<char, N> chars{};
+  std::size_t size = 0;
+  constexpr std::string_view view() const noexcept { return {chars.data(), size}; }
+};
+template <std::size_t N>
+constexpr joined_name<N> join_names(std::initializer_list<std::string_view> parts) noexcept {
+  joined_name<N> out;
+  for (const std::string_view p : parts)
+    for (const char c : p) out.chars[out.size++] = c;
+  return out;
+}
+
+template <class F8>
+inline constexpr std::string_view fp8_row_name = std::is_same_v<F8, float8_e4m3> ? "fp8_e4m3_row" : "fp8_e5m2_row";
+
+}  // namespace detail
+
+// One byte of a row of fp8 codes with its float scale (vLLM's fp8_per_token_head; see the top of
+// <kvc/row_codes.hpp>). F8 is kvc::float8_e4m3 or kvc::float8_e5m2.
+template <class F8>
+struct fp8_row {
+  static_assert(is_float8_v<F8>, "kvc::fp8_row<F8>: F8 must be kvc::float8_e4m3 or kvc::float8_e5m2");
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages ("fp8_e4m3_row", "fp8_e5m2_row").
+  static constexpr std::string_view name = detail::fp8_row_name<F8>;
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
+  // The largest finite code value (448 for E4M3, 57344 for E5M2).
+  static float top() noexcept { return static_cast<float>(F8::from_bits(F8::format::max_finite)); }
+  // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
+  // The row of x[0, n) into out[0, row_bytes(n)): scale = max |x_i| / top(), code_i = F8(x_i /
+  // scale) (rounded to nearest even); codes 0 where the scale is 0 or NaN.
+  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, fp8_row* out) noexcept {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    const float scale = detail::symmetric_row_scale(x, n, top());
+    for (std::int64_t i = 0; i < n; ++i) b[i] = scale > 0.0f ? F8(x[i] / scale).bits : std::uint8_t{0};
+    detail::put_scale(b + n, scale);
+  }
+  // The n values of a row: each code's value times the row's scale.
+  static void widen(const fp8_row* row, float* out, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const float scale = detail::get_scale(b + n);
+    F8::widen(reinterpret_cast<const F8*>(b), out, n);
+    for (std::int64_t i = 0; i < n; ++i) out[i] *= scale;
+  }
+};
+
+// One byte of a row of bfloat16 values (the upper 16 bits of each float, rounded to nearest even,
+// two bytes a value in the host's byte order): keys or values kept at 16 bits beside a low-bit
+// partner in a kvc::kv_codes pool.
+struct bfloat16_row {
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages.
+  static constexpr std::string_view name = "bfloat16_row";
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = false;
+  // Whether rows are rotated before they are encoded (kvc::rotated).
+  static constexpr bool rotates = false;
+  // The bytes of one head's row of head_dim values: two a value.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return 2 * head_dim; }
+  // The row of x[0, n) into out[0, row_bytes(n)); a NaN stays a (quiet) NaN.
+  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, bfloat16_row* out) noexcept {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, x + i, sizeof u);
+      const auto h = std::isnan(x[i]) ? static_cast<std::uint16_t>((u >> 16) | 0x0040u)
+                                      : static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+      std::memcpy(b + 2 * i, &h, sizeof h);
+    }
+  }
+  // The n values of a row (exact: a bfloat16 is the upper half of a float).
+  static void widen(const bfloat16_row* row, float* out, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint16_t h;
+      std::memcpy(&h, b + 2 * i, sizeof h);
+      const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+      std::memcpy(out + i, &u, sizeof u);
+    }
+  }
+};
+
+// One byte of a row of C codes (int8_row, int4_row, nvfp4_row or fp8_row<F8>) made from the row rotated by
 // kvc::hadamard_rotate first (<kvc/rotation.hpp>): an outlier channel is spread over the row, so
 // the row's scale no longer has to cover it. to_row_codes rotates each row before encoding it and
 // from_row_codes rotates the values back; paged_attention over a pool of rotated codes rotates the
 // step's queries the same way (the scores are unchanged) and rotates the output back (the values
 // were rotated too). `PagedCache<HostStorage<kvc::rotated<kvc::int4_row>>>`.
 template <class C>
+struct rotated;
+
+namespace detail {
+template <class C>
+inline constexpr auto rotated_name = join_names<C::name.size() + 8>({"rotated_", C::name});
+}  // namespace detail
+
+template <class C>
 struct rotated {
-  static_assert(detail::is_any_of<C, int8_row, int4_row, nvfp4_row>,
-                "kvc::rotated<C>: C must be kvc::int8_row, int4_row or nvfp4_row");
+  // Whether C can be rotated (the names below read C only then: one misuse, one error).
+  static constexpr bool rotatable =
+      detail::is_any_of<C, int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>>;
+  static_assert(rotatable, "kvc::rotated<C>: C must be kvc::int8_row, int4_row, nvfp4_row or kvc::fp8_row<F8>");
   // The byte.
   std::uint8_t bits = 0;
   // The codes' format.
   using codes = C;
   // Its name in saved states and messages ("rotated_int4_row", ...).
-  static constexpr std::string_view name = C::rotated_name;
+  static constexpr std::string_view name = detail::rotated_name<std::conditional_t<rotatable, C, int8_row>>.view();
   // Whether rows take a tensor scale (NVFP4's) when encoded.
-  static constexpr bool tensor_scaled = C::tensor_scaled;
+  static constexpr bool tensor_scaled = std::conditional_t<rotatable, C, int8_row>::tensor_scaled;
   // Whether rows are rotated before they are encoded: yes.
   static constexpr bool rotates = true;
   // The bytes of one head's row of head_dim values: C's.
@@ -235,23 +335,85 @@ template <class T>
 inline constexpr bool is_rotated_row_code = false;
 template <class C>
 inline constexpr bool is_rotated_row_code<rotated<C>> = true;
-}  // namespace detail
-
-namespace detail {
 // Whether every C is one trivially copyable byte.
 template <class... C>
 inline constexpr bool are_bytes = ((sizeof(C) == 1 && alignof(C) == 1 && std::is_trivially_copyable_v<C>)&&...);
-}  // namespace detail
-static_assert(
-    detail::are_bytes<int8_row, int4_row, nvfp4_row, rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>>,
-    "row codes are bytes: a row of them is the bytes of its codes and scales");
-
-// Whether T is one of the row-code element types above (kvc::rotated ones included).
+// Whether T is one row format (a kv_codes side): the types above, kvc::rotated ones included.
 template <class T>
-inline constexpr bool is_row_code_v = detail::is_any_of<std::remove_cv_t<T>, int8_row, int4_row, nvfp4_row> ||
-                                      detail::is_rotated_row_code<std::remove_cv_t<T>>;
+inline constexpr bool is_row_format =
+    is_any_of<T, int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>, bfloat16_row> ||
+    is_rotated_row_code<T>;
+}  // namespace detail
+
+template <class K, class V>
+struct kv_codes;
 
 namespace detail {
+template <class K, class V>
+inline constexpr auto kv_codes_name =
+    join_names<K::name.size() + V::name.size() + 12>({"kv_codes<", K::name, ", ", V::name, ">"});
+}  // namespace detail
+
+// One byte of a pool whose keys are rows of format K and values rows of format V, each any of the
+// row formats above (int8_row, int4_row, nvfp4_row, fp8_row<F8>, bfloat16_row, kvc::rotated<C>),
+// chosen independently: `PagedCache<HostStorage<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>,
+// kvc::int4_row>>>` keeps fp8 keys and int4 values. The key pools' rows are K::row_bytes(head_dim)
+// wide and the value pools' V::row_bytes(head_dim) (PagedCache::row_width(), value_row_width());
+// kvc::to_kv_codes encodes a step's keys and values, paged_attention reads each side from its codes.
+template <class K, class V>
+struct kv_codes {
+  // Whether K and V are row formats (the name below reads them only then: one misuse, one error).
+  static constexpr bool formats = detail::is_row_format<K> && detail::is_row_format<V>;
+  static_assert(formats,
+                "kvc::kv_codes<K, V>: K and V must each be a row format: kvc::int8_row, int4_row, nvfp4_row, "
+                "fp8_row<F8>, bfloat16_row or kvc::rotated<one>");
+  // The byte.
+  std::uint8_t bits = 0;
+  // The keys' format.
+  using key_codes = K;
+  // The values' format.
+  using value_codes = V;
+  // Its name in saved states and messages ("kv_codes<fp8_e4m3_row, int4_row>", ...).
+  static constexpr std::string_view name =
+      detail::kv_codes_name<std::conditional_t<formats, K, int8_row>, std::conditional_t<formats, V, int8_row>>.view();
+};
+
+static_assert(detail::are_bytes<int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>, bfloat16_row,
+                                rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>, rotated<fp8_row<float8_e4m3>>,
+                                kv_codes<int8_row, int4_row>>,
+              "row codes are bytes: a row of them is the bytes of its codes and scales");
+
+namespace detail {
+template <class T>
+struct kv_code_sides {
+  using key = T;
+  using value = T;
+};
+template <class K, class V>
+struct kv_code_sides<kv_codes<K, V>> {
+  using key = K;
+  using value = V;
+};
+template <class T>
+inline constexpr bool is_kv_codes = false;
+template <class K, class V>
+inline constexpr bool is_kv_codes<kv_codes<K, V>> = true;
+}  // namespace detail
+
+// Whether T is an element type of pools of row codes: one row format (above; kvc::rotated ones
+// included) or a kvc::kv_codes pair of them.
+template <class T>
+inline constexpr bool is_row_code_v =
+    detail::is_row_format<std::remove_cv_t<T>> || detail::is_kv_codes<std::remove_cv_t<T>>;
+
+namespace detail {
+
+// The format of a pool of T's keys and of its values: K and V for kv_codes<K, V>, T itself
+// otherwise.
+template <class T>
+using key_format_t = typename kv_code_sides<std::remove_cv_t<T>>::key;
+template <class T>
+using value_format_t = typename kv_code_sides<std::remove_cv_t<T>>::value;
 
 // The elements one head's row of head_dim values takes in a pool of T: head_dim, or the bytes of
 // the codes and scales.
@@ -262,6 +424,35 @@ constexpr std::int64_t stored_row_width(std::int64_t head_dim) noexcept {
   else
     return head_dim;
 }
+// The same for a pool's key rows and value rows (a kv_codes pool's sides differ).
+template <class T>
+constexpr std::int64_t stored_key_width(std::int64_t head_dim) noexcept {
+  return stored_row_width<key_format_t<T>>(head_dim);
+}
+template <class T>
+constexpr std::int64_t stored_value_width(std::int64_t head_dim) noexcept {
+  return stored_row_width<value_format_t<T>>(head_dim);
+}
+// Whether a pool of T rotates its keys or its values (kvc::rotated formats).
+template <class T>
+inline constexpr bool rotates_keys = is_rotated_row_code<key_format_t<T>>;
+template <class T>
+inline constexpr bool rotates_values = is_rotated_row_code<value_format_t<T>>;
+// Whether a pool of T's keys or values take a tensor scale (NVFP4's).
+template <class T>
+inline constexpr bool key_tensor_scaled = [] {
+  if constexpr (is_row_format<key_format_t<T>>)
+    return key_format_t<T>::tensor_scaled;
+  else
+    return false;
+}();
+template <class T>
+inline constexpr bool value_tensor_scaled = [] {
+  if constexpr (is_row_format<value_format_t<T>>)
+    return value_format_t<T>::tensor_scaled;
+  else
+    return false;
+}();
 
 }  // namespace detail
 

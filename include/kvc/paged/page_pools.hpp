@@ -1,7 +1,8 @@
 #pragma once
 // kvc::paged::PagePools<S>: the pages of a paged cache, one of its three parts (with the block
 // tables and the swap pool, docs/paged.md). `tensors` K and `tensors` V buffers of the storage
-// policy S, each [kv_heads, blocks * block_size, head_dim] flat (head-major, FlashInfer's HND):
+// policy S, each [kv_heads, blocks * block_size, width] flat (head-major, FlashInfer's HND; the
+// width head_dim, or a kvc::kv_codes pool's own widths for K and V):
 // the tokens of a block are one contiguous piece per head. It knows rows and blocks, nothing of
 // requests: it scatters new tokens to rows, gathers rows, and copies blocks, between its own
 // blocks or to and from another PagePools of the same geometry (the swap pool is one).
@@ -16,16 +17,23 @@
 
 namespace kvc::paged {
 
-// What a page is: block_size rows per block, kv_heads heads of head_dim elements per row.
+// What a page is: block_size rows per block, kv_heads heads of head_dim elements per key row and
+// value_width() per value row.
 struct PageGeometry {
   // Tokens (rows) per block.
   std::int64_t block_size = 0;
   // Key/value heads per row.
   std::int64_t kv_heads = 0;
-  // Elements per head.
+  // Elements per head in the K buffers.
   std::int64_t head_dim = 0;
-  // Returns the elements of one token's row over every head: kv_heads * head_dim.
-  std::int64_t row_elems() const noexcept { return kv_heads * head_dim; }  // one token's row, every head
+  // Elements per head in the V buffers; 0: head_dim (only a kvc::kv_codes pool's differ).
+  std::int64_t value_dim = 0;
+  // Returns the elements per head in the V buffers.
+  std::int64_t value_width() const noexcept { return value_dim > 0 ? value_dim : head_dim; }
+  // Returns the elements of one token's key row over every head: kv_heads * head_dim.
+  std::int64_t row_elems() const noexcept { return kv_heads * head_dim; }
+  // Returns the elements of one token's value row over every head: kv_heads * value_width().
+  std::int64_t value_row_elems() const noexcept { return kv_heads * value_width(); }
 };
 
 // The pages of a paged cache or of its swap pool: `tensors` K and V buffers of the storage policy
@@ -46,16 +54,18 @@ class PagePools {
   // `tensors` K and V buffers of `blocks` blocks each, zeroed whole when asked (a cache's pools:
   // the read-trash block must read as zeros, and no path then reads uninitialized memory).
   PagePools(const PageGeometry& geo, std::int64_t blocks, std::int64_t tensors, bool zeroed) : geo_(geo) {
-    const std::int64_t elems =
+    const std::int64_t k_elems =
         kvc::detail::checked_elements({blocks, geo.block_size, geo.kv_heads, geo.head_dim}, sizeof(T));
+    const std::int64_t v_elems =
+        kvc::detail::checked_elements({blocks, geo.block_size, geo.kv_heads, geo.value_width()}, sizeof(T));
     keys_.reserve(static_cast<std::size_t>(tensors));
     values_.reserve(static_cast<std::size_t>(tensors));
     for (std::int64_t j = 0; j < tensors; ++j) {
-      keys_.emplace_back(elems);
-      values_.emplace_back(elems);
+      keys_.emplace_back(k_elems);
+      values_.emplace_back(v_elems);
       if (zeroed) {
-        S::zero_2d(keys_.back().data(), elems, elems, 1);
-        S::zero_2d(values_.back().data(), elems, elems, 1);
+        S::zero_2d(keys_.back().data(), k_elems, k_elems, 1);
+        S::zero_2d(values_.back().data(), v_elems, v_elems, 1);
       }
     }
   }
@@ -72,7 +82,8 @@ class PagePools {
   std::int64_t rows() const noexcept { return blocks() * geo_.block_size; }
   // Bytes of one block in every K and V buffer, and of all of them.
   std::int64_t bytes_per_block() const noexcept {
-    return 2 * tensors() * geo_.block_size * geo_.row_elems() * static_cast<std::int64_t>(sizeof(T));
+    return tensors() * geo_.block_size * (geo_.row_elems() + geo_.value_row_elems()) *
+           static_cast<std::int64_t>(sizeof(T));
   }
   // Returns the bytes of all the buffers: blocks() * bytes_per_block().
   std::int64_t bytes() const noexcept { return blocks() * bytes_per_block(); }
@@ -81,45 +92,53 @@ class PagePools {
   // Returns the data of V buffer j; throws std::out_of_range for j outside [0, tensors()).
   const T* values(std::int64_t j) const { return values_.at(static_cast<std::size_t>(j)).data(); }
 
-  // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to buffer j's rows first_row to
+  // The write of x's tokens ([1, kv_heads, tokens, head_dim]) to K buffer j's rows first_row to
   // first_row + tokens - 1 of a rows list (one per token), keys or values.
   kvc::detail::scatter_job<T> key_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return job(keys_[j].data(), x, first_row, tokens);
   }
-  // The same write to V buffer j (see key_job()).
+  // The same write to V buffer j (see key_job()): x is [1, kv_heads, tokens, value_width()].
   kvc::detail::scatter_job<T> value_job(std::size_t j, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return job(values_[j].data(), x, first_row, tokens);
   }
-  // Runs the jobs over `rows` (one storage call: on a CUDA device, one kernel launch).
-  void scatter(std::span<const kvc::detail::scatter_job<T>> jobs, std::span<const std::int64_t> rows) {
-    S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, pitch());
+  // Runs the jobs over `rows`: the first `key_jobs` are K buffers' (key_job), the rest V buffers'
+  // (value_job). One storage call (on a CUDA device, one kernel launch), two when K and V rows
+  // differ in width.
+  void scatter(std::span<const kvc::detail::scatter_job<T>> jobs, std::size_t key_jobs,
+               std::span<const std::int64_t> rows) {
+    if (geo_.value_width() == geo_.head_dim) {
+      S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, key_pitch());
+    } else {
+      S::scatter_rows(jobs.first(key_jobs), rows, geo_.kv_heads, geo_.head_dim, key_pitch());
+      S::scatter_rows(jobs.subspan(key_jobs), rows, geo_.kv_heads, geo_.value_width(), value_pitch());
+    }
   }
   // Writes the tokens of k and v (one per entry of `rows`) to those rows of K and V buffer j, in
   // one storage call.
   void scatter(std::size_t j, const view_type& k, const view_type& v, std::span<const std::int64_t> rows) {
     const kvc::detail::scatter_job<T> jobs[2] = {key_job(j, k, 0, rows.size()), value_job(j, v, 0, rows.size())};
-    scatter(jobs, rows);
+    scatter(jobs, 1, rows);
   }
   // out_k[h, i, :] = keys[j][h, rows[i], :] (and V); where rows[i] is `sentinel`, the next new
   // token of k (or v) instead, when they are given.
   void gather(std::size_t j, std::span<const std::int64_t> rows, T* out_k, T* out_v, const view_type* k = nullptr,
               const view_type* v = nullptr, std::int64_t sentinel = -1) const {
-    gather(out_k, keys_[j].data(), rows, k, sentinel);
-    gather(out_v, values_[j].data(), rows, v, sentinel);
+    gather(out_k, keys_[j].data(), geo_.head_dim, rows, k, sentinel);
+    gather(out_v, values_[j].data(), geo_.value_width(), rows, v, sentinel);
   }
 
   // Block src_ids[i] of `from` to block dst_ids[i] of `to`, in every buffer (the same geometry).
   static void copy_blocks(const PagePools& from, std::span<const std::int64_t> src_ids, PagePools& to,
                           std::span<const std::int64_t> dst_ids) {
     const PageGeometry& g = to.geo_;
-    const std::int64_t block = g.block_size * g.head_dim;  // one head's part of a block
-    const std::int64_t src_pitch = from.pitch(), dst_pitch = to.pitch();
+    // One head's part of a block, in the K and in the V buffers.
+    const std::int64_t kblock = g.block_size * g.head_dim, vblock = g.block_size * g.value_width();
     for (std::size_t j = 0; j < to.keys_.size(); ++j)
       for (std::size_t i = 0; i < src_ids.size(); ++i) {
-        S::copy_2d(to.keys_[j].data() + dst_ids[i] * block, dst_pitch, from.keys_[j].data() + src_ids[i] * block,
-                   src_pitch, block, g.kv_heads);
-        S::copy_2d(to.values_[j].data() + dst_ids[i] * block, dst_pitch, from.values_[j].data() + src_ids[i] * block,
-                   src_pitch, block, g.kv_heads);
+        S::copy_2d(to.keys_[j].data() + dst_ids[i] * kblock, to.key_pitch(), from.keys_[j].data() + src_ids[i] * kblock,
+                   from.key_pitch(), kblock, g.kv_heads);
+        S::copy_2d(to.values_[j].data() + dst_ids[i] * vblock, to.value_pitch(),
+                   from.values_[j].data() + src_ids[i] * vblock, from.value_pitch(), vblock, g.kv_heads);
       }
   }
 
@@ -127,16 +146,20 @@ class PagePools {
   // head after head: what a saved request holds, in its order.
   template <class F>
   void for_each_piece(std::span<const std::int64_t> blocks, F&& f) const {
-    const std::int64_t piece = geo_.block_size * geo_.head_dim;
-    for (const auto* buffers : {&keys_, &values_})
-      for (const buffer_type& b : *buffers)
+    for (const bool keys : {true, false}) {
+      const std::int64_t piece = geo_.block_size * (keys ? geo_.head_dim : geo_.value_width());
+      const std::int64_t pitch = keys ? key_pitch() : value_pitch();
+      for (const buffer_type& b : keys ? keys_ : values_)
         for (const std::int64_t id : blocks)
-          for (std::int64_t h = 0; h < geo_.kv_heads; ++h)
-            f(const_cast<T*>(b.data()) + h * pitch() + id * piece, piece);
+          for (std::int64_t h = 0; h < geo_.kv_heads; ++h) f(const_cast<T*>(b.data()) + h * pitch + id * piece, piece);
+    }
   }
 
  private:
-  std::int64_t pitch() const noexcept { return rows() * geo_.head_dim; }  // elements from one head to the next
+  // Elements from one head to the next in a K buffer and in a V buffer.
+  std::int64_t key_pitch() const noexcept { return rows() * geo_.head_dim; }
+  std::int64_t value_pitch() const noexcept { return rows() * geo_.value_width(); }
+  std::int64_t rows_pitch(std::int64_t d) const noexcept { return rows() * d; }
 
   static kvc::detail::scatter_job<T> job(T* pool, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return {pool,
@@ -149,10 +172,10 @@ class PagePools {
   // out[h, i, :] = pool[h, rows[i], :]; the i-th sentinel row takes the next token of `fresh`. A run
   // of consecutive rows (the tokens of one block) is one contiguous piece per head: one copy per
   // run and head instead of one per token and head.
-  void gather(T* out, const T* pool, std::span<const std::int64_t> rows, const view_type* fresh,
+  void gather(T* out, const T* pool, std::int64_t d, std::span<const std::int64_t> rows, const view_type* fresh,
               std::int64_t sentinel) const {
     const auto r = static_cast<std::int64_t>(rows.size());
-    const std::int64_t d = geo_.head_dim, out_pitch = r * d, pool_pitch = pitch();
+    const std::int64_t out_pitch = r * d, pool_pitch = rows_pitch(d);
     std::int64_t next_fresh = 0;
     for (std::int64_t i = 0; i < r;) {
       const std::int64_t row = rows[static_cast<std::size_t>(i)];

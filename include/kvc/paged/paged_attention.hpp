@@ -24,6 +24,7 @@
 // each block read.
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -85,7 +86,8 @@ inline void cached_runs(const std::vector<std::int64_t>& table, std::int64_t blo
 // pool tensor, sizes, and the group's window (0: full attention).
 struct paged_call {
   std::int64_t group, pool, Hkv, D, block_size, Hq, T, R, window, pool_rows;
-  std::int64_t W;  // elements of a head's row in the pools and in the step's keys (D, or row codes' bytes)
+  std::int64_t W;   // elements of a head's key row in the pools and in the step's keys (D, or row codes' bytes)
+  std::int64_t Wv;  // the same for values (W, except in a kvc::kv_codes pool)
 };
 
 // Every check of paged_attention on shapes and the step's layout: ValueError.
@@ -94,17 +96,17 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
                                  const QView& queries, const KVView& keys, const KVView& values) {
   const auto [group, pool] = cache.layer_group(layer_idx);
   const std::int64_t Hkv = cache.num_key_value_heads(), D = cache.head_dim(), bs = cache.block_size();
-  const std::int64_t W = cache.row_width();
+  const std::int64_t W = cache.row_width(), Wv = cache.value_row_width();
   const std::int64_t Hq = queries.extent(1), T_ = queries.extent(2);
   const auto R = static_cast<std::int64_t>(step.requests.size());
   if (queries.extent(0) != 1 || queries.extent(3) != D || Hq < 1 || Hq % Hkv != 0)
     throw ValueError("kvc::paged_attention: queries must be [1, a multiple of " + std::to_string(Hkv) +
                      " heads, tokens, " + std::to_string(D) + "], got " + shape_string(queries.extents));
   for (const KVView* x : {&keys, &values})
-    if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, W})
-      throw ValueError("kvc::paged_attention: keys and values must be [1, " + std::to_string(Hkv) + ", " +
-                       std::to_string(T_) + ", " + std::to_string(W) + "] like the queries' tokens, got " +
-                       shape_string(x->extents));
+    if (x->extents != std::array<std::int64_t, 4>{1, Hkv, T_, x == &keys ? W : Wv})
+      throw ValueError("kvc::paged_attention: " + std::string(x == &keys ? "keys" : "values") + " must be [1, " +
+                       std::to_string(Hkv) + ", " + std::to_string(T_) + ", " + std::to_string(x == &keys ? W : Wv) +
+                       "] like the queries' tokens, got " + shape_string(x->extents));
   if (queries.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1)
     throw ValueError("kvc::paged_attention: tensors must have contiguous head_dim rows");
   const auto cu = step.cu_seqlens_q;
@@ -121,7 +123,8 @@ paged_call check_paged_attention(const PagedCache<S>& cache, std::int64_t layer_
     throw ValueError("kvc::paged_attention: a step of " + std::to_string(R) + " requests has " +
                      std::to_string(step.keys.size()) + " keys (give none, or one per request)");
   const bool sliding = cache.is_sliding_group(group);
-  return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs, W};
+  return {group, pool, Hkv, D, bs, Hq, T_, R, sliding ? cache.sliding_window() : 0, (cache.num_blocks() + 2) * bs,
+          W,     Wv};
 }
 
 // Request i's block table in `group`, by its key where the step has keys.
@@ -212,14 +215,18 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   using KV = typename S::element_type;
   using A = accum_t<T>;
   using plan = tile_plan;
-  // Rows rotated before they were encoded (kvc::rotated): queries are rotated the same way, and
-  // each tile's output rows rotated back before they are finished or stored (a linear step, so
-  // the partials of a split row merge as before).
-  constexpr bool rotated_rows = requires { requires KV::rotates; };
+  // Rows rotated before they were encoded (kvc::rotated): with rotated keys, queries are rotated
+  // the same way; with rotated values, each tile's output rows are rotated back before they are
+  // finished or stored (a linear step, so the partials of a split row merge as before). A
+  // kvc::kv_codes pool's keys and values are each widened from their own format.
+  constexpr bool rotated_keys = rotates_keys<KV>, rotated_values = rotates_values<KV>;
+  using KF = key_format_t<KV>;
+  using VF = value_format_t<KV>;
   const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
   const std::int64_t Hkv = call.Hkv, D = call.D, bs = call.block_size, Hq = call.Hq, R = call.R, T_ = call.T;
-  const std::int64_t W = call.W;  // a row's elements in the pools (D, or the bytes of row codes)
-  const std::int64_t window = call.window, head_pitch = call.pool_rows * W, group = Hq / Hkv, pitch = 2 + D;
+  const std::int64_t W = call.W, Wv = call.Wv;  // a row's elements in the pools (D, or the bytes of row codes)
+  const std::int64_t window = call.window, head_pitch = call.pool_rows * W, value_head_pitch = call.pool_rows * Wv;
+  const std::int64_t group = Hq / Hkv, pitch = 2 + D;
   const auto cu = step.cu_seqlens_q;
   const auto past_of = [&](std::int64_t r) { return step.past[static_cast<std::size_t>(r)]; };
   const auto queries_of = [&](std::int64_t r) {
@@ -308,7 +315,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
         for (std::int64_t d = 0; d < D; ++d)
           t.q[(g * per_head + i) * D + d] = static_cast<A>(qp[i * queries.stride(2) + d]);
     }
-    if constexpr (rotated_rows) hadamard_rotate(t.q, rows, D);
+    if constexpr (rotated_keys) hadamard_rotate(t.q, rows, D);
     t.start(rows, D);
     // Keys are numbered by absolute position.
     const auto vis = [&](std::int64_t row) {
@@ -325,29 +332,30 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
       if (lo < std::min(hi, past))
         visit_cached_runs(step_table(cache, call.group, step, static_cast<std::size_t>(r)), bs, window, lo,
                           std::min(hi, past), step.requests[static_cast<std::size_t>(r)], [&](const pool_run& run) {
-                            fn(kpool + hk * head_pitch + run.row * W, W, vpool + hk * head_pitch + run.row * W, W,
-                               run.position, run.count);
+                            fn(kpool + hk * head_pitch + run.row * W, W, vpool + hk * value_head_pitch + run.row * Wv,
+                               Wv, run.position, run.count);
                           });
       const std::int64_t f0 = std::max(lo, past);
       if (f0 < hi)
         fn(keys.data() + hk * keys.stride(1) + (t0 + f0 - past) * keys.stride(2), keys.stride(2),
            values.data() + hk * values.stride(1) + (t0 + f0 - past) * values.stride(2), values.stride(2), f0, hi - f0);
     };
-    if (in_place(tl.decode)) {  // each piece read in place, a block at a time
-      for_each_piece(
-          [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
-            for (std::int64_t j = 0; j < n; j += block)
-              fold_keys(t, rows, D, D, true, kp + j * kpitch, kpitch, vp + j * vpitch, vpitch, p0 + j,
-                        std::min(block, n - j), sk, vis, nullptr);
-          });
+    if (in_place(tl.decode)) {  // each piece read in place, a block at a time (pools of A only)
+      if constexpr (std::is_same_v<A, KV>)
+        for_each_piece(
+            [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
+              for (std::int64_t j = 0; j < n; j += block)
+                fold_keys(t, rows, D, D, true, kp + j * kpitch, kpitch, vp + j * vpitch, vpitch, p0 + j,
+                          std::min(block, n - j), sk, vis, nullptr);
+            });
     } else {  // pieces gathered (widened) into blocks of `block` keys
       std::int64_t filled = 0, start = lo;
       for_each_piece(
           [&](const KV* kp, std::int64_t kpitch, const KV* vp, std::int64_t vpitch, std::int64_t p0, std::int64_t n) {
             for (std::int64_t j = 0; j < n;) {
               const std::int64_t m = std::min(block - filled, n - j);
-              widen_rows(kp + j * kpitch, m, D, kpitch, t.k + filled * D);
-              widen_rows(vp + j * vpitch, m, D, vpitch, t.v + filled * D);
+              widen_rows(reinterpret_cast<const KF*>(kp + j * kpitch), m, D, kpitch, t.k + filled * D);
+              widen_rows(reinterpret_cast<const VF*>(vp + j * vpitch), m, D, vpitch, t.v + filled * D);
               if (filled == 0) start = p0 + j;
               filled += m;
               j += m;
@@ -359,7 +367,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
           });
       if (filled > 0) fold_keys<A, A>(t, rows, D, D, tl.decode, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
     }
-    if constexpr (rotated_rows) hadamard_rotate(t.acc, rows, D);
+    if constexpr (rotated_values) hadamard_rotate(t.acc, rows, D);
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t h = hk * group + row / per_head, i = t0 + i0 + row % per_head;
       if (tl.splits == 1)
@@ -389,12 +397,30 @@ namespace detail {
 // Whether a pool of KV reads its values through a scale list: fp8 codes and NVFP4 rows; not
 // int8 and int4 rows, whose scales are in the rows.
 template <class KV>
-inline constexpr bool takes_scale_lists = [] {
-  if constexpr (is_row_code_v<KV>)
-    return KV::tensor_scaled;
-  else
-    return true;
-}();
+inline constexpr bool takes_scale_lists = !is_row_code_v<KV> || key_tensor_scaled<KV> || value_tensor_scaled<KV>;
+
+// The tensor scales of a pool of row codes with one NVFP4 side (a kvc::kv_codes pool): a side
+// whose rows keep their scales must be given 1 (ValueError), and reads 1.
+template <class KV, class Scales>
+struct row_code_scales {
+  const Scales& given;
+  row_code_scales(const Scales& s, std::int64_t heads) : given(s) {
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (const bool keys : {true, false})
+        if (!(keys ? key_tensor_scaled<KV> : value_tensor_scaled<KV>)) {
+          const float v = keys ? s.key_scale(h) : s.value_scale(h);
+          if (v == 1.0f) continue;
+          char digits[32];
+          const auto end = std::to_chars(digits, digits + sizeof digits, v).ptr;
+          throw ValueError("kvc::paged_attention: the " + std::string(keys ? "keys" : "values") + " are " +
+                           std::string(keys ? key_format_t<KV>::name : value_format_t<KV>::name) +
+                           " rows, which keep their scales in the rows: their tensor scale must be 1, got " +
+                           std::string(digits, end));
+        }
+  }
+  float key_scale(std::int64_t h) const { return key_tensor_scaled<KV> ? given.key_scale(h) : 1.0f; }
+  float value_scale(std::int64_t h) const { return value_tensor_scaled<KV> ? given.value_scale(h) : 1.0f; }
+};
 
 // The scale lists of an fp8 pool's attention (kvc::Fp8Scales, detail::unit_scales).
 template <class Scales>
@@ -477,9 +503,9 @@ template <class S, class QT, class KT, class VT, class T>
 void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const PagedAttentionStep& step,
                      const QT& queries, const KT& keys, const VT& values, HostTensor<T>& out,
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
-  static_assert(!S::element_type::tensor_scaled,
+  static_assert(!detail::takes_scale_lists<typename S::element_type>,
                 "kvc::paged_attention: an NVFP4 pool needs its tensor scales: pass kvc::Nvfp4TensorScales");
-  if constexpr (!S::element_type::tensor_scaled) {  // (nested: one misuse, one error)
+  if constexpr (!detail::takes_scale_lists<typename S::element_type>) {  // (nested: one misuse, one error)
     if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
       detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
                                    input_view(values), scale, detail::unit_scales{}, context);
@@ -510,12 +536,18 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                      const AttentionContext& context = {}, std::optional<double> scale = std::nullopt) {
   using KV = typename S::element_type;
   static_assert(detail::takes_scale_lists<KV>,
-                "kvc::paged_attention: int8 and int4 row codes keep their scales in the rows: call it without "
+                "kvc::paged_attention: row codes other than NVFP4 keep their scales in the rows: call it without "
                 "scales");
   if constexpr (detail::takes_scale_lists<KV>) {  // (nested: one misuse, one error)
-    if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>())
-      detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
-                                   input_view(values), scale, scales, context);
+    if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>()) {
+      if constexpr (detail::is_kv_codes<KV>)
+        detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
+                                     input_view(values), scale,
+                                     detail::row_code_scales<KV, Scales>(scales, cache.num_key_value_heads()), context);
+      else
+        detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
+                                     input_view(values), scale, scales, context);
+    }
   }
 }
 

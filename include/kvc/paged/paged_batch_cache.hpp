@@ -63,6 +63,9 @@ class PagedBatchCache {
   using kv_type = KV<view_type>;
   // Shorthand for element_type.
   using T = element_type;
+  static_assert(!detail::is_kv_codes<T>,
+                "kvc::PagedBatchCache: keys and values share one row width here; a kvc::kv_codes pool is read by "
+                "kvc::paged_attention over a PagedCache");
 
   // What AnyCache asks of a cache it holds.
   static constexpr bool can_crop = false;

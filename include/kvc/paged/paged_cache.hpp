@@ -240,7 +240,10 @@ class PagedCache<S> {
     m.vocab_size = budget.vocab_size;
     m.num_attention_heads = config.num_attention_heads;
     m.num_key_value_heads = kv_heads_of(config, head_divisor);
-    m.head_dim = detail::stored_row_width<T>(head_dim_of(config));  // a pool of row codes: its bytes
+    // A pool of row codes: a row's bytes (for a kv_codes pool, the mean of its key and value rows
+    // rounded up: the planner counts a page's K and V at head_dim each).
+    const std::int64_t d = head_dim_of(config);
+    m.head_dim = (detail::stored_key_width<T>(d) + detail::stored_value_width<T>(d) + 1) / 2;
     m.dtype_bytes = static_cast<std::int64_t>(sizeof(T));
     m.num_groups = static_cast<std::int64_t>(groups.groups.size());
     m.group_size = groups.group_size;
@@ -273,10 +276,14 @@ class PagedCache<S> {
   std::int64_t num_key_value_heads() const noexcept { return pages_.geometry().kv_heads; }
   // Returns the number of values per head (the model's head_dim).
   std::int64_t head_dim() const noexcept { return head_dim_; }
-  // Returns the elements one head's row of a token takes in the pools: head_dim(), or for a pool
-  // of row codes (kvc::int8_row, int4_row, nvfp4_row: <kvc/row_codes.hpp>) the row's bytes,
-  // T::row_bytes(head_dim()). update() takes and returns rows of this width.
+  // Returns the elements one head's row of a token takes in the key pools: head_dim(), or for a
+  // pool of row codes (kvc::int8_row, int4_row, nvfp4_row, ...: <kvc/row_codes.hpp>) the row's
+  // bytes, T::row_bytes(head_dim()). update() takes and returns key rows of this width.
   std::int64_t row_width() const noexcept { return pages_.geometry().head_dim; }
+  // Returns the same for the value pools: row_width(), except in a kvc::kv_codes<K, V> pool, whose
+  // value rows are V::row_bytes(head_dim()) bytes. update() takes and returns value rows of this
+  // width.
+  std::int64_t value_row_width() const noexcept { return pages_.geometry().value_width(); }
   // Returns the number of layers per group: the number of K (and of V) pool tensors.
   std::int64_t group_size() const noexcept { return groups_.group_size; }
   // Returns the number of layer groups.
@@ -333,8 +340,8 @@ class PagedCache<S> {
   // Pool tensor j, [kv_heads, rows, row_width()] flat, rows = (num_blocks + 2) * block_size (a paged
   // attention kernel reads it through a block table or read indices).
   const T* key_pool(std::int64_t j) const { return pages_.keys(j); }
-  // Value pool tensor j, laid out as key_pool(j); throws std::out_of_range for j outside
-  // [0, group_size()).
+  // Value pool tensor j, laid out as key_pool(j) with value_row_width() elements a row; throws
+  // std::out_of_range for j outside [0, group_size()).
   const T* value_pool(std::int64_t j) const { return pages_.values(j); }
 
   // ---- allocation -------------------------------------------------------------------------------
@@ -829,17 +836,20 @@ class PagedCache<S> {
       first[g] = rows.size();
       rows.insert(rows.end(), write_index[g].begin(), write_index[g].end());
     }
-    std::vector<detail::scatter_job<T>> jobs;
+    std::vector<detail::scatter_job<T>> jobs, value_jobs;  // the key jobs, then the value jobs
     jobs.reserve(2 * layers);
+    value_jobs.reserve(layers);
     for (std::size_t l = 0; l < layers; ++l) {
       const auto at = find_group(static_cast<std::int64_t>(l));
       if (!at) continue;  // (in range: a layer with states only)
       const step s = check_step(keys[l], values[l], *at, {}, write_index[static_cast<std::size_t>(at->first)]);
       const std::size_t n = write_index[s.group].size();
       jobs.push_back(pages_.key_job(s.pool, keys[l], first[s.group], n));
-      jobs.push_back(pages_.value_job(s.pool, values[l], first[s.group], n));
+      value_jobs.push_back(pages_.value_job(s.pool, values[l], first[s.group], n));
     }
-    pages_.scatter(jobs, rows);
+    const std::size_t key_jobs = jobs.size();
+    jobs.insert(jobs.end(), value_jobs.begin(), value_jobs.end());
+    pages_.scatter(jobs, key_jobs, rows);
   }
 
   // Stores the step's keys and values of layer `layer_idx` ([1, kv_heads, T, head_dim], the T query
@@ -874,17 +884,19 @@ class PagedCache<S> {
       return {k, v};
     }
     const auto r = static_cast<std::int64_t>(reads.size());
-    const std::int64_t h = num_key_value_heads(), d = row_width();
-    const std::int64_t out_elems = detail::checked_elements({h, r, d}, sizeof(T));
-    if (out_k_.size() < out_elems) {
-      typename S::buffer_type nk(out_elems), nv(out_elems);
+    const std::int64_t h = num_key_value_heads(), dk = row_width(), dv = value_row_width();
+    const std::int64_t k_elems = detail::checked_elements({h, r, dk}, sizeof(T));
+    const std::int64_t v_elems = detail::checked_elements({h, r, dv}, sizeof(T));
+    if (out_k_.size() < k_elems || out_v_.size() < v_elems) {
+      typename S::buffer_type nk(k_elems), nv(v_elems);
       out_k_ = std::move(nk);
       out_v_ = std::move(nv);
     }
     update_rows_at(at, k, v, reads, write_index[g], out_k_.data(), out_v_.data());
-    const std::array<std::int64_t, 4> e{1, h, r, d};
-    const std::array<std::int64_t, 4> st{h * r * d, r * d, d, 1};
-    return {S::make_view(out_k_.data(), e, st), S::make_view(out_v_.data(), e, st)};
+    const auto view_of = [&](const T* p, std::int64_t d) {
+      return S::make_view(p, {1, h, r, d}, {h * r * d, r * d, d, 1});
+    };
+    return {view_of(out_k_.data(), dk), view_of(out_v_.data(), dv)};
   }
   // update for one layer group's rows, into the caller's buffers: k and v ([1, kv_heads, T,
   // head_dim]) go to `writes` (one row per token) of layer `layer_idx`'s pools, and `reads` are
@@ -1373,8 +1385,8 @@ class PagedCache<S> {
                   std::span<const std::int64_t> reads, std::span<const std::int64_t> writes) const {
     const auto [g, j] = at;
     const bool sliding = is_sliding_group(g);
-    check_input(k, "keys");
-    check_input(v, "values");
+    check_input(k, "keys", row_width());
+    check_input(v, "values", value_row_width());
     if (k.extent(2) != v.extent(2))
       throw ValueError("kvc::PagedCache::update: keys and values have " + std::to_string(k.extent(2)) + " and " +
                        std::to_string(v.extent(2)) + " tokens");
@@ -1582,8 +1594,9 @@ class PagedCache<S> {
     out.page.block_size = checked_block_size(cb.block_size);
     out.page.kv_heads = kv_heads_of(config, head_divisor);
     out.head_dim = head_dim_of(config);
-    out.page.head_dim = detail::stored_row_width<T>(out.head_dim);
-    out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, out.page.head_dim);
+    out.page.head_dim = detail::stored_key_width<T>(out.head_dim);
+    out.page.value_dim = detail::stored_value_width<T>(out.head_dim);
+    out.num_blocks = checked_num_blocks(cb, out.page.kv_heads, std::max(out.page.head_dim, out.page.value_dim));
     out.state_slots = cb.resolved_max_state_slots(out.num_blocks);
     const paged::LayerGroups groups = paged::group_paged_layers(config);
     if constexpr (is_row_code_v<T>)
@@ -1659,8 +1672,8 @@ class PagedCache<S> {
     detail::check_size("kvc::PagedCache::allocate_blocks: n", n, 0, max_extent);
   }
 
-  void check_input(const view_type& x, const char* what) const {
-    const std::int64_t h = num_key_value_heads(), d = row_width();
+  void check_input(const view_type& x, const char* what, std::int64_t d) const {
+    const std::int64_t h = num_key_value_heads();
     if (x.extent(0) != 1 || x.extent(1) != h || x.extent(3) != d)
       throw ValueError(std::string("kvc::PagedCache::update: ") + what + " must be [1, " + std::to_string(h) +
                        ", tokens, " + std::to_string(d) + "], got " + shape_string(x.extents));
