@@ -301,4 +301,19 @@ TEST_CASE("paged_attention refuses a step it cannot read, before computing anyth
   CHECK_THROWS_AS(kvc::paged_attention(cache, 0, {reqs, cu, past}, view(q), view(k), view(k)),
                   kvc::ValueError);  // no table for "a": the allocator's message
   CHECK_THROWS_AS(kvc::paged_attention(grown, 1, {reqs, cu, past}, view(q), view(k), view(k)), kvc::IndexError);
+  // An fp8 pool's scale lists: one, or one per KV head (2 here), each positive.
+  kvc::PagedCache<kvc::HostStorage<kvc::float8_e4m3>> fp8(model({"full_attention"}, 2, 4, 0), cb);
+  REQUIRE(fp8.allocate_blocks(1, "a", 0));
+  const auto k8 = kvc::to_fp8<kvc::float8_e4m3>(view(k), std::vector<float>{1.0f});
+  const auto fp8_view = kvc::HostStorage<kvc::float8_e4m3>::input_view(k8);
+  const std::vector<std::int64_t> none_past = {0};
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(fp8, 0, {reqs, cu, none_past}, view(q), fp8_view, fp8_view,
+                                            kvc::Fp8Scales{{1.0f, 1.0f, 1.0f}, {1.0f}}),
+                       "kvc fp8: key scales: 3 given; one per tensor or one per KV head (2) expected", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(fp8, 0, {reqs, cu, none_past}, view(q), fp8_view, fp8_view,
+                                            kvc::Fp8Scales{{1.0f}, {1.0f, -1.0f}}),
+                       "kvc fp8: value scales must be positive and finite, got -1.000000", kvc::ValueError);
+  CHECK(kvc::paged_attention(fp8, 0, {reqs, cu, none_past}, view(q), fp8_view, fp8_view,
+                             kvc::Fp8Scales{{1.0f, 2.0f}, {1.0f}})
+            .size() == 64);
 }

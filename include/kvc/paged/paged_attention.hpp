@@ -41,6 +41,7 @@
 #include <kvc/detail/attention_rows.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
+#include <kvc/fp8_attention.hpp>
 #include <kvc/paged/attention_step.hpp>
 #include <kvc/paged/paged_cache.hpp>
 #include <kvc/rotation.hpp>
@@ -540,6 +541,10 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                 "scales");
   if constexpr (detail::takes_scale_lists<KV>) {  // (nested: one misuse, one error)
     if constexpr (detail::check_paged_inputs<S, T, QT, KT, VT>()) {
+      if constexpr (requires { std::span<const float>(scales.keys); }) {  // lists (kvc::Fp8Scales): their length
+        detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
+        detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
+      }
       if constexpr (detail::is_kv_codes<KV>)
         detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
                                      input_view(values), scale,
