@@ -25,7 +25,8 @@
 //                            32 query heads, half queries) from pools of half, or of int8, int4 or
 //                            NVFP4 row codes (<kvc/row_codes.hpp>) holding random values' codes,
 //                            and of rotated int4 rows (kvc::rotated: the queries and the output
-//                            rotated in the step).
+//                            rotated in the step), fp8 rows, and fp8 keys with int4 values
+//                            (kvc::kv_codes).
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
@@ -232,11 +233,13 @@ void attention_contiguous(benchmark::State& state) {
 // The step's tokens, or a chunk of cached ones, in the pool's element type: half values, or the
 // row codes of the same values.
 template <class Pool>
-kvc::HostTensor<Pool> pool_rows(const kvc::HostTensor<Eigen::half>& x) {
-  if constexpr (kvc::is_row_code_v<Pool>)
-    return kvc::to_row_codes<Pool>(x);
+kvc::KV<kvc::HostTensor<Pool>> pool_rows(const kvc::HostTensor<Eigen::half>& k, const kvc::HostTensor<Eigen::half>& v) {
+  if constexpr (kvc::detail::is_kv_codes<Pool>)
+    return kvc::to_kv_codes<Pool>(k, v);
+  else if constexpr (kvc::is_row_code_v<Pool>)
+    return {kvc::to_row_codes<Pool>(k), kvc::to_row_codes<Pool>(v)};
   else
-    return x;
+    return {k, v};
 }
 
 // A decode step of `requests` requests with `past` cached tokens each (random values, written
@@ -264,18 +267,19 @@ void attention_pool(benchmark::State& state) {
       const std::int64_t n = std::min(chunk, past - at);
       kvc::PagedIndices writes(1);
       cache.extend_read_and_write_indices(ids.back(), at, n, nullptr, writes);
-      const auto k = pool_rows<Pool>(random(kHeads, n)), v = pool_rows<Pool>(random(kHeads, n));
-      cache.update(view(k), view(v), 0, kvc::PagedIndices(1), writes);
+      const auto kv = pool_rows<Pool>(random(kHeads, n), random(kHeads, n));
+      cache.update(view(kv.keys), view(kv.values), 0, kvc::PagedIndices(1), writes);
     }
     cu.push_back(r + 1);
     pasts.push_back(past);
   }
   const auto q = random(kQueryHeads, requests);
-  const auto k = pool_rows<Pool>(random(kHeads, requests)), v = pool_rows<Pool>(random(kHeads, requests));
+  const auto kv = pool_rows<Pool>(random(kHeads, requests), random(kHeads, requests));
+  const auto &k = kv.keys, &v = kv.values;
   const kvc::PagedAttentionStep step{ids, cu, pasts};
   kvc::HostTensor<Eigen::half> out;
   for (auto _ : state) {
-    if constexpr (requires { requires Pool::tensor_scaled; })  // NVFP4: its tensor scales (1 here)
+    if constexpr (kvc::is_row_code_v<Pool> && kvc::detail::takes_scale_lists<Pool>)  // NVFP4: tensor scales (1)
       kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), kvc::Nvfp4TensorScales{}, out);
     else
       kvc::paged_attention(cache, 0, step, view(q), view(k), view(v), out);
@@ -321,6 +325,16 @@ BENCHMARK(attention_pool<kvc::rotated<kvc::int4_row>>)
     ->ArgNames({"requests", "past"})
     ->Args({8, 4096})
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::fp8_row<kvc::float8_e4m3>>)
+    ->Name("attention/pool:fp8_e4m3_row")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(attention_pool<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>>)
+    ->Name("attention/pool:fp8_keys_int4_values")
+    ->ArgNames({"requests", "past"})
+    ->Args({8, 4096})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(step_bookkeeping<false>)->Name("step_bookkeeping")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(step_bookkeeping<true>)->Name("step_bookkeeping_by_key")->Arg(256)->Unit(benchmark::kMicrosecond);
 BENCHMARK(scheduler_step)->Name("scheduler_step")->Arg(256)->Iterations(512)->Unit(benchmark::kMicrosecond);
@@ -347,9 +361,10 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   if (const kvc_bench::Result* half = reporter.find("attention/pool:half/requests:8/past:4096")) {
     std::printf("decode steps/s from row-code pools / half pools (8 requests x 4096 tokens, same run):\n");
-    for (const char* type : {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row"})
+    for (const char* type :
+         {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row", "fp8_e4m3_row", "fp8_keys_int4_values"})
       if (const kvc_bench::Result* r = reporter.find(std::string("attention/pool:") + type + "/requests:8/past:4096"))
-        std::printf("  %-17s %.2f\n", type, half->seconds / r->seconds);
+        std::printf("  %-22s %.2f\n", type, half->seconds / r->seconds);
   }
   const kvc_bench::Result* copy = reporter.find("memcpy/64");
   if (!copy) return 0;
