@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -714,6 +715,79 @@ AttentionWorkspace& reserve_workspace(const AttentionContext& context, Attention
   return ws;
 }
 
+// How attention_into cuts a call into work items and what scratch they take: every number that
+// sizes its workspace, from the shapes and the mask alone (so that a caller can reserve the
+// workspace before it has the keys: reserve_attention).
+struct attention_layout {
+  bool decode, panels;
+  std::int64_t per_tile, tiles, splits, split_length, items, rows_max, pitch, block, copies;
+  // A prefill's packed key blocks: keys [g0, g1), grid_blocks blocks of block_values each per KV head.
+  std::int64_t g0, g1, grid_blocks, block_values;
+  std::size_t shared;
+  // Tile i's keys [lo, hi): every key any of its rows sees.
+  std::pair<std::int64_t, std::int64_t> tile_keys(std::int64_t i, const AttentionMask& mask, std::int64_t S,
+                                                  std::int64_t Q) const noexcept {
+    const std::int64_t first_q = mask.query_position + i * per_tile;
+    const std::int64_t last_q = first_q + std::min(per_tile, Q - i * per_tile) - 1;
+    const std::int64_t hi = mask.causal ? std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S) : S;
+    const std::int64_t lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
+    return {lo, std::max(lo, hi)};
+  }
+};
+
+template <class A, class KV>
+attention_layout layout_attention(std::int64_t B, std::int64_t Hq, std::int64_t Q, std::int64_t D, std::int64_t Hkv,
+                                  std::int64_t S, std::int64_t Dv, const AttentionMask& mask) {
+  using plan = tile_plan;
+  attention_layout L{};
+  const std::int64_t group = Hq / Hkv;
+  L.decode = group * Q <= plan::decode_rows;
+  L.per_tile = L.decode ? Q : std::min(plan::tile_rows, Q);
+  L.tiles = (Q + L.per_tile - 1) / L.per_tile;
+  const auto [lo0, hi0] = L.tile_keys(0, mask, S, Q);
+  const std::int64_t width = hi0 - lo0;
+  L.splits = L.decode ? plan::splits(true, width, B * Hkv) : 1;
+  L.split_length = plan::split_length(width, L.splits);
+  L.items = B * Hkv * L.tiles * L.splits;
+  L.rows_max = group * L.per_tile;
+  L.pitch = 2 + Dv;
+  // Blocks of the plan's size, or of every key when there are fewer (scratch sized to the call).
+  L.block = std::min(plan::block_keys, std::max<std::int64_t>(S, 1));
+  L.copies = std::is_same_v<A, KV> ? 0 : L.block;  // blocks of A are read in place
+  // Prefill tiles on panel_kernel where the build's kernel allows (else on packed_product).
+  L.panels = !L.decode && panel_kernel<A>::available;
+  // A prompt's prefill (keys [g0, g1) read in all, no more than the queries) packs each block of
+  // keys once, for every tile that reads it, into the shared area: grid_blocks blocks of `block`
+  // keys from g0 per KV head, block_values each. Other calls pack the blocks per tile.
+  L.g0 = S;
+  L.g1 = 0;
+  L.grid_blocks = 0;
+  L.block_values = aligned_values<A>(L.block * D) + aligned_values<A>(L.block * Dv);
+  if (L.panels) {
+    for (std::int64_t i = 0; i < L.tiles; ++i)
+      if (const auto [l, h] = L.tile_keys(i, mask, S, Q); h > l) L.g0 = std::min(L.g0, l), L.g1 = std::max(L.g1, h);
+    if (L.g1 > L.g0 && L.g1 - L.g0 <= Q) L.grid_blocks = (L.g1 - L.g0 + L.block - 1) / L.block;
+  }
+  L.shared = L.splits > 1 ? static_cast<std::size_t>(L.items * L.rows_max * L.pitch)
+                          : static_cast<std::size_t>(B * Hkv * L.grid_blocks * L.block_values);
+  return L;
+}
+
+// Reserves, in context.workspace (which must be set), what attention_into over queries of shape
+// q and keys of shape k (values Dv wide) with `mask` takes, so that the call then allocates
+// nothing: kvc::attend reserves it before the cache's update, so that no allocation can fail
+// after the update.
+template <class T, class KV>
+void reserve_attention(const std::array<std::int64_t, 4>& q, const std::array<std::int64_t, 4>& k, std::int64_t Dv,
+                       const AttentionMask& mask, const AttentionContext& context) {
+  using A = accum_t<T>;
+  if (q[0] * q[1] * q[2] * Dv == 0 || k[1] < 1) return;  // attention_into returns before its scratch
+  const attention_layout L = layout_attention<A, KV>(q[0], q[1], q[2], q[3], k[1], k[2], Dv, mask);
+  AttentionWorkspace unused;
+  (void)reserve_workspace<A>(context, unused, L.items, L.rows_max, q[3], Dv, L.block, L.copies, !L.decode, L.shared,
+                             L.panels);
+}
+
 // scaled_dot_product_attention into `out` (resized to [B, Hq, q, Dv]; no allocation when it holds
 // that many elements already), with K/V of element type KV (T, or codes that `as_accum` widens)
 // and KV head hk's keys and values multiplied by scales.key_scale(hk) and value_scale(hk): the key
@@ -723,48 +797,21 @@ void attention_into(HostTensor<T>& out, const TensorView<T>& queries, const Tens
                     const TensorView<KV>& values, const AttentionMask& mask, std::optional<double> scale,
                     const Scales& scales, const AttentionContext& context) {
   using A = accum_t<T>;
-  using plan = tile_plan;
   check_attention_views(queries, keys, values, mask);
   const std::int64_t B = queries.extent(0), Hq = queries.extent(1), Q = queries.extent(2), D = queries.extent(3);
   const std::int64_t Hkv = keys.extent(1), S = keys.extent(2), Dv = values.extent(3), group = Hq / Hkv;
   out.resize(B, Hq, Q, Dv);
   if (out.size() == 0) return;
   const A s = static_cast<A>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
-
-  const bool decode = group * Q <= plan::decode_rows;
-  const std::int64_t per_tile = decode ? Q : std::min(plan::tile_rows, Q), tiles = (Q + per_tile - 1) / per_tile;
-  // Tile i's keys [lo, hi): every key any of its rows sees.
-  const auto tile_keys = [&](std::int64_t i) {
-    const std::int64_t first_q = mask.query_position + i * per_tile;
-    const std::int64_t last_q = first_q + std::min(per_tile, Q - i * per_tile) - 1;
-    const std::int64_t hi = mask.causal ? std::clamp<std::int64_t>(last_q - mask.kv_offset + 1, 0, S) : S;
-    const std::int64_t lo = std::clamp<std::int64_t>(mask.first_visible(first_q) - mask.kv_offset, 0, S);
-    return std::pair<std::int64_t, std::int64_t>{lo, std::max(lo, hi)};
-  };
-  const std::int64_t width = tile_keys(0).second - tile_keys(0).first;
-  const std::int64_t splits = decode ? plan::splits(true, width, B * Hkv) : 1;
-  const std::int64_t split_length = plan::split_length(width, splits);
-  const std::int64_t items = B * Hkv * tiles * splits, rows_max = group * per_tile, pitch = 2 + Dv;
-  // Blocks of the plan's size, or of every key when there are fewer (scratch sized to the call).
-  const std::int64_t block = std::min(plan::block_keys, std::max<std::int64_t>(S, 1));
+  const attention_layout L = layout_attention<A, KV>(B, Hq, Q, D, Hkv, S, Dv, mask);
+  const bool decode = L.decode, panels = L.panels;
+  const std::int64_t per_tile = L.per_tile, tiles = L.tiles, splits = L.splits, split_length = L.split_length;
+  const std::int64_t items = L.items, rows_max = L.rows_max, pitch = L.pitch, block = L.block, copies = L.copies;
+  const std::int64_t g0 = L.g0, g1 = L.g1, grid_blocks = L.grid_blocks, block_values = L.block_values;
+  const auto tile_keys = [&](std::int64_t i) { return L.tile_keys(i, mask, S, Q); };
   AttentionWorkspace local;
-  const std::int64_t copies = std::is_same_v<A, KV> ? 0 : block;  // blocks of A are read in place
-  // Prefill tiles on panel_kernel where the build's kernel allows (else on packed_product).
-  const bool panels = !decode && panel_kernel<A>::available;
-  // A prompt's prefill (keys [g0, g1) read in all, no more than the queries) packs each block of
-  // keys once, for every tile that reads it, into the shared area: grid_blocks blocks of `block`
-  // keys from g0 per KV head, block_values each. Other calls pack the blocks per tile.
-  std::int64_t g0 = S, g1 = 0, grid_blocks = 0;
-  const std::int64_t block_values = aligned_values<A>(block * D) + aligned_values<A>(block * Dv);
-  if (panels) {
-    for (std::int64_t i = 0; i < tiles; ++i)
-      if (const auto [l, h] = tile_keys(i); h > l) g0 = std::min(g0, l), g1 = std::max(g1, h);
-    if (g1 > g0 && g1 - g0 <= Q) grid_blocks = (g1 - g0 + block - 1) / block;
-  }
-  const std::size_t shared = splits > 1 ? static_cast<std::size_t>(items * rows_max * pitch)
-                                        : static_cast<std::size_t>(B * Hkv * grid_blocks * block_values);
   AttentionWorkspace& ws =
-      reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, !decode, shared, panels);
+      reserve_workspace<A>(context, local, items, rows_max, D, Dv, block, copies, !decode, L.shared, panels);
   const std::int64_t pad_width = B > 0 ? static_cast<std::int64_t>(mask.key_padding_mask.size()) / B : 0;
 
   A* const grid = reinterpret_cast<A*>(ws.shared());
@@ -983,11 +1030,18 @@ struct attend_inputs<Cache, Q> {
   }
 };
 
+// A prepare step that does nothing (attend_impl's default).
+struct no_preparation {
+  void operator()(const AttentionMask&, const std::array<std::int64_t, 4>&, const std::array<std::int64_t, 4>&) const {}
+};
+
 // attend's steps, with `finish(kv, mask)` attending over what the update returned (kvc::attend:
-// scaled_dot_product_attention; kvc::attend_fp8: with its scales).
-template <class Cache, class Q, class KT, class VT, class Finish>
+// scaled_dot_product_attention; kvc::attend_fp8: with its scales). `prepare(mask, k, v)`, given
+// the mask and the shapes the update will return, runs before the update: what it allocates
+// cannot fail after the cache has changed.
+template <class Cache, class Q, class KT, class VT, class Finish, class Prepare = no_preparation>
 auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
-                 const AttendOptions& options, Finish&& finish) {
+                 const AttendOptions& options, Finish&& finish, Prepare&& prepare = {}) {
   const std::array<std::int64_t, 4> qe = input_view(queries).extents;
   const std::int64_t q = qe[2];
   const auto [kv_length, kv_offset] = cache.get_mask_sizes(q, layer_idx);
@@ -1012,14 +1066,56 @@ auto attend_impl(Cache& cache, std::int64_t layer_idx, const Q& queries, const K
       return e;
     };
     detail::check_attention(qe, returned(new_keys), returned(new_values), mask);
+    // A sliding layer's window: asked before the update where the layer exists already (a layer a
+    // replicated cache appends is asked after it).
+    bool exists = false;
+    if constexpr (requires { cache.size(); }) exists = layer_idx >= 0 && layer_idx < cache.size();
+    if (exists && !options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
+      mask.sliding_window = cache.get_max_length(layer_idx);
+    prepare(mask, returned(new_keys), returned(new_values));
   }
   const auto kv = cache.update(new_keys, new_values, layer_idx);
-  if (!options.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
+  if (!mask.sliding_window && !options.attention_chunk_size && cache.is_sliding(layer_idx))
     mask.sliding_window = cache.get_max_length(layer_idx);
   return finish(kv, mask);
 }
 
 }  // namespace detail
+
+// The same into `out` (host caches), as scaled_dot_product_attention's `out` overload: a step
+// with a workspace in options.context that has served a step of the same sizes, through a cache
+// with room for the tokens (reserve), allocates nothing.
+template <class Cache, class Q, class KT, class VT, class T>
+void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
+            HostTensor<T>& out, const AttendOptions& options = {}) {
+  using in = detail::attend_inputs<Cache, Q>;
+  constexpr bool accepted = detail::input_of<Q, T, memory_space::host> && in::template accepts<KT> &&
+                            in::template accepts<VT> && in::space == memory_space::host;
+  if constexpr (detail::require_inputs<accepted, Q, KT, VT>()) {
+    const auto q = input_view(queries);  // (views from here on: instantiated once per cache)
+    // The output and the scratch are made before the update (in the caller's workspace, or in one
+    // of the call's own): a failed allocation leaves the cache as it was.
+    AttentionWorkspace local;
+    AttentionContext context = options.context;
+    if (context.workspace == nullptr) context.workspace = &local;
+    detail::attend_impl(
+        cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
+        [&](const auto& kv, const AttentionMask& mask) {
+          scaled_dot_product_attention(q, kv.keys, kv.values, mask, out, context, options.scale);
+          return 0;
+        },
+        [&](const AttentionMask& mask, const std::array<std::int64_t, 4>& k, const std::array<std::int64_t, 4>& v) {
+          detail::reserve_attention<T, T>(q.extents, k, v[3], mask, context);
+          // (not when `out` holds the step's inputs: resizing it would free what the update reads)
+          const auto holds = [&](const auto* p) {
+            return out.size() > 0 && std::less_equal<const T*>{}(out.data(), p) &&
+                   std::less<const T*>{}(p, out.data() + out.size());
+          };
+          if (!holds(q.data()) && !holds(in::view(new_keys).data()) && !holds(in::view(new_values).data()))
+            out.resize(q.extents[0], q.extents[1], q.extents[2], v[3]);
+        });
+  }
+}
 
 // One attention layer's step through a cache: asks the mask sizes and the position, stores the
 // new keys/values in layer `layer_idx`, and attends over what the layer returns.
@@ -1036,36 +1132,18 @@ auto attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& ne
   if constexpr (detail::require_inputs<accepted, Q, KT, VT>()) {
     // Views from here on: the step is instantiated once per cache, not once per form of the inputs.
     const auto q = input_view(queries);
-    return detail::attend_impl(cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
-                               [&](const auto& kv, const AttentionMask& mask) {
-                                 if constexpr (in::space == memory_space::host)
-                                   return scaled_dot_product_attention(q, kv.keys, kv.values, mask, options.context,
-                                                                       options.scale);
-                                 else
+    if constexpr (in::space == memory_space::host) {
+      HostTensor<typename in::element_type> out;  // (the `out` form: nothing allocated after the update)
+      attend(cache, layer_idx, q, in::view(new_keys), in::view(new_values), out, options);
+      return out;
+    } else {
+      return detail::attend_impl(cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
+                                 [&](const auto& kv, const AttentionMask& mask) {
                                    return scaled_dot_product_attention(q, kv.keys, kv.values, mask, options.scale);
-                               });
+                                 });
+    }
   } else {
     return HostTensor<typename in::element_type>();
-  }
-}
-
-// The same into `out` (host caches), as scaled_dot_product_attention's `out` overload: a step
-// with a workspace in options.context that has served a step of the same sizes, through a cache
-// with room for the tokens (reserve), allocates nothing.
-template <class Cache, class Q, class KT, class VT, class T>
-void attend(Cache& cache, std::int64_t layer_idx, const Q& queries, const KT& new_keys, const VT& new_values,
-            HostTensor<T>& out, const AttendOptions& options = {}) {
-  using in = detail::attend_inputs<Cache, Q>;
-  constexpr bool accepted = detail::input_of<Q, T, memory_space::host> && in::template accepts<KT> &&
-                            in::template accepts<VT> && in::space == memory_space::host;
-  if constexpr (detail::require_inputs<accepted, Q, KT, VT>()) {
-    const auto q = input_view(queries);  // (views from here on, as above)
-    detail::attend_impl(cache, layer_idx, q, in::view(new_keys), in::view(new_values), options,
-                        [&](const auto& kv, const AttentionMask& mask) {
-                          scaled_dot_product_attention(q, kv.keys, kv.values, mask, out, options.context,
-                                                       options.scale);
-                          return 0;
-                        });
   }
 }
 

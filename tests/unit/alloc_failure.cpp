@@ -946,6 +946,27 @@ TEST_CASE("QuantizedCache, quanto and HQQ: quantization, crop of the residual, b
   }
 }
 
+TEST_CASE("kvc::attend: the output and the scratch are made before the update") {
+  // Prefill and decode steps through a dynamic and a sliding layer, with no workspace and with one
+  // that is too small at first: an allocation that fails leaves the cache as it was.
+  using C = kvc::Cache<kvc::Layers<kvc::DynamicLayer, kvc::DynamicSlidingWindowLayer>, kvc::HostStorage<float>>;
+  const auto make = [] { return C(kvc::DynamicLayer{}, kvc::DynamicSlidingWindowLayer{.sliding_window = 4}); };
+  scenario<C> s{"attend", make, {}};
+  for (std::int64_t step = 0; step < 4; ++step)
+    for (const std::int64_t layer : {0, 1})
+      s.ops.push_back({"attend, layer " + std::to_string(layer), [step, layer](C& c) {
+                         const auto x = tokens(step == 0 ? 6 : 1, static_cast<unsigned>(step) + 70);
+                         if (step % 2 == 0) {
+                           (void)kvc::attend(c, layer, x, x, x);
+                         } else {
+                           kvc::AttentionWorkspace ws;
+                           kvc::HostTensor<float> out;
+                           kvc::attend(c, layer, x, x, x, out, {.context = {.workspace = &ws}});
+                         }
+                       }});
+  check_every_failure(s);
+}
+
 TEST_CASE("QuantizedCache with rotated codes: attend_quantized, update, flushes, crop, batch selection") {
   // rotate_keys / rotate_values keep a rotated copy of the residual beside it: every call that
   // grows the residual grows the copy before anything changes.
