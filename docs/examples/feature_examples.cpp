@@ -163,6 +163,20 @@ void paged_kv_codes(kvc::PagedCache<kvc::HostStorage<Fp8KeysInt4Values>>& cache,
   (void)out2;
 }
 
+void per_layer_quantized(const kvc::ModelConfig& config, std::int64_t layer_idx, const Half& queries, const Half& keys,
+                         const Half& values) {
+  // [snippet:per_layer_quantized]
+  // Int2 everywhere but the first and last layers, which stay in full precision.
+  kvc::PerLayerQuantizedCache<Eigen::half> skipped("quanto", config, {.nbits = 2}, {.skip_layers = {0, -1}});
+  // HQQ with a bit width per layer (nullopt: full precision).
+  kvc::PerLayerQuantizedCache<Eigen::half> listed("hqq", config, {.axis_key = 1, .axis_value = 1},
+                                                  {.layer_nbits = {8, 4, 4, 2, std::nullopt, 8}});
+  // One call per layer reads each as it is stored: codes, or full precision through kvc::attend.
+  Half out = kvc::attend_quantized(skipped, layer_idx, queries, keys, values);
+  // [/snippet]
+  (void)out;
+}
+
 void state() {
   // [snippet:save_load]
   // #include <kvc/state.hpp>

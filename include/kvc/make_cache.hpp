@@ -64,14 +64,33 @@ inline constexpr std::string_view quantized_unsupported_message =
 
 // transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
 // without changing the caller's cache_config (docs/differences.md item 19), and kvc's own options
-// append_only, rotate_keys and rotate_values (booleans). An unknown key is the TypeError Python
-// raises for an unexpected keyword argument.
+// append_only, rotate_keys and rotate_values (booleans), skip_layers (a list of layer indices kept
+// in full precision) and layer_nbits (one entry per layer: its nbits, or null for full precision):
+// kvc::QuantizedPerLayer. An unknown key is the TypeError Python raises for an unexpected keyword
+// argument.
 template <class T>
 AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {
   if (!cache_config.is_null() && !cache_config.is_object())
     throw ValueError("make_cache: `cache_config` must be an object, got " + json_excerpt(cache_config));
   std::string backend = "quanto";
   QuantizedOptions opts;
+  QuantizedPerLayer per_layer;
+  // A list of integers (and nulls, where `nulls`), each as json_integer reads it.
+  const auto integers = [](const std::string& key, const nlohmann::ordered_json& value, bool nulls) {
+    std::vector<std::optional<std::int64_t>> out;
+    const char* what = nulls ? " must be a list of integers or nulls, got " : " must be a list of integers, got ";
+    if (!value.is_array()) throw ValueError("make_cache: `cache_config." + key + "`" + what + json_excerpt(value));
+    for (const auto& x : value) {
+      if (nulls && x.is_null()) {
+        out.emplace_back();
+        continue;
+      }
+      const std::optional<std::int64_t> v = json_integer(x);
+      if (!v) throw ValueError("make_cache: `cache_config." + key + "`" + what + json_excerpt(value));
+      out.emplace_back(*v);
+    }
+    return out;
+  };
   if (cache_config.is_object()) {
     for (const auto& [key, value] : cache_config.items()) {
       std::int64_t* field = key == "nbits"             ? &opts.nbits
@@ -90,6 +109,10 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
         backend = value.template get<std::string>();
       } else if (key == "config") {
         continue;  // generate() sets it to the model's text config; kvc takes model_config
+      } else if (key == "skip_layers") {
+        for (const auto& i : integers(key, value, false)) per_layer.skip_layers.push_back(*i);
+      } else if (key == "layer_nbits") {
+        per_layer.layer_nbits = integers(key, value, true);
       } else if (field) {
         const std::optional<std::int64_t> v = json_integer(value);
         if (!v)
@@ -105,7 +128,9 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
       }
     }
   }
-  return AnyCache(QuantizedCache<T>(backend, model_config, opts));
+  if (per_layer.skip_layers.empty() && per_layer.layer_nbits.empty())
+    return AnyCache(QuantizedCache<T>(backend, model_config, opts));
+  return AnyCache(PerLayerQuantizedCache<T>(backend, model_config, opts, per_layer));
 }
 
 inline std::string lower(std::string_view s) {
@@ -131,7 +156,8 @@ struct CacheRequest {
 //   "offloaded" → the same dynamic cache with kvc::OffloadToFile<false> (layers not in use live in
 //     a spill file, docs/offload.md); "offloaded_static" and the deprecated offloaded names → a
 //     StaticCache with kvc::OffloadToFile<true> (sliding layers stay in memory);
-//   "quantized" → QuantizedCache<T>(cache_config's backend, default "quanto", and options);
+//   "quantized" → QuantizedCache<T>(cache_config's backend, default "quanto", and options), or
+//     PerLayerQuantizedCache<T> when cache_config has skip_layers or layer_nbits;
 //   None, "dynamic", "hybrid"  → make_dynamic_cache<T>(config) (transformers turns "hybrid" into None;
 //     a max_cache_len then warns that it is ignored)
 //   "static" and the deprecated static names → StaticCache<T>(config, max(max_cache_length,

@@ -31,6 +31,8 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include <Eigen/Core>
@@ -53,6 +55,12 @@ concept quantized_layer_state = requires(St& s, const St& c, const View& x) {
   c.options().rotate_keys;
   s.rotated_residual();
 };
+
+// Whether every layer state of a cache's variant is a quantized layer's.
+template <class Variant, class View>
+inline constexpr bool all_quantized = false;
+template <class... St, class View>
+inline constexpr bool all_quantized<std::variant<St...>, View> = (quantized_layer_state<St, View> && ...);
 
 // Which of a layer's quantized K and V histories hold codes of rotated rows, and the block's
 // residual rows rotated (QuantizedLayer::rotated_residual) for each that does.
@@ -265,11 +273,25 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
   static_assert(S::space == memory_space::host, "kvc::attend_quantized: host storage only");
   if (!options.key_padding_mask.empty())
     throw ValueError("kvc::attend_quantized: a key_padding_mask is not supported (use kvc::attend)");
+  // A layer that keeps its tokens in full precision (a QuantizedCache's skipped layers, or any
+  // other kind; a layer a replicated cache appends is its prototype's kind) is kvc::attend's.
+  if constexpr (!detail::all_quantized<typename Cache::layer_variant, typename S::view_type>) {
+    using first_state = std::variant_alternative_t<0, typename Cache::layer_variant>;
+    const auto quantized = [](const auto& l) {
+      return detail::quantized_layer_state<std::remove_cvref_t<decltype(l)>, typename S::view_type>;
+    };
+    if (layer_idx >= 0 && layer_idx < cache.size()
+            ? !std::as_const(cache).visit_layer(layer_idx, quantized)
+            : !detail::quantized_layer_state<first_state, typename S::view_type>) {
+      kvc::attend(cache, layer_idx, queries, keys, values, out, options);
+      return;
+    }
+  }
   cache.update_with(keys, values, layer_idx, [&](auto& st) -> HostTensor<T>& {
     using St = std::remove_cvref_t<decltype(st)>;
     if constexpr (!detail::quantized_layer_state<St, typename S::view_type>) {
       throw ValueError("kvc::attend_quantized: layer " + std::to_string(layer_idx) + " is a " +
-                       std::string(cache.layer_name(layer_idx)) + ", not a quantized layer");
+                       std::string(cache.layer_name(layer_idx)) + ", not a quantized layer");  // (sent to attend above)
     } else {
       const std::int64_t B = queries.extent(0), Hq = queries.extent(1), q = queries.extent(2), D = queries.extent(3);
       const std::int64_t past = st.get_seq_length();
@@ -351,8 +373,8 @@ void attend_quantized_views(Cache& cache, std::int64_t layer_idx,
 // options.context's executor, its scratch in the context's workspace when it has one (else in one
 // of the call's own); the results are the same on any executor and thread count.
 // Queries, keys and values: any kvc::tensor_input of the cache's element type on the host.
-// Throws kvc::ValueError for a layer that is not quantized, shapes that do not fit it, or a
-// key_padding_mask; the cache is then unchanged.
+// A layer that is not quantized (full precision) is kvc::attend's. Throws kvc::ValueError for
+// shapes that do not fit the layer, or a key_padding_mask; the cache is then unchanged.
 template <class Cache, class QT, class KT, class VT>
 void attend_quantized(Cache& cache, std::int64_t layer_idx, const QT& queries, const KT& keys, const VT& values,
                       HostTensor<typename Cache::storage_policy::element_type>& out,

@@ -967,6 +967,23 @@ TEST_CASE("kvc::attend: the output and the scratch are made before the update") 
   check_every_failure(s);
 }
 
+TEST_CASE("PerLayerQuantizedCache: a full-precision layer beside quantized ones, through attend_quantized") {
+  using C = kvc::PerLayerQuantizedCache<float>;
+  const auto make = [] {
+    return C("quanto", config_of({"full_attention", "full_attention"}),
+             kvc::QuantizedOptions{.nbits = 4, .q_group_size = 4, .residual_length = 3}, {.skip_layers = {0}});
+  };
+  scenario<C> s{"PerLayerQuantizedCache", make, layer_ops<C>({"full_attention", "full_attention"}, 5, 4)};
+  for (std::int64_t step = 0; step < 4; ++step)
+    for (const std::int64_t layer : {0, 1})
+      s.ops.push_back({"attend_quantized, layer " + std::to_string(layer), [step, layer](C& c) {
+                         const auto x = tokens(step == 0 ? 3 : 1, static_cast<unsigned>(step) + 60);
+                         (void)kvc::attend_quantized(c, layer, x, x, x);
+                       }});
+  add_common_ops<C>(s.ops, make);
+  check_every_failure(s);
+}
+
 TEST_CASE("QuantizedCache with rotated codes: attend_quantized, update, flushes, crop, batch selection") {
   // rotate_keys / rotate_values keep a rotated copy of the residual beside it: every call that
   // grows the residual grows the copy before anything changes.

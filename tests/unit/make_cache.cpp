@@ -211,6 +211,54 @@ TEST_CASE("'quantized': the messages of the quantized path") {
                        kvc::ValueError);
 }
 
+TEST_CASE("'quantized' with skip_layers or layer_nbits: PerLayerQuantizedCache, formats per layer") {
+  auto g = with("quantized");
+  auto four = llama_like();
+  four.num_hidden_layers = 4;
+  g.cache_config = nlohmann::ordered_json{{"backend", "hqq"},
+                                          {"axis_key", 1},
+                                          {"axis_value", 1},
+                                          {"skip_layers", {0, -1}},
+                                          {"layer_nbits", {8, 2, nullptr, 4}}};
+  auto cache = kvc::make_cache(g, four);
+  REQUIRE(cache.get<kvc::PerLayerQuantizedCache<float>>() != nullptr);
+  std::vector<std::string> names;
+  for (std::int64_t l = 0; l < 4; ++l) names.emplace_back(cache.layer_name(l));
+  CHECK(names == std::vector<std::string>{"DynamicLayer", "HQQQuantizedLayer", "DynamicLayer", "DynamicLayer"});
+  cache.get<kvc::PerLayerQuantizedCache<float>>()->visit_layer(1, [](const auto& l) {
+    if constexpr (requires { l.options(); }) {
+      CHECK(l.options().nbits == 2);
+      CHECK(l.options().axis_key == 1);
+    } else {
+      FAIL("layer 1 is quantized");
+    }
+  });
+  // Without the two keys (or with empty lists), transformers' QuantizedCache.
+  g.cache_config = nlohmann::ordered_json{{"skip_layers", nlohmann::ordered_json::array()}};
+  CHECK(kvc::make_cache(g, four).get<kvc::QuantizedCache<float>>() != nullptr);
+  // Their messages.
+  g.cache_config = nlohmann::ordered_json{{"skip_layers", 0}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four),
+                       "make_cache: `cache_config.skip_layers` must be a list of integers, got 0", kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"skip_layers", {0, nullptr}}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four),
+                       "make_cache: `cache_config.skip_layers` must be a list of integers, got [0,null]",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"layer_nbits", {4, "2"}}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four),
+                       "make_cache: `cache_config.layer_nbits` must be a list of integers or nulls, got [4,\"2\"]",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"skip_layers", {4}}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four), "QuantizedCache: skip_layers entry 4 is out of range for 4 layers",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"layer_nbits", {4, 4}}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four), "QuantizedCache: layer_nbits has 2 entries for 4 layers",
+                       kvc::ValueError);
+  g.cache_config = nlohmann::ordered_json{{"layer_nbits", {4, 4, 3, 4}}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, four), "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3",
+                       kvc::ValueError);
+}
+
 TEST_CASE("offloaded names: the dynamic or static cache with OffloadToFile, same results as in memory") {
   using Offloaded = kvc::ConfiguredDynamicCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<false>>;
   using OffloadedStatic = kvc::StaticCache<float, kvc::HostStorage<float>, kvc::OffloadToFile<true>>;

@@ -4,6 +4,7 @@
 // same steps, across several flushes of the residual. The outputs agree to the output's rounding,
 // the two layers hold the same codes, and the fused one keeps no dequantized workspace.
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -296,7 +297,7 @@ TEST_CASE("attend_quantized: views whose heads lie apart read as their contiguou
   }
 }
 
-TEST_CASE("attend_quantized: what it refuses, before anything is stored") {
+TEST_CASE("attend_quantized: what it refuses, before anything is stored; full-precision layers go to attend") {
   using Cache = kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>>;
   Cache cache(kvc::QuantoQuantizedLayer{});
   std::mt19937 rng(3);
@@ -319,10 +320,16 @@ TEST_CASE("attend_quantized: what it refuses, before anything is stored") {
                        kvc::ValueError);
   CHECK(cache.get_seq_length(0) == 2);
 
+  // A layer in full precision is kvc::attend's: the same output, the same tokens stored.
   kvc::DynamicCache<float> dynamic;
   (void)kvc::attend(dynamic, 0, q, k, k);
-  CHECK_THROWS_WITH_AS(kvc::attend_quantized(dynamic, 0, view(q), view(k), view(k)),
-                       "kvc::attend_quantized: layer 0 is a DynamicLayer, not a quantized layer", kvc::ValueError);
+  kvc::DynamicCache<float> twin = dynamic;
+  const auto by_codes_path = kvc::attend_quantized(dynamic, 0, view(q), view(k), view(k));
+  const auto by_attend = kvc::attend(twin, 0, q, k, k);
+  REQUIRE(by_codes_path.size() == by_attend.size());
+  CHECK(std::equal(by_codes_path.data(), by_codes_path.data() + by_codes_path.size(), by_attend.data()));
+  CHECK(dynamic.get_seq_length(0) == twin.get_seq_length(0));
+  CHECK(dynamic.get_seq_length(0) == 2 * k.dimension(2));
 }
 
 TEST_CASE("attend_quantized: a step of no query tokens gives an empty output and stores as update does") {

@@ -3,6 +3,7 @@
 // (src/transformers/cache_utils.py at a597f974); the layer count of docs/differences.md item 29.
 
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -10,6 +11,9 @@
 
 #include "../support/kvc_test.hpp"
 
+#include <kvc/cache_traits.hpp>
+#include <kvc/caches.hpp>
+#include <kvc/quantized_attention.hpp>
 #include <kvc/quantized_cache.hpp>
 
 namespace {
@@ -214,4 +218,61 @@ TEST_CASE("a throwing call changes no layer (strong guarantee)") {
   CHECK_THROWS_AS(cache.update(p, p, 2), kvc::IndexError);
   CHECK_THROWS_AS(cache.reorder_cache({1}), kvc::IndexError);
   CHECK(kvc_test::take_snapshot(cache) == before);
+}
+
+TEST_CASE("PerLayerQuantizedCache: layers kept in full precision, a bit width per layer") {
+  using Cache = kvc::PerLayerQuantizedCache<float>;
+  // The first and last layers in full precision (vLLM's skip list, as indices from either end).
+  const Cache skipped("quanto", llama_like(4), {.nbits = 2}, {.skip_layers = {0, -1}});
+  CHECK(kvc::cache_repr(skipped) ==
+        "QuantizedCache(layers=[DynamicLayer, QuantoQuantizedLayer, QuantoQuantizedLayer, DynamicLayer])");
+  // One entry per layer: its nbits, or full precision; skip_layers wins over it.
+  const Cache listed("hqq", llama_like(4), {.axis_key = 1, .axis_value = 1},
+                     {.skip_layers = {2}, .layer_nbits = {8, std::nullopt, 3, 2}});
+  const auto nbits_of = [&](std::int64_t i) {
+    return listed.visit_layer(i, [](const auto& l) -> std::int64_t {
+      if constexpr (requires { l.options(); })
+        return l.options().nbits;
+      else
+        return 0;  // full precision
+    });
+  };
+  CHECK(std::vector<std::int64_t>{nbits_of(0), nbits_of(1), nbits_of(2), nbits_of(3)} ==
+        std::vector<std::int64_t>{8, 0, 0, 2});
+  CHECK(value_error_of([] { Cache("quanto", llama_like(3), {}, {.skip_layers = {3}}); }) ==
+        "QuantizedCache: skip_layers entry 3 is out of range for 3 layers");
+  CHECK(value_error_of([] { Cache("quanto", llama_like(3), {}, {.skip_layers = {-4}}); }) ==
+        "QuantizedCache: skip_layers entry -4 is out of range for 3 layers");
+  CHECK(value_error_of([] {
+          Cache("quanto", llama_like(3), {}, {.layer_nbits = {4, 4}});
+        }) == "QuantizedCache: layer_nbits has 2 entries for 3 layers");
+  // A layer's own nbits gets its codec's check, with the message the options would get.
+  CHECK(value_error_of([] {
+          Cache("quanto", llama_like(2), {}, {.layer_nbits = {4, 3}});
+        }) == value_error_of([] { kvc::QuantizedCache<float>("quanto", llama_like(2), {.nbits = 3}); }));
+  CHECK_FALSE(value_error_of([] { kvc::QuantizedCache<float>("quanto", llama_like(2), {.nbits = 3}); }).empty());
+}
+
+TEST_CASE("PerLayerQuantizedCache: attend_quantized reads each layer as it is stored") {
+  // Layer 0 in full precision, layer 1 int2, layer 2 int4: each against a cache of that kind alone.
+  std::mt19937 rng(23);
+  const kvc::QuantizedOptions opts{.nbits = 4, .q_group_size = 16, .residual_length = 4};
+  kvc::PerLayerQuantizedCache<float> mixed("quanto", llama_like(3), opts, {.layer_nbits = {std::nullopt, 2, 4}});
+  kvc::DynamicCache<float> full;
+  kvc::QuantizedCache<float> int2("quanto", llama_like(3), {.nbits = 2, .q_group_size = 16, .residual_length = 4});
+  kvc::QuantizedCache<float> int4("quanto", llama_like(3), opts);
+  const auto flat = [](const kvc::HostTensor<float>& t) { return std::vector<float>(t.data(), t.data() + t.size()); };
+  for (const std::int64_t tokens : {9, 1, 1, 1, 1, 1}) {
+    const auto q = kvc_test::random_tensor<float>(1, 4, tokens, 16, rng);
+    const auto k = kvc_test::random_tensor<float>(1, 2, tokens, 16, rng);
+    const auto v = kvc_test::random_tensor<float>(1, 2, tokens, 16, rng);
+    const auto want0 = kvc::attend(full, 0, q, k, v);
+    const auto want1 = kvc::attend_quantized(int2, 1, q, k, v);
+    const auto want2 = kvc::attend_quantized(int4, 2, q, k, v);
+    CHECK(flat(kvc::attend_quantized(mixed, 0, q, k, v)) == flat(want0));
+    CHECK(flat(kvc::attend_quantized(mixed, 1, q, k, v)) == flat(want1));
+    CHECK(flat(kvc::attend_quantized(mixed, 2, q, k, v)) == flat(want2));
+  }
+  CHECK(mixed.get_seq_length(0) == 14);
+  CHECK(mixed.bytes() < full.bytes() * 3);  // two of three layers quantized
 }

@@ -55,6 +55,9 @@ void quantized_and_fp8() {
   kvc::Cache<kvc::Replicate<kvc::QuantoQuantizedLayer>, kvc::HostStorage<float>> quanto(kvc::QuantoQuantizedLayer{});
   const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
   (void)kvc::attend_quantized(quanto, 0, view(q), view(k), view(v));
+  kvc::PerLayerQuantizedCache<float> mixed("quanto", model(), {},
+                                           {.skip_layers = {0, -1}, .layer_nbits = {2, 4, 4, 2}});
+  (void)kvc::attend_quantized(mixed, 0, view(q), view(k), view(v));
   auto fp8 = kvc::make_dynamic_cache<kvc::float8_e4m3>(model());
   (void)kvc::attend_fp8(fp8, 0, view(q), view(k), view(v), kvc::Fp8Scales{});
 }

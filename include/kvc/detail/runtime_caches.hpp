@@ -24,7 +24,8 @@
   KVC_RUNTIME_MODEL(EXTERN, kvc::ConfiguredDynamicCache<T, kvc::HostStorage<T>, kvc::OffloadToFile<false>>) \
   KVC_RUNTIME_MODEL(EXTERN, kvc::StaticCache<T>)                                                            \
   KVC_RUNTIME_MODEL(EXTERN, kvc::StaticCache<T, kvc::HostStorage<T>, kvc::OffloadToFile<true>>)             \
-  KVC_RUNTIME_MODEL(EXTERN, kvc::QuantizedCache<T>)
+  KVC_RUNTIME_MODEL(EXTERN, kvc::QuantizedCache<T>)                                                         \
+  KVC_RUNTIME_MODEL(EXTERN, kvc::PerLayerQuantizedCache<T>)
 
 #if defined(KVC_RUNTIME_LIBRARY)
 #define KVC_RUNTIME_EXTERN_CACHES(T, NAME, TORCH) KVC_RUNTIME_CACHE_INSTANTIATIONS(extern, T)
