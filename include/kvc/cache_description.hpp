@@ -4,7 +4,10 @@
 //   {"layers": [{"type": "DynamicLayer"}, {"type": "StaticSlidingWindowLayer", "max_cache_len": 64,
 //               "sliding_window": 16}], "dtype": "bfloat16"}
 //   {"layer_class_to_replicate": {"type": "DynamicSlidingWindowLayer", "sliding_window": 4096}}
+//   {"layers": ["DynamicLayer", {"type": "QuantoQuantizedLayer", "nbits": 2}, "DynamicLayer"]}
 //
+// The quantized kinds (QuantoQuantizedLayer, HQQQuantizedLayer) take QuantizedOptions' fields, each
+// optional with its default: a format per layer, the first and last layers in full precision, ...
 // A description naming both `layers` and `layer_class_to_replicate`, or neither, throws
 // kvc::ValueError with exactly the text kvc::Cache's static_assert prints for the same mistake
 // (transformers' Cache.__init__ texts). A layer entry may also be a bare kind name when the kind
@@ -26,11 +29,14 @@
 #include <kvc/element_types.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
+#include <kvc/policies/layers/quantized.hpp>
 
 namespace kvc {
 
-// The layer policy a description with `layers` builds: every host layer kind.
-using AnyHostLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
+// The layer policy a description with `layers` builds: every host layer kind, the quantized ones
+// included.
+using AnyHostLayers = Layers<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
+                             QuantoQuantizedLayer, HQQQuantizedLayer>;
 
 // The ValueError message for a description with both `layers` and `layer_class_to_replicate`
 // (transformers' Cache.__init__ text).
@@ -44,7 +50,8 @@ inline constexpr std::string_view no_layer_source_message =
 
 namespace detail {
 
-using any_kind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer>;
+using any_kind = std::variant<DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
+                              QuantoQuantizedLayer, HQQQuantizedLayer>;
 
 // The limits of the layer kinds themselves (kvc::max_extent slots or tokens, kvc::max_layers layers).
 inline constexpr std::int64_t max_described_size = max_extent;
@@ -68,6 +75,33 @@ inline std::int64_t described_size(const nlohmann::json& entry, const char* fiel
   return *v;
 }
 
+// The boolean `field` of a described layer; `absent` when the layer has none.
+inline bool described_flag(const nlohmann::json& entry, const char* field, const std::string& where, bool absent) {
+  const auto it = entry.find(field);
+  if (it == entry.end()) return absent;
+  if (!it->is_boolean())
+    throw ValueError("cache description: " + where + " `" + field + "` must be true or false, got " +
+                     json_excerpt(*it));
+  return it->get<bool>();
+}
+
+// A quantized layer kind: QuantizedOptions' fields, each optional with its default, checked as the
+// layer's constructor checks them (the codec's messages).
+template <class Codec>
+QuantizedLayer<Codec> described_quantized(const nlohmann::json& object, const std::string& where) {
+  QuantizedLayer<Codec> k;
+  k.nbits = described_size(object, "nbits", where, 1, k.nbits);
+  k.axis_key = described_size(object, "axis_key", where, -1, k.axis_key);
+  k.axis_value = described_size(object, "axis_value", where, -1, k.axis_value);
+  k.q_group_size = described_size(object, "q_group_size", where, 1, k.q_group_size);
+  k.residual_length = described_size(object, "residual_length", where, 1, k.residual_length);
+  k.append_only = described_flag(object, "append_only", where, k.append_only);
+  k.rotate_keys = described_flag(object, "rotate_keys", where, k.rotate_keys);
+  k.rotate_values = described_flag(object, "rotate_values", where, k.rotate_values);
+  validate_quantized_options(k);
+  return k;
+}
+
 inline any_kind described_kind(const nlohmann::json& entry, const std::string& where) {
   if (!entry.is_string() && !entry.is_object())
     throw ValueError("cache description: " + where + " must be a kind name or an object, got " + json_excerpt(entry));
@@ -84,8 +118,11 @@ inline any_kind described_kind(const nlohmann::json& entry, const std::string& w
   if (name == "StaticSlidingWindowLayer")
     return StaticSlidingWindowLayer{described_size(object, "max_cache_len", where),
                                     described_size(object, "sliding_window", where)};
-  static constexpr std::array<std::string_view, 4> known{"DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer",
-                                                         "StaticSlidingWindowLayer"};
+  if (name == "QuantoQuantizedLayer") return described_quantized<QuantoCodec>(object, where);
+  if (name == "HQQQuantizedLayer") return described_quantized<HqqCodec>(object, where);
+  static constexpr std::array<std::string_view, 6> known{"DynamicLayer",         "DynamicSlidingWindowLayer",
+                                                         "StaticLayer",          "StaticSlidingWindowLayer",
+                                                         "QuantoQuantizedLayer", "HQQQuantizedLayer"};
   throw KeyError("'" + name + "' is not a known layer kind. Known layer kinds: " + py_str_tuple(known));
 }
 

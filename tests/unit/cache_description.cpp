@@ -96,7 +96,8 @@ TEST_CASE("malformed descriptions are ValueErrors naming the field") {
                        "cache description: `layers[0]` needs a string `type`", kvc::ValueError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": ["MambaLayer"]})"),
                        "'MambaLayer' is not a known layer kind. Known layer kinds: ('DynamicLayer', "
-                       "'DynamicSlidingWindowLayer', 'StaticLayer', 'StaticSlidingWindowLayer')",
+                       "'DynamicSlidingWindowLayer', 'StaticLayer', 'StaticSlidingWindowLayer', "
+                       "'QuantoQuantizedLayer', 'HQQQuantizedLayer')",
                        kvc::KeyError);
   CHECK_THROWS_WITH_AS(cache_from_description(R"({"layers": [], "dtype": "int8"})"),
                        "cache description: `dtype` must be one of ('float', 'double', 'half', 'bfloat16'), got 'int8'",
@@ -135,4 +136,37 @@ TEST_CASE("a sliding layer's rollback_slack: kept past the window, so that crop(
   CHECK(cache.get_seq_length() == 6);
   CHECK(kvc_test::flatten(cache.stored<float>(0).keys) == kvc_test::slice_seq(k, 3, 3));
   CHECK_THROWS_AS(cache.crop(-1), kvc::RuntimeError);
+}
+
+TEST_CASE("quantized kinds: a format per layer, the first and last layers in full precision") {
+  auto cache = kvc::cache_from_description(R"({"layers": ["DynamicLayer",
+      {"type": "QuantoQuantizedLayer", "nbits": 2, "residual_length": 2, "q_group_size": 4},
+      {"type": "HQQQuantizedLayer", "nbits": 8, "axis_key": 1, "rotate_keys": true, "residual_length": 2},
+      "DynamicLayer"]})");
+  REQUIRE(cache.size() == 4);
+  CHECK(cache.layer_name(1) == "QuantoQuantizedLayer");
+  CHECK(cache.layer_name(2) == "HQQQuantizedLayer");
+  // Each layer holds what its kind holds: the full-precision ones exactly, int8 within a step (what
+  // the next update returns: the history dequantized, then the new token).
+  const std::vector<float> x = {0.5f, -1.25f, 2.0f, 0.75f};
+  for (std::int64_t i = 0; i < 4; ++i) cache.update(seq(x), seq(x), i);
+  std::vector<V> read;
+  for (std::int64_t i = 0; i < 4; ++i) read.push_back(values_of(cache.update(seq({1.0f}), seq({1.0f}), i).keys));
+  CHECK(read[0] == V{0.5f, -1.25f, 2.0f, 0.75f, 1.0f});
+  CHECK(read[3] == read[0]);
+  REQUIRE(read[2].size() == 5);
+  for (std::size_t i = 0; i < x.size(); ++i) CHECK(std::abs(read[2][i] - x[i]) < 0.02f);
+  CHECK(read[1] != read[0]);  // int2: coarse
+  // Defaults where a field is absent; the codec's checks and messages.
+  CHECK(kvc::cache_from_description(R"({"layer_class_to_replicate": "QuantoQuantizedLayer"})").size() == 0);
+  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"layers": [{"type": "QuantoQuantizedLayer", "nbits": 3}]})"),
+                       "`nbits` for `quanto` backend has to be one of [`2`, `4`] but got 3", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"layers": [{"type": "HQQQuantizedLayer", "axis_key": -1}]})"),
+                       "`axis_key` for `HQQ` backend has to be one of [`0`, `1`] but got -1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::cache_from_description(R"({"layers": ["DynamicLayer", {"type": "HQQQuantizedLayer", "append_only": 1}]})"),
+      "cache description: `layers[1]` `append_only` must be true or false, got 1", kvc::ValueError);
+  CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"layers": [{"type": "QuantoQuantizedLayer", "axis_key": -2}]})"),
+                       "cache description: `layers[0]` `axis_key` must be between -1 and 1099511627776, got -2",
+                       kvc::ValueError);
 }
