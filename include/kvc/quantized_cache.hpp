@@ -96,7 +96,7 @@ std::vector<KindVariant> quantized_layer_kinds(std::string_view backend, const M
       }
       QuantizedLayer<Codec> own = kind;
       own.nbits = *bits;
-      validate_quantized_options(own);
+      if (own.nbits != kind.nbits) validate_quantized_options(own);  // (kind's checked above)
       out.emplace_back(own);
     }
     return out;

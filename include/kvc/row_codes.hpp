@@ -65,7 +65,7 @@ HostTensor<O> row_codes_of(const X& input, float tensor_scale, const char* who) 
       for (std::int64_t h = 0; h < x.extent(1); ++h)
         for (std::int64_t s = 0; s < x.extent(2); ++s, o += w) {
           for (std::int64_t i = 0; i < d; ++i) row[static_cast<std::size_t>(i)] = static_cast<float>(x(b, h, s, i));
-          if constexpr (C::rotates) hadamard_rotate(row.data(), 1, d);
+          if constexpr (is_rotated_row_code<C>) hadamard_rotate(row.data(), 1, d);
           C::encode(row.data(), d, tensor_scale, reinterpret_cast<C*>(o));
         }
     return out;
@@ -91,15 +91,12 @@ HostTensor<float> values_of_rows(const X& input, std::int64_t head_dim, float te
         for (std::int64_t s = 0; s < x.extent(2); ++s, o += head_dim) {
           for (std::int64_t i = 0; i < x.extent(3); ++i) row[static_cast<std::size_t>(i)] = x(b, h, s, i);
           C::widen(reinterpret_cast<const C*>(row.data()), o, head_dim);
-          if constexpr (C::rotates) hadamard_rotate(o, 1, head_dim);
+          if constexpr (is_rotated_row_code<C>) hadamard_rotate(o, 1, head_dim);
           for (std::int64_t i = 0; i < head_dim; ++i) o[i] *= tensor_scale;
         }
     return out;
   }
 }
-
-template <class C>
-inline constexpr bool is_one_row_format = is_row_code_v<C> && !is_kv_codes<C>;
 
 }  // namespace detail
 
@@ -108,11 +105,11 @@ inline constexpr bool is_one_row_format = is_row_code_v<C> && !is_kv_codes<C>;
 // alone (NVFP4 with tensor scale 1).
 template <class C, class X>
 HostTensor<C> to_row_codes(const X& input) {
-  static_assert(detail::is_one_row_format<C>,
+  static_assert(detail::is_row_format<C>,
                 "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
                 "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
                 "kvc::to_kv_codes");
-  if constexpr (detail::is_one_row_format<C>)
+  if constexpr (detail::is_row_format<C>)
     return detail::row_codes_of<C>(input, 1.0f, "kvc::to_row_codes");
   else
     return {};
@@ -131,11 +128,11 @@ HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
 // integer formats). A ValueError when the rows are not row_bytes(head_dim) wide.
 template <class C, class X>
 HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float tensor_scale = 1.0f) {
-  static_assert(detail::is_one_row_format<C>,
+  static_assert(detail::is_row_format<C>,
                 "kvc::from_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
                 "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows go to "
                 "kvc::from_kv_codes");
-  if constexpr (detail::is_one_row_format<C>)
+  if constexpr (detail::is_row_format<C>)
     return detail::values_of_rows<C, C>(input, head_dim, tensor_scale, "kvc::from_row_codes");
   else
     return {};

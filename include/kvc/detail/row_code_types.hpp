@@ -59,8 +59,6 @@ struct int8_row {
   static constexpr std::string_view name = "int8_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
-  // Whether rows are rotated before they are encoded (kvc::rotated).
-  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
@@ -87,8 +85,6 @@ struct int4_row {
   static constexpr std::string_view name = "int4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
-  // Whether rows are rotated before they are encoded (kvc::rotated).
-  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: two codes a byte and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return (head_dim + 1) / 2 + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
@@ -124,8 +120,6 @@ struct nvfp4_row {
   static constexpr std::string_view name = "nvfp4_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = true;
-  // Whether rows are rotated before they are encoded (kvc::rotated).
-  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: nvfp4_bytes(head_dim).
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return nvfp4_bytes(head_dim); }
   // The row of x[0, n) with tensor scale g (checked by the caller: positive, at most 2^116) into
@@ -228,8 +222,6 @@ struct fp8_row {
   static constexpr std::string_view name = detail::fp8_row_name<F8>;
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
-  // Whether rows are rotated before they are encoded (kvc::rotated).
-  static constexpr bool rotates = false;
   // The largest finite code value (448 for E4M3, 57344 for E5M2).
   static float top() noexcept { return static_cast<float>(F8::from_bits(F8::format::max_finite)); }
   // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
@@ -261,8 +253,6 @@ struct bfloat16_row {
   static constexpr std::string_view name = "bfloat16_row";
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
-  // Whether rows are rotated before they are encoded (kvc::rotated).
-  static constexpr bool rotates = false;
   // The bytes of one head's row of head_dim values: two a value.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return 2 * head_dim; }
   // The row of x[0, n) into out[0, row_bytes(n)); a NaN stays a (quiet) NaN.
@@ -316,8 +306,6 @@ struct rotated {
   static constexpr std::string_view name = detail::rotated_name<std::conditional_t<rotatable, C, int8_row>>.view();
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = std::conditional_t<rotatable, C, int8_row>::tensor_scaled;
-  // Whether rows are rotated before they are encoded: yes.
-  static constexpr bool rotates = true;
   // The bytes of one head's row of head_dim values: C's.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return C::row_bytes(head_dim); }
   // The row of x[0, n), already rotated, into out[0, row_bytes(n)): C's codes.
@@ -438,21 +426,19 @@ template <class T>
 inline constexpr bool rotates_keys = is_rotated_row_code<key_format_t<T>>;
 template <class T>
 inline constexpr bool rotates_values = is_rotated_row_code<value_format_t<T>>;
-// Whether a pool of T's keys or values take a tensor scale (NVFP4's).
-template <class T>
-inline constexpr bool key_tensor_scaled = [] {
-  if constexpr (is_row_format<key_format_t<T>>)
-    return key_format_t<T>::tensor_scaled;
+// Whether a row format F takes a tensor scale (NVFP4's); false for a type that is no row format.
+template <class F>
+inline constexpr bool format_tensor_scaled = [] {
+  if constexpr (is_row_format<F>)
+    return F::tensor_scaled;
   else
     return false;
 }();
+// Whether a pool of T's keys or values take a tensor scale.
 template <class T>
-inline constexpr bool value_tensor_scaled = [] {
-  if constexpr (is_row_format<value_format_t<T>>)
-    return value_format_t<T>::tensor_scaled;
-  else
-    return false;
-}();
+inline constexpr bool key_tensor_scaled = format_tensor_scaled<key_format_t<T>>;
+template <class T>
+inline constexpr bool value_tensor_scaled = format_tensor_scaled<value_format_t<T>>;
 
 }  // namespace detail
 

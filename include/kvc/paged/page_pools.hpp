@@ -107,10 +107,10 @@ class PagePools {
   void scatter(std::span<const kvc::detail::scatter_job<T>> jobs, std::size_t key_jobs,
                std::span<const std::int64_t> rows) {
     if (geo_.value_width() == geo_.head_dim) {
-      S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, key_pitch());
+      S::scatter_rows(jobs, rows, geo_.kv_heads, geo_.head_dim, pitch(geo_.head_dim));
     } else {
-      S::scatter_rows(jobs.first(key_jobs), rows, geo_.kv_heads, geo_.head_dim, key_pitch());
-      S::scatter_rows(jobs.subspan(key_jobs), rows, geo_.kv_heads, geo_.value_width(), value_pitch());
+      S::scatter_rows(jobs.first(key_jobs), rows, geo_.kv_heads, geo_.head_dim, pitch(geo_.head_dim));
+      S::scatter_rows(jobs.subspan(key_jobs), rows, geo_.kv_heads, geo_.value_width(), pitch(geo_.value_width()));
     }
   }
   // Writes the tokens of k and v (one per entry of `rows`) to those rows of K and V buffer j, in
@@ -135,10 +135,10 @@ class PagePools {
     const std::int64_t kblock = g.block_size * g.head_dim, vblock = g.block_size * g.value_width();
     for (std::size_t j = 0; j < to.keys_.size(); ++j)
       for (std::size_t i = 0; i < src_ids.size(); ++i) {
-        S::copy_2d(to.keys_[j].data() + dst_ids[i] * kblock, to.key_pitch(), from.keys_[j].data() + src_ids[i] * kblock,
-                   from.key_pitch(), kblock, g.kv_heads);
-        S::copy_2d(to.values_[j].data() + dst_ids[i] * vblock, to.value_pitch(),
-                   from.values_[j].data() + src_ids[i] * vblock, from.value_pitch(), vblock, g.kv_heads);
+        S::copy_2d(to.keys_[j].data() + dst_ids[i] * kblock, to.pitch(g.head_dim),
+                   from.keys_[j].data() + src_ids[i] * kblock, from.pitch(g.head_dim), kblock, g.kv_heads);
+        S::copy_2d(to.values_[j].data() + dst_ids[i] * vblock, to.pitch(g.value_width()),
+                   from.values_[j].data() + src_ids[i] * vblock, from.pitch(g.value_width()), vblock, g.kv_heads);
       }
   }
 
@@ -147,19 +147,17 @@ class PagePools {
   template <class F>
   void for_each_piece(std::span<const std::int64_t> blocks, F&& f) const {
     for (const bool keys : {true, false}) {
-      const std::int64_t piece = geo_.block_size * (keys ? geo_.head_dim : geo_.value_width());
-      const std::int64_t pitch = keys ? key_pitch() : value_pitch();
+      const std::int64_t d = keys ? geo_.head_dim : geo_.value_width(), piece = geo_.block_size * d;
       for (const buffer_type& b : keys ? keys_ : values_)
         for (const std::int64_t id : blocks)
-          for (std::int64_t h = 0; h < geo_.kv_heads; ++h) f(const_cast<T*>(b.data()) + h * pitch + id * piece, piece);
+          for (std::int64_t h = 0; h < geo_.kv_heads; ++h)
+            f(const_cast<T*>(b.data()) + h * pitch(d) + id * piece, piece);
     }
   }
 
  private:
-  // Elements from one head to the next in a K buffer and in a V buffer.
-  std::int64_t key_pitch() const noexcept { return rows() * geo_.head_dim; }
-  std::int64_t value_pitch() const noexcept { return rows() * geo_.value_width(); }
-  std::int64_t rows_pitch(std::int64_t d) const noexcept { return rows() * d; }
+  // Elements from one head to the next in a buffer of rows d wide (K: head_dim, V: value_width()).
+  std::int64_t pitch(std::int64_t d) const noexcept { return rows() * d; }
 
   static kvc::detail::scatter_job<T> job(T* pool, const view_type& x, std::size_t first_row, std::size_t tokens) {
     return {pool,
@@ -175,7 +173,7 @@ class PagePools {
   void gather(T* out, const T* pool, std::int64_t d, std::span<const std::int64_t> rows, const view_type* fresh,
               std::int64_t sentinel) const {
     const auto r = static_cast<std::int64_t>(rows.size());
-    const std::int64_t out_pitch = r * d, pool_pitch = rows_pitch(d);
+    const std::int64_t out_pitch = r * d, pool_pitch = pitch(d);
     std::int64_t next_fresh = 0;
     for (std::int64_t i = 0; i < r;) {
       const std::int64_t row = rows[static_cast<std::size_t>(i)];

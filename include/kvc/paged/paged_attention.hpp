@@ -395,8 +395,8 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
 
 namespace detail {
 
-// Whether a pool of KV reads its values through a scale list: fp8 codes and NVFP4 rows; not
-// int8 and int4 rows, whose scales are in the rows.
+// Whether a pool of KV reads its values through a scale list: fp8 codes, and row codes with an
+// NVFP4 side; not the other row formats, whose scales are in the rows.
 template <class KV>
 inline constexpr bool takes_scale_lists = !is_row_code_v<KV> || key_tensor_scaled<KV> || value_tensor_scaled<KV>;
 
@@ -482,11 +482,12 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
                                  scale, detail::unit_scales{}, context);
 }
 
-// The same over a pool of int8 or int4 row codes (`PagedCache<HostStorage<kvc::int4_row>>`,
-// int8_row, or kvc::rotated ones: <kvc/row_codes.hpp>; an NVFP4 pool takes its tensor scales, as
-// the fp8 pools below): queries of the model's type T (float, half or bfloat16); keys and values
-// the step's tokens as the rows kvc::to_row_codes made, [1, Hkv, T, cache.row_width()]. Each
-// block of rows is widened to float as it is read. Returns [1, Hq, T, head_dim] in T.
+// The same over a pool of row codes (`PagedCache<HostStorage<kvc::int4_row>>`, int8_row, fp8_row,
+// kvc::rotated ones, kvc::kv_codes pairs: <kvc/row_codes.hpp>; a pool with an NVFP4 side takes its
+// tensor scales, as the fp8 pools below): queries of the model's type T (float, half or bfloat16);
+// keys and values the step's tokens as the rows kvc::to_row_codes (to_kv_codes) made,
+// [1, Hkv, T, cache.row_width()] and [..., cache.value_row_width()]. Each block of rows is widened
+// to float as it is read. Returns [1, Hq, T, head_dim] in T.
 template <class S, class QT, class KT, class VT>
   requires(S::space == memory_space::host && is_row_code_v<typename S::element_type>)
 HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
