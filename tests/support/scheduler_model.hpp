@@ -2,8 +2,10 @@
 // Model-checked runs of kvc::ContinuousBatchingScheduler over a kvc::PagedCache: a byte string (a
 // seeded generator's, or a fuzzer's) picks the cache's layout and sizes, then a sequence of
 // operations (add_request with forks, shared prefixes and one-token prompts, a step of the toy
-// model of toy_model.hpp, take_finished, cancel_request, the sequence operations, and misuse: a
-// stale batch, a second schedule, a wrong token count, a cancel while a batch is in flight).
+// model of toy_model.hpp, take_finished, cancel_request, the sequence operations, draft tokens for
+// a request's next step (partly the model's own continuation, so that some are kept and the rest
+// rolled back), and misuse: a stale batch, a second schedule, a wrong token count, a cancel or a
+// draft while a batch is in flight).
 // After every operation the run checks what must always hold:
 //   - the blocks: each shareable block's ref count equals the tables holding it (another block
 //     has at most one holder), the free lists are disjoint and hold no block in use, and
@@ -63,6 +65,7 @@ class source {
 struct counts {
   std::int64_t operations = 0, steps = 0, refusals = 0, rows_checked = 0, finished = 0;
   std::int64_t state_prefix_hits = 0;  // prompt tokens a hybrid model resumed from state snapshots
+  std::int64_t draft_tokens = 0, accepted_draft_tokens = 0;  // draft tokens run, and kept
 };
 
 class run {
@@ -100,7 +103,7 @@ class run {
   }
 
   // Makes the calls (add_request, schedule, update, cancel_request, take_finished, seq_rm, seq_cp,
-  // seq_keep) fail an allocation now and then: `arm(n)` fails the n-th allocation from then on,
+  // seq_keep, set_draft_tokens) fail an allocation now and then: `arm(n)` fails the n-th allocation from then on,
   // `disarm()` stops and says whether one failed (tests/unit/alloc_failure.cpp replaces operator
   // new for this). A failed call must change nothing; it is then made again, unarmed.
   void inject(std::function<void(std::int64_t)> arm, std::function<bool()> disarm) {
@@ -118,6 +121,8 @@ class run {
     }
     finish();
     if (cache_->state_snapshot_interval() > 0) c_.state_prefix_hits += sched_->stats().prefix_hit_tokens;
+    c_.draft_tokens += sched_->stats().draft_tokens;
+    c_.accepted_draft_tokens += sched_->stats().accepted_draft_tokens;
     return c_;
   }
 
@@ -159,8 +164,8 @@ class run {
     s += ";" + std::to_string(t.batch_tokens) + "," + std::to_string(t.prefill_tokens) + "," +
          std::to_string(t.prefix_hit_tokens) + "," + std::to_string(t.cpu_offloads) + "," +
          std::to_string(t.soft_resets) + "," + std::to_string(t.restores) + "," + std::to_string(t.forks) + "," +
-         std::to_string(t.forks_requeued) + "," + std::to_string(t.failed) + "," +
-         std::to_string(cache_->total_prefix_length()) + ";";
+         std::to_string(t.forks_requeued) + "," + std::to_string(t.failed) + "," + std::to_string(t.draft_tokens) +
+         "," + std::to_string(t.accepted_draft_tokens) + "," + std::to_string(cache_->total_prefix_length()) + ";";
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       s += id + "@" + std::to_string(st.handle.slot) + "." + std::to_string(st.handle.generation) + ":" +
@@ -169,6 +174,8 @@ class run {
            std::to_string(cache_->is_offloaded(id)) + "," + std::to_string(st.remaining_prefill_tokens().size()) + "," +
            std::to_string(st.preemptions) + "," + st.error + ",";
       for (const std::int64_t token : st.tokens) s += std::to_string(token) + " ";
+      s += "drafts ";
+      for (const std::int64_t token : sched_->draft_tokens(id)) s += std::to_string(token) + " ";
       for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
         s += "|" + std::to_string(cache_->blocks_in_group(static_cast<std::size_t>(g), id));
       s += ";";
@@ -254,7 +261,7 @@ class run {
   }
 
   void operation() {
-    switch (src_.pick(16)) {
+    switch (src_.pick(18)) {
       case 0:
       case 1:
       case 2:
@@ -285,6 +292,9 @@ class run {
           }
         }
         return check("seq_keep");
+      case 14:
+      case 15:
+        return draft();
       default:
         return misuse();
     }
@@ -336,17 +346,38 @@ class run {
     check("update");
   }
 
-  // The batch's inputs are its requests' own tokens at their positions.
+  // The batch's inputs are its requests' own tokens at their positions, then any draft tokens,
+  // which follow a decoding request's last token; each draft gives a logits row too.
   void check_batch() {
     const kvc::ScheduledBatch& b = *in_flight_;
+    std::size_t logits = 0;
     for (std::size_t r = 0; r < b.requests.size(); ++r) {
-      const auto& tokens = sched_->request(b.request_ids[r]).tokens;
+      const kvc::RequestState& st = sched_->request(b.request_ids[r]);
+      const auto& tokens = st.tokens;
+      const std::vector<std::int64_t>& drafts = b.requests[r].draft_tokens;
+      const std::int64_t own = b.cu_seqlens_q[r + 1] - std::ssize(drafts);
+      if (!drafts.empty() && std::ssize(tokens) != b.past[r] + (own - b.cu_seqlens_q[r]))
+        fail("request " + b.request_ids[r] + " runs draft tokens before its last token");
       for (std::int64_t t = b.cu_seqlens_q[r]; t < b.cu_seqlens_q[r + 1]; ++t) {
         const auto pos = static_cast<std::size_t>(b.position_ids[static_cast<std::size_t>(t)]);
-        if (pos >= tokens.size() || b.input_ids[static_cast<std::size_t>(t)] != tokens[pos])
+        const std::int64_t want =
+            t >= own ? drafts[static_cast<std::size_t>(t - own)] : (pos < tokens.size() ? tokens[pos] : -1);
+        if (b.input_ids[static_cast<std::size_t>(t)] != want)
           fail("request " + b.request_ids[r] + "'s input at position " + std::to_string(pos) + " is not its token");
       }
+      if (b.requests[r].has_new_token)
+        for (std::int64_t i = std::ssize(drafts); i >= 0; --i)
+          if (logits >= b.logits_indices.size() || b.logits_indices[logits++] != b.cu_seqlens_q[r + 1] - 1 - i)
+            fail("request " + b.request_ids[r] + "'s logits rows are not its last tokens'");
     }
+    if (logits != b.logits_indices.size()) fail("the batch has logits rows no request gives");
+  }
+  // The draft tokens the batch in flight runs for the request (0 without one).
+  std::int64_t drafts_in_flight(const std::string& id) const {
+    if (!in_flight_) return 0;
+    for (const kvc::ScheduledRequest& r : in_flight_->requests)
+      if (r.request_id == id) return std::ssize(r.draft_tokens);
+    return 0;
   }
 
   void take() {
@@ -403,6 +434,34 @@ class run {
       attempt("seq_rm", [&] { (void)sched_->seq_rm(id, p0, p1); });
     }
     check("seq_rm");
+  }
+
+  // Draft tokens for a request (set_draft_tokens): the model's own continuation for a drawn number
+  // of them, then drawn tokens (none withdraws them). Refused while a batch is in flight.
+  void draft() {
+    const std::string id = any_known();
+    if (!live(id)) return;
+    const kvc::RequestState& st = sched_->request(id);
+    const std::int64_t k = src_.pick(5), right = src_.pick(k + 1);
+    std::vector<std::int64_t> seq = st.tokens, tokens;
+    for (std::int64_t i = 0; i < k; ++i) {
+      tokens.push_back(i < right ? kvc_toy::next_token(seq) : src_.pick(kvc_toy::VOCAB));
+      seq.push_back(tokens.back());
+    }
+    if (in_flight_) {
+      refused("set_draft_tokens", [&] { sched_->set_draft_tokens(id, tokens); });
+      return check("set_draft_tokens (refused)");
+    }
+    if (by_handle()) {
+      const kvc::RequestHandle h = handle_of(id);
+      attempt("set_draft_tokens", [&] { sched_->set_draft_tokens(h, tokens); });
+    } else {
+      attempt("set_draft_tokens", [&] { sched_->set_draft_tokens(id, tokens); });
+    }
+    const std::span<const std::int64_t> held = sched_->draft_tokens(id);
+    if (!std::equal(held.begin(), held.end(), tokens.begin(), tokens.end()))
+      fail("request " + id + " holds other draft tokens than set");
+    check("set_draft_tokens");
   }
 
   void seq_cp() {
@@ -540,7 +599,7 @@ class run {
       // its blocks).
       if (live(id) && !cache_->is_offloaded(id)) {
         const std::int64_t bs = cache_->block_size();
-        std::int64_t held = (st.position_offset + bs - 1) / bs;
+        std::int64_t held = (st.position_offset + drafts_in_flight(id) + bs - 1) / bs;
         if (cache_->num_full_attention_groups() == 0)
           held = std::min(held, cache_->max_sliding_window_blocks_per_request());
         if (sched_->allocated_blocks(id) != held)

@@ -102,6 +102,16 @@ inline std::int64_t pool_row(const Cache& cache, std::int64_t group, const std::
   return table.at(static_cast<std::size_t>(slot / bs)) * bs + slot % bs;
 }
 
+// The sequence the batch's request r runs on: its cached tokens, then the step's inputs (its own
+// tokens, and any draft tokens after them).
+inline std::vector<std::int64_t> batch_sequence(const Scheduler& s, const kvc::ScheduledBatch& batch, std::size_t r) {
+  const auto& tokens = s.request(batch.request_ids[r]).tokens;
+  std::vector<std::int64_t> seq(tokens.begin(), tokens.begin() + batch.past[r]);
+  seq.insert(seq.end(), batch.input_ids.begin() + batch.cu_seqlens_q[r],
+             batch.input_ids.begin() + batch.cu_seqlens_q[r + 1]);
+  return seq;
+}
+
 // The model's forward over a batch: every layer stores each token's key and value, computed from
 // the token's request's own tokens up to it.
 inline void write_batch(Cache& cache, const Scheduler& s, const kvc::ScheduledBatch& batch, std::int64_t layers) {
@@ -112,7 +122,7 @@ inline void write_batch(Cache& cache, const Scheduler& s, const kvc::ScheduledBa
     if (!has_kv(cache, layer)) continue;
     kvc::HostTensor<float> k(1, KVH, T, D), v(1, KVH, T, D);
     for (std::size_t r = 0; r < batch.requests.size(); ++r) {
-      const auto& tokens = s.request(batch.request_ids[r]).tokens;
+      const std::vector<std::int64_t> tokens = batch_sequence(s, batch, r);
       for (std::int64_t t = batch.cu_seqlens_q[r]; t < batch.cu_seqlens_q[r + 1]; ++t) {
         const auto pos = static_cast<std::size_t>(batch.position_ids[static_cast<std::size_t>(t)]);
         const std::uint64_t h = prefix_hash(std::span(tokens).first(pos + 1));
@@ -128,14 +138,16 @@ inline void write_batch(Cache& cache, const Scheduler& s, const kvc::ScheduledBa
   }
 }
 
-// The next token of every request of the batch that produces one, in the order update() takes.
+// The next token of every logits row of the batch, in the order update() takes: a request's
+// choice after its last token, and with draft tokens after each of them too.
 inline std::vector<std::int64_t> next_tokens(const Scheduler& s, const kvc::ScheduledBatch& batch) {
   std::vector<std::int64_t> next;
   for (std::size_t r = 0; r < batch.requests.size(); ++r)
     if (batch.requests[r].has_new_token) {
-      const auto& tokens = s.request(batch.request_ids[r]).tokens;
-      const auto end = static_cast<std::size_t>(batch.past[r] + batch.requests[r].query_length);
-      next.push_back(next_token(std::span(tokens).first(end)));
+      const std::vector<std::int64_t> seq = batch_sequence(s, batch, r);
+      const std::size_t drafts = batch.requests[r].draft_tokens.size();
+      for (std::size_t end = seq.size() - drafts; end <= seq.size(); ++end)
+        next.push_back(next_token(std::span(seq).first(end)));
     }
   return next;
 }

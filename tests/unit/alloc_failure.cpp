@@ -873,8 +873,8 @@ TEST_CASE("ContinuousBatchingScheduler: every call, schedule() and update() with
 TEST_CASE("the model-checked scheduler runs, with allocation failures in every call") {
   // tests/support/scheduler_model.hpp's random operation sequences (its layouts, pool sizes, swap
   // pools, sharing and schedule orders), with add_request, schedule, update, cancel_request,
-  // take_finished and the sequence operations failing an allocation at random: each failure must
-  // change nothing, and every invariant must hold after every operation.
+  // take_finished, the sequence operations and set_draft_tokens failing an allocation at random:
+  // each failure must change nothing, and every invariant must hold after every operation.
   std::int64_t injected = 0, operations = 0;
   for (std::uint64_t seed = 0; seed < 300; ++seed) {
     CAPTURE(seed);

@@ -58,13 +58,23 @@ bool step(Cache& cache, Scheduler& s, std::int64_t layers, Run& run) {
     std::size_t logits = 0;
     for (std::size_t r = 0; r < batch->requests.size(); ++r) {
       REQUIRE(batch->requests[r].query_length >= 1);
+      // A request's draft tokens follow its own last token; each gives a logits row too.
+      const auto drafts = static_cast<std::int64_t>(batch->requests[r].draft_tokens.size());
       if (batch->requests[r].has_new_token)
-        REQUIRE(batch->logits_indices.at(logits++) == batch->cu_seqlens_q[r + 1] - 1);
+        for (std::int64_t i = drafts; i >= 0; --i)
+          REQUIRE(batch->logits_indices.at(logits++) == batch->cu_seqlens_q[r + 1] - 1 - i);
       const auto& tokens = s.request(batch->request_ids[r]).tokens;
+      const std::int64_t own = batch->cu_seqlens_q[r + 1] - drafts;  // its own tokens' inputs end here
+      if (drafts > 0)
+        REQUIRE(batch->past[r] + own - batch->cu_seqlens_q[r] == static_cast<std::int64_t>(tokens.size()));
       for (std::int64_t t = batch->cu_seqlens_q[r]; t < batch->cu_seqlens_q[r + 1]; ++t) {
         const std::int64_t pos = batch->position_ids[static_cast<std::size_t>(t)];
-        REQUIRE(pos < static_cast<std::int64_t>(tokens.size()));
-        REQUIRE(batch->input_ids[static_cast<std::size_t>(t)] == tokens[static_cast<std::size_t>(pos)]);
+        REQUIRE(pos == batch->past[r] + t - batch->cu_seqlens_q[r]);
+        if (t < own)
+          REQUIRE(batch->input_ids[static_cast<std::size_t>(t)] == tokens.at(static_cast<std::size_t>(pos)));
+        else
+          REQUIRE(batch->input_ids[static_cast<std::size_t>(t)] ==
+                  batch->requests[r].draft_tokens[static_cast<std::size_t>(t - own)]);
       }
     }
     kvc_toy::write_batch(cache, s, *batch, layers);
@@ -72,7 +82,8 @@ bool step(Cache& cache, Scheduler& s, std::int64_t layers, Run& run) {
     for (std::size_t r = 0; r < batch->requests.size(); ++r) {
       const std::string& id = batch->request_ids[r];
       const std::int64_t end = batch->past[r] + batch->requests[r].query_length;
-      const std::string wrong = kvc_toy::wrong_row(cache, id, s.request(id).tokens, end, layers, &run.checked_rows);
+      const std::string wrong =
+          kvc_toy::wrong_row(cache, id, kvc_toy::batch_sequence(s, *batch, r), end, layers, &run.checked_rows);
       if (!wrong.empty()) FAIL("request " << id << " " << wrong << " holds another row");
     }
     const std::vector<std::int64_t> next = kvc_toy::next_tokens(s, *batch);
@@ -901,4 +912,178 @@ TEST_CASE("scheduler: a prompt resumed from a snapshot and offloaded in the same
   for (int i = 0; i < 12 && step(); ++i) resumed = resumed || s.request("A").prefix_match.tokens == 8;
   CHECK(resumed);
   CHECK(s.stats().cpu_offloads >= 1);
+}
+
+namespace {
+
+// The tokens a request generates next after `tokens`: the model's continuation, n of them.
+std::vector<std::int64_t> continuation(std::vector<std::int64_t> tokens, std::size_t n) {
+  const std::size_t from = tokens.size();
+  while (tokens.size() - from < n) tokens.push_back(next_token(tokens));
+  return {tokens.begin() + static_cast<std::ptrdiff_t>(from), tokens.end()};
+}
+
+// Runs `ids` to their end with draft tokens before every step: each request gets k drafts, the first `right` of them the model's own continuation and the rest wrong ones, (right
+// and k cycling through the values), and after every step each request's rows and states are
+// checked. Returns the ended requests.
+std::map<std::string, kvc::RequestState> speculate(Cache& cache, Scheduler& s, std::int64_t layers,
+                                                   const std::vector<std::string>& ids, Run& run) {
+  std::int64_t turn = 0;
+  for (;;) {
+    for (const std::string& id : ids) {
+      if (!s.find(id) || s.request(id).has_ended()) continue;
+      const auto k = static_cast<std::size_t>(1 + turn % 4);
+      const auto right = static_cast<std::size_t>(turn++ % 5);
+      std::vector<std::int64_t> draft = continuation(s.request(id).tokens, k);  // after its last token
+      for (std::size_t i = right; i < k; ++i) draft[i] = (draft[i] + 1 + static_cast<std::int64_t>(i)) % VOCAB;
+      s.set_draft_tokens(id, draft);
+      CHECK(std::vector<std::int64_t>(s.draft_tokens(id).begin(), s.draft_tokens(id).end()) == draft);
+    }
+    if (!step(cache, s, layers, run)) break;
+    for (const std::string& id : ids) {
+      if (!s.find(id) || !s.request(id).is_active()) continue;
+      const kvc::RequestState& st = s.request(id);
+      if (st.position_offset == 0) continue;  // dropped by the rollback: it prefills again
+      CHECK(kvc_toy::wrong_row(cache, id, st.tokens, st.position_offset, layers) == "");
+      CHECK(kvc_toy::wrong_state(cache, id, st.tokens, st.position_offset) == "");
+    }
+  }
+  return run.ended;
+}
+
+}  // namespace
+
+TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolled back exactly") {
+  // Full attention: the rejected drafts leave in place (their blocks are given back); sliding
+  // layers whose ring wrapped and linear-attention states cannot be cut back, so the request
+  // prefills its kept tokens again (from a state snapshot where the cache has one). Every layout
+  // generates what each request generates alone.
+  struct layout {
+    std::vector<std::string> types;
+    std::int64_t snapshot_interval;
+  };
+  for (const layout& l :
+       {layout{{"full_attention", "full_attention"}, 0}, layout{{"sliding_attention", "full_attention"}, 0},
+        layout{{"linear_attention", "full_attention"}, 4},
+        layout{{"full_attention", "linear_attention", "sliding_attention"}, 0}}) {
+    CAPTURE(l.types.front());
+    CAPTURE(l.types.size());
+    kvc::ContinuousBatchingConfig cb = small(48, 24);
+    cb.state_snapshot_interval = l.snapshot_interval;
+    Cache cache(model(l.types), cb);
+    Scheduler s(cache, cb);
+    std::vector<std::string> ids;
+    std::map<std::string, std::vector<std::int64_t>> want;
+    for (std::int64_t i = 0; i < 3; ++i) {
+      kvc::GenerationRequest r;
+      r.request_id = "r" + std::to_string(i);
+      for (std::int64_t t = 0; t < 5 + 3 * i; ++t) r.prompt.push_back((7 * t + i) % VOCAB);
+      r.max_new_tokens = 18 + i;
+      if (i == 2) r.eos_token_id = alone(r.prompt, r.max_new_tokens, std::nullopt).at(12);
+      want[r.request_id] = alone(r.prompt, r.max_new_tokens, r.eos_token_id);
+      ids.push_back(r.request_id);
+      (void)s.add_request(r);
+    }
+    Run run;
+    const auto ended = speculate(cache, s, static_cast<std::int64_t>(l.types.size()), ids, run);
+    for (const std::string& id : ids) {
+      CAPTURE(id);
+      REQUIRE(ended.count(id) == 1);
+      const kvc::RequestState& st = ended.at(id);
+      CHECK(st.status == kvc::RequestStatus::finished);
+      CHECK(std::vector<std::int64_t>(st.generated().begin(), st.generated().end()) == want.at(id));
+    }
+    const kvc::SchedulerStats& t = s.stats();
+    CHECK(t.draft_tokens > 20);
+    CHECK(t.accepted_draft_tokens > 5);
+    CHECK(t.accepted_draft_tokens < t.draft_tokens);
+    CHECK(t.draft_acceptance_rate() ==
+          static_cast<double>(t.accepted_draft_tokens) / static_cast<double>(t.draft_tokens));
+    // Fewer steps than one token per step needs: 18 + 19 + 13 generated tokens.
+    CHECK(t.steps < 18 + 1 + 3);
+    CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+  }
+}
+
+TEST_CASE("scheduler: a step with draft tokens, what update keeps and what it gives back") {
+  kvc::ContinuousBatchingConfig cb = small(32, 32);
+  Cache cache(model({"full_attention", "full_attention"}), cb);
+  Scheduler s(cache, cb);
+  const std::vector<std::int64_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  const kvc::RequestHandle h = s.add_request({.request_id = "a", .prompt = prompt, .max_new_tokens = 8});
+  Run run;
+  REQUIRE(step(cache, s, 2, run));  // the prompt; one token generated
+  REQUIRE(s.request(h).status == kvc::RequestStatus::decoding);
+  CHECK_THROWS_WITH_AS(s.set_draft_tokens("a", std::vector<std::int64_t>{1, -2}),
+                       "kvc::ContinuousBatchingScheduler::set_draft_tokens: token -2 is outside [0, 2^31)",
+                       kvc::ValueError);
+  CHECK(s.draft_tokens(h).empty());
+  // Drafts: the model's next two tokens, then a wrong one, then one more.
+  const std::vector<std::int64_t> truth = continuation(s.request(h).tokens, 4);
+  std::vector<std::int64_t> draft = {truth[0], truth[1], (truth[2] + 1) % VOCAB, truth[3]};
+  s.set_draft_tokens(h, draft);
+  s.set_draft_tokens(h, {});  // withdrawn
+  CHECK(s.draft_tokens(h).empty());
+  s.set_draft_tokens(h, draft);
+  auto batch = s.schedule();
+  REQUIRE(batch);
+  REQUIRE(batch->requests.size() == 1);
+  CHECK(batch->requests[0].query_length == 5);
+  CHECK(batch->requests[0].draft_tokens == draft);
+  CHECK(batch->logits_indices == std::vector<std::int64_t>{0, 1, 2, 3, 4});
+  CHECK(std::vector<std::int64_t>(batch->input_ids.begin() + 1, batch->input_ids.end()) == draft);
+  CHECK(batch->position_ids == std::vector<std::int64_t>{8, 9, 10, 11, 12});
+  CHECK(s.draft_tokens(h).empty());                                // the step took them
+  CHECK(s.request(h).position_offset == 9);                        // the drafts count once update keeps them
+  CHECK(cache.blocks_in_group(0, "a") == 4);                       // rows for all 13 positions
+  CHECK_THROWS_AS(s.set_draft_tokens(h, draft), kvc::ValueError);  // in flight
+  kvc_toy::write_batch(cache, s, *batch, 2);
+  const std::vector<std::int64_t> next = kvc_toy::next_tokens(s, *batch);
+  REQUIRE(next.size() == 5);
+  CHECK(std::vector<std::int64_t>(next.begin(), next.begin() + 3) ==
+        std::vector<std::int64_t>(truth.begin(), truth.begin() + 3));
+  CHECK_THROWS_AS(s.update(*batch, std::span(next).first(1)), kvc::ValueError);  // one token per row
+  s.update(*batch, next);
+  // Two drafts kept, the model's third choice generated: 3 new tokens, 11 positions cached.
+  const kvc::RequestState& st = s.request(h);
+  CHECK(std::vector<std::int64_t>(st.generated().begin() + 1, st.generated().end()) ==
+        std::vector<std::int64_t>(truth.begin(), truth.begin() + 3));
+  CHECK(st.position_offset == 11);
+  CHECK(cache.blocks_in_group(0, "a") == 3);  // the block of positions 12.. is given back
+  CHECK(kvc_toy::wrong_row(cache, "a", st.tokens, st.position_offset, 2) == "");
+  CHECK(s.stats().draft_tokens == 4);
+  CHECK(s.stats().accepted_draft_tokens == 2);
+  // Drafts past max_new_tokens are not run: 4 generated, 4 left, so at most 3 drafts ride along.
+  s.set_draft_tokens(h, std::vector<std::int64_t>{1, 2, 3, 4, 5, 6});
+  batch = s.schedule();
+  REQUIRE(batch);
+  CHECK(batch->requests[0].draft_tokens == std::vector<std::int64_t>{1, 2, 3});
+  kvc_toy::write_batch(cache, s, *batch, 2);
+  s.update(*batch, kvc_toy::next_tokens(s, *batch));
+  while (step(cache, s, 2, run)) {
+  }
+  REQUIRE(run.ended.count("a") == 1);
+  CHECK(std::vector<std::int64_t>(run.ended.at("a").generated().begin(), run.ended.at("a").generated().end()) ==
+        alone(prompt, 8, std::nullopt));
+  CHECK_THROWS_AS(s.set_draft_tokens(h, draft), kvc::KeyError);  // it has left
+  CHECK(cache.get_num_free_blocks() == cache.num_blocks());
+  // Drafts set before the prompt runs ride along its last token: both right ones are kept, and
+  // the step generates three tokens. The prompt is found whole in the cache (a's blocks): its last
+  // token runs again in a complete block, and the drafts go into the next one.
+  const kvc::RequestHandle b = s.add_request({.request_id = "b", .prompt = prompt, .max_new_tokens = 8});
+  const std::vector<std::int64_t> first = alone(prompt, 3, std::nullopt);
+  s.set_draft_tokens(b, std::span(first).first(2));
+  batch = s.schedule();
+  REQUIRE(batch);
+  CHECK(batch->requests[0].past == 7);
+  CHECK(batch->requests[0].query_length == 3);
+  CHECK(batch->logits_indices == std::vector<std::int64_t>{0, 1, 2});
+  kvc_toy::write_batch(cache, s, *batch, 2);
+  s.update(*batch, kvc_toy::next_tokens(s, *batch));
+  CHECK(std::vector<std::int64_t>(s.request(b).generated().begin(), s.request(b).generated().end()) == first);
+  CHECK(s.request(b).position_offset == 10);
+  CHECK(kvc_toy::wrong_row(cache, "b", s.request(b).tokens, 10, 2) == "");
+  s.cancel_request(b);
+  CHECK_THROWS_WITH_AS(s.set_draft_tokens(b, draft),
+                       "kvc::ContinuousBatchingScheduler::set_draft_tokens: request 'b' has ended", kvc::ValueError);
 }

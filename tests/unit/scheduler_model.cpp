@@ -29,6 +29,8 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
       total.rows_checked += c.rows_checked;
       total.finished += c.finished;
       total.state_prefix_hits += c.state_prefix_hits;
+      total.draft_tokens += c.draft_tokens;
+      total.accepted_draft_tokens += c.accepted_draft_tokens;
     } catch (const kvc_model::violation& v) {
       kvc::set_warning_handler(previous);
       FAIL(std::string(v.what()));
@@ -40,8 +42,12 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   CHECK(total.refusals > 300);
   CHECK(total.finished > 1000);
   CHECK(total.rows_checked > 100000);
-  CHECK(total.state_prefix_hits > 100);  // hybrid models resumed prompts from state snapshots
+  CHECK(total.state_prefix_hits > 100);      // hybrid models resumed prompts from state snapshots
+  CHECK(total.accepted_draft_tokens > 100);  // draft tokens were verified, some kept and some rolled back
+  CHECK(total.draft_tokens > total.accepted_draft_tokens + 100);
   MESSAGE("operations " << total.operations << ", steps " << total.steps << ", refusals " << total.refusals
                         << ", finished " << total.finished << ", rows checked " << total.rows_checked
-                        << ", prompt tokens resumed from state snapshots " << total.state_prefix_hits);
+                        << ", prompt tokens resumed from state snapshots " << total.state_prefix_hits
+                        << ", draft tokens run " << total.draft_tokens << " (kept " << total.accepted_draft_tokens
+                        << ")");
 }

@@ -136,6 +136,9 @@ struct ScheduledRequest {
   // Blocks the step completes, hashed for sharing by update() (0 without block sharing).
   std::int64_t complete_blocks = 0;
   bool has_new_token = false;  // its last token's logits give the next token
+  // Draft tokens the step verifies (set_draft_tokens): they follow the request's last token in
+  // the step, and each of the step's last 1 + draft_tokens.size() tokens gives a logits row.
+  std::vector<std::int64_t> draft_tokens;
 };
 
 // One step: the requests' tokens packed one request after another.
@@ -148,8 +151,10 @@ struct ScheduledBatch {
   std::vector<std::int64_t> position_ids;       // T
   std::vector<std::int64_t> cu_seqlens_q;       // R + 1
   std::vector<std::int64_t> past;               // R
-  std::vector<std::int64_t> logits_indices;     // rows whose logits give a token, in request order
-  PagedIndices read_index;                      // empty lists unless asked for and some request has cache
+  // Rows whose logits give a token, in request order: a request's last row, or, with draft
+  // tokens, its last 1 + k rows (the choice after its last token and after each draft).
+  std::vector<std::int64_t> logits_indices;
+  PagedIndices read_index;  // empty lists unless asked for and some request has cache
   // Per layer group, the rows the step's tokens are written to, one per token.
   PagedIndices write_index;
   // The step's number, from 1: update() takes only the batch that schedule() returned last.
@@ -194,6 +199,12 @@ struct SchedulerStats {
   // Block rows (a token in one group) the active requests' cached tokens needed at that peak:
   // peak_blocks_in_use * block_size / live_rows_at_peak is the paging overhead (below 1 with sharing).
   std::int64_t live_rows_at_peak = 0;
+  std::int64_t draft_tokens = 0;           // draft tokens run (set_draft_tokens)
+  std::int64_t accepted_draft_tokens = 0;  // of which the model chose the same: kept and generated
+  // Returns the share of the draft tokens run that were kept (0 with none).
+  double draft_acceptance_rate() const noexcept {
+    return draft_tokens == 0 ? 0.0 : static_cast<double>(accepted_draft_tokens) / static_cast<double>(draft_tokens);
+  }
   // Returns the requests preempted: cpu_offloads + soft_resets.
   std::int64_t preemptions() const noexcept { return cpu_offloads + soft_resets; }
 };
@@ -231,6 +242,11 @@ class ContinuousBatchingScheduler {
     if (!cache.use_prefix_sharing()) max_requests_per_batch_ = std::min(max_requests_per_batch_, cache.num_blocks());
     fast_path_blocks_ = cache.num_sliding_attention_groups() == 0 ? cache.max_blocks_per_request() : 0;
     sharing_ = cache.shares_blocks();
+    for (std::int64_t g = 0; g < cache.num_groups(); ++g)
+      if (!cache.is_sliding_group(g)) {
+        shared_group_ = g;
+        break;
+      }
   }
 
   // Returns the step's token budget: the cache's max_batch_tokens, else cb's.
@@ -410,6 +426,33 @@ class ContinuousBatchingScheduler {
   // seq_keep by handle, with seq_rm's errors.
   void seq_keep(RequestHandle h) { keep_only(live_state(h, "seq_keep")); }
 
+  // ---- speculative decoding (docs/continuous_batching.md, "Speculative decoding") -------------
+  // Draft tokens guessed by a drafter to follow the request's last token (the last generated one,
+  // or the prompt's last). They ride along the step that runs that token, after it, in one pass,
+  // and the batch's logits_indices has a row for the token and for each draft (1 + k rows for
+  // the request). update() takes the token the model chooses at each of those rows, keeps the
+  // drafts up to the first the model did not choose, and generates the model's choices up to and
+  // including that one: 1 to k + 1 tokens, each checked against eos_token_id and max_new_tokens
+  // as one generated token is. The rejected drafts leave the cache as seq_rm removes a suffix: in
+  // place, or, where seq_rm would prefill the kept tokens again (a wrapped sliding window, a
+  // hybrid model's states), so. Drafts past what max_new_tokens leaves, or past the step's token
+  // budget, are not run; a step that runs the last token takes the drafts, run or not. An empty
+  // draft withdraws them. kvc::ValueError while a batch is in flight, for a request that has
+  // ended, or for a token outside [0, 2^31); kvc::KeyError for an id or handle that names no
+  // request. All or nothing.
+  void set_draft_tokens(const std::string& id, std::span<const std::int64_t> draft) {
+    propose(live_state(id, "set_draft_tokens"), draft);
+  }
+  // set_draft_tokens by handle.
+  void set_draft_tokens(RequestHandle h, std::span<const std::int64_t> draft) {
+    propose(live_state(h, "set_draft_tokens"), draft);
+  }
+  // The draft tokens the request's next step will verify: as set, none once a step has taken
+  // them (kvc::KeyError for an id that names no request).
+  std::span<const std::int64_t> draft_tokens(const std::string& id) const { return draft_of(*slots_[slot_of(id)]); }
+  // The same by handle (a kvc::KeyError for a handle that names no request).
+  std::span<const std::int64_t> draft_tokens(RequestHandle h) const { return draft_of(*slots_[slot_of(h)]); }
+
   // llama.cpp's seq_add shifts positions, re-rotating the cached keys (its K-shift). kvc does not:
   // a paged request's positions are its slots in the block tables, and its keys were stored after
   // the rotary embedding. A zero shift or an empty range is accepted (true); any other shift is
@@ -462,9 +505,26 @@ class ContinuousBatchingScheduler {
     RequestState state;
     std::uint32_t generation = 0;  // of the handle that names it
     bool live = false;
-    paged::RequestKey key;  // the request's key in the cache (opened when it was added, closed when it ends)
-    bool rematch = false;   // a cut dropped its cache: its next pass looks for its prefix in the cache again
+    paged::RequestKey key;            // the request's key in the cache (opened when it was added, closed when it ends)
+    bool rematch = false;             // a cut dropped its cache: its next pass looks for its prefix in the cache again
+    std::vector<std::int64_t> draft;  // draft tokens for the next step (set_draft_tokens), while has_draft
+    bool has_draft = false;
   };
+
+  static std::span<const std::int64_t> draft_of(const slot& sl) noexcept {
+    return sl.has_draft ? std::span<const std::int64_t>(sl.draft) : std::span<const std::int64_t>();
+  }
+  // set_draft_tokens' work, on a live request: the copy is made before anything changes.
+  void propose(RequestState& st, std::span<const std::int64_t> draft) {
+    for (const std::int64_t t : draft)
+      if (t < 0 || t > std::numeric_limits<std::int32_t>::max())
+        throw ValueError("kvc::ContinuousBatchingScheduler::set_draft_tokens: token " + std::to_string(t) +
+                         " is outside [0, 2^31)");
+    slot& sl = *slots_[st.handle.slot];
+    std::vector<std::int64_t> copy(draft.begin(), draft.end());
+    sl.draft.swap(copy);
+    sl.has_draft = !draft.empty();
+  }
 
   paged::RequestKey key_of(const RequestState& st) const noexcept { return slots_[st.handle.slot]->key; }
   // The logical blocks a request holds (none once it has ended: its key is closed).
@@ -640,17 +700,40 @@ class ContinuousBatchingScheduler {
     std::size_t next = 0;
     for (const ScheduledRequest& r : batch.requests) {
       RequestState& st = slot_state(r.handle.slot);
+      std::int64_t complete = r.complete_blocks;
       if (r.has_new_token) {
-        const std::int64_t token = next_tokens[next++];
-        push_token(st, token);
-        set_status(st, RequestStatus::decoding);
-        const auto made = static_cast<std::int64_t>(st.generated().size());
-        if (made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id)) {
+        // The drafts the model chose too are kept (m of k); its choices up to the first it did not
+        // share are generated, the next one only once the one before is cached.
+        const auto k = static_cast<std::int64_t>(r.draft_tokens.size());
+        const std::span<const std::int64_t> chosen = next_tokens.subspan(next, static_cast<std::size_t>(k + 1));
+        next += static_cast<std::size_t>(k + 1);
+        std::int64_t m = 0;
+        while (m < k && chosen[static_cast<std::size_t>(m)] == r.draft_tokens[static_cast<std::size_t>(m)]) ++m;
+        stats_.draft_tokens += k;
+        stats_.accepted_draft_tokens += m;
+        bool ended = false;
+        for (std::int64_t i = 0; i <= m && !ended; ++i) {
+          if (i > 0) undo_.set(st.position_offset, st.position_offset + 1);  // the kept draft i - 1
+          const std::int64_t token = chosen[static_cast<std::size_t>(i)];
+          push_token(st, token);
+          set_status(st, RequestStatus::decoding);
+          const auto made = static_cast<std::int64_t>(st.generated().size());
+          ended = made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id);
+        }
+        if (ended) {
           end_request(st, RequestStatus::finished, {});
           continue;
         }
+        if (k > 0) {  // the rejected drafts leave the cache; the blocks the kept tokens complete are hashed
+          if (cut_cache(st, key_of(st), st.position_offset, r.past + r.query_length)) {
+            set_status(st, RequestStatus::prefilling);
+            undo_.set(slots_[st.handle.slot]->rematch, true);
+            continue;
+          }
+          complete = completed_blocks(key_of(st), r.past, st.position_offset);
+        }
       }
-      cache_->mark_shareable_blocks_as_complete(key_of(st), r.complete_blocks, st.tokens);
+      cache_->mark_shareable_blocks_as_complete(key_of(st), complete, st.tokens);
     }
     for (const ScheduledRequest& r : batch.requests) maybe_fork(slot_state(r.handle.slot));
   }
@@ -788,6 +871,7 @@ class ContinuousBatchingScheduler {
       slot& sl = *slots_[at];
       sl.state = std::move(s.states[i]);
       sl.rematch = false;
+      sl.has_draft = false;
       sl.live = true;
       sl.key = s.keys[i];
       if (s.to_waiting[i]) insert_id(waiting_, waiting_.end(), at);
@@ -1006,6 +1090,15 @@ class ContinuousBatchingScheduler {
         if (shared > from && shared < from + q) end = shared;
         if (end > from) q = end - from;
       }
+      // Draft tokens ride along the step that runs the request's last token: as many as the budget
+      // and what it may still generate after its next token allow.
+      const bool new_token = decoding || q == available;
+      std::int64_t drafts = 0;
+      if (new_token && slots_[at]->has_draft)
+        drafts =
+            std::clamp<std::int64_t>(std::min(st.max_new_tokens - std::ssize(st.generated()) - 1, token_budget - q), 0,
+                                     std::ssize(slots_[at]->draft));
+      q += drafts;
       std::int64_t need = st.position_offset;
       if (all_sliding) need = std::min(need, window);
       const bool fast = q == 1 && st.position_offset < fast_path_blocks_ * bs;
@@ -1027,8 +1120,10 @@ class ContinuousBatchingScheduler {
         continue;
       }
       activate(st);
-      const bool new_token = decoding || q == available;
-      p.scheduled.push_back({st.request_id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token});
+      // (with drafts, update counts the blocks the kept tokens complete)
+      p.scheduled.push_back({st.request_id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token, {}});
+      const auto& draft = slots_[at]->draft;
+      p.scheduled.back().draft_tokens.assign(draft.begin(), draft.begin() + drafts);
       fast_path = fast_path && fast;
       token_budget -= q;
       cache_budget -= need;
@@ -1057,13 +1152,19 @@ class ContinuousBatchingScheduler {
       cache_->extend_read_and_write_indices(key, r.past, r.query_length, reads ? &b.read_index : nullptr,
                                             b.write_index);
       if (st.status != RequestStatus::decoding) stats_.prefill_tokens += r.query_length;
+      // The request's own tokens, then its drafts: position_offset counts only the former until
+      // update() knows which drafts stay.
+      const auto drafts = static_cast<std::int64_t>(r.draft_tokens.size());
       const std::span<const std::int64_t> run =
-          st.remaining_prefill_tokens().first(static_cast<std::size_t>(r.query_length));
+          st.remaining_prefill_tokens().first(static_cast<std::size_t>(r.query_length - drafts));
       b.input_ids.insert(b.input_ids.end(), run.begin(), run.end());
+      b.input_ids.insert(b.input_ids.end(), r.draft_tokens.begin(), r.draft_tokens.end());
       for (std::int64_t i = 0; i < r.query_length; ++i) b.position_ids.push_back(r.past + i);
-      undo_.set(st.position_offset, st.position_offset + r.query_length);
+      undo_.set(st.position_offset, st.position_offset + r.query_length - drafts);
+      if (r.has_new_token && slots_[r.handle.slot]->has_draft) undo_.set(slots_[r.handle.slot]->has_draft, false);
       b.cu_seqlens_q.push_back(b.cu_seqlens_q.back() + r.query_length);
-      if (r.has_new_token) b.logits_indices.push_back(b.cu_seqlens_q.back() - 1);
+      if (r.has_new_token)
+        for (std::int64_t i = drafts; i >= 0; --i) b.logits_indices.push_back(b.cu_seqlens_q.back() - 1 - i);
       b.request_ids.push_back(r.request_id);
       b.request_keys.push_back(key);
       b.past.push_back(r.past);
@@ -1142,19 +1243,39 @@ class ContinuousBatchingScheduler {
   // again (a soft reset). Returns true when it dropped the cache so. Allocates nothing.
   bool cut(RequestState& st, paged::RequestKey key, std::int64_t p0) {
     std::int64_t cached = std::min(st.position_offset, p0 - 1);  // the last kept token runs again
-    const bool wrapped = cache_->num_sliding_attention_groups() > 0 && st.position_offset > cache_->sliding_window();
-    bool dropped = false;
-    if (cached < st.position_offset &&
-        (cache_->is_offloaded(key) || wrapped || !cache_->truncate_request(key, cached))) {
-      drop_cache(key, st);
-      cached = 0;
-      dropped = true;
-    }
+    const bool dropped = cut_cache(st, key, cached, st.position_offset);
+    if (dropped) cached = 0;
     st.tokens.resize(static_cast<std::size_t>(p0));
     st.prompt_length = std::min(st.prompt_length, p0);
     st.position_offset = cached;
     if (st.is_active()) st.status = RequestStatus::prefilling;
     return dropped;
+  }
+
+  // Keeps the first `keep` of the `written` rows the request wrote to the cache: its blocks past them
+  // are given back (truncate_request), or, where that cannot be exact (a sliding group's ring that
+  // wrapped: positions beyond `keep` overwrote rows the window still reads; linear-attention
+  // states; no block free to copy a shared partial block; an offloaded request), its cache is
+  // dropped (position_offset 0). Returns true when it dropped it. Allocates nothing outside a
+  // transaction.
+  bool cut_cache(RequestState& st, paged::RequestKey key, std::int64_t keep, std::int64_t written) {
+    if (keep >= written) return false;
+    const bool wrapped = cache_->num_sliding_attention_groups() > 0 && written > cache_->sliding_window();
+    if (!cache_->is_offloaded(key) && !wrapped && cache_->truncate_request(key, keep)) return false;
+    drop_cache(key, st);
+    return true;
+  }
+
+  // The blocks a step completed, for update() to hash: those its kept positions [from, end) filled
+  // up, less the one holding `from` where that one was complete before (a prompt found whole in the
+  // cache runs its last token again there). 0 without block sharing.
+  std::int64_t completed_blocks(paged::RequestKey key, std::int64_t from, std::int64_t end) const {
+    if (!sharing_) return 0;
+    const std::int64_t bs = cache_->block_size();
+    const auto& table = cache_->block_table(shared_group_, key);
+    const auto at = static_cast<std::size_t>(from / bs);
+    const paged::Block* b = at < table.size() ? cache_->manager().block(table[at]) : nullptr;
+    return end / bs - from / bs - (b && b->is_complete() ? 1 : 0);
   }
 
   // A request forks once its prompt is cached but for its last token.
@@ -1248,7 +1369,8 @@ class ContinuousBatchingScheduler {
   std::vector<std::uint32_t> active_;                            // prefilling and decoding, in the order they started
   std::vector<std::uint32_t> waiting_;                           // pending, in arrival order
   std::vector<std::uint32_t> ended_;
-  bool sharing_ = false;  // some group hashes its complete blocks
+  bool sharing_ = false;           // some group hashes its complete blocks
+  std::int64_t shared_group_ = 0;  // the first such group (each full group does, when one does)
   bool block_new_requests_ = false;
   bool in_flight_ = false;
   SchedulerStats stats_;
