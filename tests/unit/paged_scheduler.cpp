@@ -961,11 +961,12 @@ TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolle
   struct layout {
     std::vector<std::string> types;
     std::int64_t snapshot_interval;
+    bool in_place;  // every rollback in place: nothing prefilled but the prompts
   };
-  for (const layout& l :
-       {layout{{"full_attention", "full_attention"}, 0}, layout{{"sliding_attention", "full_attention"}, 0},
-        layout{{"linear_attention", "full_attention"}, 4},
-        layout{{"full_attention", "linear_attention", "sliding_attention"}, 0}}) {
+  for (const layout& l : {layout{{"full_attention", "full_attention"}, 0, true},
+                          layout{{"sliding_attention", "full_attention"}, 0, false},
+                          layout{{"linear_attention", "full_attention"}, 4, false},
+                          layout{{"full_attention", "linear_attention", "sliding_attention"}, 0, false}}) {
     CAPTURE(l.types.front());
     CAPTURE(l.types.size());
     kvc::ContinuousBatchingConfig cb = small(48, 24);
@@ -974,6 +975,7 @@ TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolle
     Scheduler s(cache, cb);
     std::vector<std::string> ids;
     std::map<std::string, std::vector<std::int64_t>> want;
+    std::int64_t prompts = 0;
     for (std::int64_t i = 0; i < 3; ++i) {
       kvc::GenerationRequest r;
       r.request_id = "r" + std::to_string(i);
@@ -981,6 +983,7 @@ TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolle
       r.max_new_tokens = 18 + i;
       if (i == 2) r.eos_token_id = alone(r.prompt, r.max_new_tokens, std::nullopt).at(12);
       want[r.request_id] = alone(r.prompt, r.max_new_tokens, r.eos_token_id);
+      prompts += std::ssize(r.prompt);
       ids.push_back(r.request_id);
       (void)s.add_request(r);
     }
@@ -1001,6 +1004,10 @@ TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolle
           static_cast<double>(t.accepted_draft_tokens) / static_cast<double>(t.draft_tokens));
     // Fewer steps than one token per step needs: 18 + 19 + 13 generated tokens.
     CHECK(t.steps < 18 + 1 + 3);
+    if (l.in_place)
+      CHECK(t.prefill_tokens == prompts);
+    else
+      CHECK(t.prefill_tokens > prompts);
     CHECK(cache.get_num_free_blocks() == cache.num_blocks());
   }
 }
@@ -1086,4 +1093,75 @@ TEST_CASE("scheduler: a step with draft tokens, what update keeps and what it gi
   s.cancel_request(b);
   CHECK_THROWS_WITH_AS(s.set_draft_tokens(b, draft),
                        "kvc::ContinuousBatchingScheduler::set_draft_tokens: request 'b' has ended", kvc::ValueError);
+}
+
+TEST_CASE("scheduler: draft tokens never cost a request its blocks, its hashes or its snapshot") {
+  Run run;
+  SUBCASE("drafts whose blocks do not fit run without them") {
+    // 16 rows; a 13-token prompt with 4 drafts needs 17: the step runs the prompt alone.
+    kvc::ContinuousBatchingConfig cb = small(4, 32);
+    Cache cache(model({"full_attention", "full_attention"}), cb);
+    Scheduler s(cache, cb);
+    std::vector<std::int64_t> prompt;
+    for (std::int64_t t = 0; t < 13; ++t) prompt.push_back((5 * t + 1) % VOCAB);
+    const std::vector<std::int64_t> want = alone(prompt, 10, std::nullopt);
+    (void)s.add_request({.request_id = "a", .prompt = prompt, .max_new_tokens = 10, .eos_token_id = want[1]});
+    s.set_draft_tokens("a", std::vector<std::int64_t>{1, 2, 3, 4});
+    auto batch = s.schedule();
+    REQUIRE(batch);
+    CHECK(batch->requests[0].draft_tokens.empty());
+    CHECK(batch->requests[0].query_length == 13);
+    kvc_toy::write_batch(cache, s, *batch, 2);
+    s.update(*batch, kvc_toy::next_tokens(s, *batch));
+    while (step(cache, s, 2, run)) {
+    }
+    REQUIRE(run.ended.count("a") == 1);
+    CHECK(run.ended.at("a").status == kvc::RequestStatus::finished);
+    CHECK(std::vector<std::int64_t>(run.ended.at("a").generated().begin(), run.ended.at("a").generated().end()) ==
+          std::vector<std::int64_t>(want.begin(), want.begin() + 2));
+  }
+  SUBCASE("a request restored from the swap pool in a step with drafts hashes its restored blocks") {
+    kvc::ContinuousBatchingConfig cb = small(8, 64);
+    cb.safety_margin = 0.0;
+    Cache cache(model({"full_attention", "full_attention"}), cb);
+    cache.reserve_swap_space(8);
+    Scheduler s(cache, cb);
+    std::vector<std::int64_t> pa, pb;
+    for (std::int64_t t = 0; t < 12; ++t) {
+      pa.push_back((5 * t + 1) % VOCAB);
+      pb.push_back((3 * t + 2) % VOCAB);
+    }
+    (void)s.add_request({.request_id = "a", .prompt = pa, .max_new_tokens = 30});
+    (void)s.add_request({.request_id = "b", .prompt = pb, .max_new_tokens = 30});
+    while (!cache.is_offloaded("b")) REQUIRE(step(cache, s, 2, run));
+    s.cancel_request("a");
+    s.set_draft_tokens("b", continuation(s.request("b").tokens, 2));
+    REQUIRE(step(cache, s, 2, run));
+    CHECK(s.stats().restores == 1);
+    const kvc::RequestState& st = s.request("b");
+    std::int64_t hashed = 0;
+    for (const std::int64_t b : cache.block_table(0, "b")) hashed += cache.manager().block(b)->is_complete() ? 1 : 0;
+    CHECK(hashed == st.position_offset / cache.block_size());
+  }
+  SUBCASE("a hybrid prompt's last chunk on a snapshot boundary runs without drafts") {
+    kvc::ContinuousBatchingConfig cb = small(48, 64);
+    cb.state_snapshot_interval = 4;
+    Cache cache(model({"linear_attention", "full_attention"}), cb);
+    Scheduler s(cache, cb);
+    std::vector<std::int64_t> prompt;
+    for (std::int64_t t = 0; t < 12; ++t) prompt.push_back((5 * t + 1) % VOCAB);
+    (void)s.add_request({.request_id = "a", .prompt = prompt, .max_new_tokens = 6});
+    s.set_draft_tokens("a", continuation(prompt, 3));
+    REQUIRE(step(cache, s, 2, run));
+    CHECK(cache.num_state_snapshots() == 1);
+    CHECK(s.draft_tokens("a").empty());  // taken: they guessed what the step generated
+    std::vector<std::int64_t> longer = prompt;
+    longer.push_back(7);
+    (void)s.add_request({.request_id = "b", .prompt = longer, .max_new_tokens = 2});
+    while (step(cache, s, 2, run)) {
+    }
+    CHECK(run.ended.at("b").prefix_match.state_tokens == 12);
+    CHECK(std::vector<std::int64_t>(run.ended.at("a").generated().begin(), run.ended.at("a").generated().end()) ==
+          alone(prompt, 6, std::nullopt));
+  }
 }

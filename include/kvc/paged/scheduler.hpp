@@ -133,9 +133,12 @@ struct ScheduledRequest {
   RequestHandle handle;
   std::int64_t past = 0;          // tokens cached before the step
   std::int64_t query_length = 0;  // tokens of the step
-  // Blocks the step completes, hashed for sharing by update() (0 without block sharing).
+  // Blocks the step completes, hashed for sharing by update() (0 without block sharing; with
+  // draft tokens, update() counts the blocks the kept ones complete instead).
   std::int64_t complete_blocks = 0;
-  bool has_new_token = false;  // its last token's logits give the next token
+  // Its last token's logits give the next token (with draft tokens, its last 1 + k rows' give
+  // the next 1 to k + 1).
+  bool has_new_token = false;
   // Draft tokens the step verifies (set_draft_tokens): they follow the request's last token in
   // the step, and each of the step's last 1 + draft_tokens.size() tokens gives a logits row.
   std::vector<std::int64_t> draft_tokens;
@@ -434,10 +437,12 @@ class ContinuousBatchingScheduler {
   // drafts up to the first the model did not choose, and generates the model's choices up to and
   // including that one: 1 to k + 1 tokens, each checked against eos_token_id and max_new_tokens
   // as one generated token is. The rejected drafts leave the cache as seq_rm removes a suffix: in
-  // place, or, where seq_rm would prefill the kept tokens again (a wrapped sliding window, a
-  // hybrid model's states), so. Drafts past what max_new_tokens leaves, or past the step's token
-  // budget, are not run; a step that runs the last token takes the drafts, run or not. An empty
-  // draft withdraws them. kvc::ValueError while a batch is in flight, for a request that has
+  // place where it can, else by prefilling the kept tokens again (a wrapped sliding window, a
+  // hybrid model's states). Drafts past what max_new_tokens leaves,
+  // past the step's token budget or past the free blocks are not run, nor on a prompt chunk that
+  // ends on a state snapshot boundary; a step that runs the last token takes the drafts, run or
+  // not. Drafts outlive a preemption; seq_rm and the request's end drop them. An empty draft
+  // withdraws them. kvc::ValueError while a batch is in flight, for a request that has
   // ended, or for a token outside [0, 2^31); kvc::KeyError for an id or handle that names no
   // request. All or nothing.
   void set_draft_tokens(const std::string& id, std::span<const std::int64_t> draft) {
@@ -477,13 +482,18 @@ class ContinuousBatchingScheduler {
     return atomically([&] { return next_batch(); });
   }
 
-  // The step's results: `next_tokens[i]` for the i-th request of the batch with has_new_token.
-  // Each such request records its token and finishes at its eos_token_id or max_new_tokens (its
-  // blocks freed); the blocks the step completed are hashed for sharing; a request whose prompt
-  // is cached but for its last token is forked. All or nothing, as schedule(): after a failure
-  // the batch is still in flight and can be passed again.
+  // The step's results: one token per logits row (batch.logits_indices), in order: the token the
+  // model chose there. Each request with has_new_token records its token, or with draft tokens
+  // the drafts the model chose too and its choice after them (set_draft_tokens), and finishes at
+  // its eos_token_id or max_new_tokens (its blocks freed); the blocks the step completed are
+  // hashed for sharing; a request whose prompt is cached but for its last token is forked. All or
+  // nothing, as schedule(): after a failure the batch is still in flight and can be passed again.
   void update(const ScheduledBatch& batch, std::span<const std::int64_t> next_tokens) {
     if (!in_flight_ || batch.step != stats_.steps)
+      throw ValueError("kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last");
+    std::size_t rows = 0;  // (what record reads: a batch changed since schedule() is not the batch)
+    for (const ScheduledRequest& r : batch.requests) rows += r.has_new_token ? 1 + r.draft_tokens.size() : 0;
+    if (rows != batch.logits_indices.size())
       throw ValueError("kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last");
     if (static_cast<std::int64_t>(next_tokens.size()) != static_cast<std::int64_t>(batch.logits_indices.size()))
       throw ValueError("kvc::ContinuousBatchingScheduler::update: the batch needs " +
@@ -571,6 +581,7 @@ class ContinuousBatchingScheduler {
     // prefilled again, from the longest prefix the cache still holds (its own blocks, a snapshot).
     bool& rematch = slots_[st.handle.slot]->rematch;  // (a second cut before the pass keeps the mark)
     rematch = (cut(st, key_of(st), p0) || rematch) && st.is_active();
+    slots_[st.handle.slot]->has_draft = false;  // (they followed a token that may be gone)
     if (requeued > 0) {
       st.num_children = 0;
       commit(s);
@@ -710,10 +721,12 @@ class ContinuousBatchingScheduler {
         std::int64_t m = 0;
         while (m < k && chosen[static_cast<std::size_t>(m)] == r.draft_tokens[static_cast<std::size_t>(m)]) ++m;
         stats_.draft_tokens += k;
-        stats_.accepted_draft_tokens += m;
         bool ended = false;
         for (std::int64_t i = 0; i <= m && !ended; ++i) {
-          if (i > 0) undo_.set(st.position_offset, st.position_offset + 1);  // the kept draft i - 1
+          if (i > 0) {  // the kept draft i - 1
+            undo_.set(st.position_offset, st.position_offset + 1);
+            ++stats_.accepted_draft_tokens;
+          }
           const std::int64_t token = chosen[static_cast<std::size_t>(i)];
           push_token(st, token);
           set_status(st, RequestStatus::decoding);
@@ -730,7 +743,10 @@ class ContinuousBatchingScheduler {
             undo_.set(slots_[st.handle.slot]->rematch, true);
             continue;
           }
-          complete = completed_blocks(key_of(st), r.past, st.position_offset);
+          // (a request restored from the swap pool in this step hashes its restored blocks too)
+          const std::int64_t bs = cache_->block_size();
+          const std::int64_t restored = r.complete_blocks - (sharing_ ? (r.past % bs + r.query_length) / bs : 0);
+          complete = restored + completed_blocks(key_of(st), r.past, st.position_offset);
         }
       }
       cache_->mark_shareable_blocks_as_complete(key_of(st), complete, st.tokens);
@@ -1094,7 +1110,10 @@ class ContinuousBatchingScheduler {
       // and what it may still generate after its next token allow.
       const bool new_token = decoding || q == available;
       std::int64_t drafts = 0;
-      if (new_token && slots_[at]->has_draft)
+      // (not on a prompt chunk that ends where its states are kept as a snapshot: drafts would
+      // move the states past it; they ride the request's next step)
+      const bool snapshot_end = !decoding && snapshot_every > 0 && (st.position_offset + q) % snapshot_every == 0;
+      if (new_token && slots_[at]->has_draft && !snapshot_end)
         drafts =
             std::clamp<std::int64_t>(std::min(st.max_new_tokens - std::ssize(st.generated()) - 1, token_budget - q), 0,
                                      std::ssize(slots_[at]->draft));
@@ -1105,7 +1124,12 @@ class ContinuousBatchingScheduler {
       if (!(fast_path && fast) && cache_budget < need) continue;
       const std::int64_t cur = st.position_offset;
       const std::int64_t held = held_blocks(st);
-      const std::int64_t got = allocate(st, q, held);
+      std::int64_t got = allocate(st, q, held);
+      if (got < 0 && drafts > 0) {  // the drafts' blocks do not fit: the step runs without them
+        q -= drafts;
+        drafts = 0;
+        got = allocate(st, q, held);
+      }
       if (got < 0) {
         p.allocation_failed = true;
         if (!p.first_failed) {
@@ -1151,10 +1175,10 @@ class ContinuousBatchingScheduler {
       }
       cache_->extend_read_and_write_indices(key, r.past, r.query_length, reads ? &b.read_index : nullptr,
                                             b.write_index);
-      if (st.status != RequestStatus::decoding) stats_.prefill_tokens += r.query_length;
       // The request's own tokens, then its drafts: position_offset counts only the former until
       // update() knows which drafts stay.
       const auto drafts = static_cast<std::int64_t>(r.draft_tokens.size());
+      if (st.status != RequestStatus::decoding) stats_.prefill_tokens += r.query_length - drafts;
       const std::span<const std::int64_t> run =
           st.remaining_prefill_tokens().first(static_cast<std::size_t>(r.query_length - drafts));
       b.input_ids.insert(b.input_ids.end(), run.begin(), run.end());
@@ -1226,6 +1250,7 @@ class ContinuousBatchingScheduler {
     commit_end(st, status, status == RequestStatus::failed ? failure_message(st, why) : std::string());
   }
   void commit_end(RequestState& st, RequestStatus status, std::string error) {
+    if (slots_[st.handle.slot]->has_draft) undo_.set(slots_[st.handle.slot]->has_draft, false);
     cache_->close_request(key_of(st));
     undo_.set(st.position_offset, std::int64_t{0});
     set_status(st, status);
