@@ -66,6 +66,7 @@ struct counts {
   std::int64_t operations = 0, steps = 0, refusals = 0, rows_checked = 0, finished = 0;
   std::int64_t state_prefix_hits = 0;  // prompt tokens a hybrid model resumed from state snapshots
   std::int64_t draft_tokens = 0, accepted_draft_tokens = 0;  // draft tokens run, and kept
+  std::int64_t state_rollbacks = 0;  // cuts of a hybrid model's requests made in place (state rings)
 };
 
 class run {
@@ -87,6 +88,7 @@ class run {
     cb.scheduler_type = src_.pick(2) == 0 ? "fifo" : "prefill_first";
     cb.state_snapshot_interval = 4 * src_.pick(3);  // (a model with states only)
     cb.max_state_snapshots = 1 + src_.pick(4);
+    cb.state_rollback_tokens = 2 * src_.pick(3);  // (a model with states only: its rings)
     cache_.emplace(kvc_toy::model(types_, 5 + src_.pick(6)), cb);
     if (const std::int64_t swap = src_.pick(10); swap > 0) cache_->reserve_swap_space(swap);
     if (*cb.num_blocks % 2 == 1) {  // half the runs serve from a copy (its scratch memory starts empty)
@@ -123,6 +125,7 @@ class run {
     if (cache_->state_snapshot_interval() > 0) c_.state_prefix_hits += sched_->stats().prefix_hit_tokens;
     c_.draft_tokens += sched_->stats().draft_tokens;
     c_.accepted_draft_tokens += sched_->stats().accepted_draft_tokens;
+    if (!cache_->state_layers().empty()) c_.state_rollbacks += sched_->stats().cuts_in_place;
     return c_;
   }
 
@@ -165,7 +168,8 @@ class run {
          std::to_string(t.prefix_hit_tokens) + "," + std::to_string(t.cpu_offloads) + "," +
          std::to_string(t.soft_resets) + "," + std::to_string(t.restores) + "," + std::to_string(t.forks) + "," +
          std::to_string(t.forks_requeued) + "," + std::to_string(t.failed) + "," + std::to_string(t.draft_tokens) +
-         "," + std::to_string(t.accepted_draft_tokens) + "," + std::to_string(cache_->total_prefix_length()) + ";";
+         "," + std::to_string(t.accepted_draft_tokens) + "," + std::to_string(t.cuts_in_place) + "," +
+         std::to_string(t.cuts_prefilled) + "," + std::to_string(cache_->total_prefix_length()) + ";";
     for (const std::string& id : known_) {
       const kvc::RequestState& st = sched_->request(id);
       s += id + "@" + std::to_string(st.handle.slot) + "." + std::to_string(st.handle.generation) + ":" +

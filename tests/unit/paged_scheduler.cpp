@@ -954,23 +954,28 @@ std::map<std::string, kvc::RequestState> speculate(Cache& cache, Scheduler& s, s
 }  // namespace
 
 TEST_CASE("scheduler: draft tokens verified in one step, the rejected ones rolled back exactly") {
-  // Full attention: the rejected drafts leave in place (their blocks are given back); sliding
-  // layers whose ring wrapped and linear-attention states cannot be cut back, so the request
-  // prefills its kept tokens again (from a state snapshot where the cache has one). Every layout
-  // generates what each request generates alone.
+  // Full attention: the rejected drafts leave in place (their blocks are given back), and so do
+  // linear-attention states with a ring of 4 steps (state_rollback_tokens). Sliding layers whose
+  // ring wrapped, states without a ring or with a shorter one than the drafts rejected, cannot be
+  // cut back: the request prefills its kept tokens again (from a state snapshot where the cache has one). Every layout generates what
+  // each request generates alone.
   struct layout {
     std::vector<std::string> types;
-    std::int64_t snapshot_interval;
+    std::int64_t snapshot_interval, rollback;
     bool in_place;  // every rollback in place: nothing prefilled but the prompts
   };
-  for (const layout& l : {layout{{"full_attention", "full_attention"}, 0, true},
-                          layout{{"sliding_attention", "full_attention"}, 0, false},
-                          layout{{"linear_attention", "full_attention"}, 4, false},
-                          layout{{"full_attention", "linear_attention", "sliding_attention"}, 0, false}}) {
+  for (const layout& l : {layout{{"full_attention", "full_attention"}, 0, 0, true},
+                          layout{{"sliding_attention", "full_attention"}, 0, 0, false},
+                          layout{{"linear_attention", "full_attention"}, 4, 0, false},
+                          layout{{"linear_attention", "full_attention"}, 4, 4, true},
+                          layout{{"full_attention", "linear_attention"}, 0, 3, false},  // 4 drafts rejected
+                          layout{{"full_attention", "linear_attention", "sliding_attention"}, 0, 4, false}}) {
     CAPTURE(l.types.front());
     CAPTURE(l.types.size());
+    CAPTURE(l.rollback);
     kvc::ContinuousBatchingConfig cb = small(48, 24);
     cb.state_snapshot_interval = l.snapshot_interval;
+    cb.state_rollback_tokens = l.rollback;
     Cache cache(model(l.types), cb);
     Scheduler s(cache, cb);
     std::vector<std::string> ids;

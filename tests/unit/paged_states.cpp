@@ -608,6 +608,13 @@ TEST_CASE("PagedCache states: the memory planner sets the state slots' bytes asi
   CHECK(planned.num_blocks() == Cache(hybrid_model(), cb, less).num_blocks());
   CHECK(planned.num_blocks() < without);
   CHECK(planned.state_slots() == 8);
+  // A ring of 2 steps per slot: 3 more copies of a request's states each (8 x 4 x 64 KiB).
+  kvc::ContinuousBatchingConfig ringed = cb;
+  ringed.state_rollback_tokens = 2;
+  less.available_bytes = budget.available_bytes - 8 * 4 * (std::int64_t{1} << 16);
+  CHECK(Cache(hybrid_model(), ringed, budget).num_blocks() == Cache(hybrid_model(), cb, less).num_blocks());
+  less.available_bytes -= 8 * (std::int64_t{1} << 16);
+  CHECK(Cache(hybrid_model(), ringed, budget).num_blocks() != Cache(hybrid_model(), cb, less).num_blocks());
   // A model without states sets nothing aside.
   auto plain = hybrid_model();
   plain.layer_types = std::vector<std::string>{"full_attention", "full_attention"};
@@ -1048,4 +1055,85 @@ TEST_CASE("PagedCache states: copies chained in one transaction, in every order,
   // A match on a request that holds blocks is refused, snapshot or not.
   CHECK_THROWS_WITH_AS((void)c.match_prefix("f", ids{9, 9, 9, 9, 9}),
                        "kvc::paged: request f already has blocks; a prefix match starts a table", kvc::ValueError);
+}
+
+TEST_CASE("PagedCache states: rollback_request takes states back through their rings") {
+  kvc::ContinuousBatchingConfig cb = blocks(8, 2);
+  cb.state_rollback_tokens = 3;
+  Cache c(hybrid_model(), cb);
+  CHECK(c.state_rollback_tokens() == 3);
+  REQUIRE(c.allocate_blocks(2, "a", 0));
+  // One token a step: every state with states of its own (conv column, recurrent state).
+  Eigen::Tensor<float, 2, Eigen::RowMajor> rec(1, 4);
+  const auto token = [&](const std::string& id, unsigned t) {
+    for (const std::int64_t l : state_layers)
+      for (std::int64_t s = 0; s < 2; ++s) {
+        (void)c.update_conv_state(random_conv(1, 3, 1, 10 * t + static_cast<unsigned>(l + s)), id, l, s, 2);
+        for (Eigen::Index i = 0; i < rec.size(); ++i) rec.data()[i] = static_cast<float>(t * 100 + i);
+        (void)c.update_recurrent_state(rec, id, l, s);
+      }
+  };
+  std::vector<std::vector<std::vector<float>>> after;  // the states after 0, 1, ... tokens
+  after.push_back(states_of(c, "a"));
+  for (unsigned t = 1; t <= 6; ++t) {
+    token("a", t);
+    after.push_back(states_of(c, "a"));
+  }
+  // Back 2 of the 6 tokens, then 1 more: the states after 4, then 3 tokens; the ring held 3.
+  CHECK(c.rollback_request("a", 4, 2));
+  CHECK(states_of(c, "a") == after[4]);
+  CHECK(c.blocks_in_group(0, "a") == 1);
+  CHECK(c.rollback_request("a", 3, 1));
+  CHECK(states_of(c, "a") == after[3]);
+  const auto held = kvc_test::take_paged_snapshot(c, {"a"});
+  CHECK_FALSE(c.rollback_request("a", 2, 1));  // the ring is spent: nothing changes
+  CHECK(kvc_test::take_paged_snapshot(c, {"a"}) == held);
+  // New steps fill it again; in a transaction the rollback puts states and ring back.
+  token("a", 7);
+  token("a", 8);
+  const auto at5 = states_of(c, "a");
+  c.begin_transaction();
+  CHECK(c.rollback_request("a", 3, 2));
+  CHECK(states_of(c, "a") == after[3]);
+  c.rollback_transaction();
+  CHECK(states_of(c, "a") == at5);
+  CHECK(c.rollback_request("a", 4, 1));
+  CHECK(c.rollback_request("a", 3, 1));
+  CHECK(states_of(c, "a") == after[3]);
+  // A step of several tokens empties the ring, and so does a recurrent update without a conv
+  // step before it: neither can be taken back by tokens.
+  (void)c.update_conv_state(random_conv(1, 3, 2, 77), "a", 0, 0, 2);
+  CHECK_FALSE(c.rollback_request("a", 2, 1));
+  token("a", 9);
+  CHECK(c.rollback_request("a", 3, 1));
+  token("a", 10);
+  (void)c.update_recurrent_state(rec, "a", 2, 1);
+  CHECK_FALSE(c.rollback_request("a", 3, 1));
+  // States copied onto a request replace its ring's history; a request with none written, or no
+  // tokens to take back, is cut as truncate_request cuts.
+  REQUIRE(c.allocate_blocks(1, "b", 0));
+  CHECK(c.rollback_request("b", 1, 2));
+  token("b", 11);
+  c.copy_states("a", "b");
+  CHECK_FALSE(c.rollback_request("b", 0, 1));
+  CHECK(c.rollback_request("b", 1, 0));
+  CHECK_THROWS_WITH_AS(c.rollback_request("b", 1, -1),
+                       "kvc::PagedCache::rollback_request: removed must be 0 or more, got -1", kvc::ValueError);
+  // Without a ring (the default) a written state cannot be taken back.
+  Cache plain(hybrid_model(), blocks(8, 2));
+  REQUIRE(plain.allocate_blocks(1, "a", 0));
+  (void)plain.update_conv_state(random_conv(1, 3, 1), "a", 0, 0, 2);
+  CHECK_FALSE(plain.rollback_request("a", 0, 1));
+  // The ring's rows are planned and checked with the slots.
+  cb.state_rollback_tokens = -1;
+  CHECK_THROWS_WITH_AS(Cache(hybrid_model(), cb), "kvc::PagedCache: state_rollback_tokens must be 0 or more, got -1",
+                       kvc::ValueError);
+  cb.state_rollback_tokens = std::int64_t{1} << 20;
+  cb.max_state_slots = std::int64_t{1} << 21;
+  CHECK_THROWS_WITH_AS(
+      Cache(hybrid_model(), cb),
+      "kvc::PagedCache: max_state_slots x (state_rollback_tokens + 1) state rows are above kvc's limit",
+      kvc::ValueError);
+  CHECK(c.state_pools().slots() == 2 * (1 + 4));  // 2 slots, each with its own row and a ring of 4
+  CHECK(plain.state_pools().slots() == 2);
 }

@@ -31,6 +31,7 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
       total.state_prefix_hits += c.state_prefix_hits;
       total.draft_tokens += c.draft_tokens;
       total.accepted_draft_tokens += c.accepted_draft_tokens;
+      total.state_rollbacks += c.state_rollbacks;
     } catch (const kvc_model::violation& v) {
       kvc::set_warning_handler(previous);
       FAIL(std::string(v.what()));
@@ -45,9 +46,10 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   CHECK(total.state_prefix_hits > 100);      // hybrid models resumed prompts from state snapshots
   CHECK(total.accepted_draft_tokens > 100);  // draft tokens were verified, some kept and some rolled back
   CHECK(total.draft_tokens > total.accepted_draft_tokens + 100);
+  CHECK(total.state_rollbacks > 20);  // hybrid requests cut in place, their states from their rings
   MESSAGE("operations " << total.operations << ", steps " << total.steps << ", refusals " << total.refusals
                         << ", finished " << total.finished << ", rows checked " << total.rows_checked
                         << ", prompt tokens resumed from state snapshots " << total.state_prefix_hits
                         << ", draft tokens run " << total.draft_tokens << " (kept " << total.accepted_draft_tokens
-                        << ")");
+                        << "), hybrid cuts in place " << total.state_rollbacks);
 }

@@ -57,6 +57,12 @@ struct ContinuousBatchingConfig {
   // kvc's own: how many state snapshots the cache keeps (the least recently used one makes room);
   // unset: as many as it has state slots.
   std::optional<std::int64_t> max_state_snapshots;
+  // kvc's own, for a hybrid model: how many of a request's last tokens its linear-attention states
+  // can be taken back by in place (0: none). Each state slot keeps a ring of its states as they
+  // were before each of its last state_rollback_tokens one-token steps (state_rollback_tokens + 1
+  // more copies of a request's states), so that the scheduler's seq_rm and rejected draft tokens
+  // cut a hybrid request without prefilling it again (docs/rollback.md).
+  std::int64_t state_rollback_tokens = 0;
 
   // transformers' fallback_max_blocks_per_request property.
   static constexpr std::int64_t fallback_max_blocks_per_request() noexcept { return 32; }

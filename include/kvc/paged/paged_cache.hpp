@@ -199,6 +199,7 @@ class PagedCache<S> {
     std::int64_t num_blocks;
     std::int64_t state_slots;
     std::int64_t snapshots;  // state snapshots kept (0: none)
+    std::int64_t rollback;   // state_rollback_tokens (0 for a model without states)
   };
   PagedCache(const ModelConfig& config, const ContinuousBatchingConfig& cb, std::int64_t head_divisor, resolved)
       : PagedCache(config, cb, checked(config, cb, head_divisor)) {}
@@ -213,7 +214,9 @@ class PagedCache<S> {
               static_cast<std::int64_t>(groups_.state_layers.size()) * config.number_of_conv_states),
         states_per_layer_(groups_.state_layers.empty() ? 0 : config.number_of_conv_states),
         states_(static_cast<std::int64_t>(groups_.state_layers.size()) * states_per_layer_,
-                groups_.state_layers.empty() ? 0 : sizes.state_slots + sizes.snapshots),
+                groups_.state_layers.empty() ? 0 : state_rows(sizes)),
+        rollback_(sizes.rollback),
+        rings_(sizes.rollback > 0 ? static_cast<std::size_t>(sizes.state_slots * states_.entries()) : 0),
         snapshots_(static_cast<std::size_t>(sizes.snapshots)),
         snapshot_interval_(sizes.snapshots > 0 ? cb.state_snapshot_interval : 0),
         max_batch_tokens_(cb.max_batch_tokens),
@@ -466,6 +469,46 @@ class PagedCache<S> {
     settle(*k);
     return true;
   }
+
+  // truncate_request for a request that may hold linear-attention states: keeps its first `tokens`
+  // positions, the last `removed` it held past them taken back, its states too: each is put back
+  // as it was before its last `removed` one-token steps, from its ring
+  // (ContinuousBatchingConfig::state_rollback_tokens; docs/rollback.md). False, with nothing
+  // changed, where truncate_request refuses, or where a state written since the request took its
+  // slot has fewer such steps in its ring (none without state_rollback_tokens, or after an
+  // update of several tokens). In a transaction a rollback puts the states back (saving them may
+  // throw std::bad_alloc: roll back then); outside one it allocates nothing once called once.
+  bool rollback_request(paged::RequestRef request, std::int64_t tokens, std::int64_t removed) {
+    detail::check_size("kvc::PagedCache::rollback_request: removed", removed, 0, max_extent);
+    const auto k = tables_.find(request);
+    const std::int64_t slot = k ? tables_.state_slots().slot_of(*k) : -1;
+    if (slot < 0) return truncate_request(request, tokens);
+    const std::uint64_t epoch = tables_.state_slots().epoch(slot);
+    for (std::int64_t e = 0; e < states_.entries(); ++e)
+      if ((states_.conv_written(e, slot, epoch) || states_.recurrent_written(e, slot, epoch)) &&
+          ring_steps(slot, e, epoch) < removed)
+        return false;
+    detail::check_size("kvc::PagedCache::rollback_request: tokens", tokens, 0, max_extent);
+    if (in_transaction()) save_slot(false, slot);
+    if (!tables_.truncate(*k, tokens, cut_)) return false;
+    move_blocks(pool::pages, cut_.source, pool::pages, cut_.destination);
+    settle(*k);
+    for (std::int64_t e = 0; removed > 0 && rollback_ > 0 && e < states_.entries(); ++e) {
+      ring& r = ring_of(slot, e);
+      const std::int64_t steps = ring_steps(slot, e, epoch);
+      if (steps >= removed) {
+        const std::int64_t at = (r.head - removed + (rollback_ + 1)) % (rollback_ + 1);
+        paged::StatePools<S>::copy_entry(states_, ring_row(slot, at), epoch, states_, slot, epoch, e);
+        tables_.log().set(r, ring{epoch, at, steps - removed, false});
+      } else if (r.epoch == epoch) {  // never written on the kept tokens: its ring is of the removed ones
+        tables_.log().set(r, ring{});
+      }
+    }
+    return true;
+  }
+  // Returns how many one-token steps each request's states can be taken back by
+  // (ContinuousBatchingConfig::state_rollback_tokens; 0 for a model without states).
+  std::int64_t state_rollback_tokens() const noexcept { return rollback_; }
 
   // ---- indices ----------------------------------------------------------------------------------
 
@@ -1031,6 +1074,7 @@ class PagedCache<S> {
     typename S::buffer_type fresh;
     if (aliased || out_conv_.size() < out_elems) fresh = typename S::buffer_type(out_elems);
     states_.shape_conv(at.entry, c, k);
+    begin_step(at, t == 1);  // (before the state changes: the ring keeps it as it was)
     T* full = fresh.size() > 0 ? fresh.data() : out_conv_.data();
     T* kept = states_.conv(at.entry, at.slot);
     if (pad > 0) S::zero_2d(full, width, pad, c);
@@ -1060,6 +1104,7 @@ class PagedCache<S> {
                        " do not match state " + std::to_string(state_idx) + " of layer " + std::to_string(layer_idx) +
                        ", which holds " + shape_string(S::make_state_view(nullptr, made.rank, made.shape)));
     states_.shape_recurrent(at.entry, x.rank, x.extents);
+    end_step(at);
     T* r = states_.recurrent(at.entry, at.slot);
     S::copy_2d(r, x.size(), x.data(), x.size(), x.size(), 1);
     states_.mark_recurrent(at.entry, at.slot, at.epoch);
@@ -1580,7 +1625,9 @@ class PagedCache<S> {
                        max_extent);
     const std::int64_t n = cb.max_state_slots.value_or(cb.max_requests_per_batch.value_or(256));
     detail::check_size("kvc::PagedCache: max_state_slots", n, 1, max_extent);
-    const std::int64_t slots = n + snapshots_for(paged::group_paged_layers(config), cb, n);
+    const paged::LayerGroups groups = paged::group_paged_layers(config);
+    const std::int64_t snapshots = snapshots_for(groups, cb, n), rollback = rollback_for(groups, cb, n, snapshots);
+    const std::int64_t slots = n * (rollback > 0 ? rollback + 2 : 1) + snapshots;
     std::int64_t out = 0;
     if (!detail::mul_fits(slots, budget.state_bytes_per_request, out) || out > budget.available_bytes)
       throw MemoryError("kvc::PagedCache: the state slots and snapshots need " + std::to_string(slots) + " x " +
@@ -1607,7 +1654,24 @@ class PagedCache<S> {
     if (!groups.state_layers.empty())
       detail::check_size("kvc::PagedCache: max_state_slots", out.state_slots, 1, max_extent);
     out.snapshots = snapshots_for(groups, cb, out.state_slots);
+    out.rollback = rollback_for(groups, cb, out.state_slots, out.snapshots);
     return out;
+  }
+  // The state rollback ring of a cache of `groups` with `slots` state slots and `snapshots`
+  // snapshots: cb.state_rollback_tokens for a model with states (checked for every model).
+  static std::int64_t rollback_for(const paged::LayerGroups& groups, const ContinuousBatchingConfig& cb,
+                                   std::int64_t slots, std::int64_t snapshots) {
+    detail::check_size("kvc::PagedCache: state_rollback_tokens", cb.state_rollback_tokens, 0, max_layers);
+    if (groups.state_layers.empty() || cb.state_rollback_tokens == 0) return 0;
+    std::int64_t ring = 0;
+    if (!detail::mul_fits(slots, cb.state_rollback_tokens + 1, ring) || ring > max_extent - slots - snapshots)
+      throw ValueError(
+          "kvc::PagedCache: max_state_slots x (state_rollback_tokens + 1) state rows are above kvc's limit");
+    return cb.state_rollback_tokens;
+  }
+  // The rows of the state tensors: the request slots, the snapshots, then each slot's ring.
+  static std::int64_t state_rows(const checked_sizes& sizes) noexcept {
+    return sizes.state_slots * (sizes.rollback > 0 ? sizes.rollback + 2 : 1) + sizes.snapshots;
   }
   // The state snapshots a cache of `groups` keeps with `slots` state slots: for a model with states
   // whose attention layers form one full-attention group, with block sharing allowed. Checks
@@ -1713,7 +1777,68 @@ class PagedCache<S> {
   // may have been given back earlier in the transaction, and what its holder had must survive.
   void move_states(const state_copy& c) {
     if (in_transaction()) save_slot(c.to_swap, c.b);
+    if (!c.to_swap && c.b < state_slots()) forget_rings(c.b);  // its states are another's now
     copy_states_now(c);
+  }
+
+  // ---- the state rollback rings (ContinuousBatchingConfig::state_rollback_tokens) -----------------
+  // One state's ring of a slot: rows ring_row(slot, 0 .. rollback_) of states_ hold the state as it
+  // was before each of its last `steps` one-token steps, the newest at head - 1; valid while
+  // `epoch` is the slot's (a slot taken again starts with none). `open`: update_conv_state began a
+  // step that update_recurrent_state has not ended. One row more than steps: a step writes the row
+  // past the newest, so that a transaction's rollback, which restores the bookkeeping, finds every
+  // row it counts as it was.
+  struct ring {
+    std::uint64_t epoch = 0;
+    std::int64_t head = 0, steps = 0;
+    bool open = false;
+  };
+  ring& ring_of(std::int64_t slot, std::int64_t entry) noexcept {
+    return rings_[static_cast<std::size_t>(slot * states_.entries() + entry)];
+  }
+  std::int64_t ring_row(std::int64_t slot, std::int64_t j) const noexcept {
+    return state_slots() + max_state_snapshots() + slot * (rollback_ + 1) + j;
+  }
+  // The one-token steps the state's ring holds (0 for a ring of an earlier holder of the slot).
+  std::int64_t ring_steps(std::int64_t slot, std::int64_t entry, std::uint64_t epoch) const noexcept {
+    if (rollback_ == 0) return 0;
+    const ring& r = rings_[static_cast<std::size_t>(slot * states_.entries() + entry)];
+    return r.epoch == epoch && !r.open ? r.steps : 0;
+  }
+  // update_conv_state starts a step of the state: of one token, the state as it is goes into the
+  // ring's next row; of several, the ring is emptied (it counts one-token steps only).
+  void begin_step(const state_at& at, bool one_token) {
+    if (rollback_ == 0) return;
+    ring& r = ring_of(at.slot, at.entry);
+    ring next = r.epoch == at.epoch ? r : ring{at.epoch, 0, 0, false};
+    if (one_token) {
+      paged::StatePools<S>::copy_entry(states_, at.slot, at.epoch, states_, ring_row(at.slot, next.head), at.epoch,
+                                       at.entry);
+      next.head = (next.head + 1) % (rollback_ + 1);
+      next.steps = std::min(next.steps + 1, rollback_);
+      next.open = true;
+    } else {
+      next.steps = 0;
+      next.open = false;
+    }
+    tables_.log().set(r, next);
+  }
+  // update_recurrent_state ends the step update_conv_state began; one that began none cannot be
+  // counted in tokens, so the ring is emptied.
+  void end_step(const state_at& at) {
+    if (rollback_ == 0) return;
+    ring& r = ring_of(at.slot, at.entry);
+    if (r.epoch != at.epoch) return;
+    ring next = r;
+    if (!r.open) next.steps = 0;
+    next.open = false;
+    tables_.log().set(r, next);
+  }
+  // The slot's rings hold nothing (its states were replaced wholesale).
+  void forget_rings(std::int64_t slot) {
+    if (rollback_ == 0) return;
+    for (std::int64_t e = 0; e < states_.entries(); ++e)
+      if (ring& r = ring_of(slot, e); r.epoch != 0) tables_.log().set(r, ring{});
   }
   // A state slot as a transaction found it before a copy overwrote it.
   struct saved_slot {
@@ -1813,6 +1938,10 @@ class PagedCache<S> {
     std::uint64_t epoch = 0;  // its marks in states_ (0: the entry is empty)
     std::uint64_t used = 0;   // when it was last saved or matched (0: never)
   };
+  // The state rollback: how many one-token steps each slot's ring keeps (0: none), and per (slot,
+  // entry) the ring's bookkeeping, slot-major.
+  std::int64_t rollback_ = 0;
+  std::vector<ring> rings_;
   std::vector<snapshot> snapshots_;
   std::int64_t snapshot_interval_ = 0;
   // Snapshot epochs: above every slot epoch StateSlots gives out, so that no mark is ambiguous.

@@ -202,6 +202,10 @@ struct SchedulerStats {
   // Block rows (a token in one group) the active requests' cached tokens needed at that peak:
   // peak_blocks_in_use * block_size / live_rows_at_peak is the paging overhead (below 1 with sharing).
   std::int64_t live_rows_at_peak = 0;
+  // Cuts (seq_rm, seq_cp of a prefix, rejected draft tokens) made in place.
+  std::int64_t cuts_in_place = 0;
+  // Cuts that dropped the request's cache instead, so that it prefills the kept tokens again.
+  std::int64_t cuts_prefilled = 0;
   std::int64_t draft_tokens = 0;           // draft tokens run (set_draft_tokens)
   std::int64_t accepted_draft_tokens = 0;  // of which the model chose the same: kept and generated
   // Returns the share of the draft tokens run that were kept (0 with none).
@@ -438,7 +442,7 @@ class ContinuousBatchingScheduler {
   // including that one: 1 to k + 1 tokens, each checked against eos_token_id and max_new_tokens
   // as one generated token is. The rejected drafts leave the cache as seq_rm removes a suffix: in
   // place where it can, else by prefilling the kept tokens again (a wrapped sliding window, a
-  // hybrid model's states). Drafts past what max_new_tokens leaves,
+  // hybrid model's states without a deep enough ring). Drafts past what max_new_tokens leaves,
   // past the step's token budget or past the free blocks are not run, nor on a prompt chunk that
   // ends on a state snapshot boundary; a step that runs the last token takes the drafts, run or
   // not. Drafts outlive a preemption; seq_rm and the request's end drop them. An empty draft
@@ -1278,16 +1282,20 @@ class ContinuousBatchingScheduler {
   }
 
   // Keeps the first `keep` of the `written` rows the request wrote to the cache: its blocks past them
-  // are given back (truncate_request), or, where that cannot be exact (a sliding group's ring that
-  // wrapped: positions beyond `keep` overwrote rows the window still reads; linear-attention
-  // states; no block free to copy a shared partial block; an offloaded request), its cache is
-  // dropped (position_offset 0). Returns true when it dropped it. Allocates nothing outside a
-  // transaction.
+  // are given back and its linear-attention states taken back (rollback_request), or, where that
+  // cannot be exact (a sliding group's ring that wrapped: positions beyond `keep` overwrote rows
+  // the window still reads; states whose rings hold too few steps; no block free to copy a shared
+  // partial block; an offloaded request), its cache is dropped (position_offset 0). Returns true
+  // when it dropped it. Allocates nothing outside a transaction.
   bool cut_cache(RequestState& st, paged::RequestKey key, std::int64_t keep, std::int64_t written) {
     if (keep >= written) return false;
     const bool wrapped = cache_->num_sliding_attention_groups() > 0 && written > cache_->sliding_window();
-    if (!cache_->is_offloaded(key) && !wrapped && cache_->truncate_request(key, keep)) return false;
+    if (!cache_->is_offloaded(key) && !wrapped && cache_->rollback_request(key, keep, written - keep)) {
+      ++stats_.cuts_in_place;
+      return false;
+    }
     drop_cache(key, st);
+    ++stats_.cuts_prefilled;
     return true;
   }
 

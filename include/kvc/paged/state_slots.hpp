@@ -230,21 +230,20 @@ class StatePools {
   // A slot onto itself only changes its marks.
   static void copy_slot(const StatePools& from, std::int64_t a, std::uint64_t ea, StatePools& to, std::int64_t b,
                         std::uint64_t eb) {
-    const bool same = &from == &to && a == b;
-    for (std::int64_t e = 0; e < from.entries(); ++e) {
-      const entry& x = from.at(e);
-      const bool conv = from.conv_written(e, a, ea), rec = from.recurrent_written(e, a, ea);
-      if (same) {
-        to.mark_conv(e, b, conv ? eb : 0);
-        to.mark_recurrent(e, b, rec ? eb : 0);
-        continue;
-      }
+    for (std::int64_t e = 0; e < from.entries(); ++e) copy_entry(from, a, ea, to, b, eb, e);
+  }
+  // copy_slot for entry e alone.
+  static void copy_entry(const StatePools& from, std::int64_t a, std::uint64_t ea, StatePools& to, std::int64_t b,
+                         std::uint64_t eb, std::int64_t e) {
+    const entry& x = from.at(e);
+    const bool conv = from.conv_written(e, a, ea), rec = from.recurrent_written(e, a, ea);
+    if (&from != &to || a != b) {
       if (conv) S::copy_2d(to.conv(e, b), x.conv_size(), from.conv(e, a), x.conv_size(), x.conv_size(), 1);
       if (rec)
         S::copy_2d(to.recurrent(e, b), x.recurrent_size, from.recurrent(e, a), x.recurrent_size, x.recurrent_size, 1);
-      to.mark_conv(e, b, conv ? eb : 0);
-      to.mark_recurrent(e, b, rec ? eb : 0);
     }
+    to.mark_conv(e, b, conv ? eb : 0);
+    to.mark_recurrent(e, b, rec ? eb : 0);
   }
 
  private:
