@@ -1,16 +1,19 @@
-// kvc_speculative_demo: speculative decoding on a hybrid model (linear-attention, sliding and full
-// layers), rolled back exactly by the cache. The example decoder (examples/common/decoder.hpp) runs
-// a gated linear recurrence in its linear_attention layers; a prompt-lookup drafter proposes up to
-// k tokens from the sequence so far; one forward pass verifies them; the agreeing prefix is kept
-// and the rest taken back with cache.crop(-n): the linear layers restore their recurrent and conv
-// states from a ring of the last k steps (kvc::SpeculativeLinearAttentionLayer<k>), the sliding
-// layers keep k tokens past their window (kvc::SpeculativeSlidingWindowLayer<k>), and the cache
-// type promises the rollback at compile time (kvc::require_rollback<k>, docs/rollback.md).
+// kvc_speculative_demo: speculative decoding on hybrid models (linear-attention, sliding and full
+// layers; linear-attention and full layers), rolled back exactly by the cache. The example decoder
+// (examples/common/decoder.hpp) runs a gated linear recurrence in its linear_attention layers; a
+// prompt-lookup drafter proposes up to k tokens from the sequence so far; one forward pass
+// verifies them; the agreeing prefix is kept and the rest taken back with cache.crop(-n): the
+// linear layers restore their recurrent and conv states from a ring of the last k steps
+// (kvc::SpeculativeLinearAttentionLayer<k>), the sliding layers keep k tokens past their window
+// (kvc::SpeculativeSlidingWindowLayer<k>), and the cache type promises the rollback at compile
+// time (kvc::require_rollback<k>, docs/rollback.md).
 //
 // Then the same sequences are served together, as requests of a kvc::PagedCache driven by the
 // continuous-batching scheduler: before each step every request gets its drafts
 // (ContinuousBatchingScheduler::set_draft_tokens), one forward pass runs them all, and update()
-// keeps the agreeing drafts and rolls the rest back (docs/continuous_batching.md).
+// keeps the agreeing drafts and rolls the rest back (docs/continuous_batching.md): the
+// linear-attention states from a ring of their last steps (state_rollback_tokens), in place, while
+// a sliding window that has slid makes the request prefill its kept tokens again.
 //
 // Each sequence is also decoded greedily, one token per forward pass, on transformers' default
 // layers (kvc::make_dynamic_cache): every emitted token and every logit, dense and paged, must be
@@ -155,6 +158,10 @@ PagedRun serve_paged(const Decoder<float>& model, const std::vector<std::vector<
   cb.block_size = 8;
   cb.num_blocks = 64 * static_cast<std::int64_t>(prompts.size());
   cb.max_batch_tokens = 512;
+  // The linear-attention states keep a ring of their last max_draft steps, so that rejected drafts
+  // are taken back in place; a sliding window that has slid cannot be, so such a request prefills
+  // its kept tokens again.
+  cb.state_rollback_tokens = max_draft;
   examples::ServingCache cache(model.config().cache_config(), cb);
   examples::ServingScheduler scheduler(cache, cb);
   std::map<std::string, std::size_t> index;
@@ -239,14 +246,8 @@ int main(int argc, char** argv) try {
   const std::int64_t sequences = option(argc, argv, "--sequences", 3, 1, 64);
   const std::int64_t k = option(argc, argv, "--draft", max_draft, 1, max_draft);
 
-  DecoderConfig config;
-  config.sliding_window = 16;  // short, so that the window slides while the demo decodes
-  config.layer_types = {"linear_attention", "sliding_attention", "full_attention", "linear_attention"};
-  std::printf(
-      "kvc_speculative_demo: a hybrid of %lld layers (linear_attention, sliding_attention with window %lld, "
-      "full_attention, linear_attention); drafts of up to %lld tokens by prompt lookup\n",
-      static_cast<long long>(config.num_hidden_layers), static_cast<long long>(*config.sliding_window),
-      static_cast<long long>(k));
+  std::printf("kvc_speculative_demo: two hybrids of 4 layers; drafts of up to %lld tokens by prompt lookup\n",
+              static_cast<long long>(k));
 
   // Two models with random weights: with tied embeddings the model tends to repeat what it reads,
   // so the drafter's guesses are mostly right; with an untied LM head its choices look random, so
@@ -263,57 +264,70 @@ int main(int argc, char** argv) try {
     std::printf("  %s sequence %lld: tokens %s, logits max |diff| %.3g: %s\n", what, static_cast<long long>(s),
                 got.tokens == want.tokens ? "equal" : "DIFFER", diff, ok ? "PASS" : "FAIL");
   };
-  for (const bool tied : {true, false}) {
-    config.tie_word_embeddings = tied;
-    const Decoder<float> model(config, 2026);
-    std::printf("%s:\n",
-                tied ? "a model with tied embeddings (repetitive)" : "a model with its own LM head (random-looking)");
-    std::vector<std::vector<std::int32_t>> prompts;
-    std::vector<Run> wanted;
-    for (std::int64_t s = 0; s < sequences; ++s) {
-      // A prompt with a repeated motif, as code or structured text has: the drafter finds matches.
-      std::mt19937 rng(static_cast<std::uint32_t>(100 + s));
-      std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(config.vocab_size - 1));
-      std::vector<std::int32_t> motif(8), prompt;
-      for (auto& t : motif) t = token(rng);
-      for (int r = 0; r < 3; ++r) {
-        prompt.insert(prompt.end(), motif.begin(), motif.end());
-        prompt.push_back(token(rng));
+  // The layouts: linear-attention, sliding (a short window, so that it slides while the demo
+  // decodes) and full layers; and linear-attention and full layers only (Qwen3-Next's kind).
+  for (const bool with_sliding : {true, false})
+    for (const bool tied : {true, false}) {
+      DecoderConfig config;
+      if (with_sliding) {
+        config.sliding_window = 16;
+        config.layer_types = {"linear_attention", "sliding_attention", "full_attention", "linear_attention"};
+      } else {
+        config.layer_types = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
       }
-      const Run want = greedy(model, kvc::make_dynamic_cache<float>(config.cache_config()), prompt, tokens);
-      const Run got = speculative(model, speculative_cache(config), prompt, tokens, k);
-      drafted += got.drafted;
-      accepted += got.accepted;
-      greedy_forwards += want.forwards;
-      speculative_forwards += got.forwards;
+      config.tie_word_embeddings = tied;
+      const Decoder<float> model(config, 2026);
+      std::printf("%s, %s:\n",
+                  with_sliding ? "linear_attention, sliding_attention (window 16), full_attention, linear_attention"
+                               : "linear_attention, full_attention, linear_attention, full_attention",
+                  tied ? "a model with tied embeddings (repetitive)" : "a model with its own LM head (random-looking)");
+      std::vector<std::vector<std::int32_t>> prompts;
+      std::vector<Run> wanted;
+      for (std::int64_t s = 0; s < sequences; ++s) {
+        // A prompt with a repeated motif, as code or structured text has: the drafter finds matches.
+        std::mt19937 rng(static_cast<std::uint32_t>(100 + s));
+        std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(config.vocab_size - 1));
+        std::vector<std::int32_t> motif(8), prompt;
+        for (auto& t : motif) t = token(rng);
+        for (int r = 0; r < 3; ++r) {
+          prompt.insert(prompt.end(), motif.begin(), motif.end());
+          prompt.push_back(token(rng));
+        }
+        const Run want = greedy(model, kvc::make_dynamic_cache<float>(config.cache_config()), prompt, tokens);
+        const Run got = speculative(model, speculative_cache(config), prompt, tokens, k);
+        drafted += got.drafted;
+        accepted += got.accepted;
+        greedy_forwards += want.forwards;
+        speculative_forwards += got.forwards;
+        std::printf(
+            "  dense sequence %lld: %lld tokens in %lld forward passes (greedy: %lld); drafted %lld, accepted %lld\n",
+            static_cast<long long>(s), static_cast<long long>(got.tokens.size()), static_cast<long long>(got.forwards),
+            static_cast<long long>(want.forwards), static_cast<long long>(got.drafted),
+            static_cast<long long>(got.accepted));
+        report("dense", s, got, want);
+        prompts.push_back(std::move(prompt));
+        wanted.push_back(want);
+      }
+      // The same sequences as requests of one paged cache, with drafts and without.
+      const PagedRun spec = serve_paged(model, prompts, tokens, k), plain = serve_paged(model, prompts, tokens, 0);
       std::printf(
-          "  dense sequence %lld: %lld tokens in %lld forward passes (greedy: %lld); drafted %lld, accepted %lld\n",
-          static_cast<long long>(s), static_cast<long long>(got.tokens.size()), static_cast<long long>(got.forwards),
-          static_cast<long long>(want.forwards), static_cast<long long>(got.drafted),
-          static_cast<long long>(got.accepted));
-      report("dense", s, got, want);
-      prompts.push_back(std::move(prompt));
-      wanted.push_back(want);
+          "  paged cache, %lld requests at once: %lld steps (without drafts: %lld); drafted %lld, accepted %lld; "
+          "rollbacks in place %lld, by prefilling again %lld (%lld tokens)\n",
+          static_cast<long long>(sequences), static_cast<long long>(spec.stats.steps),
+          static_cast<long long>(plain.stats.steps), static_cast<long long>(spec.stats.draft_tokens),
+          static_cast<long long>(spec.stats.accepted_draft_tokens), static_cast<long long>(spec.stats.cuts_in_place),
+          static_cast<long long>(spec.stats.cuts_prefilled),
+          static_cast<long long>(spec.stats.prefill_tokens - plain.stats.prefill_tokens));
+      for (std::int64_t s = 0; s < sequences; ++s) {
+        report("paged", s, spec.runs[static_cast<std::size_t>(s)], wanted[static_cast<std::size_t>(s)]);
+        report("paged, no drafts,", s, plain.runs[static_cast<std::size_t>(s)], wanted[static_cast<std::size_t>(s)]);
+      }
+      paged_steps += spec.stats.steps;
+      paged_greedy_steps += plain.stats.steps;
+      paged_drafted += spec.stats.draft_tokens;
+      paged_accepted += spec.stats.accepted_draft_tokens;
+      recomputed += spec.stats.prefill_tokens - plain.stats.prefill_tokens;
     }
-    // The same sequences as requests of one paged cache, with drafts and without.
-    const PagedRun spec = serve_paged(model, prompts, tokens, k), plain = serve_paged(model, prompts, tokens, 0);
-    std::printf(
-        "  paged cache, %lld requests at once: %lld steps (without drafts: %lld); drafted %lld, accepted %lld; "
-        "tokens prefilled again after rollbacks: %lld\n",
-        static_cast<long long>(sequences), static_cast<long long>(spec.stats.steps),
-        static_cast<long long>(plain.stats.steps), static_cast<long long>(spec.stats.draft_tokens),
-        static_cast<long long>(spec.stats.accepted_draft_tokens),
-        static_cast<long long>(spec.stats.prefill_tokens - plain.stats.prefill_tokens));
-    for (std::int64_t s = 0; s < sequences; ++s) {
-      report("paged", s, spec.runs[static_cast<std::size_t>(s)], wanted[static_cast<std::size_t>(s)]);
-      report("paged, no drafts,", s, plain.runs[static_cast<std::size_t>(s)], wanted[static_cast<std::size_t>(s)]);
-    }
-    paged_steps += spec.stats.steps;
-    paged_greedy_steps += plain.stats.steps;
-    paged_drafted += spec.stats.draft_tokens;
-    paged_accepted += spec.stats.accepted_draft_tokens;
-    recomputed += spec.stats.prefill_tokens - plain.stats.prefill_tokens;
-  }
   const auto percent = [](std::int64_t part, std::int64_t all) {
     return all == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(all);
   };
