@@ -1119,6 +1119,48 @@ TEST_CASE("PagedCache states: rollback_request takes states back through their r
   CHECK(c.rollback_request("b", 1, 0));
   CHECK_THROWS_WITH_AS(c.rollback_request("b", 1, -1),
                        "kvc::PagedCache::rollback_request: removed must be 0 or more, got -1", kvc::ValueError);
+  // Two steps in a transaction after a rollback write ring rows the ring counted before it: they are
+  // saved, so that the transaction's rollback leaves a ring that still takes tokens back exactly.
+  {
+    Cache t(hybrid_model(), cb);
+    REQUIRE(t.allocate_blocks(2, "a", 0));
+    std::vector<std::vector<std::vector<float>>> seen{states_of(t, "a")};
+    const auto one = [&](unsigned n) {
+      for (const std::int64_t l : state_layers)
+        for (std::int64_t st = 0; st < 2; ++st) {
+          (void)t.update_conv_state(random_conv(1, 3, 1, n + static_cast<unsigned>(l + st)), "a", l, st, 2);
+          for (Eigen::Index i = 0; i < rec.size(); ++i) rec.data()[i] = static_cast<float>(n + i);
+          (void)t.update_recurrent_state(rec, "a", l, st);
+        }
+    };
+    for (unsigned n = 1; n <= 4; ++n) {
+      one(n);
+      seen.push_back(states_of(t, "a"));
+    }
+    t.begin_transaction();
+    CHECK(t.rollback_request("a", 2, 2));
+    one(50);
+    one(60);
+    t.rollback_transaction();
+    CHECK(t.rollback_request("a", 3, 1));
+    CHECK(states_of(t, "a") == seen[3]);
+    // A token whose step gives one state a conv update only rolls back too.
+    const auto before = states_of(t, "a");
+    for (const std::int64_t l : state_layers)
+      for (std::int64_t st = 0; st < 2; ++st) {
+        (void)t.update_conv_state(random_conv(1, 3, 1, 90), "a", l, st, 2);
+        if (l != 3 || st != 0) (void)t.update_recurrent_state(rec, "a", l, st);
+      }
+    CHECK(states_of(t, "a") != before);
+    CHECK(t.rollback_request("a", 4, 1));
+    CHECK(states_of(t, "a") == before);
+    // Not for tokens 0 (free_blocks gives everything back), nor for an offloaded request.
+    CHECK_FALSE(t.rollback_request("a", 0, 1));
+    CHECK(t.state_slot("a") >= 0);
+    t.reserve_swap_space(4);
+    REQUIRE(t.offload_request("a"));
+    CHECK_FALSE(t.rollback_request("a", 3, 1));
+  }
   // Without a ring (the default) a written state cannot be taken back.
   Cache plain(hybrid_model(), blocks(8, 2));
   REQUIRE(plain.allocate_blocks(1, "a", 0));

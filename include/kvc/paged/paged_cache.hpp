@@ -474,15 +474,18 @@ class PagedCache<S> {
   // positions, the last `removed` it held past them taken back, its states too: each is put back
   // as it was before its last `removed` one-token steps, from its ring
   // (ContinuousBatchingConfig::state_rollback_tokens; docs/rollback.md). False, with nothing
-  // changed, where truncate_request refuses, or where a state written since the request took its
+  // changed, where truncate_request refuses, for an offloaded request, for `tokens` 0 with a state
+  // slot (free_blocks gives everything back), or where a state written since the request took its
   // slot has fewer such steps in its ring (none without state_rollback_tokens, or after an
   // update of several tokens). In a transaction a rollback puts the states back (saving them may
   // throw std::bad_alloc: roll back then); outside one it allocates nothing once called once.
   bool rollback_request(paged::RequestRef request, std::int64_t tokens, std::int64_t removed) {
     detail::check_size("kvc::PagedCache::rollback_request: removed", removed, 0, max_extent);
     const auto k = tables_.find(request);
+    if (k && swap_.is_offloaded(*k)) return false;  // (its tables and states are in the swap pool)
     const std::int64_t slot = k ? tables_.state_slots().slot_of(*k) : -1;
     if (slot < 0) return truncate_request(request, tokens);
+    if (tokens == 0) return false;  // (a slot held with no block would outlive its request's key)
     const std::uint64_t epoch = tables_.state_slots().epoch(slot);
     for (std::int64_t e = 0; e < states_.entries(); ++e)
       if ((states_.conv_written(e, slot, epoch) || states_.recurrent_written(e, slot, epoch)) &&
@@ -1032,7 +1035,8 @@ class PagedCache<S> {
   }
   // The state tensors, read-only: entry i * states_per_layer() + s is state s of state_layers()[i],
   // its conv tensor [slots, channels, kernel] and recurrent tensor [slots, ...], where slots is
-  // state_slots() + max_state_snapshots() (the snapshots after the request slots).
+  // state_slots() + max_state_snapshots() (the snapshots after the request slots), then, with
+  // state_rollback_tokens() = R, R + 1 rows per state slot for its rings.
   const paged::StatePools<S>& state_pools() const noexcept { return states_; }
 
   // Stores the request's conv states ([1, channels, time]) of state `state_idx` of layer
@@ -1786,8 +1790,8 @@ class PagedCache<S> {
   // was before each of its last `steps` one-token steps, the newest at head - 1; valid while
   // `epoch` is the slot's (a slot taken again starts with none). `open`: update_conv_state began a
   // step that update_recurrent_state has not ended. One row more than steps: a step writes the row
-  // past the newest, so that a transaction's rollback, which restores the bookkeeping, finds every
-  // row it counts as it was.
+  // past the newest, never one the ring counts (in a transaction it saves the row first, for a
+  // rollback that brings back a ring counting it).
   struct ring {
     std::uint64_t epoch = 0;
     std::int64_t head = 0, steps = 0;
@@ -1803,7 +1807,7 @@ class PagedCache<S> {
   std::int64_t ring_steps(std::int64_t slot, std::int64_t entry, std::uint64_t epoch) const noexcept {
     if (rollback_ == 0) return 0;
     const ring& r = rings_[static_cast<std::size_t>(slot * states_.entries() + entry)];
-    return r.epoch == epoch && !r.open ? r.steps : 0;
+    return r.epoch == epoch ? r.steps : 0;  // (a step counts from its conv update: a conv-only state's too)
   }
   // update_conv_state starts a step of the state: of one token, the state as it is goes into the
   // ring's next row; of several, the ring is emptied (it counts one-token steps only).
@@ -1812,6 +1816,8 @@ class PagedCache<S> {
     ring& r = ring_of(at.slot, at.entry);
     ring next = r.epoch == at.epoch ? r : ring{at.epoch, 0, 0, false};
     if (one_token) {
+      // In a transaction the row is saved first: a rollback may bring back a ring that counts it.
+      if (in_transaction()) save_slot(false, ring_row(at.slot, next.head));
       paged::StatePools<S>::copy_entry(states_, at.slot, at.epoch, states_, ring_row(at.slot, next.head), at.epoch,
                                        at.entry);
       next.head = (next.head + 1) % (rollback_ + 1);
