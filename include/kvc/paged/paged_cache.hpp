@@ -492,7 +492,7 @@ class PagedCache<S> {
           ring_steps(slot, e, epoch) < removed)
         return false;
     detail::check_size("kvc::PagedCache::rollback_request: tokens", tokens, 0, max_extent);
-    if (in_transaction()) save_slot(false, slot);
+    if (in_transaction() && removed > 0 && rollback_ > 0) save_slot(false, slot);  // (what the restores overwrite)
     if (!tables_.truncate(*k, tokens, cut_)) return false;
     move_blocks(pool::pages, cut_.source, pool::pages, cut_.destination);
     settle(*k);
@@ -1800,13 +1800,16 @@ class PagedCache<S> {
   ring& ring_of(std::int64_t slot, std::int64_t entry) noexcept {
     return rings_[static_cast<std::size_t>(slot * states_.entries() + entry)];
   }
+  const ring& ring_of(std::int64_t slot, std::int64_t entry) const noexcept {
+    return const_cast<PagedCache&>(*this).ring_of(slot, entry);
+  }
   std::int64_t ring_row(std::int64_t slot, std::int64_t j) const noexcept {
     return state_slots() + max_state_snapshots() + slot * (rollback_ + 1) + j;
   }
   // The one-token steps the state's ring holds (0 for a ring of an earlier holder of the slot).
   std::int64_t ring_steps(std::int64_t slot, std::int64_t entry, std::uint64_t epoch) const noexcept {
     if (rollback_ == 0) return 0;
-    const ring& r = rings_[static_cast<std::size_t>(slot * states_.entries() + entry)];
+    const ring& r = ring_of(slot, entry);
     return r.epoch == epoch ? r.steps : 0;  // (a step counts from its conv update: a conv-only state's too)
   }
   // update_conv_state starts a step of the state: of one token, the state as it is goes into the

@@ -133,8 +133,8 @@ struct ScheduledRequest {
   RequestHandle handle;
   std::int64_t past = 0;          // tokens cached before the step
   std::int64_t query_length = 0;  // tokens of the step
-  // Blocks the step completes, hashed for sharing by update() (0 without block sharing; with
-  // draft tokens, update() counts the blocks the kept ones complete instead).
+  // Blocks the step's own tokens complete, hashed for sharing by update() (0 without block sharing;
+  // with draft tokens, update() hashes those the kept ones complete too).
   std::int64_t complete_blocks = 0;
   // Its last token's logits give the next token (with draft tokens, its last 1 + k rows' give
   // the next 1 to k + 1).
@@ -725,6 +725,7 @@ class ContinuousBatchingScheduler {
         std::int64_t m = 0;
         while (m < k && chosen[static_cast<std::size_t>(m)] == r.draft_tokens[static_cast<std::size_t>(m)]) ++m;
         stats_.draft_tokens += k;
+        set_status(st, RequestStatus::decoding);
         bool ended = false;
         for (std::int64_t i = 0; i <= m && !ended; ++i) {
           if (i > 0) {  // the kept draft i - 1
@@ -733,7 +734,6 @@ class ContinuousBatchingScheduler {
           }
           const std::int64_t token = chosen[static_cast<std::size_t>(i)];
           push_token(st, token);
-          set_status(st, RequestStatus::decoding);
           const auto made = static_cast<std::int64_t>(st.generated().size());
           ended = made >= st.max_new_tokens || (st.eos_token_id && token == *st.eos_token_id);
         }
@@ -741,16 +741,14 @@ class ContinuousBatchingScheduler {
           end_request(st, RequestStatus::finished, {});
           continue;
         }
-        if (k > 0) {  // the rejected drafts leave the cache; the blocks the kept tokens complete are hashed
+        if (k > 0) {  // the rejected drafts leave the cache; the blocks the kept ones complete are hashed too
           if (cut_cache(st, key_of(st), st.position_offset, r.past + r.query_length)) {
             set_status(st, RequestStatus::prefilling);
             undo_.set(slots_[st.handle.slot]->rematch, true);
             continue;
           }
-          // (a request restored from the swap pool in this step hashes its restored blocks too)
-          const std::int64_t bs = cache_->block_size();
-          const std::int64_t restored = r.complete_blocks - (sharing_ ? (r.past % bs + r.query_length) / bs : 0);
-          complete = restored + completed_blocks(key_of(st), r.past, st.position_offset);
+          const std::int64_t bs = cache_->block_size(), own = r.past % bs + r.query_length - k;
+          if (sharing_) complete += (own + m) / bs - own / bs;
         }
       }
       cache_->mark_shareable_blocks_as_complete(key_of(st), complete, st.tokens);
@@ -1148,8 +1146,8 @@ class ContinuousBatchingScheduler {
         continue;
       }
       activate(st);
-      // (with drafts, update counts the blocks the kept tokens complete)
-      p.scheduled.push_back({st.request_id, st.handle, cur, q, sharing_ ? ((cur % bs) + q) / bs : 0, new_token, {}});
+      // (the blocks its own tokens complete; update adds those its kept drafts complete)
+      p.scheduled.push_back({st.request_id, st.handle, cur, q, completed_blocks(key, cur, q - drafts), new_token, {}});
       const auto& draft = slots_[at]->draft;
       p.scheduled.back().draft_tokens.assign(draft.begin(), draft.begin() + drafts);
       fast_path = fast_path && fast;
@@ -1299,16 +1297,16 @@ class ContinuousBatchingScheduler {
     return true;
   }
 
-  // The blocks a step completed, for update() to hash: those its kept positions [from, end) filled
-  // up, less the one holding `from` where that one was complete before (a prompt found whole in the
-  // cache runs its last token again there). 0 without block sharing.
-  std::int64_t completed_blocks(paged::RequestKey key, std::int64_t from, std::int64_t end) const {
+  // The blocks a step of q tokens after `from` completes, for update() to hash: those its positions
+  // fill up, less the one holding `from` where that one was complete before (a prompt found whole
+  // in the cache runs its last token again there). 0 without block sharing.
+  std::int64_t completed_blocks(paged::RequestKey key, std::int64_t from, std::int64_t q) const {
     if (!sharing_) return 0;
     const std::int64_t bs = cache_->block_size();
     const auto& table = cache_->block_table(shared_group_, key);
     const auto at = static_cast<std::size_t>(from / bs);
     const paged::Block* b = at < table.size() ? cache_->manager().block(table[at]) : nullptr;
-    return end / bs - from / bs - (b && b->is_complete() ? 1 : 0);
+    return (from % bs + q) / bs - (b && b->is_complete() ? 1 : 0);
   }
 
   // A request forks once its prompt is cached but for its last token.
