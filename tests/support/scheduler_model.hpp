@@ -182,6 +182,7 @@ class run {
       for (const std::int64_t token : sched_->draft_tokens(id)) s += std::to_string(token) + " ";
       for (std::int64_t g = 0; g < cache_->num_groups(); ++g)
         s += "|" + std::to_string(cache_->blocks_in_group(static_cast<std::size_t>(g), id));
+      s += "|" + std::to_string(cache_->state_rollback_depth(id));  // the rings' bookkeeping
       s += ";";
     }
     return s;

@@ -5,6 +5,7 @@
 // nothing fails. The replacement counts every thread's allocations, so one on OffloadToFile's
 // prefetch thread would fail too (and end the process if it escaped the thread).
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <functional>
@@ -508,6 +509,80 @@ TEST_CASE("PagedCache with linear-attention states: slots, state updates, forks 
       [](C& r) {
         return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "c", "d", "e", "x", "y", "k", "p"}),
                          std::pair{r.reads, r.writes}};
+      });
+}
+
+TEST_CASE("PagedCache with state rings: one-token steps and rollback_request, in transactions too") {
+  using C = paged_rig;
+  const auto make = [] {
+    kvc::ContinuousBatchingConfig cb = paged_blocks(8);
+    cb.max_state_slots = 2;
+    cb.state_rollback_tokens = 2;
+    return C{kvc::PagedCache<Host>(paged_model({"full_attention", "linear_attention"}), cb), {}, {}};
+  };
+  scenario<C> s{"PagedCache with state rings", make, {}};
+  // A token of layer 1 is two calls (each an op): its conv column, which starts a step of the ring,
+  // then its recurrent state.
+  const auto conv = [](C& r, const std::string& request, unsigned seed) {
+    std::mt19937 rng(seed);
+    Eigen::Tensor<float, 3, Eigen::RowMajor> column(1, 5, 1);
+    for (Eigen::Index i = 0; i < column.size(); ++i) column.data()[i] = static_cast<float>(rng() % 64);
+    (void)r.cache.update_conv_state(column, request, 1, 0, 3);
+  };
+  const auto recurrent = [](C& r, const std::string& request, unsigned seed) {
+    std::mt19937 rng(seed);
+    Eigen::Tensor<float, 3, Eigen::RowMajor> state(1, 2, 3);
+    for (Eigen::Index i = 0; i < state.size(); ++i) state.data()[i] = static_cast<float>(rng() % 64);
+    (void)r.cache.update_recurrent_state(state, request, 1);
+  };
+  const auto token = [&](const std::string& request, unsigned seed) {
+    s.ops.push_back({"conv " + request + " " + std::to_string(seed), [=](C& r) { conv(r, request, seed); }});
+    s.ops.push_back({"recurrent " + request + " " + std::to_string(seed), [=](C& r) { recurrent(r, request, seed); }});
+  };
+  s.ops.push_back({"allocate a", [](C& r) { (void)r.cache.allocate_blocks(2, "a", 0); }});
+  for (unsigned t = 1; t <= 3; ++t) token("a", t);
+  s.ops.push_back({"roll a back 1", [](C& r) {
+                     const bool done = r.cache.rollback_request("a", 2, 1);
+                     CHECK(done);
+                   }});
+  s.ops.push_back({"conv a in a transaction", [=](C& r) { r.cache.transaction([&] { conv(r, "a", 4); }); }});
+  s.ops.push_back({"recurrent a", [=](C& r) { recurrent(r, "a", 4); }});
+  s.ops.push_back({"roll a back 2 and run a token in a transaction, rolled back", [=](C& r) {
+                     r.cache.begin_transaction();
+                     try {
+                       const bool done = r.cache.rollback_request("a", 1, 2);
+                       CHECK(done);
+                       conv(r, "a", 5);
+                       recurrent(r, "a", 5);
+                       conv(r, "a", 6);
+                     } catch (...) {
+                       r.cache.rollback_transaction();
+                       throw;
+                     }
+                     r.cache.rollback_transaction();
+                   }});
+  s.ops.push_back({"roll a back 1 in a transaction",
+                   [](C& r) { r.cache.transaction([&] { (void)r.cache.rollback_request("a", 2, 1); }); }});
+  s.ops.push_back({"allocate b", [](C& r) { (void)r.cache.allocate_blocks(1, "b", 0); }});
+  token("b", 7);
+  s.ops.push_back({"copy a's states to b", [](C& r) { r.cache.copy_states("a", "b"); }});
+  s.ops.push_back({"roll b back (refused: copied states)", [](C& r) {
+                     const bool done = r.cache.rollback_request("b", 1, 1);
+                     CHECK_FALSE(done);
+                   }});
+  check_paged_failures<C>(
+      s, [](C& r) -> const kvc::PagedCache<Host>& { return r.cache; },
+      [](C& r) {
+        r.cache.free_all_requests();
+        CHECK(r.cache.free_state_slots() == r.cache.state_slots());
+      },
+      [](const std::string&) { return true; },
+      [](C& r) {
+        // (the rings' bookkeeping too, through what they can take back)
+        const auto depth = [&](const char* id) {
+          return r.cache.find_request(id) ? r.cache.state_rollback_depth(id) : std::int64_t{-1};
+        };
+        return std::pair{kvc_test::take_paged_snapshot(r.cache, {"a", "b"}), std::array{depth("a"), depth("b")}};
       });
 }
 

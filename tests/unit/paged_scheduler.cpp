@@ -1055,6 +1055,11 @@ TEST_CASE("scheduler: a step with draft tokens, what update keeps and what it gi
   CHECK(std::vector<std::int64_t>(next.begin(), next.begin() + 3) ==
         std::vector<std::int64_t>(truth.begin(), truth.begin() + 3));
   CHECK_THROWS_AS(s.update(*batch, std::span(next).first(1)), kvc::ValueError);  // one token per row
+  kvc::ScheduledBatch changed = *batch;  // its drafts no longer add up to its logits rows
+  changed.requests[0].draft_tokens.pop_back();
+  CHECK_THROWS_WITH_AS(s.update(changed, next),
+                       "kvc::ContinuousBatchingScheduler::update: this is not the batch schedule() returned last",
+                       kvc::ValueError);
   s.update(*batch, next);
   // Two drafts kept, the model's third choice generated: 3 new tokens, 11 positions cached.
   const kvc::RequestState& st = s.request(h);

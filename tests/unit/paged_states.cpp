@@ -1080,12 +1080,15 @@ TEST_CASE("PagedCache states: rollback_request takes states back through their r
     after.push_back(states_of(c, "a"));
   }
   // Back 2 of the 6 tokens, then 1 more: the states after 4, then 3 tokens; the ring held 3.
+  CHECK(c.state_rollback_depth("a") == 3);
   CHECK(c.rollback_request("a", 4, 2));
+  CHECK(c.state_rollback_depth("a") == 1);
   CHECK(states_of(c, "a") == after[4]);
   CHECK(c.blocks_in_group(0, "a") == 1);
   CHECK(c.rollback_request("a", 3, 1));
   CHECK(states_of(c, "a") == after[3]);
   const auto held = kvc_test::take_paged_snapshot(c, {"a"});
+  CHECK(c.state_rollback_depth("a") == 0);
   CHECK_FALSE(c.rollback_request("a", 2, 1));  // the ring is spent: nothing changes
   CHECK(kvc_test::take_paged_snapshot(c, {"a"}) == held);
   // New steps fill it again; in a transaction the rollback puts states and ring back.
@@ -1112,6 +1115,7 @@ TEST_CASE("PagedCache states: rollback_request takes states back through their r
   // States copied onto a request replace its ring's history; a request with none written, or no
   // tokens to take back, is cut as truncate_request cuts.
   REQUIRE(c.allocate_blocks(1, "b", 0));
+  CHECK(c.state_rollback_depth("b") == kvc::max_extent);  // nothing written
   CHECK(c.rollback_request("b", 1, 2));
   token("b", 11);
   c.copy_states("a", "b");
@@ -1159,6 +1163,7 @@ TEST_CASE("PagedCache states: rollback_request takes states back through their r
     CHECK(t.state_slot("a") >= 0);
     t.reserve_swap_space(4);
     REQUIRE(t.offload_request("a"));
+    CHECK(t.state_rollback_depth("a") == 0);
     CHECK_FALSE(t.rollback_request("a", 3, 1));
   }
   // Without a ring (the default) a written state cannot be taken back.
@@ -1169,6 +1174,10 @@ TEST_CASE("PagedCache states: rollback_request takes states back through their r
   // The ring's rows are planned and checked with the slots.
   cb.state_rollback_tokens = -1;
   CHECK_THROWS_WITH_AS(Cache(hybrid_model(), cb), "kvc::PagedCache: state_rollback_tokens must be 0 or more, got -1",
+                       kvc::ValueError);
+  cb.state_rollback_tokens = (std::int64_t{1} << 20) + 1;
+  CHECK_THROWS_WITH_AS(Cache(hybrid_model(), cb),
+                       "kvc::PagedCache: state_rollback_tokens is 1048577, above kvc's limit of 1048576",
                        kvc::ValueError);
   cb.state_rollback_tokens = std::int64_t{1} << 20;
   cb.max_state_slots = std::int64_t{1} << 21;

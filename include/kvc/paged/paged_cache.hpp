@@ -486,11 +486,8 @@ class PagedCache<S> {
     const std::int64_t slot = k ? tables_.state_slots().slot_of(*k) : -1;
     if (slot < 0) return truncate_request(request, tokens);
     if (tokens == 0) return false;  // (a slot held with no block would outlive its request's key)
+    if (state_rollback_depth(request) < removed) return false;
     const std::uint64_t epoch = tables_.state_slots().epoch(slot);
-    for (std::int64_t e = 0; e < states_.entries(); ++e)
-      if ((states_.conv_written(e, slot, epoch) || states_.recurrent_written(e, slot, epoch)) &&
-          ring_steps(slot, e, epoch) < removed)
-        return false;
     detail::check_size("kvc::PagedCache::rollback_request: tokens", tokens, 0, max_extent);
     if (in_transaction() && removed > 0 && rollback_ > 0) save_slot(false, slot);  // (what the restores overwrite)
     if (!tables_.truncate(*k, tokens, cut_)) return false;
@@ -512,6 +509,21 @@ class PagedCache<S> {
   // Returns how many one-token steps each request's states can be taken back by
   // (ContinuousBatchingConfig::state_rollback_tokens; 0 for a model without states).
   std::int64_t state_rollback_tokens() const noexcept { return rollback_; }
+  // Returns how many tokens rollback_request can take the request's states back by now: the fewest
+  // one-token steps in the rings of its written states (kvc::max_extent when it holds no state slot
+  // or has written none; 0 while it is offloaded).
+  std::int64_t state_rollback_depth(paged::RequestRef request) const {
+    const auto k = tables_.find(request);
+    if (k && swap_.is_offloaded(*k)) return 0;
+    const std::int64_t slot = k ? tables_.state_slots().slot_of(*k) : -1;
+    if (slot < 0) return max_extent;
+    const std::uint64_t epoch = tables_.state_slots().epoch(slot);
+    std::int64_t depth = max_extent;
+    for (std::int64_t e = 0; e < states_.entries(); ++e)
+      if (states_.conv_written(e, slot, epoch) || states_.recurrent_written(e, slot, epoch))
+        depth = std::min(depth, ring_steps(slot, e, epoch));
+    return depth;
+  }
 
   // ---- indices ----------------------------------------------------------------------------------
 
