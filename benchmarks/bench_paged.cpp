@@ -319,6 +319,8 @@ void register_pool(const char* type) {
   register_pool<kvc::rotated<kvc::int4_row>>("rotated_int4_row");
   register_pool<kvc::fp8_row<kvc::float8_e4m3>>("fp8_e4m3_row");
   register_pool<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>>("fp8_keys_int4_values");
+  register_pool<kvc::int2_row>("int2_row");
+  register_pool<kvc::kv_codes<kvc::int8_row, kvc::int2_row>>("int8_keys_int2_values");
   return true;
 }();
 

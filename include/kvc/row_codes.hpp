@@ -1,7 +1,8 @@
 #pragma once
-// kvc::int8_row, kvc::int4_row, kvc::nvfp4_row and kvc::fp8_row<F8>: the element types of paged
-// pools whose rows carry their own scales (vLLM's kv_cache_dtype int8_per_token_head,
-// int4_per_token_head, nvfp4 and fp8_per_token_head). A pool of one of them,
+// kvc::int8_row, kvc::int4_row, kvc::int2_row, kvc::nvfp4_row and kvc::fp8_row<F8>: the element
+// types of paged pools whose rows carry their own scales (vLLM's kv_cache_dtype
+// int8_per_token_head, int4_per_token_head, nvfp4 and fp8_per_token_head; int2_row is KIVI's
+// 2-bit per-token values). A pool of one of them,
 // `PagedCache<HostStorage<kvc::int4_row>>`, stores each token's row of each KV head, head_dim
 // values, as row_bytes(head_dim) bytes: the codes, then the scales.
 //
@@ -12,6 +13,14 @@
 //   int4_row   signed 4-bit codes two per byte (value 2i in the low 4 bits of byte i, 2i + 1 in the
 //              high 4, two's complement), then one float scale: scale = max |x_i| / 7, code_i in
 //              [-7, 7]. ceil(head_dim / 2) + 4 bytes (0.27 of fp16 at 128).
+//   int2_row   2-bit codes four per byte (value 4i + j in bits 2j and 2j + 1 of byte i), then per
+//              group of 32 values (the last may be shorter) its minimum m and step s as bfloat16
+//              (2 bytes each, the host's byte order): m = the group's least value rounded to
+//              bfloat16 (nearest even), s = (its greatest value - m) / 3 rounded the same way,
+//              code_i = (x_i - m) / s rounded to nearest (ties to even) in [0, 3] (0 where s is 0);
+//              value_i = m + code_i * s. ceil(head_dim / 4) + 4 * ceil(head_dim / 32) bytes (0.19
+//              of fp16 at 128). A group with a value that is not finite, or whose m or s is not,
+//              keeps NaN for both and reads back as NaN.
 //   nvfp4_row  NVFP4 (<kvc/nvfp4.hpp>): E2M1 codes two per byte, then one E4M3 scale per 16
 //              values; the tensor scale is the pool's, given when rows are encoded and to
 //              paged_attention. nvfp4_bytes(head_dim) bytes (0.28 of fp16 at 128).
@@ -105,10 +114,11 @@ HostTensor<float> values_of_rows(const X& input, std::int64_t head_dim, float te
 // alone (NVFP4 with tensor scale 1).
 template <class C, class X>
 HostTensor<C> to_row_codes(const X& input) {
-  static_assert(detail::is_row_format<C>,
-                "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
-                "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
-                "kvc::to_kv_codes");
+  static_assert(
+      detail::is_row_format<C>,
+      "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, int2_row, nvfp4_row, "
+      "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
+      "kvc::to_kv_codes");
   if constexpr (detail::is_row_format<C>)
     return detail::row_codes_of<C>(input, 1.0f, "kvc::to_row_codes");
   else
@@ -128,10 +138,11 @@ HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
 // integer formats). A ValueError when the rows are not row_bytes(head_dim) wide.
 template <class C, class X>
 HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float tensor_scale = 1.0f) {
-  static_assert(detail::is_row_format<C>,
-                "kvc::from_row_codes: the code type must be one row format (kvc::int8_row, int4_row, nvfp4_row, "
-                "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows go to "
-                "kvc::from_kv_codes");
+  static_assert(
+      detail::is_row_format<C>,
+      "kvc::from_row_codes: the code type must be one row format (kvc::int8_row, int4_row, int2_row, nvfp4_row, "
+      "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows go to "
+      "kvc::from_kv_codes");
   if constexpr (detail::is_row_format<C>)
     return detail::values_of_rows<C, C>(input, head_dim, tensor_scale, "kvc::from_row_codes");
   else

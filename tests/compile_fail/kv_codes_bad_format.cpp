@@ -1,4 +1,4 @@
-// EXPECT-ERROR: kvc::kv_codes<K, V>: K and V must each be a row format: kvc::int8_row, int4_row, nvfp4_row, fp8_row<F8>, bfloat16_row or kvc::rotated<one>
+// EXPECT-ERROR: kvc::kv_codes<K, V>: K and V must each be a row format: kvc::int8_row, int4_row, int2_row, nvfp4_row, fp8_row<F8>, bfloat16_row or kvc::rotated<one>
 // A kv_codes pool stores each side as rows of codes; a plain element type (float here) is a pool
 // of its own, not a side of a pair. docs/errors.md lists the fix.
 #include <kvc/paged/paged_cache.hpp>

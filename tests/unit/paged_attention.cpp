@@ -66,7 +66,7 @@ kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
 // Random steps over `requests` requests of a model with these layer types: every output of every
 // layer against the reference. Returns the largest difference seen. With an fp8 Pool, the pool
 // holds the codes of K and V made with `scales`, and the reference reads what they stand for; with
-// a row-code Pool (int8_row, int4_row, nvfp4_row: its tensor scales scales.keys[0] and
+// a row-code Pool (int8_row, int4_row, int2_row, nvfp4_row: its tensor scales scales.keys[0] and
 // scales.values[0]), the rows kvc::to_row_codes made, and the reference reads their values.
 template <class T, class Pool = T>
 double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads, std::int64_t window,
@@ -232,13 +232,15 @@ TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads
 }
 
 TEST_CASE(
-    "paged_attention over row-code pools (int8, int4, NVFP4 rows, rotated or not) reads what the codes stand for") {
+    "paged_attention over row-code pools (int8, int4, int2, NVFP4 rows, rotated or not) reads what the codes stand "
+    "for") {
   // Float accumulation against double; half and bfloat16 outputs: their rounding, as above.
   CHECK(run_stream<float, kvc::int8_row>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 11) < 5e-5);
   CHECK(run_stream<Eigen::half, kvc::int4_row>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 12) < 8.0 / 1024);
   CHECK(run_stream<float, kvc::nvfp4_row>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 13, {{0.01f}, {0.02f}}) <
         5e-5);
   CHECK(run_stream<Eigen::bfloat16, kvc::nvfp4_row>({"full_attention"}, 1, 2, 0, 16, 14) < 8.0 / 128);
+  CHECK(run_stream<float, kvc::int2_row>({"full_attention", "sliding_attention"}, 2, 4, 9, 4, 18) < 5e-5);
   // Rotated rows: the queries rotated as the keys were, the output rotated back.
   CHECK(run_stream<float, kvc::rotated<kvc::int4_row>>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 15) < 5e-5);
   CHECK(run_stream<Eigen::half, kvc::rotated<kvc::int8_row>>({"full_attention"}, 2, 4, 0, 8, 16) < 8.0 / 1024);
@@ -263,6 +265,10 @@ TEST_CASE("paged_attention over kv_codes pools: keys and values each read from t
                                                                              {{0.01f}, {1.0f}}) < 5e-5);
   CHECK(run_stream<Eigen::bfloat16, kvc::kv_codes<kvc::rotated<e4m3>, kvc::rotated<kvc::nvfp4_row>>>(
             {"sliding_attention", "full_attention"}, 2, 4, 5, 4, 26, {{1.0f}, {0.03f}}) < 8.0 / 128);
+  // int8 keys with 2-bit values (KIVI's pairing), and int2 rows rotated on both sides.
+  CHECK(run_stream<float, kvc::kv_codes<kvc::int8_row, kvc::int2_row>>({"sliding_attention", "full_attention"}, 2, 4, 5,
+                                                                       4, 29) < 5e-5);
+  CHECK(run_stream<Eigen::half, kvc::rotated<kvc::int2_row>>({"full_attention"}, 2, 4, 0, 8, 30) < 8.0 / 1024);
   // A single fp8 row format is a pool of its own (vLLM's fp8_per_token_head), rotated or not.
   CHECK(run_stream<float, e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 27) < 5e-5);
   CHECK(run_stream<float, kvc::rotated<e5m2>>({"full_attention"}, 2, 4, 0, 8, 28) < 5e-5);

@@ -1,6 +1,7 @@
 // Row codes (<kvc/row_codes.hpp>): int8 and int4 rows with a float scale each, NVFP4 rows; the
 // paged pools that hold them (bytes per token, and the codes moved bit for bit by update, forks,
 // offload and save/load), rotated rows; paged_attention over each format is in paged_attention.cpp.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -100,6 +101,82 @@ TEST_CASE("int8_row and int4_row: codes, scale and values as the format defines 
     for (const float v : widened<kvc::int8_row>(encoded<kvc::int8_row>({1.0f, bad, 2.0f}), 3)) CHECK(std::isnan(v));
     for (const float v : widened<kvc::int4_row>(encoded<kvc::int4_row>({1.0f, bad, 2.0f}), 3)) CHECK(std::isnan(v));
   }
+}
+
+namespace {
+
+// bfloat16 of x, nearest even, written out: the float's upper 16 bits, plus one where the lower
+// 16 are above half of 2^16, or exactly half with the upper half odd.
+float bfloat16_nearest(float x) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x), low = u & 0xFFFFu;
+  std::uint32_t high = u >> 16;
+  if (low > 0x8000u || (low == 0x8000u && (high & 1u) != 0)) ++high;
+  return std::bit_cast<float>(high << 16);
+}
+
+float bfloat16_at(const std::vector<std::uint8_t>& bytes, std::size_t at) {
+  std::uint16_t h;
+  std::memcpy(&h, bytes.data() + at, sizeof h);
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+}  // namespace
+
+TEST_CASE("int2_row: codes, minimum and step per group of 32 as the format defines them") {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(1.0f, 3.0f);
+  const bool had_avx2 = kvc::detail::avx2_enabled();
+  for (const bool avx2 : {false, had_avx2})
+    for (const std::int64_t n : {1, 5, 32, 33, 128}) {
+      kvc::detail::avx2_enabled() = avx2;  // the table and, where the CPU has it, AVX2 (whole groups)
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (float& v : x) v = normal(rng);
+      const auto b = encoded<kvc::int2_row>(x);
+      const std::int64_t groups = (n + 31) / 32, code_bytes = (n + 3) / 4;
+      REQUIRE(static_cast<std::int64_t>(b.size()) == code_bytes + 4 * groups);
+      const auto w = widened<kvc::int2_row>(b, n);
+      kvc::detail::avx2_enabled() = had_avx2;
+      for (std::int64_t g = 0; g < groups; ++g) {
+        const auto first = x.begin() + 32 * g, last = x.begin() + std::min<std::int64_t>(n, 32 * (g + 1));
+        const float m = bfloat16_nearest(*std::min_element(first, last));
+        const float s = bfloat16_nearest((*std::max_element(first, last) - m) / 3.0f);
+        const auto at = static_cast<std::size_t>(code_bytes + 4 * g);
+        CHECK(std::bit_cast<std::uint32_t>(bfloat16_at(b, at)) == std::bit_cast<std::uint32_t>(m));
+        CHECK(std::bit_cast<std::uint32_t>(bfloat16_at(b, at + 2)) == std::bit_cast<std::uint32_t>(s));
+        for (auto it = first; it != last; ++it) {
+          const auto i = static_cast<std::size_t>(it - x.begin());
+          const int want =
+              s > 0.0f ? static_cast<int>(std::min(std::max(std::nearbyint((*it - m) / s), 0.0f), 3.0f)) : 0;
+          CHECK(((b[i / 4] >> (2 * (i % 4))) & 3) == want);
+          CHECK(w[i] == m + static_cast<float>(want) * s);  // exact: a 2-bit code times a bfloat16
+          // Each value is within half a step of its input (a bfloat16 minimum may clamp by its rounding).
+          CHECK(std::fabs(w[i] - *it) <= 0.5f * s + 0.01f * std::fabs(m) + 1e-6f);
+        }
+      }
+      for (std::int64_t i = n; i < 4 * code_bytes; ++i)  // the last byte's unused codes are 0
+        CHECK(((b[static_cast<std::size_t>(i / 4)] >> (2 * (i % 4))) & 3) == 0);
+    }
+  // Exact cases: a group 0..3 has minimum 0 and step 1; ties go to the even code (0.5 -> 0, 2.5 -> 2).
+  CHECK(widened<kvc::int2_row>(encoded<kvc::int2_row>({0.0f, 3.0f, 0.5f, 2.5f, 1.4f}), 5) ==
+        std::vector<float>{0.0f, 3.0f, 0.0f, 2.0f, 1.0f});
+  // Each group has its own minimum and step: a large second group leaves the first exact.
+  std::vector<float> two(40, 0.0f);
+  for (std::size_t i = 0; i < 32; ++i) two[i] = static_cast<float>(i % 4);
+  for (std::size_t i = 32; i < 40; ++i) two[i] = 1000.0f * static_cast<float>(i);
+  const auto back = widened<kvc::int2_row>(encoded<kvc::int2_row>(two), 40);
+  CHECK(std::vector<float>(back.begin(), back.begin() + 32) == std::vector<float>(two.begin(), two.begin() + 32));
+  // A constant group: step 0, codes 0, the value back as its bfloat16. A group with an infinity or
+  // a NaN reads back as NaN; the other groups of the row do not.
+  CHECK(widened<kvc::int2_row>(encoded<kvc::int2_row>({2.0f, 2.0f, 2.0f}), 3) == std::vector<float>(3, 2.0f));
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> row(64, 1.0f);
+    row[40] = bad;
+    const auto w = widened<kvc::int2_row>(encoded<kvc::int2_row>(row), 64);
+    for (std::size_t i = 0; i < 32; ++i) CHECK(w[i] == 1.0f);
+    for (std::size_t i = 32; i < 64; ++i) CHECK(std::isnan(w[i]));
+  }
+  // Values past bfloat16's range: the rounded minimum overflows, and the group reads back as NaN.
+  for (const float v : widened<kvc::int2_row>(encoded<kvc::int2_row>({-3.4e38f, 1.0f}), 2)) CHECK(std::isnan(v));
 }
 
 TEST_CASE("fp8_row and bfloat16_row: codes, scale and values as the formats define them") {
@@ -259,6 +336,12 @@ TEST_CASE("PagedCache over row codes: bytes per token against fp16 pools") {
   CHECK(int8 == 132.0 / 256.0);  // 128 codes and a float scale per head and token
   CHECK(int4 == 68.0 / 256.0);   // 64 bytes of codes and a float scale
   CHECK(nvfp4 == 72.0 / 256.0);  // 64 bytes of codes and 8 E4M3 scales
+  const double int2 = static_cast<double>(bytes_per_block<kvc::int2_row>(128)) / half;
+  MESSAGE("int2 rows (groups of 32): ", int2, " of fp16");
+  CHECK(int2 == 48.0 / 256.0);  // 32 bytes of codes and 4 groups' bfloat16 minimum and step
+  // int8 keys with int2 values (KIVI's 2-bit values beside 8-bit keys).
+  CHECK(static_cast<double>(bytes_per_block<kvc::kv_codes<kvc::int8_row, kvc::int2_row>>(128)) / half ==
+        (132.0 + 48.0) / 512.0);
   // A kv_codes pool: key rows in one format, value rows in another, each its own width.
   using fp8k_int4v = kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>;
   const double pair = static_cast<double>(bytes_per_block<fp8k_int4v>(128)) / half;
@@ -451,6 +534,7 @@ TEST_CASE("PagedCache over row codes: update, forks, offload and save/load move 
   codes_move_bit_for_bit<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>, kvc::int4_row>,
                          kvc::kv_codes<kvc::int4_row, kvc::fp8_row<kvc::float8_e4m3>>>();
   codes_move_bit_for_bit<kvc::kv_codes<kvc::bfloat16_row, kvc::rotated<kvc::int8_row>>, kvc::bfloat16_row>();
+  codes_move_bit_for_bit<kvc::kv_codes<kvc::int8_row, kvc::int2_row>, kvc::int2_row>();
 }
 
 TEST_CASE("rotated<C>: the codes of the rotated row; from_row_codes rotates the values back") {

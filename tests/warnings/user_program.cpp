@@ -108,6 +108,7 @@ void paged_row_codes() {
   cache.update(codes.keys, codes.values, 0, kvc::PagedIndices(1), writes);
   (void)kvc::from_kv_codes<Pool>(codes.keys, codes.values, 16, g);
   (void)kvc::from_row_codes<kvc::int4_row>(kvc::to_row_codes<kvc::int4_row>(k), 16);
+  (void)kvc::from_row_codes<kvc::int2_row>(kvc::to_row_codes<kvc::int2_row>(k), 16);
 }
 
 void runtime() {

@@ -1,5 +1,5 @@
 #pragma once
-// The row-code element types of kvc's paged pools (kvc::int8_row, int4_row, nvfp4_row and
+// The row-code element types of kvc's paged pools (kvc::int8_row, int4_row, int2_row, nvfp4_row and
 // kvc::rotated<C>) and their codecs, with no tensor types: what kvc::PagedCache needs of them.
 // Users include <kvc/row_codes.hpp>, which adds kvc::to_row_codes and kvc::from_row_codes and
 // describes the formats.
@@ -110,6 +110,124 @@ struct int4_row {
     }
     if (n % 2 != 0) out[n - 1] = static_cast<float>(((b[pairs] & 0x0F) ^ 0x08) - 0x08) * scale;
   }
+};
+
+namespace detail {
+// x rounded to bfloat16 (nearest even) and back to float; NaN stays NaN.
+inline float round_to_bfloat16(float x) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = std::isnan(x) ? (u | 0x00400000u) & 0xFFFF0000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+inline void put_bfloat16(std::uint8_t* at, float x) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const auto h = static_cast<std::uint16_t>(u >> 16);
+  std::memcpy(at, &h, sizeof h);
+}
+inline float get_bfloat16(const std::uint8_t* at) noexcept {
+  std::uint16_t h;
+  std::memcpy(&h, at, sizeof h);
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+}  // namespace detail
+
+// One byte of a row of 2-bit codes with a bfloat16 minimum and step per group of 32 values (see
+// the top of <kvc/row_codes.hpp>).
+struct int2_row {
+  // The byte.
+  std::uint8_t bits = 0;
+  // Its name in saved states and messages.
+  static constexpr std::string_view name = "int2_row";
+  // Whether rows take a tensor scale (NVFP4's) when encoded.
+  static constexpr bool tensor_scaled = false;
+  // The values that share a minimum and a step (the last group of a row may be shorter).
+  static constexpr std::int64_t group_size = 32;
+  // The bytes of one head's row of head_dim values: four codes a byte, then a bfloat16 minimum and
+  // a bfloat16 step per group.
+  static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept {
+    return (head_dim + 3) / 4 + 4 * ((head_dim + group_size - 1) / group_size);
+  }
+  // The row of x[0, n) into out[0, row_bytes(n)).
+  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int2_row* out) noexcept {
+    auto* b = reinterpret_cast<std::uint8_t*>(out);
+    std::fill(b, b + (n + 3) / 4, std::uint8_t{0});
+    std::uint8_t* groups = b + (n + 3) / 4;
+    for (std::int64_t start = 0; start < n; start += group_size, groups += 4) {
+      const std::int64_t end = std::min(n, start + group_size);
+      float lo = x[start], hi = x[start];
+      bool finite = true;
+      for (std::int64_t i = start; i < end; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        lo = std::fmin(lo, x[i]);
+        hi = std::fmax(hi, x[i]);
+      }
+      float m = detail::round_to_bfloat16(lo);
+      float step = detail::round_to_bfloat16((hi - m) / 3.0f);
+      if (!finite || !std::isfinite(m) || !std::isfinite(step)) m = step = std::numeric_limits<float>::quiet_NaN();
+      detail::put_bfloat16(groups, m);
+      detail::put_bfloat16(groups + 2, step);
+      if (!(step > 0.0f)) continue;
+      for (std::int64_t i = start; i < end; ++i) {
+        const auto code = static_cast<unsigned>(std::fmin(std::fmax(std::nearbyint((x[i] - m) / step), 0.0f), 3.0f));
+        b[i / 4] = static_cast<std::uint8_t>(b[i / 4] | (code << (2 * (i % 4))));
+      }
+    }
+  }
+  // The n values of a row: minimum + code * step, group by group (code * step is exact: a 2-bit
+  // code times a bfloat16), with AVX2 eight values at a time where the CPU has it
+  // (detail::avx2_enabled), a table of the group's four values otherwise and for a last short group.
+  static void widen(const int2_row* row, float* out, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const std::uint8_t* groups = b + (n + 3) / 4;
+    std::int64_t first = 0;
+#if defined(KVC_X86_AVX2_DISPATCH)
+    if (detail::avx2_enabled()) first = widen_avx2(b, groups, n, out);
+#endif
+    groups += 4 * (first / group_size);
+    for (std::int64_t start = first; start < n; start += group_size, groups += 4) {
+      const std::int64_t end = std::min(n, start + group_size);
+      const float m = detail::get_bfloat16(groups), step = detail::get_bfloat16(groups + 2);
+      const std::array<float, 4> v = {m, m + step, m + 2.0f * step, m + 3.0f * step};
+      std::int64_t i = start;
+      for (const std::uint8_t* c = b + start / 4; i + 4 <= end; i += 4, ++c) {  // a group starts a byte
+        out[i] = v[*c & 3u];
+        out[i + 1] = v[(*c >> 2) & 3u];
+        out[i + 2] = v[(*c >> 4) & 3u];
+        out[i + 3] = v[*c >> 6];
+      }
+      for (; i < end; ++i) out[i] = v[(b[i / 4] >> (2 * (i % 4))) & 3u];
+    }
+  }
+
+ private:
+#if defined(KVC_X86_AVX2_DISPATCH)
+  // widen's whole groups with AVX2: two bytes of codes (eight values) broadcast to eight 32-bit
+  // lanes, each lane shifted to its own code, widened to float, times the step plus the minimum.
+  // Returns how many values it did.
+  KVC_TARGET_AVX2 static std::int64_t widen_avx2(const std::uint8_t* codes, const std::uint8_t* groups, std::int64_t n,
+                                                 float* out) noexcept {
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), three = _mm256_set1_epi32(3);
+    std::int64_t start = 0;
+    for (; start + group_size <= n; start += group_size, groups += 4) {
+      const __m256 m = _mm256_set1_ps(detail::get_bfloat16(groups)),
+                   step = _mm256_set1_ps(detail::get_bfloat16(groups + 2));
+      for (std::int64_t q = 0; q < group_size; q += 8) {
+        const std::uint8_t* c = codes + (start + q) / 4;
+        const __m256i lanes = _mm256_set1_epi32(c[0] | (c[1] << 8));
+        const __m256 code = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, shifts), three));
+        _mm256_storeu_ps(out + start + q, _mm256_add_ps(m, _mm256_mul_ps(code, step)));
+      }
+    }
+    return start;
+  }
+#endif
 };
 
 // One byte of a row of NVFP4 codes with its E4M3 block scales (see the top of <kvc/row_codes.hpp>).
@@ -258,27 +376,16 @@ struct bfloat16_row {
   // The row of x[0, n) into out[0, row_bytes(n)); a NaN stays a (quiet) NaN.
   static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, bfloat16_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
-    for (std::int64_t i = 0; i < n; ++i) {
-      std::uint32_t u;
-      std::memcpy(&u, x + i, sizeof u);
-      const auto h = std::isnan(x[i]) ? static_cast<std::uint16_t>((u >> 16) | 0x0040u)
-                                      : static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-      std::memcpy(b + 2 * i, &h, sizeof h);
-    }
+    for (std::int64_t i = 0; i < n; ++i) detail::put_bfloat16(b + 2 * i, detail::round_to_bfloat16(x[i]));
   }
   // The n values of a row (exact: a bfloat16 is the upper half of a float).
   static void widen(const bfloat16_row* row, float* out, std::int64_t n) noexcept {
     const auto* b = reinterpret_cast<const std::uint8_t*>(row);
-    for (std::int64_t i = 0; i < n; ++i) {
-      std::uint16_t h;
-      std::memcpy(&h, b + 2 * i, sizeof h);
-      const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-      std::memcpy(out + i, &u, sizeof u);
-    }
+    for (std::int64_t i = 0; i < n; ++i) out[i] = detail::get_bfloat16(b + 2 * i);
   }
 };
 
-// One byte of a row of C codes (int8_row, int4_row, nvfp4_row or fp8_row<F8>) made from the row rotated by
+// One byte of a row of C codes (int8_row, int4_row, int2_row, nvfp4_row or fp8_row<F8>) made from the row rotated by
 // kvc::hadamard_rotate first (<kvc/rotation.hpp>): an outlier channel is spread over the row, so
 // the row's scale no longer has to cover it. to_row_codes rotates each row before encoding it and
 // from_row_codes rotates the values back; paged_attention over a pool of rotated codes rotates the
@@ -296,8 +403,9 @@ template <class C>
 struct rotated {
   // Whether C can be rotated (the names below read C only then: one misuse, one error).
   static constexpr bool rotatable =
-      detail::is_any_of<C, int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>>;
-  static_assert(rotatable, "kvc::rotated<C>: C must be kvc::int8_row, int4_row, nvfp4_row or kvc::fp8_row<F8>");
+      detail::is_any_of<C, int8_row, int4_row, int2_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>>;
+  static_assert(rotatable,
+                "kvc::rotated<C>: C must be kvc::int8_row, int4_row, int2_row, nvfp4_row or kvc::fp8_row<F8>");
   // The byte.
   std::uint8_t bits = 0;
   // The codes' format.
@@ -329,7 +437,7 @@ inline constexpr bool are_bytes = ((sizeof(C) == 1 && alignof(C) == 1 && std::is
 // Whether T is one row format (a kv_codes side): the types above, kvc::rotated ones included.
 template <class T>
 inline constexpr bool is_row_format =
-    is_any_of<T, int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>, bfloat16_row> ||
+    is_any_of<T, int8_row, int4_row, int2_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>, bfloat16_row> ||
     is_rotated_row_code<T>;
 }  // namespace detail
 
@@ -343,7 +451,7 @@ inline constexpr auto kv_codes_name =
 }  // namespace detail
 
 // One byte of a pool whose keys are rows of format K and values rows of format V, each any of the
-// row formats above (int8_row, int4_row, nvfp4_row, fp8_row<F8>, bfloat16_row, kvc::rotated<C>),
+// row formats above (int8_row, int4_row, int2_row, nvfp4_row, fp8_row<F8>, bfloat16_row, kvc::rotated<C>),
 // chosen independently: `PagedCache<HostStorage<kvc::kv_codes<kvc::fp8_row<kvc::float8_e4m3>,
 // kvc::int4_row>>>` keeps fp8 keys and int4 values. The key pools' rows are K::row_bytes(head_dim)
 // wide and the value pools' V::row_bytes(head_dim) (PagedCache::row_width(), value_row_width());
@@ -353,7 +461,7 @@ struct kv_codes {
   // Whether K and V are row formats (the name below reads them only then: one misuse, one error).
   static constexpr bool formats = detail::is_row_format<K> && detail::is_row_format<V>;
   static_assert(formats,
-                "kvc::kv_codes<K, V>: K and V must each be a row format: kvc::int8_row, int4_row, nvfp4_row, "
+                "kvc::kv_codes<K, V>: K and V must each be a row format: kvc::int8_row, int4_row, int2_row, nvfp4_row, "
                 "fp8_row<F8>, bfloat16_row or kvc::rotated<one>");
   // The byte.
   std::uint8_t bits = 0;
@@ -366,9 +474,9 @@ struct kv_codes {
       detail::kv_codes_name<std::conditional_t<formats, K, int8_row>, std::conditional_t<formats, V, int8_row>>.view();
 };
 
-static_assert(detail::are_bytes<int8_row, int4_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>, bfloat16_row,
-                                rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>, rotated<fp8_row<float8_e4m3>>,
-                                kv_codes<int8_row, int4_row>>,
+static_assert(detail::are_bytes<int8_row, int4_row, int2_row, nvfp4_row, fp8_row<float8_e4m3>, fp8_row<float8_e5m2>,
+                                bfloat16_row, rotated<int8_row>, rotated<int4_row>, rotated<nvfp4_row>,
+                                rotated<fp8_row<float8_e4m3>>, kv_codes<int8_row, int4_row>>,
               "row codes are bytes: a row of them is the bytes of its codes and scales");
 
 namespace detail {

@@ -280,7 +280,7 @@ class PagedCache<S> {
   // Returns the number of values per head (the model's head_dim).
   std::int64_t head_dim() const noexcept { return head_dim_; }
   // Returns the elements one head's row of a token takes in the key pools: head_dim(), or for a
-  // pool of row codes (kvc::int8_row, int4_row, nvfp4_row, ...: <kvc/row_codes.hpp>) the row's
+  // pool of row codes (kvc::int8_row, int4_row, int2_row, nvfp4_row, ...: <kvc/row_codes.hpp>) the row's
   // bytes, T::row_bytes(head_dim()). update() takes and returns key rows of this width.
   std::int64_t row_width() const noexcept { return pages_.geometry().head_dim; }
   // Returns the same for the value pools: row_width(), except in a kvc::kv_codes<K, V> pool, whose
