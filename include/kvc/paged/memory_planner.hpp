@@ -338,8 +338,12 @@ inline std::optional<std::int64_t> mem_available_bytes() {
 // the cache's block size in bytes.
 inline std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb, std::int64_t bytes_per_block,
                                      std::optional<std::int64_t> available_ram = std::nullopt) {
-  if (!available_ram) available_ram = detail::mem_available_bytes();
-  if (available_ram && *available_ram < 0) available_ram.reset();
+  // The RAM in bytes, -1 where unknown. One read of each optional: g++ -O1 inlines this into a
+  // caller passing nullopt and cannot follow a re-assigned optional (-Wmaybe-uninitialized).
+  std::int64_t ram_bytes = available_ram.value_or(-1);
+  if (!available_ram) ram_bytes = detail::mem_available_bytes().value_or(-1);
+  const bool ram_known = ram_bytes >= 0;
+  const auto ram = static_cast<double>(ram_bytes);
   std::optional<std::int64_t> offload;
   if (cb.cpu_offload_space) {
     if (!(*cb.cpu_offload_space >= 0 && *cb.cpu_offload_space <= 1e9))
@@ -348,14 +352,12 @@ inline std::int64_t plan_swap_blocks(const ContinuousBatchingConfig& cb, std::in
     offload = static_cast<std::int64_t>(*cb.cpu_offload_space * 1073741824.0);
   }
   std::optional<std::int64_t> cap;
-  if (available_ram)
-    cap = static_cast<std::int64_t>(static_cast<double>(*available_ram) * cb.cpu_offload_space_safety_threshold);
+  if (ram_known) cap = static_cast<std::int64_t>(ram * cb.cpu_offload_space_safety_threshold);
   const auto gib = [](double bytes, int digits) { return detail::format_fixed(bytes / 1073741824.0, digits); };
   if (offload && cap && *offload > *cap) {
     warn("cpu_offload_space=" + gib(static_cast<double>(*offload), 1) + " GiB exceeds " +
-         detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" +
-         gib(static_cast<double>(*available_ram), 1) + " GiB). Clamping to " + gib(static_cast<double>(*cap), 1) +
-         " GiB.");
+         detail::format_fixed(cb.cpu_offload_space_safety_threshold * 100, 0) + "% of total RAM (" + gib(ram, 1) +
+         " GiB). Clamping to " + gib(static_cast<double>(*cap), 1) + " GiB.");
     offload = cap;
   } else if (offload && !cap) {
     warn("kvc::PagedCache: the available RAM is unknown, so cpu_offload_space_safety_threshold cannot be enforced");
