@@ -25,8 +25,8 @@
 //                            32 query heads, half queries) from pools of half, or of int8, int4 or
 //                            NVFP4 row codes (<kvc/row_codes.hpp>) holding random values' codes,
 //                            and of rotated int4 rows (kvc::rotated: the queries and the output
-//                            rotated in the step), fp8 rows, and fp8 keys with int4 values
-//                            (kvc::kv_codes).
+//                            rotated in the step), fp8 rows, fp8 keys with int4 values
+//                            (kvc::kv_codes), int2 rows, and int8 keys with int2 values.
 //   memcpy/<MiB>             one bulk memcpy of about the same bytes: the reference.
 //
 // After google benchmark's table, a summary prints update's bandwidth as a fraction of memcpy's,
@@ -351,8 +351,8 @@ int main(int argc, char** argv) {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   if (const kvc_bench::Result* half = reporter.find("attention/pool:half/requests:8/past:4096")) {
     std::printf("decode steps/s from row-code pools / half pools (8 requests x 4096 tokens, same run):\n");
-    for (const char* type :
-         {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row", "fp8_e4m3_row", "fp8_keys_int4_values"})
+    for (const char* type : {"int8_row", "int4_row", "nvfp4_row", "rotated_int4_row", "fp8_e4m3_row",
+                             "fp8_keys_int4_values", "int2_row", "int8_keys_int2_values"})
       if (const kvc_bench::Result* r = reporter.find(std::string("attention/pool:") + type + "/requests:8/past:4096"))
         std::printf("  %-22s %.2f\n", type, half->seconds / r->seconds);
   }

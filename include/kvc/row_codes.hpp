@@ -15,12 +15,13 @@
 //              [-7, 7]. ceil(head_dim / 2) + 4 bytes (0.27 of fp16 at 128).
 //   int2_row   2-bit codes four per byte (value 4i + j in bits 2j and 2j + 1 of byte i), then per
 //              group of 32 values (the last may be shorter) its minimum m and step s as bfloat16
-//              (2 bytes each, the host's byte order): m = the group's least value rounded to
-//              bfloat16 (nearest even), s = (its greatest value - m) / 3 rounded the same way,
-//              code_i = (x_i - m) / s rounded to nearest (ties to even) in [0, 3] (0 where s is 0);
-//              value_i = m + code_i * s. ceil(head_dim / 4) + 4 * ceil(head_dim / 32) bytes (0.19
-//              of fp16 at 128). A group with a value that is not finite, or whose m or s is not,
-//              keeps NaN for both and reads back as NaN.
+//              (2 bytes each, the host's byte order): m = the group's least value rounded down to
+//              bfloat16, s = (its greatest value - m) / 3 (in float) rounded up to bfloat16, so
+//              that [m, m + 3s] holds the group; code_i = (x_i - m) / s rounded to nearest (ties to
+//              even) in [0, 3] (0 where s is 0); value_i = m + code_i * s, within s / 2 of x_i.
+//              ceil(head_dim / 4) + 4 * ceil(head_dim / 32) bytes (0.19 of fp16 at 128). A group
+//              with a value that is not finite, or whose m, s or m + 3s is not (values near
+//              float's limit, 3.4e38), keeps NaN for both and reads back as NaN.
 //   nvfp4_row  NVFP4 (<kvc/nvfp4.hpp>): E2M1 codes two per byte, then one E4M3 scale per 16
 //              values; the tensor scale is the pool's, given when rows are encoded and to
 //              paged_attention. nvfp4_bytes(head_dim) bytes (0.28 of fp16 at 128).

@@ -19,13 +19,13 @@
 namespace {
 
 kvc::ModelConfig model(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads,
-                       std::int64_t window) {
+                       std::int64_t window, std::int64_t head_dim = 8) {
   kvc::ModelConfig c;
   c.num_hidden_layers = static_cast<std::int64_t>(types.size());
   c.num_attention_heads = heads;
   c.num_key_value_heads = kv_heads;
-  c.head_dim = 8;
-  c.hidden_size = heads * 8;
+  c.head_dim = head_dim;
+  c.hidden_size = heads * head_dim;
   c.sliding_window = window;
   c.layer_types = types;
   return c;
@@ -70,14 +70,14 @@ kvc::TensorView<T> view(const kvc::HostTensor<T>& t) {
 // scales.values[0]), the rows kvc::to_row_codes made, and the reference reads their values.
 template <class T, class Pool = T>
 double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, std::int64_t heads, std::int64_t window,
-                  std::int64_t block_size, unsigned seed, const kvc::Fp8Scales& scales = {}) {
+                  std::int64_t block_size, unsigned seed, const kvc::Fp8Scales& scales = {}, std::int64_t D = 8) {
   using Cache = kvc::PagedCache<kvc::HostStorage<Pool>>;
   constexpr bool fp8 = kvc::is_float8_v<Pool>, rows = kvc::is_row_code_v<Pool>;
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = block_size;
   cb.num_blocks = 400;
-  Cache cache(model(types, kv_heads, heads, window), cb);
-  const std::int64_t D = 8, layers = static_cast<std::int64_t>(types.size());
+  Cache cache(model(types, kv_heads, heads, window, D), cb);
+  const std::int64_t layers = static_cast<std::int64_t>(types.size());
   std::mt19937 rng(seed);
   const std::vector<std::string> ids = {"r0", "r1", "r2", "r3"};
   std::map<std::string, std::int64_t> past, allocated;
@@ -269,6 +269,9 @@ TEST_CASE("paged_attention over kv_codes pools: keys and values each read from t
   CHECK(run_stream<float, kvc::kv_codes<kvc::int8_row, kvc::int2_row>>({"sliding_attention", "full_attention"}, 2, 4, 5,
                                                                        4, 29) < 5e-5);
   CHECK(run_stream<Eigen::half, kvc::rotated<kvc::int2_row>>({"full_attention"}, 2, 4, 0, 8, 30) < 8.0 / 1024);
+  // Rows of 72 values: two whole groups of 32 (widened with AVX2 where the CPU has it) and a short one.
+  CHECK(run_stream<float, kvc::kv_codes<kvc::int8_row, kvc::int2_row>>({"full_attention", "sliding_attention"}, 2, 4, 9,
+                                                                       4, 31, {}, 72) < 5e-5);
   // A single fp8 row format is a pool of its own (vLLM's fp8_per_token_head), rotated or not.
   CHECK(run_stream<float, e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 27) < 5e-5);
   CHECK(run_stream<float, kvc::rotated<e5m2>>({"full_attention"}, 2, 4, 0, 8, 28) < 5e-5);

@@ -1,4 +1,5 @@
-// Row codes (<kvc/row_codes.hpp>): int8 and int4 rows with a float scale each, NVFP4 rows; the
+// Row codes (<kvc/row_codes.hpp>): int8, int4 and fp8 rows with a float scale each, int2 rows with
+// a minimum and step per 32 values, NVFP4 and bfloat16 rows, kv_codes pairs; the
 // paged pools that hold them (bytes per token, and the codes moved bit for bit by update, forks,
 // offload and save/load), rotated rows; paged_attention over each format is in paged_attention.cpp.
 #include <algorithm>
@@ -105,13 +106,13 @@ TEST_CASE("int8_row and int4_row: codes, scale and values as the format defines 
 
 namespace {
 
-// bfloat16 of x, nearest even, written out: the float's upper 16 bits, plus one where the lower
-// 16 are above half of 2^16, or exactly half with the upper half odd.
-float bfloat16_nearest(float x) {
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(x), low = u & 0xFFFFu;
-  std::uint32_t high = u >> 16;
-  if (low > 0x8000u || (low == 0x8000u && (high & 1u) != 0)) ++high;
-  return std::bit_cast<float>(high << 16);
+// x (a normal float) rounded to bfloat16, 8 significant bits, down or up, written out in double:
+// x = f * 2^e with f in [0.5, 1), so bfloat16's values near x are the multiples of 2^(e - 8).
+float bfloat16_rounded(float x, bool up) {
+  int e = 0;
+  (void)std::frexp(static_cast<double>(x), &e);
+  const double ulp = std::ldexp(1.0, e - 8), q = static_cast<double>(x) / ulp;
+  return static_cast<float>((up ? std::ceil(q) : std::floor(q)) * ulp);
 }
 
 float bfloat16_at(const std::vector<std::uint8_t>& bytes, std::size_t at) {
@@ -128,18 +129,18 @@ TEST_CASE("int2_row: codes, minimum and step per group of 32 as the format defin
   const bool had_avx2 = kvc::detail::avx2_enabled();
   for (const bool avx2 : {false, had_avx2})
     for (const std::int64_t n : {1, 5, 32, 33, 128}) {
-      kvc::detail::avx2_enabled() = avx2;  // the table and, where the CPU has it, AVX2 (whole groups)
       std::vector<float> x(static_cast<std::size_t>(n));
       for (float& v : x) v = normal(rng);
       const auto b = encoded<kvc::int2_row>(x);
       const std::int64_t groups = (n + 31) / 32, code_bytes = (n + 3) / 4;
       REQUIRE(static_cast<std::int64_t>(b.size()) == code_bytes + 4 * groups);
+      kvc::detail::avx2_enabled() = avx2;  // the table and, where the CPU has it, AVX2 (whole groups)
       const auto w = widened<kvc::int2_row>(b, n);
       kvc::detail::avx2_enabled() = had_avx2;
       for (std::int64_t g = 0; g < groups; ++g) {
         const auto first = x.begin() + 32 * g, last = x.begin() + std::min<std::int64_t>(n, 32 * (g + 1));
-        const float m = bfloat16_nearest(*std::min_element(first, last));
-        const float s = bfloat16_nearest((*std::max_element(first, last) - m) / 3.0f);
+        const float m = bfloat16_rounded(*std::min_element(first, last), false);
+        const float s = bfloat16_rounded((*std::max_element(first, last) - m) / 3.0f, true);
         const auto at = static_cast<std::size_t>(code_bytes + 4 * g);
         CHECK(std::bit_cast<std::uint32_t>(bfloat16_at(b, at)) == std::bit_cast<std::uint32_t>(m));
         CHECK(std::bit_cast<std::uint32_t>(bfloat16_at(b, at + 2)) == std::bit_cast<std::uint32_t>(s));
@@ -148,9 +149,12 @@ TEST_CASE("int2_row: codes, minimum and step per group of 32 as the format defin
           const int want =
               s > 0.0f ? static_cast<int>(std::min(std::max(std::nearbyint((*it - m) / s), 0.0f), 3.0f)) : 0;
           CHECK(((b[i / 4] >> (2 * (i % 4))) & 3) == want);
-          CHECK(w[i] == m + static_cast<float>(want) * s);  // exact: a 2-bit code times a bfloat16
-          // Each value is within half a step of its input (a bfloat16 minimum may clamp by its rounding).
-          CHECK(std::fabs(w[i] - *it) <= 0.5f * s + 0.01f * std::fabs(m) + 1e-6f);
+          CHECK(std::bit_cast<std::uint32_t>(w[i]) ==  // exact: a 2-bit code times a bfloat16
+                std::bit_cast<std::uint32_t>(m + static_cast<float>(want) * s));
+          // [m, m + 3s] holds the group, so each value is within half a step of its input.
+          CHECK(std::fabs(static_cast<double>(w[i]) - static_cast<double>(*it)) <=
+                0.5 * static_cast<double>(s) +
+                    1e-6 * (std::fabs(static_cast<double>(m)) + 3.0 * static_cast<double>(s)));
         }
       }
       for (std::int64_t i = n; i < 4 * code_bytes; ++i)  // the last byte's unused codes are 0
@@ -175,8 +179,29 @@ TEST_CASE("int2_row: codes, minimum and step per group of 32 as the format defin
     for (std::size_t i = 0; i < 32; ++i) CHECK(w[i] == 1.0f);
     for (std::size_t i = 32; i < 64; ++i) CHECK(std::isnan(w[i]));
   }
-  // Values past bfloat16's range: the rounded minimum overflows, and the group reads back as NaN.
+  // A group that m + 3s cannot hold in float reads back as NaN: a minimum rounded down past the
+  // largest float, or a top value that m + 3s would pass.
   for (const float v : widened<kvc::int2_row>(encoded<kvc::int2_row>({-3.4e38f, 1.0f}), 2)) CHECK(std::isnan(v));
+  for (const float v : widened<kvc::int2_row>(encoded<kvc::int2_row>({0.0f, 3.4e38f}), 2)) CHECK(std::isnan(v));
+  // A minimum just above a bfloat16 is rounded down, so no value clamps to it: each stays within
+  // s / 2 (rounded to nearest, 100.3 would have read back as 100.5).
+  const auto close = widened<kvc::int2_row>(encoded<kvc::int2_row>({100.3f, 100.45f, 100.6f}), 3);
+  for (std::size_t i = 0; i < 3; ++i)
+    CHECK(std::fabs(close[i] - std::vector<float>{100.3f, 100.45f, 100.6f}[i]) <= 0.101f);
+  // A group of two equal values: m = 1 (rounded down), s = 0.002 rounded up, code 3: 1.00604, within
+  // s / 2, not the minimum.
+  const float equal = widened<kvc::int2_row>(encoded<kvc::int2_row>({1.006f, 1.006f}), 2)[0];
+  CHECK(equal > 1.005f);
+  CHECK(equal < 1.007f);
+  // The two widening paths agree on a minimum of -0 too.
+  const bool avx2_was = kvc::detail::avx2_enabled();
+  const auto zeros = encoded<kvc::int2_row>(std::vector<float>(32, -0.0f));
+  kvc::detail::avx2_enabled() = false;
+  const auto table = widened<kvc::int2_row>(zeros, 32);
+  kvc::detail::avx2_enabled() = avx2_was;
+  const auto best = widened<kvc::int2_row>(zeros, 32);
+  for (std::size_t i = 0; i < 32; ++i)
+    CHECK(std::bit_cast<std::uint32_t>(table[i]) == std::bit_cast<std::uint32_t>(best[i]));
 }
 
 TEST_CASE("fp8_row and bfloat16_row: codes, scale and values as the formats define them") {

@@ -122,6 +122,18 @@ inline float round_to_bfloat16(float x) noexcept {
   std::memcpy(&r, &u, sizeof r);
   return r;
 }
+// x rounded to bfloat16 toward +infinity (up) or toward -infinity (down); NaN stays NaN.
+inline float round_to_bfloat16(float x, bool up) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x) || (u & 0xFFFFu) == 0) return x;
+  const bool negative = (u >> 31) != 0;
+  u &= 0xFFFF0000u;                   // toward zero
+  if (negative != up) u += 0x10000u;  // one step away from zero (past the largest: an infinity)
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
 inline void put_bfloat16(std::uint8_t* at, float x) noexcept {
   std::uint32_t u;
   std::memcpy(&u, &x, sizeof u);
@@ -168,9 +180,10 @@ struct int2_row {
         lo = std::fmin(lo, x[i]);
         hi = std::fmax(hi, x[i]);
       }
-      float m = detail::round_to_bfloat16(lo);
-      float step = detail::round_to_bfloat16((hi - m) / 3.0f);
-      if (!finite || !std::isfinite(m) || !std::isfinite(step)) m = step = std::numeric_limits<float>::quiet_NaN();
+      float m = detail::round_to_bfloat16(lo, false);                 // m <= every value
+      float step = detail::round_to_bfloat16((hi - m) / 3.0f, true);  // m + 3 step >= every value
+      if (!finite || !std::isfinite(m) || !std::isfinite(step) || !std::isfinite(m + 3.0f * step))
+        m = step = std::numeric_limits<float>::quiet_NaN();
       detail::put_bfloat16(groups, m);
       detail::put_bfloat16(groups + 2, step);
       if (!(step > 0.0f)) continue;
@@ -194,7 +207,7 @@ struct int2_row {
     for (std::int64_t start = first; start < n; start += group_size, groups += 4) {
       const std::int64_t end = std::min(n, start + group_size);
       const float m = detail::get_bfloat16(groups), step = detail::get_bfloat16(groups + 2);
-      const std::array<float, 4> v = {m, m + step, m + 2.0f * step, m + 3.0f * step};
+      const std::array<float, 4> v = {m + 0.0f * step, m + step, m + 2.0f * step, m + 3.0f * step};  // as AVX2 does
       std::int64_t i = start;
       for (const std::uint8_t* c = b + start / 4; i + 4 <= end; i += 4, ++c) {  // a group starts a byte
         out[i] = v[*c & 3u];
