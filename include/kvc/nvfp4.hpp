@@ -31,10 +31,25 @@
 #include <limits>
 #include <string_view>
 
+#include <math.h>  // fmaxf: one name in host and device code
+
+#include <kvc/detail/host_device.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
 
 namespace kvc {
+
+namespace detail {
+// A float's bits and back, and the tests the codecs need, in host and device code alike (no libm).
+KVC_HOST_DEVICE inline std::uint32_t bits_of_float(float x) noexcept { return float8_e4m3::format::float_to_bits(x); }
+KVC_HOST_DEVICE inline float float_of_bits(std::uint32_t u) noexcept { return float8_e4m3::format::bits_to_float(u); }
+KVC_HOST_DEVICE inline bool is_nan_float(float x) noexcept { return (bits_of_float(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+KVC_HOST_DEVICE inline bool is_finite_float(float x) noexcept {
+  return (bits_of_float(x) & 0x7F800000u) != 0x7F800000u;
+}
+KVC_HOST_DEVICE inline float abs_float(float x) noexcept { return float_of_bits(bits_of_float(x) & 0x7FFFFFFFu); }
+KVC_HOST_DEVICE inline bool sign_of_float(float x) noexcept { return (bits_of_float(x) >> 31) != 0; }
+}  // namespace detail
 
 // One E2M1 value: its code in the low 4 bits of a byte (bit 3 the sign).
 struct float4_e2m1 {
@@ -64,12 +79,13 @@ struct float4_e2m1 {
   }
   // The code of a float. Each magnitude code is the number of rounding boundaries |x| has passed;
   // a tie goes to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, ...).
-  static std::uint8_t encode(float x) noexcept {
-    if (std::isnan(x)) return 0x07;
-    const float a = std::fabs(x);
+  // Host and device code.
+  KVC_HOST_DEVICE static std::uint8_t encode(float x) noexcept {
+    if (detail::is_nan_float(x)) return 0x07;
+    const float a = detail::abs_float(x);
     const int code = int{a > 0.25f} + int{a >= 0.75f} + int{a > 1.25f} + int{a >= 1.75f} + int{a > 2.5f} +
                      int{a >= 3.5f} + int{a > 5.0f};
-    return static_cast<std::uint8_t>((std::signbit(x) ? 0x08 : 0x00) | code);
+    return static_cast<std::uint8_t>((detail::sign_of_float(x) ? 0x08 : 0x00) | code);
   }
 
   // Bit equality (both zeros differ).
@@ -116,6 +132,28 @@ inline float nvfp4_tensor_scale(float amax) {
   return std::fmin(std::fmax(amax / 2688.0f, std::numeric_limits<float>::min()), detail::nvfp4_max_tensor_scale);
 }
 
+namespace detail {
+// One NVFP4 block of len <= 16 values (nvfp4_quantize's steps, below) with tensor scale g, already
+// checked: its (len + 1) / 2 code bytes (the high half of a last odd byte 0) and its scale's bits.
+// Host and device code.
+KVC_HOST_DEVICE inline void nvfp4_quantize_block(const float* block, std::int64_t len, float g, std::uint8_t* codes,
+                                                 std::uint8_t& scale_bits) noexcept {
+  float a = 0.0f;
+  bool nan = false;
+  for (std::int64_t i = 0; i < len; ++i) {
+    nan = nan || is_nan_float(block[i]);
+    a = fmaxf(a, abs_float(block[i]));
+  }
+  scale_bits = nan ? std::uint8_t{0x7F} : float8_e4m3::format::encode(a / (6.0f * g), fp8_overflow::saturate);
+  const float scale = float8_e4m3::format::decode(scale_bits) * g;
+  const auto code = [&](std::int64_t i) -> unsigned {
+    if (i >= len) return 0;
+    return scale > 0.0f || nan ? float4_e2m1::encode(block[i] / scale) : (sign_of_float(block[i]) ? 0x08u : 0x00u);
+  };
+  for (std::int64_t i = 0; i < len; i += 2) codes[i / 2] = static_cast<std::uint8_t>(code(i) | (code(i + 1) << 4));
+}
+}  // namespace detail
+
 // NVFP4 codes of x[0, n): codes[(n + 1) / 2] two per byte (value 2i in the low 4 bits of byte i,
 // value 2i + 1 in the high 4; the high half of a last odd byte is 0), scales[(n + 15) / 16] one per
 // 16 values (the last block may be shorter). ValueError unless the tensor scale is positive and at
@@ -123,28 +161,9 @@ inline float nvfp4_tensor_scale(float amax) {
 inline void nvfp4_quantize(const float* x, std::int64_t n, float tensor_scale, std::uint8_t* codes,
                            float8_e4m3* scales) {
   detail::check_nvfp4_tensor_scale(tensor_scale, "kvc::nvfp4_quantize");
-  std::array<std::uint8_t, nvfp4_block_size> q{};
-  for (std::int64_t start = 0; start < n; start += nvfp4_block_size) {
-    const std::int64_t len = std::min(nvfp4_block_size, n - start);
-    const float* block = x + start;
-    float a = 0.0f;
-    bool nan = false;
-    for (std::int64_t i = 0; i < len; ++i) {
-      nan = nan || std::isnan(block[i]);
-      a = std::fmax(a, std::fabs(block[i]));
-    }
-    const float8_e4m3 s = nan ? float8_e4m3::from_bits(0x7F) : float8_e4m3(a / (6.0f * tensor_scale));
-    const float scale = s.to_float() * tensor_scale;
-    for (std::int64_t i = 0; i < len; ++i)
-      q[static_cast<std::size_t>(i)] = scale > 0.0f || nan
-                                           ? float4_e2m1::encode(block[i] / scale)
-                                           : static_cast<std::uint8_t>(std::signbit(block[i]) ? 0x08 : 0x00);
-    for (std::int64_t i = len; i < nvfp4_block_size; ++i) q[static_cast<std::size_t>(i)] = 0;
-    scales[start / nvfp4_block_size] = s;
-    for (std::int64_t i = 0; i < len; i += 2)
-      codes[(start + i) / 2] =
-          static_cast<std::uint8_t>(q[static_cast<std::size_t>(i)] | (q[static_cast<std::size_t>(i + 1)] << 4));
-  }
+  for (std::int64_t start = 0; start < n; start += nvfp4_block_size)
+    detail::nvfp4_quantize_block(x + start, std::min(nvfp4_block_size, n - start), tensor_scale, codes + start / 2,
+                                 scales[start / nvfp4_block_size].bits);
 }
 
 // The values of NVFP4 codes (as nvfp4_quantize writes them): out[i] = float(code i) * S, S the

@@ -15,6 +15,9 @@
 #include <string_view>
 #include <type_traits>
 
+#include <math.h>  // fmaxf, nearbyintf: one name in host and device code
+
+#include <kvc/detail/host_device.hpp>
 #include <kvc/detail/simd.hpp>
 #include <kvc/detail/traits.hpp>
 #include <kvc/errors.hpp>
@@ -25,28 +28,45 @@ namespace kvc {
 
 namespace detail {
 
+// The codecs below encode and read rows in host and device code alike (KVC_HOST_DEVICE, so that
+// CUDA kernels run the host's arithmetic), with the C names of the float functions (fmaxf,
+// nearbyintf: one name on both sides) and the bits helpers of <kvc/nvfp4.hpp>.
+
 // The scale of a row of n values for a symmetric integer format whose largest code is `top`:
 // max |x_i| / top, NaN when a value is not finite.
-inline float symmetric_row_scale(const float* x, std::int64_t n, float top) noexcept {
+KVC_HOST_DEVICE inline float symmetric_row_scale(const float* x, std::int64_t n, float top) noexcept {
   float amax = 0.0f;
   bool finite = true;
   for (std::int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    finite = finite && std::isfinite(a);
-    amax = std::fmax(amax, a);
+    const float a = abs_float(x[i]);
+    finite = finite && is_finite_float(a);
+    amax = fmaxf(amax, a);
   }
   return finite ? amax / top : std::numeric_limits<float>::quiet_NaN();
 }
 // The code of x for `scale` (0 where the scale is 0 or NaN), rounded to nearest even, in [-top, top].
-inline int symmetric_code(float x, float scale, float top) noexcept {
+KVC_HOST_DEVICE inline int symmetric_code(float x, float scale, float top) noexcept {
   if (!(scale > 0.0f)) return 0;
-  return static_cast<int>(std::fmin(std::fmax(std::nearbyint(x / scale), -top), top));
+  return static_cast<int>(fminf(fmaxf(nearbyintf(x / scale), -top), top));
 }
-inline void put_scale(std::uint8_t* at, float scale) noexcept { std::memcpy(at, &scale, sizeof scale); }
-inline float get_scale(const std::uint8_t* at) noexcept {
-  float s;
-  std::memcpy(&s, at, sizeof s);
-  return s;
+// A row's float scale and a bfloat16's two bytes, little-endian at any alignment (the byte order
+// of the hosts kvc builds for and of CUDA devices).
+KVC_HOST_DEVICE inline void put_scale(std::uint8_t* at, float scale) noexcept {
+  const std::uint32_t u = bits_of_float(scale);
+  for (int i = 0; i < 4; ++i) at[i] = static_cast<std::uint8_t>(u >> (8 * i));
+}
+KVC_HOST_DEVICE inline float get_scale(const std::uint8_t* at) noexcept {
+  return float_of_bits(std::uint32_t{at[0]} | std::uint32_t{at[1]} << 8 | std::uint32_t{at[2]} << 16 |
+                       std::uint32_t{at[3]} << 24);
+}
+// a * b rounded once, never fused with an addition (nvcc fuses a * b + c on the device by default;
+// the host compilers kvc is tested with do not).
+KVC_HOST_DEVICE inline float product_rounded(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
 }
 
 }  // namespace detail
@@ -62,7 +82,7 @@ struct int8_row {
   // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
-  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int8_row* out) noexcept {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int8_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
     const float scale = detail::symmetric_row_scale(x, n, 127.0f);
     for (std::int64_t i = 0; i < n; ++i)
@@ -88,7 +108,7 @@ struct int4_row {
   // The bytes of one head's row of head_dim values: two codes a byte and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return (head_dim + 1) / 2 + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)).
-  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int4_row* out) noexcept {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int4_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
     const float scale = detail::symmetric_row_scale(x, n, 7.0f);
     for (std::int64_t i = 0; i < n; i += 2) {
@@ -114,39 +134,27 @@ struct int4_row {
 
 namespace detail {
 // x rounded to bfloat16 (nearest even) and back to float; NaN stays NaN.
-inline float round_to_bfloat16(float x) noexcept {
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u = std::isnan(x) ? (u | 0x00400000u) & 0xFFFF0000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  float r;
-  std::memcpy(&r, &u, sizeof r);
-  return r;
+KVC_HOST_DEVICE inline float round_to_bfloat16(float x) noexcept {
+  std::uint32_t u = bits_of_float(x);
+  u = is_nan_float(x) ? (u | 0x00400000u) & 0xFFFF0000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return float_of_bits(u);
 }
 // x rounded to bfloat16 toward +infinity (up) or toward -infinity (down); NaN stays NaN.
-inline float round_to_bfloat16(float x, bool up) noexcept {
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x) || (u & 0xFFFFu) == 0) return x;
+KVC_HOST_DEVICE inline float round_to_bfloat16(float x, bool up) noexcept {
+  std::uint32_t u = bits_of_float(x);
+  if (is_nan_float(x) || (u & 0xFFFFu) == 0) return x;
   const bool negative = (u >> 31) != 0;
   u &= 0xFFFF0000u;                   // toward zero
   if (negative != up) u += 0x10000u;  // one step away from zero (past the largest: an infinity)
-  float r;
-  std::memcpy(&r, &u, sizeof r);
-  return r;
+  return float_of_bits(u);
 }
-inline void put_bfloat16(std::uint8_t* at, float x) noexcept {
-  std::uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  const auto h = static_cast<std::uint16_t>(u >> 16);
-  std::memcpy(at, &h, sizeof h);
+KVC_HOST_DEVICE inline void put_bfloat16(std::uint8_t* at, float x) noexcept {
+  const std::uint32_t u = bits_of_float(x);
+  at[0] = static_cast<std::uint8_t>(u >> 16);
+  at[1] = static_cast<std::uint8_t>(u >> 24);
 }
-inline float get_bfloat16(const std::uint8_t* at) noexcept {
-  std::uint16_t h;
-  std::memcpy(&h, at, sizeof h);
-  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
+KVC_HOST_DEVICE inline float get_bfloat16(const std::uint8_t* at) noexcept {
+  return float_of_bits((std::uint32_t{at[0]} | std::uint32_t{at[1]} << 8) << 16);
 }
 }  // namespace detail
 
@@ -167,28 +175,29 @@ struct int2_row {
     return (head_dim + 3) / 4 + 4 * ((head_dim + group_size - 1) / group_size);
   }
   // The row of x[0, n) into out[0, row_bytes(n)).
-  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int2_row* out) noexcept {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, int2_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
-    std::fill(b, b + (n + 3) / 4, std::uint8_t{0});
+    for (std::int64_t i = 0; i < (n + 3) / 4; ++i) b[i] = 0;
     std::uint8_t* groups = b + (n + 3) / 4;
     for (std::int64_t start = 0; start < n; start += group_size, groups += 4) {
-      const std::int64_t end = std::min(n, start + group_size);
+      const std::int64_t end = n < start + group_size ? n : start + group_size;
       float lo = x[start], hi = x[start];
       bool finite = true;
       for (std::int64_t i = start; i < end; ++i) {
-        finite = finite && std::isfinite(x[i]);
-        lo = std::fmin(lo, x[i]);
-        hi = std::fmax(hi, x[i]);
+        finite = finite && detail::is_finite_float(x[i]);
+        lo = fminf(lo, x[i]);
+        hi = fmaxf(hi, x[i]);
       }
       float m = detail::round_to_bfloat16(lo, false);                 // m <= every value
       float step = detail::round_to_bfloat16((hi - m) / 3.0f, true);  // m + 3 step >= every value
-      if (!finite || !std::isfinite(m) || !std::isfinite(step) || !std::isfinite(m + 3.0f * step))
+      // (m + 3 step is infinite or NaN whenever m or step is: m = -inf makes step +inf)
+      if (!finite || !detail::is_finite_float(m + detail::product_rounded(3.0f, step)))
         m = step = std::numeric_limits<float>::quiet_NaN();
       detail::put_bfloat16(groups, m);
       detail::put_bfloat16(groups + 2, step);
       if (!(step > 0.0f)) continue;
       for (std::int64_t i = start; i < end; ++i) {
-        const auto code = static_cast<unsigned>(std::fmin(std::fmax(std::nearbyint((x[i] - m) / step), 0.0f), 3.0f));
+        const auto code = static_cast<unsigned>(fminf(fmaxf(nearbyintf((x[i] - m) / step), 0.0f), 3.0f));
         b[i / 4] = static_cast<std::uint8_t>(b[i / 4] | (code << (2 * (i % 4))));
       }
     }
@@ -255,14 +264,12 @@ struct nvfp4_row {
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return nvfp4_bytes(head_dim); }
   // The row of x[0, n) with tensor scale g (checked by the caller: positive, at most 2^116) into
   // out[0, row_bytes(n)): nvfp4_quantize's codes, then its scales' bits.
-  static void encode(const float* x, std::int64_t n, float tensor_scale, nvfp4_row* out) {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float tensor_scale, nvfp4_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
     std::uint8_t* scales = b + (n + 1) / 2;
-    for (std::int64_t start = 0; start < n; start += nvfp4_block_size) {
-      float8_e4m3 s;
-      nvfp4_quantize(x + start, std::min(nvfp4_block_size, n - start), tensor_scale, b + start / 2, &s);
-      scales[start / nvfp4_block_size] = s.bits;
-    }
+    for (std::int64_t start = 0; start < n; start += nvfp4_block_size)
+      detail::nvfp4_quantize_block(x + start, n - start < nvfp4_block_size ? n - start : nvfp4_block_size, tensor_scale,
+                                   b + start / 2, scales[start / nvfp4_block_size]);
   }
   // The n values of a row with tensor scale 1 (paged_attention applies the pool's): with AVX2 a
   // whole block at a time (detail::avx2_enabled); otherwise, and for a last short block, each
@@ -354,15 +361,16 @@ struct fp8_row {
   // Whether rows take a tensor scale (NVFP4's) when encoded.
   static constexpr bool tensor_scaled = false;
   // The largest finite code value (448 for E4M3, 57344 for E5M2).
-  static float top() noexcept { return static_cast<float>(F8::from_bits(F8::format::max_finite)); }
+  KVC_HOST_DEVICE static float top() noexcept { return F8::format::decode(F8::format::max_finite); }
   // The bytes of one head's row of head_dim values: head_dim codes and a float scale.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return head_dim + 4; }
   // The row of x[0, n) into out[0, row_bytes(n)): scale = max |x_i| / top(), code_i = F8(x_i /
   // scale) (rounded to nearest even); codes 0 where the scale is 0 or NaN.
-  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, fp8_row* out) noexcept {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, fp8_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
     const float scale = detail::symmetric_row_scale(x, n, top());
-    for (std::int64_t i = 0; i < n; ++i) b[i] = scale > 0.0f ? F8(x[i] / scale).bits : std::uint8_t{0};
+    for (std::int64_t i = 0; i < n; ++i)
+      b[i] = scale > 0.0f ? F8::format::encode(x[i] / scale, fp8_overflow::saturate) : std::uint8_t{0};
     detail::put_scale(b + n, scale);
   }
   // The n values of a row: each code's value times the row's scale.
@@ -387,7 +395,8 @@ struct bfloat16_row {
   // The bytes of one head's row of head_dim values: two a value.
   static constexpr std::int64_t row_bytes(std::int64_t head_dim) noexcept { return 2 * head_dim; }
   // The row of x[0, n) into out[0, row_bytes(n)); a NaN stays a (quiet) NaN.
-  static void encode(const float* x, std::int64_t n, float /*tensor_scale*/, bfloat16_row* out) noexcept {
+  KVC_HOST_DEVICE static void encode(const float* x, std::int64_t n, float /*tensor_scale*/,
+                                     bfloat16_row* out) noexcept {
     auto* b = reinterpret_cast<std::uint8_t*>(out);
     for (std::int64_t i = 0; i < n; ++i) detail::put_bfloat16(b + 2 * i, detail::round_to_bfloat16(x[i]));
   }
