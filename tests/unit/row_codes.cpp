@@ -283,6 +283,56 @@ TEST_CASE("nvfp4_row: a NaN makes its block NaN, an infinity saturates, as nvfp4
   CHECK(v[21] == 0.0f);           // 1 / 448 rounds to code 0
 }
 
+namespace {
+
+// value_at(row, i, n) against widen's value i, bit for bit (zeros of either sign equal), over rows of random bytes (every code
+// and scale pattern, NaNs and infinities included) and rows the encoder made, for lengths that
+// leave a short last group, block or byte.
+template <class C>
+void value_at_is_widen() {
+  std::mt19937 rng(41);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (const std::int64_t n : {1, 5, 16, 33, 40, 128}) {
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<std::uint8_t> bytes(static_cast<std::size_t>(C::row_bytes(n)));
+      if (trial % 2 == 0) {
+        for (auto& b : bytes) b = static_cast<std::uint8_t>(byte(rng));
+      } else {
+        std::vector<float> x(static_cast<std::size_t>(n));
+        for (auto& v : x) v = normal(rng);
+        bytes = encoded<C>(x);
+      }
+      const auto want = widened<C>(bytes, n);
+      std::vector<C> row;
+      for (const std::uint8_t b : bytes) row.push_back(C{b});
+      std::int64_t first_difference = n;  // one check a row: 2,000 checks, fast under valgrind too
+      for (std::int64_t i = n - 1; i >= 0; --i) {
+        const float got = C::value_at(row.data(), i, n), w = want[static_cast<std::size_t>(i)];
+        // (+ 0: NVFP4's AVX2 widen gives +0 for the code -0, as nvfp4_row's test above allows)
+        if (std::isnan(got) ? !std::isnan(w)
+                            : std::bit_cast<std::uint32_t>(got + 0.0f) != std::bit_cast<std::uint32_t>(w + 0.0f))
+          first_difference = i;
+      }
+      INFO(C::name << ", n " << n << ", trial " << trial);
+      CHECK(first_difference == n);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("value_at (the device attention's read of one value) is widen's value, bit for bit") {
+  value_at_is_widen<kvc::int8_row>();
+  value_at_is_widen<kvc::int4_row>();
+  value_at_is_widen<kvc::int2_row>();
+  value_at_is_widen<kvc::nvfp4_row>();
+  value_at_is_widen<kvc::fp8_row<kvc::float8_e4m3>>();
+  value_at_is_widen<kvc::fp8_row<kvc::float8_e5m2>>();
+  value_at_is_widen<kvc::bfloat16_row>();
+  value_at_is_widen<kvc::rotated<kvc::int4_row>>();
+}
+
 TEST_CASE("to_row_codes / from_row_codes: each row alone, and the errors") {
   std::mt19937 rng(7);
   const auto x = kvc_test::random_tensor<Eigen::half>(2, 3, 4, 10, rng);

@@ -95,6 +95,12 @@ struct int8_row {
     const float scale = detail::get_scale(b + n);
     for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<std::int8_t>(b[i])) * scale;
   }
+  // Value i of a row of n, as widen gives it (host and device code: the device attention reads
+  // rows this way, a value per lane).
+  KVC_HOST_DEVICE static float value_at(const int8_row* row, std::int64_t i, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    return static_cast<float>(static_cast<std::int8_t>(b[i])) * detail::get_scale(b + n);
+  }
 };
 
 // One byte of a row of int4 codes with its float scale (see the top of <kvc/row_codes.hpp>).
@@ -129,6 +135,12 @@ struct int4_row {
       out[2 * i + 1] = static_cast<float>(((byte >> 4) ^ 0x08) - 0x08) * scale;
     }
     if (n % 2 != 0) out[n - 1] = static_cast<float>(((b[pairs] & 0x0F) ^ 0x08) - 0x08) * scale;
+  }
+  // Value i of a row of n, as widen gives it (host and device code).
+  KVC_HOST_DEVICE static float value_at(const int4_row* row, std::int64_t i, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const int code = (((i % 2 != 0 ? b[i / 2] >> 4 : b[i / 2]) & 0x0F) ^ 0x08) - 0x08;
+    return static_cast<float>(code) * detail::get_scale(b + (n + 1) / 2);
   }
 };
 
@@ -227,6 +239,14 @@ struct int2_row {
       for (; i < end; ++i) out[i] = v[(b[i / 4] >> (2 * (i % 4))) & 3u];
     }
   }
+  // Value i of a row of n, as widen gives it (host and device code; m + code * step is exact to one
+  // rounding, so a fused multiply-add gives the same).
+  KVC_HOST_DEVICE static float value_at(const int2_row* row, std::int64_t i, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const std::uint8_t* group = b + (n + 3) / 4 + 4 * (i / group_size);
+    const auto code = static_cast<float>((b[i / 4] >> (2 * (i % 4))) & 3u);
+    return detail::get_bfloat16(group) + code * detail::get_bfloat16(group + 2);
+  }
 
  private:
 #if defined(KVC_X86_AVX2_DISPATCH)
@@ -300,6 +320,16 @@ struct nvfp4_row {
       }
       if (len % 2 != 0) o[len - 1] = pairs[codes[whole]][0] * s;
     }
+  }
+  // Value i of a row of n with tensor scale 1, as widen gives it (host and device code): the E2M1
+  // code's value from its bits (magnitude codes 2 to 7 are 2^(e - 1) times 1 or 1.5, code 1 is 0.5)
+  // times the block's E4M3 scale.
+  KVC_HOST_DEVICE static float value_at(const nvfp4_row* row, std::int64_t i, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    const std::uint32_t code = (i % 2 != 0 ? b[i / 2] >> 4 : b[i / 2]) & 0x0Fu, m = code & 0x07u;
+    const std::uint32_t magnitude = m < 2 ? m * 0x3F000000u : ((m >> 1) + 126u) << 23 | (m & 1u) << 22;
+    return detail::float_of_bits(magnitude | (code & 0x08u) << 28) *
+           float8_e4m3::format::decode(b[(n + 1) / 2 + i / nvfp4_block_size]);
   }
 
  private:
@@ -380,6 +410,11 @@ struct fp8_row {
     F8::widen(reinterpret_cast<const F8*>(b), out, n);
     for (std::int64_t i = 0; i < n; ++i) out[i] *= scale;
   }
+  // Value i of a row of n, as widen gives it (host and device code).
+  KVC_HOST_DEVICE static float value_at(const fp8_row* row, std::int64_t i, std::int64_t n) noexcept {
+    const auto* b = reinterpret_cast<const std::uint8_t*>(row);
+    return F8::format::decode(b[i]) * detail::get_scale(b + n);
+  }
 };
 
 // One byte of a row of bfloat16 values (the upper 16 bits of each float, rounded to nearest even,
@@ -404,6 +439,10 @@ struct bfloat16_row {
   static void widen(const bfloat16_row* row, float* out, std::int64_t n) noexcept {
     const auto* b = reinterpret_cast<const std::uint8_t*>(row);
     for (std::int64_t i = 0; i < n; ++i) out[i] = detail::get_bfloat16(b + 2 * i);
+  }
+  // Value i of a row (host and device code).
+  KVC_HOST_DEVICE static float value_at(const bfloat16_row* row, std::int64_t i, std::int64_t /*n*/) noexcept {
+    return detail::get_bfloat16(reinterpret_cast<const std::uint8_t*>(row) + 2 * i);
   }
 };
 
@@ -445,6 +484,10 @@ struct rotated {
   // The n values of a row, still rotated (the tensor scale not applied).
   static void widen(const rotated* row, float* out, std::int64_t n) noexcept {
     C::widen(reinterpret_cast<const C*>(row), out, n);
+  }
+  // Value i of a row, still rotated (host and device code).
+  KVC_HOST_DEVICE static float value_at(const rotated* row, std::int64_t i, std::int64_t n) noexcept {
+    return C::value_at(reinterpret_cast<const C*>(row), i, n);
   }
 };
 
