@@ -59,7 +59,7 @@ set(kvc_layer_7
     cache_description.hpp detail/runtime_caches.hpp detail/runtime_instantiations.hpp export.hpp
     kvc.hpp make_cache.hpp mpi.hpp paged.hpp runtime.hpp state.hpp)
 set(kvc_layer_8
-    cuda.hpp detail/cuda_attention.cuh detail/cuda_kernels.cuh detail/cuda_runtime.cuh
+    cuda.hpp detail/cuda_attention.cuh detail/cuda_kernels.cuh detail/cuda_row_codes.cuh detail/cuda_runtime.cuh
     policies/offload/host_engine.cuh policies/quantization/cuda_codecs.cuh
     policies/storage/cuda.cuh)
 

@@ -108,19 +108,26 @@ HostTensor<float> values_of_rows(const X& input, std::int64_t head_dim, float te
   }
 }
 
+// Whether C is one row format, to_row_codes' one error otherwise (host and device overloads).
+template <class C>
+constexpr bool encodable_row_format() {
+  static_assert(
+      is_row_format<C>,
+      "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, int2_row, nvfp4_row, "
+      "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
+      "kvc::to_kv_codes");
+  return is_row_format<C>;
+}
+
 }  // namespace detail
 
 // x [batch, heads, seq, head_dim] (any kvc::tensor_input on the host, of any element type a float
 // converts from) as rows of C codes: [batch, heads, seq, C::row_bytes(head_dim)], each row encoded
 // alone (NVFP4 with tensor scale 1).
 template <class C, class X>
+  requires(!detail::input_in<X, memory_space::device>)  // device tensors: <kvc/cuda.hpp>'s overload
 HostTensor<C> to_row_codes(const X& input) {
-  static_assert(
-      detail::is_row_format<C>,
-      "kvc::to_row_codes: the code type must be one row format (kvc::int8_row, int4_row, int2_row, nvfp4_row, "
-      "fp8_row<F8>, bfloat16_row or kvc::rotated<one>); a kvc::kv_codes pool's rows come from "
-      "kvc::to_kv_codes");
-  if constexpr (detail::is_row_format<C>)
+  if constexpr (detail::encodable_row_format<C>())
     return detail::row_codes_of<C>(input, 1.0f, "kvc::to_row_codes");
   else
     return {};
@@ -129,7 +136,7 @@ HostTensor<C> to_row_codes(const X& input) {
 // from the largest magnitude): a ValueError unless it is positive and at most 2^116. The integer
 // formats keep one scale per row and take no tensor scale.
 template <class C, class X>
-  requires(C::tensor_scaled)
+  requires(C::tensor_scaled && !detail::input_in<X, memory_space::device>)
 HostTensor<C> to_row_codes(const X& input, float tensor_scale) {
   return detail::row_codes_of<C>(input, tensor_scale, "kvc::to_row_codes");
 }
@@ -156,6 +163,7 @@ HostTensor<float> from_row_codes(const X& input, std::int64_t head_dim, float te
 // P. `scales` are the NVFP4 tensor scales of a side that takes one (kvc::Nvfp4TensorScales; a
 // ValueError unless positive and at most 2^116); a side that takes none ignores its scale.
 template <class P, class KT, class VT>
+  requires(!(detail::input_in<KT, memory_space::device> && detail::input_in<VT, memory_space::device>))
 KV<HostTensor<P>> to_kv_codes(const KT& keys, const VT& values, const Nvfp4TensorScales& scales = {}) {
   static_assert(detail::is_kv_codes<P>, "kvc::to_kv_codes: the pool type must be kvc::kv_codes<K, V>");
   if constexpr (detail::is_kv_codes<P>) {

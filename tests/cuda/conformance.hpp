@@ -31,6 +31,7 @@
 #include <kvc/detail/attention_rows.hpp>
 #include <kvc/kvc.hpp>
 #include <kvc/paged/paged_attention.hpp>
+#include <kvc/row_codes.hpp>
 
 namespace kvc_conformance {
 
@@ -788,6 +789,21 @@ void quantized(Record& rec) {
 
 // A model of two layers (types[0], types[1]) of `heads` query heads on `kv_heads` KV heads of `dim`,
 // with a sliding window (for a "sliding_attention" layer), for the paged scenarios and tests.
+// A step's keys and values as a pool of KV takes them: as they are for float, as rows of codes
+// for row codes (kvc::to_row_codes, or to_kv_codes for a pair), each NVFP4 side with its tensor
+// scale from `g`.
+template <class KV>
+kvc::KV<kvc::HostTensor<KV>> pool_step(const Ref& k, const Ref& v, const kvc::Nvfp4TensorScales& g) {
+  if constexpr (std::is_same_v<KV, float>)
+    return {k, v};
+  else if constexpr (kvc::detail::is_kv_codes<KV>)
+    return kvc::to_kv_codes<KV>(k, v, g);
+  else if constexpr (KV::tensor_scaled)
+    return {kvc::to_row_codes<KV>(k, g.keys), kvc::to_row_codes<KV>(v, g.values)};
+  else
+    return {kvc::to_row_codes<KV>(k), kvc::to_row_codes<KV>(v)};
+}
+
 inline kvc::ModelConfig paged_model(std::vector<std::string> types, std::int64_t kv_heads, std::int64_t heads,
                                     std::int64_t dim, std::int64_t window) {
   kvc::ModelConfig config;

@@ -61,6 +61,7 @@ static_assert(std::is_same_v<kvc::detail::quant_meta_t<__nv_bfloat16>, __nv_bflo
 // The paged cache over device memory: every member (pools, swap pool, forks, offload) compiles.
 template class kvc::PagedCache<kvc::CudaStorage<__half>>;
 template class kvc::PagedCache<kvc::CudaStorage<kvc::float8_e4m3>>;
+template class kvc::PagedCache<kvc::CudaStorage<kvc::kv_codes<kvc::int8_row, kvc::nvfp4_row>>>;
 static_assert(kvc::concepts::supports_its_element_type<kvc::CudaStorage<kvc::float8_e5m2>>);
 
 namespace {
@@ -641,16 +642,23 @@ TEST_CASE("device attention over fp8 codes (per-head scales, both formats) match
   check(kvc::float8_e5m2{});
 }
 
-TEST_CASE("paged attention over an fp8 device pool matches the host's") {
-  const kvc::ModelConfig config = kc::paged_model({"sliding_attention", "full_attention"}, 2, 4, 32, 7);
+namespace {
+
+// One request's steps of 13, 1, 1 and 6 tokens over a two-layer model (a sliding and a full layer)
+// in a PagedCache<CudaStorage<KV>> and a PagedCache<HostStorage<KV>>: each layer's step is made by
+// encode(keys, values) (host tensors of KV), copied to the device, attended on both sides by
+// compare(device, host, layer, step, queries, rows, device keys, device values), then stored (the
+// device with write_all_layers, the host layer by layer); at the end every pool is compared byte for
+// byte.
+template <class KV, class Encode, class Compare>
+void paged_steps_on_both(std::int64_t dim, unsigned seed, Encode encode, Compare compare) {
+  const kvc::ModelConfig config = kc::paged_model({"sliding_attention", "full_attention"}, 2, 4, dim, 7);
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 32;
-  using F8 = kvc::float8_e4m3;
-  kvc::PagedCache<kvc::CudaStorage<F8>> device(config, cb);
-  kvc::PagedCache<kvc::HostStorage<F8>> host(config, cb);
-  const kvc::Fp8Scales scales{{0.01f, 0.02f}, {0.015f}};
-  std::mt19937 rng(9);
+  kvc::PagedCache<kvc::CudaStorage<KV>> device(config, cb);
+  kvc::PagedCache<kvc::HostStorage<KV>> host(config, cb);
+  std::mt19937 rng(seed);
   std::int64_t past = 0, held = 0;
   for (const std::int64_t q : {13, 1, 1, 6}) {
     const std::int64_t need = (past + q + 3) / 4 - held;
@@ -664,16 +672,13 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
     const std::vector<std::string> reqs = {"r"};
     const std::vector<std::int64_t> cu = {0, q}, pasts = {past};
     const kvc::PagedAttentionStep step{reqs, cu, pasts};
-    std::vector<kvc::HostTensor<F8>> k8, v8;
-    std::vector<kvc::DeviceTensor<F8>> dk, dv;
-    std::vector<kvc::DeviceTensorView<F8>> kviews, vviews;
+    std::vector<kvc::KV<kvc::HostTensor<KV>>> rows;
+    std::vector<kvc::DeviceTensor<KV>> dk, dv;
+    std::vector<kvc::DeviceTensorView<KV>> kviews, vviews;
     for (std::int64_t layer = 0; layer < 2; ++layer) {
-      k8.push_back(kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(kc::random_tensor<float>(1, 2, q, 32, rng)),
-                                   scales.keys));
-      v8.push_back(kvc::to_fp8<F8>(kvc::HostStorage<float>::input_view(kc::random_tensor<float>(1, 2, q, 32, rng)),
-                                   scales.values));
-      dk.push_back(kvc::to_device(k8.back()));
-      dv.push_back(kvc::to_device(v8.back()));
+      rows.push_back(encode(kc::random_tensor<float>(1, 2, q, dim, rng), kc::random_tensor<float>(1, 2, q, dim, rng)));
+      dk.push_back(kvc::to_device(rows.back().keys));
+      dv.push_back(kvc::to_device(rows.back().values));
     }
     for (std::size_t l = 0; l < 2; ++l) {
       kviews.push_back(dk[l].view());
@@ -681,26 +686,133 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
     }
     for (std::int64_t layer = 0; layer < 2; ++layer) {
       const auto l = static_cast<std::size_t>(layer);
-      const auto queries = kc::random_tensor<float>(1, 4, q, 32, rng);
-      const auto dq = kvc::to_device(queries);
-      const auto got =
-          kvc::to_host(kvc::paged_attention(device, layer, step, dq.view(), kviews[l], vviews[l], scales).view());
-      const auto want = kvc::paged_attention(host, layer, step, kvc::HostStorage<float>::input_view(queries),
-                                             kvc::HostStorage<F8>::input_view(k8[l]),
-                                             kvc::HostStorage<F8>::input_view(v8[l]), scales);
       INFO("step at " << past << ", layer " << layer);
-      CHECK(kc::largest_difference(got, want) <= 1e-5f);
-      // The owning tensors as inputs (kvc::tensor_input), on both sides: the same bits.
-      const auto owning = kvc::to_host(kvc::paged_attention(device, layer, step, dq, dk[l], dv[l], scales).view());
-      CHECK(kc::largest_difference(owning, got) == 0.0f);
-      CHECK(kc::largest_difference(kvc::paged_attention(host, layer, step, queries, k8[l], v8[l], scales), want) ==
-            0.0f);
-      host.update(kvc::HostStorage<F8>::input_view(k8[l]), kvc::HostStorage<F8>::input_view(v8[l]), layer, none,
-                  writes);
+      compare(device, host, layer, step, kc::random_tensor<float>(1, 4, q, dim, rng), rows[l], dk[l], dv[l]);
+      host.update(kvc::HostStorage<KV>::input_view(rows[l].keys), kvc::HostStorage<KV>::input_view(rows[l].values),
+                  layer, none, writes);
     }
     device.write_all_layers(kviews, vviews, writes);
     past += q;
   }
+  for (std::int64_t j = 0; j < 2; ++j)
+    for (const bool keys : {true, false}) {
+      const std::size_t n = sizeof(KV) * static_cast<std::size_t>(2 * (host.num_blocks() + 2) * host.block_size() *
+                                                                  (keys ? host.row_width() : host.value_row_width()));
+      std::vector<unsigned char> back(n);
+      kvc::detail::cuda_check(
+          cudaMemcpy(back.data(), keys ? device.key_pool(j) : device.value_pool(j), n, cudaMemcpyDeviceToHost),
+          "cudaMemcpy of a pool in a paged test");
+      CHECK(std::memcmp(back.data(), keys ? host.key_pool(j) : host.value_pool(j), n) == 0);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("paged attention over an fp8 device pool matches the host's") {
+  using F8 = kvc::float8_e4m3;
+  const kvc::Fp8Scales scales{{0.01f, 0.02f}, {0.015f}};
+  const auto view = [](const kc::Ref& t) { return kvc::HostStorage<float>::input_view(t); };
+  paged_steps_on_both<F8>(
+      32, 9,
+      [&](const kc::Ref& k, const kc::Ref& v) {
+        return kvc::KV<kvc::HostTensor<F8>>{kvc::to_fp8<F8>(view(k), scales.keys),
+                                            kvc::to_fp8<F8>(view(v), scales.values)};
+      },
+      [&](const auto& device, const auto& host, std::int64_t layer, const kvc::PagedAttentionStep& step,
+          const kc::Ref& queries, const kvc::KV<kvc::HostTensor<F8>>& rows, const kvc::DeviceTensor<F8>& dk,
+          const kvc::DeviceTensor<F8>& dv) {
+        const auto dq = kvc::to_device(queries);
+        const auto got =
+            kvc::to_host(kvc::paged_attention(device, layer, step, dq.view(), dk.view(), dv.view(), scales).view());
+        const auto want =
+            kvc::paged_attention(host, layer, step, view(queries), kvc::HostStorage<F8>::input_view(rows.keys),
+                                 kvc::HostStorage<F8>::input_view(rows.values), scales);
+        CHECK(kc::largest_difference(got, want) <= 1e-5f);
+        // The owning tensors as inputs (kvc::tensor_input), on both sides: the same bits.
+        const auto owning = kvc::to_host(kvc::paged_attention(device, layer, step, dq, dk, dv, scales).view());
+        CHECK(kc::largest_difference(owning, got) == 0.0f);
+        CHECK(kc::largest_difference(kvc::paged_attention(host, layer, step, queries, rows.keys, rows.values, scales),
+                                     want) == 0.0f);
+      });
+}
+
+TEST_CASE("to_row_codes and to_kv_codes on the device make the host's rows, byte for byte") {
+  // head_dim 40 (a short last int2 group and NVFP4 block), strided input (a view of every other
+  // token), values with NaN, infinity, ties and both zeros among the random ones.
+  std::mt19937 rng(12);
+  auto x = kc::random_tensor<float>(2, 3, 10, 40, rng);
+  x(0, 0, 0, 3) = std::numeric_limits<float>::quiet_NaN();
+  x(0, 1, 2, 7) = std::numeric_limits<float>::infinity();
+  x(1, 2, 4, 0) = -0.0f;
+  for (std::int64_t i = 0; i < 40; ++i) x(1, 0, 6, i) = 0.25f * static_cast<float>(i % 8);  // ties
+  const auto dx = kvc::to_device(x);
+  const auto every_other = [](const auto& v) {  // tokens 0, 2, 4, ... of a [2, 3, 10, 40] view
+    auto w = v;
+    w.extents[2] = 5;
+    w.strides[2] *= 2;
+    return w;
+  };
+  kvc::HostTensor<float> host_half(2, 3, 5, 40);
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t h = 0; h < 3; ++h)
+      for (std::int64_t t = 0; t < 5; ++t)
+        for (std::int64_t i = 0; i < 40; ++i) host_half(b, h, t, i) = x(b, h, 2 * t, i);
+  const auto same_bytes = [](const auto& device_rows, const auto& host_rows) {
+    const auto back = kvc::to_host(device_rows.view());
+    REQUIRE(back.size() == host_rows.size());
+    return std::memcmp(back.data(), host_rows.data(), static_cast<std::size_t>(back.size())) == 0;
+  };
+  CHECK(same_bytes(kvc::to_row_codes<kvc::nvfp4_row>(dx, 0.004f), kvc::to_row_codes<kvc::nvfp4_row>(x, 0.004f)));
+  CHECK(same_bytes(kvc::to_row_codes<kvc::nvfp4_row>(every_other(dx.view()), 0.004f),
+                   kvc::to_row_codes<kvc::nvfp4_row>(host_half, 0.004f)));
+  using Pair = kvc::kv_codes<kvc::int8_row, kvc::int2_row>;
+  const auto d = kvc::to_kv_codes<Pair>(dx, dx);
+  const auto h = kvc::to_kv_codes<Pair>(x, x);
+  CHECK(same_bytes(d.keys, h.keys));
+  CHECK(same_bytes(d.values, h.values));
+  CHECK_THROWS_WITH_AS(kvc::to_row_codes<kvc::nvfp4_row>(dx, 0.0f),
+                       "kvc::to_row_codes: the tensor scale must be positive and finite (at most 2^116), got 0",
+                       kvc::ValueError);
+  const auto wide = kvc::to_device(kc::random_tensor<float>(1, 1, 1, 257, rng));
+  CHECK_THROWS_WITH_AS(kvc::to_kv_codes<Pair>(wide, wide),
+                       "kvc::to_kv_codes: the keys: head_dim 257 is above the device kernels' limit of 256",
+                       kvc::ValueError);
+}
+
+namespace {
+
+// Paged attention over a device pool of row codes C against the host's over the same codes, at
+// head_dim 128 with float queries (each NVFP4 side with its tensor scale).
+template <class C>
+void row_code_pool_matches_host() {
+  const kvc::Nvfp4TensorScales g{kvc::detail::key_tensor_scaled<C> ? 0.002f : 1.0f,
+                                 kvc::detail::value_tensor_scaled<C> ? 0.003f : 1.0f};
+  paged_steps_on_both<C>(
+      128, 11, [&](const kc::Ref& k, const kc::Ref& v) { return kc::pool_step<C>(k, v, g); },
+      [&](const auto& device, const auto& host, std::int64_t layer, const kvc::PagedAttentionStep& step,
+          const kc::Ref& queries, const kvc::KV<kvc::HostTensor<C>>& rows, const kvc::DeviceTensor<C>& dk,
+          const kvc::DeviceTensor<C>& dv) {
+        const auto dq = kvc::to_device(queries);
+        const auto q = kvc::HostStorage<float>::input_view(queries);
+        const auto hk = kvc::HostStorage<C>::input_view(rows.keys), hv = kvc::HostStorage<C>::input_view(rows.values);
+        kvc::HostTensor<float> got, want;
+        if constexpr (kvc::detail::takes_scale_lists<C>) {
+          got = kvc::to_host(kvc::paged_attention(device, layer, step, dq, dk, dv, g).view());
+          want = kvc::paged_attention(host, layer, step, q, hk, hv, g);
+        } else {
+          got = kvc::to_host(kvc::paged_attention(device, layer, step, dq, dk, dv).view());
+          want = kvc::paged_attention(host, layer, step, q, hk, hv);
+        }
+        INFO(C::name);
+        CHECK(kc::largest_difference(got, want) <= 1e-5f);
+      });
+}
+
+}  // namespace
+
+TEST_CASE("paged attention over device pools of row codes (NVFP4, int8 K + int2 V) matches the host's") {
+  row_code_pool_matches_host<kvc::nvfp4_row>();
+  row_code_pool_matches_host<kvc::kv_codes<kvc::int8_row, kvc::int2_row>>();
 }
 
 TEST_CASE("kvc::attend over a device cache: the host's results, and its checks before the update") {
@@ -771,6 +883,21 @@ void attention(kvc::DynamicCache<__half, kvc::CudaStorage<__half>>& cache, const
   (void)out2;
   (void)out3;
   (void)out4;
+}
+
+void paged_row_codes(kvc::PagedCache<kvc::CudaStorage<kvc::nvfp4_row>>& cache, const kvc::DeviceTensor<float>& dk,
+                     const kvc::DeviceTensor<float>& dv, const kvc::DeviceTensor<float>& dq,
+                     const kvc::PagedAttentionStep& step, const kvc::PagedIndices& no_reads,
+                     const kvc::PagedIndices& write_index, float key_amax, float value_amax, std::int64_t layer) {
+  // [snippet:paged_row_codes]
+  // kvc::PagedCache<kvc::CudaStorage<kvc::nvfp4_row>> cache(config, cb);  (pools of NVFP4 rows on the device)
+  const kvc::Nvfp4TensorScales g{kvc::nvfp4_tensor_scale(key_amax), kvc::nvfp4_tensor_scale(value_amax)};
+  const auto k = kvc::to_row_codes<kvc::nvfp4_row>(dk, g.keys);  // encoded on the device (dk, dv: DeviceTensors)
+  const auto v = kvc::to_row_codes<kvc::nvfp4_row>(dv, g.values);
+  kvc::DeviceTensor<float> out = kvc::paged_attention(cache, layer, step, dq, k, v, g);  // read from the codes
+  cache.update(k.view(), v.view(), layer, no_reads, write_index);
+  // [/snippet]
+  (void)out;
 }
 
 void write_all_layers(kvc::PagedCache<kvc::CudaStorage<__half>>& cache, const kvc::PagedIndices& writes) {

@@ -110,39 +110,72 @@ TEST_CASE("attention kernels' bodies on 32 emulated lanes: dense problems, split
   }
 }
 
-TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through block tables") {
+namespace {
+
+// A paged step on the emulated lanes over a pool of KV (float, or row codes), against the host's
+// paged_attention: a prefill of 9 and 5 tokens stored, then a step of 1 and 3 tokens attended, at
+// head_dim 40 (lanes 0-7 hold two dims; an int2 row's second group and an NVFP4 row's third block
+// are short). The kernels' bodies read pool rows through the block tables and the step's own rows;
+// row codes a value at a time with the format's value_at, an NVFP4 side's tensor scale folded into
+// the row's scales, where the host widens blocks of rows.
+template <class KV>
+void paged_step_on_emulated_lanes(unsigned seed) {
   const kvc::ModelConfig config = kc::paged_model({"full_attention", "sliding_attention"}, 2, 4, 40, 6);
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;
   cb.num_blocks = 16;
-  kvc::PagedCache<kvc::HostStorage<float>> cache(config, cb);
-  std::mt19937 rng(22);
-  const auto view = [](const kvc::HostTensor<float>& t) { return kvc::HostStorage<float>::input_view(t); };
+  kvc::PagedCache<kvc::HostStorage<KV>> cache(config, cb);
+  std::mt19937 rng(seed);
+  const auto view = [](const auto& t) {
+    return kvc::HostStorage<typename std::decay_t<decltype(t)>::Scalar>::input_view(t);
+  };
+  const kvc::Nvfp4TensorScales g{kvc::detail::key_tensor_scaled<KV> ? 0.002f : 1.0f,
+                                 kvc::detail::value_tensor_scaled<KV> ? 0.003f : 1.0f};
   const std::vector<std::string> reqs = {"a", "b"};
   REQUIRE(cache.allocate_blocks(4, "a", 0));
   REQUIRE(cache.allocate_blocks(4, "b", 0));
-  // A prefill of 9 and 5 tokens, stored; then a step of 1 and 3 tokens, attended.
   kvc::PagedIndices none(2), writes(2);
   cache.extend_read_and_write_indices("a", 0, 9, nullptr, writes);
   cache.extend_read_and_write_indices("b", 0, 5, nullptr, writes);
   for (std::int64_t layer = 0; layer < 2; ++layer) {
-    const auto k = kc::random_tensor<float>(1, 2, 14, 40, rng), v = kc::random_tensor<float>(1, 2, 14, 40, rng);
-    cache.update(view(k), view(v), layer, none, writes);
+    const auto rows =
+        kc::pool_step<KV>(kc::random_tensor<float>(1, 2, 14, 40, rng), kc::random_tensor<float>(1, 2, 14, 40, rng), g);
+    cache.update(view(rows.keys), view(rows.values), layer, none, writes);
   }
   const std::vector<std::int64_t> cu = {0, 1, 4}, past = {9, 5};
   const kvc::PagedAttentionStep step{reqs, cu, past};
   for (std::int64_t layer = 0; layer < 2; ++layer) {
     CAPTURE(layer);
-    const auto q = kc::random_tensor<float>(1, 4, 4, 40, rng), k = kc::random_tensor<float>(1, 2, 4, 40, rng),
-               v = kc::random_tensor<float>(1, 2, 4, 40, rng);
-    const auto call = kvc::detail::check_paged_attention(cache, layer, step, view(q), view(k), view(v));
+    const auto q = kc::random_tensor<float>(1, 4, 4, 40, rng);
+    const auto rows =
+        kc::pool_step<KV>(kc::random_tensor<float>(1, 2, 4, 40, rng), kc::random_tensor<float>(1, 2, 4, 40, rng), g);
+    const auto k = view(rows.keys), v = view(rows.values);
+    const auto call = kvc::detail::check_paged_attention(cache, layer, step, view(q), k, v);
     std::int64_t width = 0;
     const auto tables = kvc::detail::paged_tables(cache, call, step, width);
     kvc::HostTensor<float> out(1, 4, 4, 40);
     out.setConstant(-99.f);
-    const auto p = kvc::detail::make_paged_problem(cache, call, view(q), view(k), view(v), out.data(), cu.data(),
-                                                   past.data(), tables.data(), width, std::nullopt, {}, {});
+    const auto p =
+        kvc::detail::make_paged_problem(cache, call, view(q), k, v, out.data(), cu.data(), past.data(), tables.data(),
+                                        width, std::nullopt, {&g.keys, false}, {&g.values, false});
     run_on_emulated_warp<4>(p, 3);
-    CHECK(kc::largest_difference(out, kvc::paged_attention(cache, layer, step, view(q), view(k), view(v))) <= 1e-5f);
+    kvc::HostTensor<float> want;
+    if constexpr (kvc::is_row_code_v<KV> && kvc::detail::takes_scale_lists<KV>)
+      want = kvc::paged_attention(cache, layer, step, view(q), k, v, g);
+    else
+      want = kvc::paged_attention(cache, layer, step, view(q), k, v);
+    CHECK(kc::largest_difference(out, want) <= 1e-5f);
+    CHECK(kc::largest_difference(want, kvc::HostTensor<float>(out.constant(0.0f))) > 0.01f);  // not all zero
   }
+}
+
+}  // namespace
+
+TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step through block tables") {
+  paged_step_on_emulated_lanes<float>(22);
+}
+
+TEST_CASE("attention kernels' bodies on 32 emulated lanes: a paged step over row codes (NVFP4, int8 K + int2 V)") {
+  paged_step_on_emulated_lanes<kvc::nvfp4_row>(23);
+  paged_step_on_emulated_lanes<kvc::kv_codes<kvc::int8_row, kvc::int2_row>>(23);
 }

@@ -14,7 +14,9 @@
 //   dense_problem  queries [B, Hq, q, D] over a contiguous layer's keys [B, Hkv, S, D] (the views a
 //                  cache's update returns), with AttentionMask's rules as ints;
 //   paged_problem  a continuous-batching step: packed queries [1, Hq, T, D] over a PagedCache's
-//                  pools through each request's block table, plus the step's own keys.
+//                  pools through each request's block table, plus the step's own keys; pools of
+//                  values, fp8 codes or row codes (<kvc/row_codes.hpp>, read a value at a time by
+//                  the formats' value_at).
 // Rows are numbered so that the query heads of one KV head (GQA) are neighbours: a CUDA block's
 // warps then read the same key rows.
 
@@ -31,6 +33,7 @@
 
 #include <kvc/attention.hpp>
 #include <kvc/detail/element_conversion.hpp>
+#include <kvc/detail/row_code_types.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/tensor.hpp>
 
@@ -38,6 +41,16 @@ namespace kvc::detail {
 
 // The largest head_dim the device kernels take: 32 lanes of 8 dims.
 inline constexpr std::int64_t max_device_head_dim = 256;
+
+// Value d of a row of n: an element's value, or a row format's value_at (a row of codes and
+// scales, kvc::int4_row and the others; its tensor scale, NVFP4's, is folded into the row's scales).
+template <class KV>
+KVC_HOST_DEVICE float value_of(const KV* row, std::int64_t d, std::int64_t n) noexcept {
+  if constexpr (is_row_format<KV>)
+    return KV::value_at(row, d, n);
+  else
+    return to_float(row[d]);
+}
 
 // The host's single lane (the device's warp lanes are in cuda_attention.cuh). Lanes: `count`,
 // index(), sum(x) over the lanes, and sync() (host runners: all lanes reached this point).
@@ -84,25 +97,31 @@ struct dense_keys {
 
 // Keys of one request and KV head in a paged step: key index = absolute position p. Cached
 // positions (p < past) live in the pools at the request's block table (a sliding group's ring
-// slot p % window); the step's own tokens (p >= past) in the step's keys at row p - past.
+// slot p % window); the step's own tokens (p >= past) in the step's keys at row p - past. A pool
+// of row codes gives rows of its key format and of its value format (a kvc::kv_codes pool's two).
 template <class KV>
 struct paged_keys {
-  const KV* kpool;  // this KV head's rows of the pool: [pool rows, D]
-  const KV* vpool;
+  using key_row = key_format_t<KV>;
+  using value_row = value_format_t<KV>;
+  const KV* kpool;   // this KV head's rows of the pool: [pool rows, kwidth]
+  const KV* vpool;   // [pool rows, vwidth]
   const KV* kfresh;  // this request's first new token of this KV head
   const KV* vfresh;
   std::int64_t kfresh_pitch, vfresh_pitch;
   const std::int64_t* table;  // the request's blocks, in table order
-  std::int64_t block_size, window, past, dim;
+  std::int64_t block_size, window, past;
+  std::int64_t kwidth, vwidth;  // a row's elements in the pools: head_dim, or row codes' bytes
   KVC_HOST_DEVICE std::int64_t pool_row(std::int64_t p) const noexcept {
     const std::int64_t slot = window > 0 ? p % window : p;
     return table[slot / block_size] * block_size + slot % block_size;
   }
-  KVC_HOST_DEVICE const KV* key(std::int64_t p) const noexcept {
-    return p >= past ? kfresh + (p - past) * kfresh_pitch : kpool + pool_row(p) * dim;
+  KVC_HOST_DEVICE const key_row* key(std::int64_t p) const noexcept {
+    return reinterpret_cast<const key_row*>(p >= past ? kfresh + (p - past) * kfresh_pitch
+                                                      : kpool + pool_row(p) * kwidth);
   }
-  KVC_HOST_DEVICE const KV* value(std::int64_t p) const noexcept {
-    return p >= past ? vfresh + (p - past) * vfresh_pitch : vpool + pool_row(p) * dim;
+  KVC_HOST_DEVICE const value_row* value(std::int64_t p) const noexcept {
+    return reinterpret_cast<const value_row*>(p >= past ? vfresh + (p - past) * vfresh_pitch
+                                                        : vpool + pool_row(p) * vwidth);
   }
   KVC_HOST_DEVICE static constexpr bool keep(std::int64_t) noexcept { return true; }
 };
@@ -175,14 +194,15 @@ struct paged_problem : problem_base {
   const T* q;   // [1, Hq, T, D]
   const KV* k;  // the step's keys [1, Hkv, T, D]
   const KV* v;
-  T* out;           // dense [1, Hq, T, D]
-  const KV* kpool;  // [Hkv, pool_rows, D]
-  const KV* vpool;
+  T* out;                                             // dense [1, Hq, T, D]
+  const KV* kpool;                                    // [Hkv, pool_rows, W]
+  const KV* vpool;                                    // [Hkv, pool_rows, Wv]
   std::int64_t Tq, R, pool_rows, block_size, window;  // window: 0 for a full-attention group
-  std::int64_t qs[2], ks[2], vs[2];                   // strides of head and token
-  const std::int64_t* cu;                             // R + 1
-  const std::int64_t* past;                           // R
-  const std::int64_t* tables;                         // [R, table_width]
+  std::int64_t W, Wv;  // a key and a value row's elements in the pools and the step (D, or row codes' bytes)
+  std::int64_t qs[2], ks[2], vs[2];  // strides of head and token
+  const std::int64_t* cu;            // R + 1
+  const std::int64_t* past;          // R
+  const std::int64_t* tables;        // [R, table_width]
   std::int64_t table_width;
 
   KVC_HOST_DEVICE std::int64_t rows() const noexcept { return Hkv * Tq * group(); }
@@ -196,14 +216,15 @@ struct paged_problem : problem_base {
     }
     const std::int64_t r = lo_r, qp = past[r] + t - cu[r];
     const std::int64_t lo = window > 0 && qp - window + 1 > 0 ? qp - window + 1 : 0;
-    return {q + h * qs[0] + t * qs[1],
-            out + (h * Tq + t) * D,
-            lo,
-            qp + 1,
-            {kpool + hk * pool_rows * D, vpool + hk * pool_rows * D, k + hk * ks[0] + cu[r] * ks[1],
-             v + hk * vs[0] + cu[r] * vs[1], ks[1], vs[1], tables + r * table_width, block_size, window, past[r], D},
-            scale * key_scales.at(hk),
-            value_scales.at(hk)};
+    return {
+        q + h * qs[0] + t * qs[1],
+        out + (h * Tq + t) * D,
+        lo,
+        qp + 1,
+        {kpool + hk * pool_rows * W, vpool + hk * pool_rows * Wv, k + hk * ks[0] + cu[r] * ks[1],
+         v + hk * vs[0] + cu[r] * vs[1], ks[1], vs[1], tables + r * table_width, block_size, window, past[r], W, Wv},
+        scale * key_scales.at(hk),
+        value_scales.at(hk)};
   }
 };
 
@@ -258,7 +279,7 @@ KVC_HOST_DEVICE void attend_range(const attention_row<T, Keys>& row,
     float dot = 0.0f;
     for (int i = 0; i < PerLane; ++i) {
       const std::int64_t d = lane + std::int64_t{i} * Lanes::count;
-      if (d < D) dot += q[i] * to_float(kr[d]);
+      if (d < D) dot += q[i] * value_of(kr, d, D);
     }
     const float score = lanes.sum(dot);
     const float m = score > part.m ? score : part.m;
@@ -269,7 +290,7 @@ KVC_HOST_DEVICE void attend_range(const attention_row<T, Keys>& row,
     const auto* vr = row.keys.value(j);
     for (int i = 0; i < PerLane; ++i) {
       const std::int64_t d = lane + std::int64_t{i} * Lanes::count;
-      if (d < Dv) part.acc[i] = part.acc[i] * correction + p * to_float(vr[d]);
+      if (d < Dv) part.acc[i] = part.acc[i] * correction + p * value_of(vr, d, Dv);
     }
   }
 }

@@ -1,8 +1,10 @@
 #pragma once
 // Attention on a CUDA device (needs nvcc): scaled_dot_product_attention over device views (the
 // contiguous layers' K/V) and paged_attention over a PagedCache<CudaStorage<T>>'s pools, for
-// float, __half and __nv_bfloat16 K/V and fp8 codes (kvc::float8_e4m3 / e5m2 with kvc::Fp8Scales),
-// scores and softmax in float. docs/cuda.md ("Attention") describes them.
+// float, __half and __nv_bfloat16 K/V, fp8 codes (kvc::float8_e4m3 / e5m2 with kvc::Fp8Scales)
+// and pools of row codes (kvc::int8_row, int4_row, int2_row, nvfp4_row, fp8_row<F8>, kv_codes
+// pairs: <kvc/row_codes.hpp>, each value read from its row's codes and scales), scores and
+// softmax in float. docs/cuda.md ("Attention") describes them.
 //
 // One kernel serves decode and prefill: a warp per (query row, split of its keys), the row's dims
 // spread over the lanes, an online softmax over the split's keys (<kvc/detail/attention_rows.hpp>,
@@ -165,6 +167,9 @@ DeviceTensor<T> device_paged_attention(const PagedCache<CudaStorage<KV, Stream>>
                                        const DeviceTensorView<KV>& k, const DeviceTensorView<KV>& v,
                                        std::optional<double> scale, const std::vector<float>* key_scales,
                                        const std::vector<float>* value_scales) {
+  static_assert(!rotates_keys<KV> && !rotates_values<KV>,
+                "kvc::paged_attention on a device: pools of kvc::rotated row codes are read on the host only; keep "
+                "rotated pools in HostStorage");
   const paged_call call = check_paged_attention(cache, layer_idx, step, q, k, v);
   check_device_head_dim(call.D, "kvc::paged_attention on a device");
   std::int64_t width = 0;
@@ -239,7 +244,7 @@ DeviceTensor<detail::input_element_or_t<Q>> scaled_dot_product_attention(const Q
 // checks and result, computed on the device from the pools through the requests' block tables.
 // Queries, keys and values: DeviceTensors or DeviceTensorViews of T.
 template <class T, class Stream, class QT, class KT, class VT>
-  requires detail::device_call<QT, KT, VT>
+  requires(detail::device_call<QT, KT, VT> && !is_row_code_v<T>)
 DeviceTensor<T> paged_attention(const PagedCache<CudaStorage<T, Stream>>& cache, std::int64_t layer_idx,
                                 const PagedAttentionStep& step, const QT& queries, const KT& keys, const VT& values,
                                 std::optional<double> scale = std::nullopt) {
@@ -270,6 +275,55 @@ DeviceTensor<input_element_t<QT>> paged_attention(const PagedCache<CudaStorage<F
   } else {
     return {};
   }
+}
+
+// The same over a pool of row codes in device memory (`PagedCache<CudaStorage<kvc::int4_row>>`,
+// int8_row, int2_row, fp8_row<F8>, kvc::kv_codes pairs; not kvc::rotated ones, which stay on the
+// host): queries of the model's type (float, __half or __nv_bfloat16); keys and values the step's
+// rows of codes, [1, Hkv, T, cache.row_width()] and [..., cache.value_row_width()], as
+// kvc::to_row_codes made them (copied with kvc::to_device). Each value is read from its row's codes
+// and scales as the kernel reaches it; nothing is widened into a workspace. Returns
+// [1, Hq, T, head_dim] in the queries' type.
+template <class C, class Stream, class QT, class KT, class VT>
+  requires(is_row_code_v<C> && detail::device_call<QT, KT, VT>)
+DeviceTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<CudaStorage<C, Stream>>& cache,
+                                                             std::int64_t layer_idx, const PagedAttentionStep& step,
+                                                             const QT& queries, const KT& keys, const VT& values,
+                                                             std::optional<double> scale = std::nullopt) {
+  static_assert(!detail::takes_scale_lists<C>,
+                "kvc::paged_attention: an NVFP4 pool needs its tensor scales: pass kvc::Nvfp4TensorScales");
+  if constexpr (!detail::takes_scale_lists<C>) {  // (nested: one misuse, one error)
+    using T = detail::input_element_or_t<QT>;
+    if constexpr (detail::check_paged_inputs<CudaStorage<C, Stream>, T, QT, KT, VT>())
+      return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),
+                                            input_view(values), scale, nullptr, nullptr);
+  }
+  return {};
+}
+
+// The same over a pool with an NVFP4 side (`PagedCache<CudaStorage<kvc::nvfp4_row>>`, or a
+// kv_codes pair with one), with the tensor scales its rows were made with (a side that keeps its
+// scales in its rows takes 1: ValueError otherwise, as on the host).
+template <class C, class Stream, class QT, class KT, class VT>
+  requires(is_row_code_v<C> && detail::device_call<QT, KT, VT>)
+DeviceTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<CudaStorage<C, Stream>>& cache,
+                                                             std::int64_t layer_idx, const PagedAttentionStep& step,
+                                                             const QT& queries, const KT& keys, const VT& values,
+                                                             const Nvfp4TensorScales& scales,
+                                                             std::optional<double> scale = std::nullopt) {
+  static_assert(detail::takes_scale_lists<C>,
+                "kvc::paged_attention: row codes other than NVFP4 keep their scales in the rows: call it without "
+                "scales");
+  if constexpr (detail::takes_scale_lists<C>) {
+    using T = detail::input_element_or_t<QT>;
+    if constexpr (detail::check_paged_inputs<CudaStorage<C, Stream>, T, QT, KT, VT>()) {
+      const detail::row_code_scales<C, Nvfp4TensorScales> checked(scales, cache.num_key_value_heads());
+      const std::vector<float> ks{checked.key_scale(0)}, vs{checked.value_scale(0)};  // one per tensor
+      return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),
+                                            input_view(values), scale, &ks, &vs);
+    }
+  }
+  return {};
 }
 
 }  // namespace kvc

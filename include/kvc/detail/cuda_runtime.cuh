@@ -15,6 +15,7 @@
 
 #include <Eigen/Core>
 
+#include <kvc/detail/row_code_types.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
 #include <kvc/limits.hpp>
@@ -159,6 +160,16 @@ struct element_map<float8<Format>> {
   static constexpr bool valid = true;
   using host = float8<Format>;
   using device = float8<Format>;
+};
+
+// Row codes (kvc::int4_row, nvfp4_row, kv_codes pairs, ...: <kvc/row_codes.hpp>) are bytes on both
+// sides too: a pool's rows of codes and scales, copied as they are.
+template <class C>
+  requires is_row_code_v<C>
+struct element_map<C> {
+  static constexpr bool valid = true;
+  using host = C;
+  using device = C;
 };
 
 template <class T>

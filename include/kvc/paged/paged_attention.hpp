@@ -171,7 +171,6 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
     const PagedCache<S>& cache, const paged_call& call, const QView& q, const KVView& k, const KVView& v,
     std::remove_const_t<T>* out, const std::int64_t* cu, const std::int64_t* past, const std::int64_t* tables,
     std::int64_t width, std::optional<double> scale, head_scales key_scales, head_scales value_scales) {
-  static_assert(!is_row_code_v<std::remove_const_t<KV>>, "the device kernels read pools of values or fp8 codes");
   paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> p{};
   static_cast<problem_base&>(p) = problem_base::of(call.Hq, call.Hkv, call.D, call.D, scale, key_scales, value_scales);
   p.q = q.data();
@@ -185,6 +184,8 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
   p.pool_rows = call.pool_rows;
   p.block_size = call.block_size;
   p.window = call.window;
+  p.W = call.W;
+  p.Wv = call.Wv;
   p.qs[0] = q.stride(1);
   p.qs[1] = q.stride(2);
   p.ks[0] = k.stride(1);
