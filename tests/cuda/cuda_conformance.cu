@@ -738,13 +738,16 @@ TEST_CASE("paged attention over an fp8 device pool matches the host's") {
 
 TEST_CASE("to_row_codes and to_kv_codes on the device make the host's rows, byte for byte") {
   // head_dim 40 (a short last int2 group and NVFP4 block), strided input (a view of every other
-  // token), values with NaN, infinity, ties and both zeros among the random ones.
+  // token), values with NaN, infinity, ties and both zeros among the random ones, and a row whose
+  // least value is 0 of both signs.
   std::mt19937 rng(12);
   auto x = kc::random_tensor<float>(2, 3, 10, 40, rng);
   x(0, 0, 0, 3) = std::numeric_limits<float>::quiet_NaN();
   x(0, 1, 2, 7) = std::numeric_limits<float>::infinity();
   x(1, 2, 4, 0) = -0.0f;
   for (std::int64_t i = 0; i < 40; ++i) x(1, 0, 6, i) = 0.25f * static_cast<float>(i % 8);  // ties
+  for (std::int64_t i = 0; i < 40; ++i) x(1, 1, 3, i) = 0.5f * static_cast<float>(i % 4);   // zero minimum...
+  x(1, 1, 3, 4) = -0.0f;  // ...of both signs (an int2 group's minimum takes the first)
   const auto dx = kvc::to_device(x);
   const auto every_other = [](const auto& v) {  // tokens 0, 2, 4, ... of a [2, 3, 10, 40] view
     auto w = v;

@@ -116,8 +116,9 @@ namespace {
 // paged_attention: a prefill of 9 and 5 tokens stored, then a step of 1 and 3 tokens attended, at
 // head_dim 40 (lanes 0-7 hold two dims; an int2 row's second group and an NVFP4 row's third block
 // are short). The kernels' bodies read pool rows through the block tables and the step's own rows;
-// row codes a value at a time with the format's value_at, an NVFP4 side's tensor scale folded into
-// the row's scales, where the host widens blocks of rows.
+// row codes a value at a time with the format's value_at (an NVFP4 side's tensor scale folded into
+// the softmax scale for keys and into the output's scale for values), where the host widens blocks
+// of rows.
 template <class KV>
 void paged_step_on_emulated_lanes(unsigned seed) {
   const kvc::ModelConfig config = kc::paged_model({"full_attention", "sliding_attention"}, 2, 4, 40, 6);

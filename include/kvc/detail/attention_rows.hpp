@@ -43,7 +43,8 @@ namespace kvc::detail {
 inline constexpr std::int64_t max_device_head_dim = 256;
 
 // Value d of a row of n: an element's value, or a row format's value_at (a row of codes and
-// scales, kvc::int4_row and the others; its tensor scale, NVFP4's, is folded into the row's scales).
+// scales, kvc::int4_row and the others), without NVFP4's tensor scale: an attention_row's sk and
+// sv carry it, as they carry fp8's scales.
 template <class KV>
 KVC_HOST_DEVICE float value_of(const KV* row, std::int64_t d, std::int64_t n) noexcept {
   if constexpr (is_row_format<KV>)

@@ -36,6 +36,11 @@ __global__ void row_codes_kernel(DeviceTensorView<T> x, float tensor_scale, O* _
   }
 }
 
+// Whether the encoder takes X: a device tensor_input of float, __half or __nv_bfloat16.
+template <class X>
+inline constexpr bool device_encodable =
+    input_in<X, memory_space::device> && is_any_of<input_element_or_t<X, void>, float, __half, __nv_bfloat16>;
+
 // x's rows as C codes in a new device tensor of O, [b, h, s, C::row_bytes(d)].
 template <class C, class O, class T>
 DeviceTensor<O> device_row_codes(const DeviceTensorView<T>& x, float tensor_scale, const char* who) {
@@ -51,7 +56,7 @@ DeviceTensor<O> device_row_codes(const DeviceTensorView<T>& x, float tensor_scal
   const std::int64_t w = C::row_bytes(d);
   DeviceTensor<O> out(x.extent(0), x.extent(1), x.extent(2), w);
   const std::int64_t rows = x.extent(0) * x.extent(1) * x.extent(2);
-  if (rows == 0 || d == 0) return out;
+  if (rows == 0) return out;  // (rows of no values still get their scales written, as on the host)
   row_codes_kernel<C><<<quant_blocks(rows), 256>>>(x, tensor_scale, out.data(), w);
   cuda_check(cudaGetLastError(), "launching kvc's row-code kernel");
   return out;
@@ -66,7 +71,7 @@ DeviceTensor<O> device_row_codes(const DeviceTensorView<T>& x, float tensor_scal
 template <class C, class X>
   requires detail::input_in<X, memory_space::device>
 DeviceTensor<C> to_row_codes(const X& input) {
-  if constexpr (detail::encodable_row_format<C>())
+  if constexpr (detail::encodable_row_format<C>() && detail::require_inputs<detail::device_encodable<X>, X>())
     return detail::device_row_codes<C, C>(input_view(input), 1.0f, "kvc::to_row_codes");
   else
     return {};
@@ -76,7 +81,10 @@ DeviceTensor<C> to_row_codes(const X& input) {
 template <class C, class X>
   requires(C::tensor_scaled && detail::input_in<X, memory_space::device>)
 DeviceTensor<C> to_row_codes(const X& input, float tensor_scale) {
-  return detail::device_row_codes<C, C>(input_view(input), tensor_scale, "kvc::to_row_codes");
+  if constexpr (detail::require_inputs<detail::device_encodable<X>, X>())
+    return detail::device_row_codes<C, C>(input_view(input), tensor_scale, "kvc::to_row_codes");
+  else
+    return {};
 }
 
 // to_kv_codes over a step in device memory: keys as K codes and values as V codes of a
@@ -85,7 +93,9 @@ template <class P, class KT, class VT>
   requires detail::device_call<KT, VT>
 KV<DeviceTensor<P>> to_kv_codes(const KT& keys, const VT& values, const Nvfp4TensorScales& scales = {}) {
   static_assert(detail::is_kv_codes<P>, "kvc::to_kv_codes: the pool type must be kvc::kv_codes<K, V>");
-  if constexpr (detail::is_kv_codes<P>) {
+  if constexpr (detail::is_kv_codes<P> && detail::require_inputs < detail::device_encodable<KT> &&
+                    detail::device_encodable<VT>,
+                KT, VT > ()) {
     using K = typename P::key_codes;
     using V = typename P::value_codes;
     DeviceTensor<P> k = detail::device_row_codes<K, P>(input_view(keys), scales.keys, "kvc::to_kv_codes: the keys");

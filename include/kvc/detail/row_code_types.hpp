@@ -197,8 +197,8 @@ struct int2_row {
       bool finite = true;
       for (std::int64_t i = start; i < end; ++i) {
         finite = finite && detail::is_finite_float(x[i]);
-        lo = fminf(lo, x[i]);
-        hi = fmaxf(hi, x[i]);
+        lo = x[i] < lo ? x[i] : lo;  // (not fminf / fmaxf: which of +0 and -0 they keep is not
+        hi = x[i] > hi ? x[i] : hi;  // fixed, and the device encoder must write the host's bytes)
       }
       float m = detail::round_to_bfloat16(lo, false);                 // m <= every value
       float step = detail::round_to_bfloat16((hi - m) / 3.0f, true);  // m + 3 step >= every value
