@@ -177,6 +177,16 @@ void per_layer_quantized(const kvc::ModelConfig& config, std::int64_t layer_idx,
   (void)out;
 }
 
+void value_nbits(const kvc::ModelConfig& config, std::int64_t layer_idx, const Half& queries, const Half& keys,
+                 const Half& values) {
+  // [snippet:value_nbits]
+  // HQQ: 8-bit keys with 2-bit values, each read from its own codes.
+  kvc::QuantizedCache<Eigen::half> split("hqq", config, {.nbits = 8, .axis_key = 1, .axis_value = 1, .value_nbits = 2});
+  Half out = kvc::attend_quantized(split, layer_idx, queries, keys, values);
+  // [/snippet]
+  (void)out;
+}
+
 void state() {
   // [snippet:save_load]
   // #include <kvc/state.hpp>

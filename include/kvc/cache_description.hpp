@@ -98,6 +98,7 @@ QuantizedLayer<Codec> described_quantized(const nlohmann::json& object, const st
   k.append_only = described_flag(object, "append_only", where, k.append_only);
   k.rotate_keys = described_flag(object, "rotate_keys", where, k.rotate_keys);
   k.rotate_values = described_flag(object, "rotate_values", where, k.rotate_values);
+  k.value_nbits = described_size(object, "value_nbits", where, 0, k.value_nbits);
   validate_quantized_options(k);
   return k;
 }

@@ -80,8 +80,8 @@ struct GenerationConfig {
   // One of ALL_CACHE_IMPLEMENTATIONS or "paged"; None lets generate() pick (a dynamic cache).
   std::optional<std::string> cache_implementation;
   // null (Python's None) or an object, forwarded to the cache ("quantized": backend, nbits,
-  // axis_key, axis_value, q_group_size, residual_length; kvc's append_only, rotate_keys,
-  // rotate_values). ordered_json keeps the file's key
+  // axis_key, axis_value, q_group_size, residual_length; kvc's value_nbits, append_only,
+  // rotate_keys, rotate_values). ordered_json keeps the file's key
   // order, which Python's dict keeps too and which shows in validate()'s messages.
   nlohmann::ordered_json cache_config;
   std::optional<std::int64_t> max_cache_len;       // static caches only

@@ -64,7 +64,7 @@ inline constexpr std::string_view quantized_unsupported_message =
 
 // transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
 // without changing the caller's cache_config (docs/differences.md item 19), and kvc's own options
-// append_only, rotate_keys and rotate_values (booleans), skip_layers (a list of layer indices kept
+// value_nbits (an integer), append_only, rotate_keys and rotate_values (booleans), skip_layers (a list of layer indices kept
 // in full precision) and layer_nbits (one entry per layer: its nbits, or null for full precision):
 // kvc::QuantizedPerLayer. An unknown key is the TypeError Python raises for an unexpected keyword
 // argument.
@@ -94,6 +94,7 @@ AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config,
   if (cache_config.is_object()) {
     for (const auto& [key, value] : cache_config.items()) {
       std::int64_t* field = key == "nbits"             ? &opts.nbits
+                            : key == "value_nbits"     ? &opts.value_nbits
                             : key == "axis_key"        ? &opts.axis_key
                             : key == "axis_value"      ? &opts.axis_value
                             : key == "q_group_size"    ? &opts.q_group_size

@@ -48,7 +48,7 @@ namespace kvc {
 namespace detail {
 
 inline constexpr std::array<char, 8> state_magic{'K', 'V', 'C', 'S', 'T', 'A', 'T', 'E'};
-inline constexpr std::int64_t state_format_version = 5;
+inline constexpr std::int64_t state_format_version = 6;
 
 inline std::string hex(std::uint64_t v) {
   static constexpr char digits[] = "0123456789abcdef";

@@ -169,4 +169,16 @@ TEST_CASE("quantized kinds: a format per layer, the first and last layers in ful
   CHECK_THROWS_WITH_AS(kvc::cache_from_description(R"({"layers": [{"type": "QuantoQuantizedLayer", "axis_key": -2}]})"),
                        "cache description: `layers[0]` `axis_key` must be between -1 and 1099511627776, got -2",
                        kvc::ValueError);
+  // kvc's value_nbits: the values' own width, checked as nbits is.
+  CHECK(
+      kvc::cache_from_description(
+          R"({"layers": [{"type": "HQQQuantizedLayer", "nbits": 8, "axis_key": 1, "axis_value": 1, "value_nbits": 2}]})")
+          .size() == 1);
+  CHECK_THROWS_WITH_AS(
+      kvc::cache_from_description(R"({"layers": [{"type": "HQQQuantizedLayer", "value_nbits": 5}]})"),
+      "HQQQuantizedLayer: `value_nbits` has to be 0 (the keys' nbits) or one of [`1`, `2`, `3`, `4`, `8`], got 5",
+      kvc::ValueError);
+  CHECK_THROWS_WITH_AS(
+      kvc::cache_from_description(R"({"layers": [{"type": "QuantoQuantizedLayer", "value_nbits": -1}]})"),
+      "cache description: `layers[0]` `value_nbits` must be between 0 and 1099511627776, got -1", kvc::ValueError);
 }

@@ -174,12 +174,19 @@ TEST_CASE("'quantized': QuantizedCache from cache_config, which is never changed
   });
   CHECK(kvc::make_cache(with("quantized"), llama_like()).layer_name(0) == "QuantoQuantizedLayer");  // the default
   // kvc's own options, booleans.
-  g.cache_config = nlohmann::ordered_json{{"append_only", true}, {"rotate_keys", true}, {"rotate_values", false}};
+  g.cache_config = nlohmann::ordered_json{
+      {"append_only", true}, {"rotate_keys", true}, {"rotate_values", false}, {"value_nbits", 2}};
   kvc::make_cache(g, llama_like()).get<kvc::QuantizedCache<float>>()->visit_layer(0, [](const auto& l) {
     CHECK(l.options().append_only);
     CHECK(l.options().rotate_keys);
     CHECK(!l.options().rotate_values);
+    CHECK(l.options().value_nbits == 2);
+    CHECK(l.options().value_bits() == 2);
   });
+  g.cache_config = nlohmann::ordered_json{{"value_nbits", 3}};
+  CHECK_THROWS_WITH_AS(kvc::make_cache(g, llama_like()),
+                       "QuantoQuantizedLayer: `value_nbits` has to be 0 (the keys' nbits) or one of [`2`, `4`], got 3",
+                       kvc::ValueError);
 }
 
 TEST_CASE("'quantized': the messages of the quantized path") {

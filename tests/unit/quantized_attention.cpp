@@ -149,6 +149,11 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
       .nbits = 2, .axis_key = -1, .axis_value = -1, .q_group_size = 8, .residual_length = 5};
   const kvc::HQQQuantizedLayer hqq{
       .nbits = 4, .axis_key = 1, .axis_value = 1, .q_group_size = 32, .residual_length = 7};
+  // Keys and values at their own widths (value_nbits): each side read from its own codes.
+  const kvc::HQQQuantizedLayer hqq_split{
+      .nbits = 8, .axis_key = 1, .axis_value = 1, .q_group_size = 32, .residual_length = 7, .value_nbits = 2};
+  const kvc::QuantoQuantizedLayer quanto_split{
+      .nbits = 2, .axis_key = -1, .axis_value = 0, .q_group_size = 8, .residual_length = 5, .value_nbits = 4};
   // KIVI's groupings, append-only: the history is a list of chunks.
   const kvc::QuantoQuantizedLayer kivi{
       .nbits = 2, .axis_key = -1, .axis_value = 0, .q_group_size = 4, .residual_length = 5, .append_only = true};
@@ -159,6 +164,8 @@ TEST_CASE("attend_quantized: attention over the values held (double reference), 
     compare<float>(quanto, std::nullopt, seed);
     compare<float>(quanto_seq, std::nullopt, seed);
     compare<float>(hqq, std::nullopt, seed);
+    compare<float>(hqq_split, std::nullopt, seed);
+    compare<float>(quanto_split, std::nullopt, seed);
     compare<float>(quanto, 9, seed);  // the model's sliding window over a quantized history
     compare<Eigen::half>(quanto, std::nullopt, seed);
     compare<Eigen::bfloat16>(hqq, std::nullopt, seed);

@@ -253,6 +253,37 @@ TEST_CASE("PerLayerQuantizedCache: layers kept in full precision, a bit width pe
   CHECK_FALSE(value_error_of([] { kvc::QuantizedCache<float>("quanto", llama_like(2), {.nbits = 3}); }).empty());
 }
 
+TEST_CASE("value_nbits: keys at nbits and values at their own width, each as a uniform cache holds it") {
+  // HQQ 8-bit keys with 2-bit values against uniform 8-bit and 2-bit caches, through flushes: the
+  // keys returned are the 8-bit cache's and the values the 2-bit cache's, bit for bit.
+  std::mt19937 rng(29);
+  const kvc::QuantizedOptions eight{
+      .nbits = 8, .axis_key = 1, .axis_value = 1, .q_group_size = 16, .residual_length = 4};
+  kvc::QuantizedOptions two = eight, split = eight;
+  two.nbits = 2;
+  split.value_nbits = 2;
+  CHECK(split.value_bits() == 2);
+  CHECK(eight.value_bits() == 8);  // 0: the keys' width
+  kvc::QuantizedCache<float> a("hqq", llama_like(1), split), b("hqq", llama_like(1), eight),
+      c("hqq", llama_like(1), two);
+  const auto flat = [](const kvc::TensorView<float>& t) {
+    const auto x = t.to_tensor();
+    return std::vector<float>(x.data(), x.data() + x.size());
+  };
+  bool values_differ = false;
+  for (const std::int64_t tokens : {9, 1, 1, 1, 1, 1}) {
+    const auto k = kvc_test::random_tensor<float>(1, 2, tokens, 32, rng);
+    const auto v = kvc_test::random_tensor<float>(1, 2, tokens, 32, rng);
+    const auto got = a.update(k, v, 0), all8 = b.update(k, v, 0), all2 = c.update(k, v, 0);
+    CHECK(flat(got.keys) == flat(all8.keys));
+    CHECK(flat(got.values) == flat(all2.values));
+    values_differ = values_differ || flat(got.values) != flat(all8.values);
+  }
+  CHECK(values_differ);  // 2-bit values are not 8-bit ones
+  CHECK(value_error_of([] { kvc::QuantizedCache<float>("quanto", llama_like(1), {.nbits = 4, .value_nbits = 3}); }) ==
+        "QuantoQuantizedLayer: `value_nbits` has to be 0 (the keys' nbits) or one of [`2`, `4`], got 3");
+}
+
 TEST_CASE("PerLayerQuantizedCache: attend_quantized reads each layer as it is stored") {
   // Layer 0 in full precision, layer 1 int2, layer 2 int4: each against a cache of that kind alone.
   std::mt19937 rng(23);

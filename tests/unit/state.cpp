@@ -221,6 +221,16 @@ TEST_CASE("save/load: quantized caches (quanto and HQQ, append_only, rotated too
         CHECK(load_error(d, saved(a)) == "kvc::load: layer 0 (" + std::string(d.layer_name(0)) + "): rotate_keys is " +
                                              (opts.rotate_keys ? "1" : "0") + " in the file and " +
                                              (opts.rotate_keys ? "0" : "1") + " in the cache");
+        // Values at their own width: saved, and named when they differ.
+        other = opts;
+        other.value_nbits = 2;
+        kvc::QuantizedCache<float> e(backend, config(2, 2, 8), other), f(backend, config(2, 2, 8), other);
+        fill(e, 1, 2, 8, 1, 6, rng);
+        fill(e, 1, 2, 8, 5, 1, rng);
+        check_round_trip(e, f, 1, 2, 8, rng, 5);
+        kvc::QuantizedCache<float> g(backend, config(2, 2, 8), opts);
+        CHECK(load_error(g, saved(e)) == "kvc::load: layer 0 (" + std::string(g.layer_name(0)) +
+                                             "): value_nbits is 2 in the file and 0 in the cache");
       }
 }
 
@@ -329,8 +339,8 @@ TEST_CASE("kvc::load names what differs, and leaves the cache as it was") {
     CHECK(load_error(target, "GGUF and more bytes") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     CHECK(load_error(target, "") == "kvc::load: not a kvc state (it does not start with KVCSTATE)");
     std::string v3 = bytes;
-    v3[8] = 4;  // before quantized layers saved rotate_keys and rotate_values
-    CHECK(load_error(target, v3) == "kvc::load: the state has format version 4, and this kvc reads version 5");
+    v3[8] = 5;  // before quantized layers saved value_nbits
+    CHECK(load_error(target, v3) == "kvc::load: the state has format version 5, and this kvc reads version 6");
     const std::string cut = bytes.substr(0, bytes.size() - 100);
     CHECK(load_error(target, cut) == "kvc::load: the file is truncated: it announces " +
                                          std::to_string(bytes.size() - 32) + " bytes of state and a checksum, and " +

@@ -87,8 +87,8 @@ namespace detail {
 // its backend).
 template <class Codec, class From>
 constexpr QuantizedLayer<Codec> with_codec(const QuantizedLayer<From>& o) noexcept {
-  return {o.nbits,           o.axis_key,    o.axis_value,  o.q_group_size,
-          o.residual_length, o.append_only, o.rotate_keys, o.rotate_values};
+  return {o.nbits,       o.axis_key,    o.axis_value,    o.q_group_size, o.residual_length,
+          o.append_only, o.rotate_keys, o.rotate_values, o.value_nbits};
 }
 
 // The quantized history of one K or V tensor: chunks of consecutive tokens, each a quantized tensor
@@ -170,12 +170,15 @@ class quantized_history {
 };
 
 // The checks of transformers' QuantoQuantizedLayer.__init__ and HQQQuantizedLayer.__init__: the
-// codec's, in its order (nbits, axis_key, axis_value), then q_group_size and residual_length
-// (positive, and at most kvc::max_extent). The layer's constructor and QuantizedCache's both run
+// codec's, in its order (nbits, axis_key, axis_value), then kvc's value_nbits (0 or a width the
+// codec takes), then q_group_size and residual_length (positive, and at most kvc::max_extent). The layer's constructor and QuantizedCache's both run
 // this one.
 template <class Codec>
 void validate_quantized_options(const QuantizedLayer<Codec>& o) {
   Codec::validate(o.nbits, o.axis_key, o.axis_value);
+  if (o.value_nbits != 0 && !Codec::valid_nbits(o.value_nbits))
+    throw ValueError(join_message({Codec::layer_name, ": `value_nbits` has to be 0 (the keys' nbits) or one of ",
+                                   Codec::nbits_choices, ", got ", std::to_string(o.value_nbits)}));
   check_size(join_message({Codec::layer_name, ": `q_group_size`"}), o.q_group_size, 1, max_extent);
   check_size(join_message({Codec::layer_name, ": `residual_length`"}), o.residual_length, 1, max_extent);
 }
@@ -206,6 +209,13 @@ struct QuantizedLayer {
   bool rotate_keys = false;
   // See rotate_keys.
   bool rotate_values = false;
+  // kvc's option: bits per code of the values, where they differ from the keys' (8-bit keys with
+  // 2-bit values, ...): 0 (the default) quantizes values with nbits, as transformers' layers do.
+  // Checked as nbits is.
+  std::int64_t value_nbits = 0;
+
+  // The bits per code of the values: value_nbits, or nbits where it is 0.
+  constexpr std::int64_t value_bits() const noexcept { return value_nbits != 0 ? value_nbits : nbits; }
 
   // Any storage with a quantized tensor type (detail::quantized_tensor_for): HostStorage, where
   // the codecs run on the CPU, and CudaStorage, where they run as kernels.
@@ -324,8 +334,8 @@ struct QuantizedLayer {
         // residual and the new ones (w holds the residual exactly after the history).
         w.write(held, k, v);
         if (opts_.append_only) {
-          qtensor nk = encode(w.keys(qlen, total - qlen), opts_.axis_key, opts_.rotate_keys);
-          qtensor nv = encode(w.values(qlen, total - qlen), opts_.axis_value, opts_.rotate_values);
+          qtensor nk = encode(w.keys(qlen, total - qlen), kv_part::keys);
+          qtensor nv = encode(w.values(qlen, total - qlen), kv_part::values);
           qk_.reserve_one();
           qv_.reserve_one();
           if (grown_ws) ws_ = std::move(*grown_ws);
@@ -335,10 +345,10 @@ struct QuantizedLayer {
           // A rotated part from its codes and the residual's rotated copy, as append does (the same
           // codes and scales; w holds the history rotated back).
           const rotated_rows rot = rotated_residual();
-          history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, opts_.axis_key)
-                                       : encode(w.keys(0, total), opts_.axis_key, false));
-          history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, opts_.axis_value)
-                                         : encode(w.values(0, total), opts_.axis_value, false));
+          history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, kv_part::keys)
+                                       : encode(w.keys(0, total), kv_part::keys));
+          history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, kv_part::values)
+                                         : encode(w.values(0, total), kv_part::values));
           if (grown_ws) ws_ = std::move(*grown_ws);
           qk_ = std::move(nk);
           qv_ = std::move(nv);
@@ -374,8 +384,8 @@ struct QuantizedLayer {
       const std::int64_t q = k.extent(2);
       if (!initialized_ || cumulative_ == 0) {
         const LayerShape shape = detail::shape_of(k, v);
-        history nk(encode(k, opts_.axis_key, opts_.rotate_keys));
-        history nv(encode(v, opts_.axis_value, opts_.rotate_values));
+        history nk(encode(k, kv_part::keys));
+        history nv(encode(v, kv_part::values));
         detail::kv_store<S> residual(shape, 0, false);
         shape_ = shape;
         qk_ = std::move(nk);
@@ -394,8 +404,8 @@ struct QuantizedLayer {
         const KV<view> r = residual_.kv(0, rlen_);
         chunk.write(0, r.keys, r.values);
         chunk.write(rlen_, k, v);
-        qtensor nk = encode(chunk.keys(0, rlen_ + q), opts_.axis_key, opts_.rotate_keys);
-        qtensor nv = encode(chunk.values(0, rlen_ + q), opts_.axis_value, opts_.rotate_values);
+        qtensor nk = encode(chunk.keys(0, rlen_ + q), kv_part::keys);
+        qtensor nv = encode(chunk.values(0, rlen_ + q), kv_part::values);
         qk_.reserve_one();
         qv_.reserve_one();
         qk_.push(std::move(nk));
@@ -411,10 +421,10 @@ struct QuantizedLayer {
           fill_from_store(*all);
           all->write(held, k, v);
         }
-        history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, opts_.axis_key)
-                                     : encode(all->keys(0, total), opts_.axis_key, false));
-        history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, opts_.axis_value)
-                                       : encode(all->values(0, total), opts_.axis_value, false));
+        history nk(opts_.rotate_keys ? requantized(qk_, rot.keys, shape_.key_head_dim, k, kv_part::keys)
+                                     : encode(all->keys(0, total), kv_part::keys));
+        history nv(opts_.rotate_values ? requantized(qv_, rot.values, shape_.value_head_dim, v, kv_part::values)
+                                       : encode(all->values(0, total), kv_part::values));
         qk_ = std::move(nk);
         qv_ = std::move(nv);
         rlen_ = 0;
@@ -534,6 +544,7 @@ struct QuantizedLayer {
       ar.param("append_only", opts_.append_only);
       ar.param("rotate_keys", opts_.rotate_keys);
       ar.param("rotate_values", opts_.rotate_values);
+      ar.param("value_nbits", opts_.value_nbits);
       ar.value(initialized_);
       ar.value(shape_.batch);
       ar.value(shape_.heads);
@@ -600,11 +611,20 @@ struct QuantizedLayer {
       return std::max(total + extra, detail::min_dynamic_capacity);
     }
 
-    // x ([batch, heads, tokens, head_dim], each token's head_dim elements contiguous) quantized with
-    // the options, grouped as `axis` says (axis_key for K, axis_value for V); with `rotate`, its
-    // rows rotated first, in a float copy of x.
-    qtensor encode(const view& x, std::int64_t axis, bool rotate) const {
-      const int bits = static_cast<int>(opts_.nbits);
+    // Which of K and V a quantization is for: the options give each its bits, grouping and rotation.
+    enum class kv_part { keys, values };
+    int bits_of(kv_part p) const noexcept {
+      return static_cast<int>(p == kv_part::keys ? opts_.nbits : opts_.value_bits());
+    }
+    std::int64_t axis_of(kv_part p) const noexcept { return p == kv_part::keys ? opts_.axis_key : opts_.axis_value; }
+
+    // x ([batch, heads, tokens, head_dim], each token's head_dim elements contiguous) quantized as
+    // the options say for part p (nbits or value_bits(), grouped as axis_key or axis_value says);
+    // with rotate_keys (rotate_values), its rows rotated first, in a float copy of x.
+    qtensor encode(const view& x, kv_part p) const {
+      const int bits = bits_of(p);
+      const std::int64_t axis = axis_of(p);
+      const bool rotate = p == kv_part::keys ? opts_.rotate_keys : opts_.rotate_values;
       const std::int64_t B = x.extent(0), H = x.extent(1), n = x.extent(2), d = x.extent(3);
       if constexpr (S::space == memory_space::host) {
         if (rotate && B * H * n * d > 0) {  // (an empty view may have no data to offset)
@@ -668,8 +688,7 @@ struct QuantizedLayer {
     // The whole sequence quantized again in rotated space, for a part whose codes are rotated: the
     // history `h` decoded as it is stored (rotated) into float, the residual's rotated copy
     // (`rotated`, rot_'s part), then x's rows rotated. Nothing of the history is rotated.
-    qtensor requantized(const history& h, const float* rotated, std::int64_t dim, const view& x,
-                        std::int64_t axis) const {
+    qtensor requantized(const history& h, const float* rotated, std::int64_t dim, const view& x, kv_part p) const {
       const std::int64_t B = shape_.batch, H = shape_.heads, q = x.extent(2), past = h.tokens(),
                          total = past + rlen_ + q;
       std::vector<float> rows(static_cast<std::size_t>(detail::checked_elements({B, H, total, dim}, sizeof(float))));
@@ -679,8 +698,8 @@ struct QuantizedLayer {
         std::copy_n(rotated + blk * rot_.cap * dim, rlen_ * dim, dst + past * dim);
         if (q > 0) rotated_rows_of(x, blk, dst + (past + rlen_) * dim);  // (an empty view may have no data)
       }
-      return qtensor::template encode<Codec>(static_cast<int>(opts_.nbits), Codec::grouping(axis), opts_.q_group_size,
-                                             rows.data(), B, H, total, dim, H * total * dim, total * dim);
+      return qtensor::template encode<Codec>(bits_of(p), Codec::grouping(axis_of(p)), opts_.q_group_size, rows.data(),
+                                             B, H, total, dim, H * total * dim, total * dim);
     }
 
     // Rotates rows [0, tokens) of every (batch, head) block of a workspace back (a rotation is its
@@ -707,8 +726,8 @@ struct QuantizedLayer {
     KV<view> first_update(const view& k, const view& v) {
       const LayerShape shape = detail::shape_of(k, v);
       const std::int64_t q = k.extent(2);
-      history nk(encode(k, opts_.axis_key, opts_.rotate_keys));
-      history nv(encode(v, opts_.axis_value, opts_.rotate_values));
+      history nk(encode(k, kv_part::keys));
+      history nv(encode(v, kv_part::values));
       detail::kv_store<S> w(shape, std::max(q, detail::min_dynamic_capacity), false);
       w.write(0, k, v);
       detail::kv_store<S> residual(shape, 0, false);

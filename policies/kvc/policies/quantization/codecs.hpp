@@ -330,9 +330,13 @@ struct QuantoCodec {
   // The name of the layer kind that uses this codec (QuantizedLayer::state::name).
   static constexpr std::string_view layer_name = "QuantoQuantizedLayer";
 
+  // The bits per code the backend takes, as its messages list them.
+  static constexpr std::string_view nbits_choices = "[`2`, `4`]";
+  // Whether the backend takes `nbits` bits per code.
+  static constexpr bool valid_nbits(std::int64_t nbits) noexcept { return nbits == 2 || nbits == 4; }
   // transformers' QuantoQuantizedLayer checks, in its order.
   static void validate(std::int64_t nbits, std::int64_t axis_key, std::int64_t axis_value) {
-    if (nbits != 2 && nbits != 4)
+    if (!valid_nbits(nbits))
       throw ValueError("`nbits` for `quanto` backend has to be one of [`2`, `4`] but got " + std::to_string(nbits));
     if (axis_key != 0 && axis_key != -1)
       throw ValueError("`axis_key` for `quanto` backend has to be one of [`0`, `-1`] but got " +
@@ -376,9 +380,15 @@ struct HqqCodec {
   // The most rounds the refinement runs.
   static constexpr int iterations = 20;
 
+  // The bits per code the backend takes, as its messages list them.
+  static constexpr std::string_view nbits_choices = "[`1`, `2`, `3`, `4`, `8`]";
+  // Whether the backend takes `nbits` bits per code.
+  static constexpr bool valid_nbits(std::int64_t nbits) noexcept {
+    return nbits == 1 || nbits == 2 || nbits == 3 || nbits == 4 || nbits == 8;
+  }
   // transformers' HQQQuantizedLayer checks, in its order.
   static void validate(std::int64_t nbits, std::int64_t axis_key, std::int64_t axis_value) {
-    if (nbits != 1 && nbits != 2 && nbits != 3 && nbits != 4 && nbits != 8)
+    if (!valid_nbits(nbits))
       throw ValueError("`nbits` for `HQQ` backend has to be one of [`1`, `2`, `3`, `4`, `8`] but got " +
                        std::to_string(nbits));
     if (axis_key != 0 && axis_key != 1)
