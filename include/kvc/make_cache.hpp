@@ -64,9 +64,9 @@ inline constexpr std::string_view quantized_unsupported_message =
 
 // transformers' QuantizedCache(backend=cache_config.pop("backend", "quanto"), **cache_config), read
 // without changing the caller's cache_config (docs/differences.md item 19), and kvc's own options
-// value_nbits (an integer), append_only, rotate_keys and rotate_values (booleans), skip_layers (a list of layer indices kept
-// in full precision) and layer_nbits (one entry per layer: its nbits, or null for full precision):
-// kvc::QuantizedPerLayer. An unknown key is the TypeError Python raises for an unexpected keyword
+// value_nbits (an integer), append_only, rotate_keys and rotate_values (booleans), skip_layers (a
+// list of layer indices kept in full precision) and layer_nbits (one entry per layer: its nbits,
+// or null for full precision): kvc::QuantizedPerLayer. An unknown key is the TypeError Python raises for an unexpected keyword
 // argument.
 template <class T>
 AnyCache quantized_from_cache_config(const nlohmann::ordered_json& cache_config, const ModelConfig& model_config) {

@@ -31,8 +31,8 @@ struct QuantizedPerLayer {
   // (-1 the last layer), as vLLM's kv_cache_dtype_skip_layers keeps the first and last layers in 16
   // bits. Each in [-layers, layers).
   std::vector<std::int64_t> skip_layers{};
-  // Empty, or one entry per layer: its nbits (checked as QuantizedOptions::nbits is), or nullopt
-  // for full precision.
+  // Empty, or one entry per layer: its nbits, the keys' width (checked as QuantizedOptions::nbits
+  // is; the values follow it unless the options set value_nbits), or nullopt for full precision.
   std::vector<std::optional<std::int64_t>> layer_nbits{};
 };
 

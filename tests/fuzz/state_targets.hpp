@@ -36,9 +36,10 @@ inline Mixed mixed() {
                kvc::StaticSlidingWindowLayer{12, 5});
 }
 inline kvc::QuantizedCache<float> quantized() {
-  // Keys rotated, so that loading rebuilds the residual's rotated copy under the fuzzer too.
-  return kvc::QuantizedCache<float>("quanto", model(2),
-                                    {.nbits = 4, .q_group_size = 8, .residual_length = 3, .rotate_keys = true});
+  // Keys rotated, so that loading rebuilds the residual's rotated copy under the fuzzer too; values
+  // at their own width.
+  return kvc::QuantizedCache<float>(
+      "quanto", model(2), {.nbits = 4, .q_group_size = 8, .residual_length = 3, .rotate_keys = true, .value_nbits = 2});
 }
 inline Linear linear() {
   // The linear layer keeps a ring of 2 steps, so that the loader's ring checks are fuzzed too.

@@ -230,7 +230,11 @@ TEST_CASE("save/load: quantized caches (quanto and HQQ, append_only, rotated too
         check_round_trip(e, f, 1, 2, 8, rng, 5);
         kvc::QuantizedCache<float> g(backend, config(2, 2, 8), opts);
         CHECK(load_error(g, saved(e)) == "kvc::load: layer 0 (" + std::string(g.layer_name(0)) +
-                                             "): value_nbits is 2 in the file and 0 in the cache");
+                                             "): value_nbits is 2 in the file and 4 in the cache");
+        other.value_nbits = 4;  // the keys' width, spelled out: the same layer as 0
+        kvc::QuantizedCache<float> h(backend, config(2, 2, 8), other);
+        load_from(h, saved(a));
+        CHECK(observed(h) == observed(a));
       }
 }
 

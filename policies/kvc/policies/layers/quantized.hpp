@@ -23,8 +23,9 @@
 // for_each_buffer walks nothing: offload engines leave a quantized layer where it is (its codes,
 // residual and workspace alike).
 //
-// The options (nbits, axis_key, axis_value, q_group_size, residual_length) are the members of the
-// layer kind, declared once: kvc::QuantizedOptions, QuantizedCache's argument, is
+// The options (transformers' nbits, axis_key, axis_value, q_group_size, residual_length; kvc's
+// append_only, rotate_keys, rotate_values and value_nbits) are the members of the layer kind,
+// declared once: kvc::QuantizedOptions, QuantizedCache's argument, is
 // QuantizedLayer<void> (the same members and defaults, no codec). One function,
 // detail::validate_quantized_options, checks them for the layer's constructor and QuantizedCache's.
 //
@@ -78,7 +79,7 @@ struct QuantizedLayer;
 
 // transformers' QuantizedCache keyword arguments: QuantizedLayer's options before a codec is chosen
 // (QuantizedCache picks it from its backend). The same class template as the layer kinds, so that
-// the five options and their defaults are written once, below.
+// the options and their defaults are written once, below.
 using QuantizedOptions = QuantizedLayer<void>;
 
 namespace detail {
@@ -171,8 +172,8 @@ class quantized_history {
 
 // The checks of transformers' QuantoQuantizedLayer.__init__ and HQQQuantizedLayer.__init__: the
 // codec's, in its order (nbits, axis_key, axis_value), then kvc's value_nbits (0 or a width the
-// codec takes), then q_group_size and residual_length (positive, and at most kvc::max_extent). The layer's constructor and QuantizedCache's both run
-// this one.
+// codec takes), then q_group_size and residual_length (positive, and at most kvc::max_extent).
+// The layer's constructor and QuantizedCache's both run this one.
 template <class Codec>
 void validate_quantized_options(const QuantizedLayer<Codec>& o) {
   Codec::validate(o.nbits, o.axis_key, o.axis_value);
@@ -544,7 +545,7 @@ struct QuantizedLayer {
       ar.param("append_only", opts_.append_only);
       ar.param("rotate_keys", opts_.rotate_keys);
       ar.param("rotate_values", opts_.rotate_values);
-      ar.param("value_nbits", opts_.value_nbits);
+      ar.param("value_nbits", opts_.value_bits());  // the width: 0 and nbits mean the same
       ar.value(initialized_);
       ar.value(shape_.batch);
       ar.value(shape_.heads);
