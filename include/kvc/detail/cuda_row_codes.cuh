@@ -93,9 +93,8 @@ template <class P, class KT, class VT>
   requires detail::device_call<KT, VT>
 KV<DeviceTensor<P>> to_kv_codes(const KT& keys, const VT& values, const Nvfp4TensorScales& scales = {}) {
   static_assert(detail::is_kv_codes<P>, "kvc::to_kv_codes: the pool type must be kvc::kv_codes<K, V>");
-  if constexpr (detail::is_kv_codes<P> && detail::require_inputs < detail::device_encodable<KT> &&
-                    detail::device_encodable<VT>,
-                KT, VT > ()) {
+  constexpr bool encodable = detail::device_encodable<KT> && detail::device_encodable<VT>;
+  if constexpr (detail::is_kv_codes<P> && detail::require_inputs<encodable, KT, VT>()) {
     using K = typename P::key_codes;
     using V = typename P::value_codes;
     DeviceTensor<P> k = detail::device_row_codes<K, P>(input_view(keys), scales.keys, "kvc::to_kv_codes: the keys");

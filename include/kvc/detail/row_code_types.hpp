@@ -59,15 +59,6 @@ KVC_HOST_DEVICE inline float get_scale(const std::uint8_t* at) noexcept {
   return float_of_bits(std::uint32_t{at[0]} | std::uint32_t{at[1]} << 8 | std::uint32_t{at[2]} << 16 |
                        std::uint32_t{at[3]} << 24);
 }
-// a * b rounded once, never fused with an addition (nvcc fuses a * b + c on the device by default;
-// the host compilers kvc is tested with do not).
-KVC_HOST_DEVICE inline float product_rounded(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
 
 }  // namespace detail
 
@@ -203,7 +194,7 @@ struct int2_row {
       float m = detail::round_to_bfloat16(lo, false);                 // m <= every value
       float step = detail::round_to_bfloat16((hi - m) / 3.0f, true);  // m + 3 step >= every value
       // (m + 3 step is infinite or NaN whenever m or step is: m = -inf makes step +inf)
-      if (!finite || !detail::is_finite_float(m + detail::product_rounded(3.0f, step)))
+      if (!finite || !detail::is_finite_float(m + detail::mul_rn(3.0f, step)))
         m = step = std::numeric_limits<float>::quiet_NaN();
       detail::put_bfloat16(groups, m);
       detail::put_bfloat16(groups + 2, step);

@@ -65,6 +65,7 @@
 #include <Eigen/Core>
 
 #include <kvc/detail/element_conversion.hpp>  // float_conversion, to_float, from_float
+#include <kvc/detail/host_device.hpp>         // KVC_HOST_DEVICE, mul_rn, add_rn
 #include <kvc/detail/simd.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/limits.hpp>
@@ -85,23 +86,6 @@ struct affine_params {
 // (Eigen::half, Eigen::bfloat16 and their CUDA twins __half, __nv_bfloat16), float otherwise.
 template <class T>
 using quant_meta_t = std::conditional_t<sizeof(T) == 2, T, float>;
-
-// a * b and a + b, each rounded on its own: device code must not fuse them into an FMA, or the
-// device would round differently from the host.
-KVC_HOST_DEVICE inline float mul_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-KVC_HOST_DEVICE inline float add_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 // The reconstruction of code q of a group: offset + scale * q.
 KVC_HOST_DEVICE inline float dequant(float offset, float scale, unsigned q) noexcept {
