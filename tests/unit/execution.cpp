@@ -221,6 +221,9 @@ TEST_CASE("prefill attention with a workspace allocates nothing from Eigen's hea
 
 TEST_CASE_TEMPLATE("scaled_dot_product_attention: the same bits on every executor and thread count", T, float, double,
                    Eigen::bfloat16) {
+  // Under the sanitizers, float and bfloat16: double takes float's paths with another type (the g++
+  // build runs all three, natively and under valgrind).
+  if (kvc_test::sanitized && std::is_same_v<T, double>) return;
   std::mt19937 rng(5);
   struct shape {
     std::int64_t B, Hq, Hkv, Q, S, window;

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "../support/kvc_test.hpp"
+#include "../support/sanitized.hpp"
 #include "../support/scheduler_model.hpp"
 
 TEST_CASE("scheduler model: random operation sequences keep every invariant") {
@@ -18,7 +19,10 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   // freed there; expected here.)
   const auto previous = kvc::set_warning_handler([](std::string_view) {});
   kvc_model::counts total;
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
+  // Under the sanitizers (44 s at -O0), the first half of the sequences: the g++ build runs all of
+  // them, natively and under valgrind. The floors below are for 100 sequences.
+  const std::uint64_t sequences = kvc_test::sanitized ? 100 : 200;
+  for (std::uint64_t seed = 0; seed < sequences; ++seed) {
     CAPTURE(seed);
     kvc_model::source src(seed, 700);
     try {
@@ -43,7 +47,7 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   CHECK(total.refusals > 300);
   CHECK(total.finished > 1000);
   CHECK(total.rows_checked > 100000);
-  CHECK(total.state_prefix_hits > 100);      // hybrid models resumed prompts from state snapshots
+  CHECK(total.state_prefix_hits > 50);       // hybrid models resumed prompts from state snapshots
   CHECK(total.accepted_draft_tokens > 100);  // draft tokens were verified, some kept and some rolled back
   CHECK(total.draft_tokens > total.accepted_draft_tokens + 100);
   CHECK(total.state_rollbacks > 20);  // hybrid requests cut in place, their states from their rings

@@ -4,6 +4,7 @@
 // matching get_mask_sizes (test_update_with_recording_returns_advertised_kv_width).
 
 #include "../support/kvc_test.hpp"
+#include "../support/sanitized.hpp"
 
 using kvc_test::seq;
 using kvc_test::values_of;
@@ -185,6 +186,9 @@ TEST_CASE("a non-positive window is a ValueError") {
 }
 
 TEST_CASE_TEMPLATE_DEFINE("random update sizes: the returned window is the tail of the history", T, sliding_random) {
+  // Under the sanitizers, float and double: the 16-bit types take the same paths, and the time goes
+  // to this test's own concatenations (the g++ build runs all four, natively and under valgrind).
+  if (kvc_test::sanitized && (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>)) return;
   std::mt19937 rng(99);
   for (const bool record : {false, true}) {
     for (const std::int64_t window : {1, 3, 8, 33}) {
