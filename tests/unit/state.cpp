@@ -610,6 +610,76 @@ TEST_CASE("kvc::load checks every value of a payload it reads") {
   }
 }
 
+TEST_CASE("kvc::load: a quantized layer's chunks are cut and coded as the layer writes them") {
+  // attend_quantized reads chunk c of the keys with chunk c of the values, and every chunk at its
+  // part's width, grouping and group size: a file whose chunks differ (token totals equal) is refused
+  // before anything is read past a chunk list.
+  using QT = kvc::detail::quantized_tensor<kvc::detail::quant_meta_t<float>>;
+  constexpr auto grouping = kvc::QuantoCodec::grouping(0);  // axis_key = axis_value = 0
+  std::mt19937 rng(61);
+  const auto rows = random_tensor<float>(1, 1, 4, 4, rng);
+  // A chunk of rows [t0, t0 + n) of `rows` (batch 1, head 1, head_dim 4).
+  const auto chunk = [&](std::int64_t t0, std::int64_t n, int nbits = 4,
+                         kvc::detail::quant_grouping g = kvc::detail::quant_grouping::along_head_dim,
+                         std::int64_t group = 4) {
+    return QT::encode<kvc::QuantoCodec>(nbits, g, group, rows.data() + t0 * 4, 1, 1, n, 4, 16, 16);
+  };
+  // A one-layer payload: the options (value_nbits 0: values at nbits), four quantized tokens, no
+  // residual, then K's and V's chunks.
+  const auto payload = [](bool append_only, std::vector<QT> k, std::vector<QT> v) {
+    crafted c(1, "QuantoQuantizedLayer");
+    for (const auto& [name, x] : std::vector<std::pair<std::string_view, std::int64_t>>{{"nbits", 4},
+                                                                                        {"axis_key", 0},
+                                                                                        {"axis_value", 0},
+                                                                                        {"q_group_size", 4},
+                                                                                        {"residual_length", 2},
+                                                                                        {"append_only", append_only},
+                                                                                        {"rotate_keys", 0},
+                                                                                        {"rotate_values", 0},
+                                                                                        {"value_nbits", 4}})
+      c.w.param(name, x);
+    c.w.value(true);
+    for (const std::int64_t x : {1, 1, 4, 4, 0, 4}) c.w.value(x);  // shape, residual tokens, cumulative
+    for (auto* part : {&k, &v}) {
+      c.w.value(static_cast<std::int64_t>(part->size()));
+      for (QT& q : *part) q.transfer(c.w);
+    }
+    for (const std::int64_t x : {1, 1, 4, 4}) c.w.value(x);  // the residual's shape, no rows
+    return c.sink.bytes;
+  };
+  const auto make = [](bool append_only) {
+    return kvc::QuantizedCache<float>(
+        "quanto", config(1, 1, 4), {.nbits = 4, .q_group_size = 4, .residual_length = 2, .append_only = append_only});
+  };
+  const std::string cut =
+      "kvc::load: layer 0 (QuantoQuantizedLayer): the saved state is inconsistent (the "
+      "quantized chunks' token counts)";
+  const std::string coded =
+      "kvc::load: layer 0 (QuantoQuantizedLayer): the saved state is inconsistent (the "
+      "quantized chunks' widths and groups)";
+  auto kivi = make(true), whole = make(false);
+  // As the layer writes them: they load (the payload's format is right), into what a cache holds.
+  {
+    auto loaded = make(true);
+    string_source src{payload(true, {chunk(0, 2), chunk(2, 2)}, {chunk(0, 2), chunk(2, 2)})};
+    kvc::StateLoader(loaded, src).load_all();
+    CHECK(loaded.get_seq_length(0) == 4);
+    string_source one{payload(false, {chunk(0, 4)}, {chunk(0, 4)})};
+    kvc::StateLoader(whole, one).load_all();
+    CHECK(whole.get_seq_length(0) == 4);
+    whole = make(false);
+  }
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 2), chunk(2, 2)}, {chunk(0, 4)})) == cut);
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 1), chunk(1, 3)}, {chunk(0, 3), chunk(3, 1)})) == cut);
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 4)}, {chunk(0, 2), chunk(2, 2)})) == cut);
+  CHECK(loader_error(whole, payload(false, {chunk(0, 2), chunk(2, 2)}, {chunk(0, 2), chunk(2, 2)})) == cut);
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 4)}, {chunk(0, 4, 2)})) == coded);  // values at 2 bits
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 4, 8)}, {chunk(0, 4)})) == coded);
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 4, 4, kvc::detail::quant_grouping::along_seq)}, {chunk(0, 4)})) ==
+        coded);
+  CHECK(loader_error(kivi, payload(true, {chunk(0, 4)}, {chunk(0, 4, 4, grouping, 2)})) == coded);
+}
+
 TEST_CASE("kvc::load: the lengths a file announces") {
   std::mt19937 rng(37);
   kvc::DynamicCache<float> a, b;

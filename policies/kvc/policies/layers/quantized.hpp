@@ -155,6 +155,18 @@ class quantized_history {
       return c.layout().batch == batch && c.layout().heads == heads && c.layout().dim == dim;
     });
   }
+  // Whether every chunk is coded as the layer codes: this width, grouping and group size.
+  bool coded_as(int nbits, quant_grouping grouping, std::int64_t group_size) const noexcept {
+    return std::all_of(chunks_.begin(), chunks_.end(), [&](const QT& c) {
+      return c.layout().nbits == nbits && c.layout().grouping == grouping && c.layout().group_size == group_size;
+    });
+  }
+  // Whether o's chunks hold the same numbers of tokens as this history's, one for one (the keys' and
+  // values' histories of a layer are cut alike: attention walks their chunks in step).
+  bool cut_as(const quantized_history& o) const noexcept {
+    return std::equal(chunks_.begin(), chunks_.end(), o.chunks_.begin(), o.chunks_.end(),
+                      [](const QT& a, const QT& b) { return a.tokens() == b.tokens(); });
+  }
 
   // Batch entry i of the copy is entry indices[i] of this history (packed bytes copied as they are).
   quantized_history gathered(std::span<const std::int64_t> indices) const {
@@ -566,6 +578,12 @@ struct QuantizedLayer {
         ar.check(qk_.fits(s.batch, s.heads, s.key_head_dim) && qv_.fits(s.batch, s.heads, s.value_head_dim) &&
                      (!initialized_ || residual_.shape() == s),
                  "the quantized tensors' shapes");
+        // The chunks as the layer writes them: K's and V's cut alike (attention reads them in step),
+        // one chunk unless append_only, each at its part's width, grouping and group size.
+        ar.check(qk_.cut_as(qv_) && (opts_.append_only || qk_.chunks() <= 1), "the quantized chunks' token counts");
+        ar.check(qk_.coded_as(bits_of(kv_part::keys), Codec::grouping(opts_.axis_key), opts_.q_group_size) &&
+                     qv_.coded_as(bits_of(kv_part::values), Codec::grouping(opts_.axis_value), opts_.q_group_size),
+                 "the quantized chunks' widths and groups");
         ws_ = detail::kv_store<S>();
         ws_fresh_ = false;
         rot_ = rotated_store();
