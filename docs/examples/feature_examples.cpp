@@ -62,6 +62,15 @@ void fp8(const Half& calib_keys, const Half& calib_values, const Half& queries, 
   kvc::HostTensor<Eigen::half> out = kvc::attend_fp8(cache, layer_idx, queries, keys, values, scales);
   // [/snippet]
   (void)out;
+  // [snippet:fp8_rotated]
+  // keys rotated before they are encoded: the scales calibrated on rotated rows carry the rotation
+  const kvc::Fp8Scales rotated_scales = kvc::fp8_scales_for<kvc::float8_e4m3>(
+      calib_keys, calib_values, kvc::Fp8ScaleGranularity::per_head, kvc::Fp8Rotation{.keys = true});
+  kvc::DynamicCache<kvc::float8_e4m3> rotated_cache;
+  kvc::HostTensor<Eigen::half> rotated_out =
+      kvc::attend_fp8(rotated_cache, layer_idx, queries, keys, values, rotated_scales);  // queries rotated
+  // [/snippet]
+  (void)rotated_out;
 }
 
 std::vector<float> nvfp4(const std::vector<float>& row) {  // a row of 128 values

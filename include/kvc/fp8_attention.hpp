@@ -17,7 +17,10 @@
 //     magnitude per tensor or per head mapped to F8's largest finite value.
 // Scales belong to the model's layer (vLLM's k_scale / v_scale), so the caller passes them with
 // every step; per tensor, one scale each for K and V (1 by default), per head, one per KV head.
-// docs/quantized.md, "fp8 KV".
+// With Fp8Scales::rotation, keys (values) are rotated (kvc::hadamard_rotate) before they are
+// encoded: to_fp8 rotates them, fp8_scales_for calibrates on rotated rows, and attend_fp8 and the
+// fp8 pools' paged_attention rotate the queries the same way (the scores need no inverse) and the
+// output back (host only). docs/quantized.md, "fp8 KV".
 
 #include <algorithm>
 #include <charconv>
@@ -31,6 +34,7 @@
 #include <kvc/attention.hpp>
 #include <kvc/errors.hpp>
 #include <kvc/float8.hpp>
+#include <kvc/rotation.hpp>
 #include <kvc/tensor.hpp>
 
 namespace kvc {
@@ -42,13 +46,26 @@ inline float scale_at(std::span<const float> scales, std::int64_t h) noexcept {
 }
 }  // namespace detail
 
+// Which of a layer's K and V are rotated (kvc::hadamard_rotate, <kvc/rotation.hpp>) before they
+// are encoded as fp8: an outlier channel is spread over its row, so one scale covers the row with
+// less of the format's range. The model's choice, fixed for the cache's whole life.
+struct Fp8Rotation {
+  // Keys rotated before encoding; the queries are rotated the same way.
+  bool keys = false;
+  // Values rotated before encoding; the attention output is rotated back.
+  bool values = false;
+};
+
 // The dequantization scales of one layer's K and V: x ~ scale * code. One entry: the whole tensor
-// (per tensor); Hkv entries: one per KV head (per head).
+// (per tensor); Hkv entries: one per KV head (per head). With `rotation`, x is the rotated row.
 struct Fp8Scales {
   // The key scales: one for the whole tensor, or one per KV head.
   std::vector<float> keys{1.0f};
   // The value scales: one for the whole tensor, or one per KV head.
   std::vector<float> values{1.0f};
+  // Which of K and V the codes hold rotated (none by default). Host attention only: the device's
+  // attention refuses rotated scales.
+  Fp8Rotation rotation{};
 
   // The key scale of KV head `head` (the one scale when per tensor); `head` is not checked.
   float key_scale(std::int64_t head) const noexcept { return detail::scale_at(keys, head); }
@@ -83,6 +100,14 @@ inline void check_fp8_scales(std::span<const float> scales, std::int64_t heads, 
   }
 }
 
+// ValueError where scales say the codes are rotated: `who` (a device attention) reads them unrotated.
+inline void check_fp8_unrotated(const Fp8Rotation& rotation, const char* who) {
+  if (rotation.keys || rotation.values)
+    throw ValueError(std::string(who) +
+                     ": fp8 codes of rotated rows (Fp8Scales::rotation) are read on the host only; encode "
+                     "them unrotated for the device");
+}
+
 // The largest finite value of F8 (448 for E4M3, 57344 for E5M2).
 template <class F8>
 float fp8_max() noexcept {
@@ -95,22 +120,29 @@ float fp8_max() noexcept {
 }  // namespace detail
 
 // x [batch, heads, seq, head_dim] as F8 codes of x / scale(head); scales: one, or one per head.
+// With `rotate`, each row of head_dim values is rotated first (kvc::hadamard_rotate, in float):
+// the codes of a part Fp8Scales::rotation names.
 // x: any kvc::tensor_input on the host (of any element type a float converts from).
 template <class F8, class X>
-HostTensor<F8> to_fp8(const X& input, std::span<const float> scales) {
+HostTensor<F8> to_fp8(const X& input, std::span<const float> scales, bool rotate = false) {
   static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
   if constexpr (!detail::require_inputs<detail::input_in<X, memory_space::host>, X>()) {
     return {};
   } else {
     const auto x = input_view(input);
     detail::check_fp8_scales(scales, x.extent(1), "the");
-    HostTensor<F8> out(x.extent(0), x.extent(1), x.extent(2), x.extent(3));
+    const std::int64_t D = x.extent(3);
+    HostTensor<F8> out(x.extent(0), x.extent(1), x.extent(2), D);
+    std::vector<float> row(static_cast<std::size_t>(D));
     F8* o = out.data();
     for (std::int64_t b = 0; b < x.extent(0); ++b)
       for (std::int64_t h = 0; h < x.extent(1); ++h) {
         const float inv = 1.0f / detail::scale_at(scales, h);
-        for (std::int64_t s = 0; s < x.extent(2); ++s)
-          for (std::int64_t d = 0; d < x.extent(3); ++d) *o++ = F8(static_cast<float>(x(b, h, s, d)) * inv);
+        for (std::int64_t s = 0; s < x.extent(2); ++s) {
+          for (std::int64_t d = 0; d < D; ++d) row[static_cast<std::size_t>(d)] = static_cast<float>(x(b, h, s, d));
+          if (rotate) hadamard_rotate(row.data(), 1, D);
+          for (const float r : row) *o++ = F8(r * inv);
+        }
       }
     return out;
   }
@@ -120,35 +152,69 @@ namespace detail {
 
 // fp8_scales_for over host views of T.
 template <class F8, class T>
-Fp8Scales fp8_scales_of(const TensorView<T>& keys, const TensorView<T>& values, Fp8ScaleGranularity granularity) {
-  const auto amax = [&](const TensorView<T>& x) {
+Fp8Scales fp8_scales_of(const TensorView<T>& keys, const TensorView<T>& values, Fp8ScaleGranularity granularity,
+                        Fp8Rotation rotation) {
+  const auto amax = [&](const TensorView<T>& x, bool rotate) {
     std::vector<float> m(granularity == Fp8ScaleGranularity::per_head ? static_cast<std::size_t>(x.extent(1)) : 1, 0.f);
+    std::vector<float> row(static_cast<std::size_t>(x.extent(3)));
     for (std::int64_t b = 0; b < x.extent(0); ++b)
       for (std::int64_t h = 0; h < x.extent(1); ++h) {
         float& slot = m[m.size() == 1 ? 0 : static_cast<std::size_t>(h)];
-        for (std::int64_t s = 0; s < x.extent(2); ++s)
+        for (std::int64_t s = 0; s < x.extent(2); ++s) {
           for (std::int64_t d = 0; d < x.extent(3); ++d)
-            slot = std::max(slot, std::abs(static_cast<float>(x(b, h, s, d))));
+            row[static_cast<std::size_t>(d)] = static_cast<float>(x(b, h, s, d));
+          if (rotate) hadamard_rotate(row.data(), 1, x.extent(3));
+          for (const float r : row) slot = std::max(slot, std::abs(r));
+        }
       }
     for (float& v : m) v = v > 0.f && std::isfinite(v) ? v / fp8_max<F8>() : 1.0f;
     return m;
   };
-  return {amax(keys), amax(values)};
+  return {amax(keys, rotation.keys), amax(values, rotation.values), rotation};
 }
 
 }  // namespace detail
 
 // Scales that map the largest |x| of keys and values (per tensor, or per KV head) to F8's largest
-// finite value; an all-zero tensor or head gets 1. Keys and values: any kvc::tensor_input on the
+// finite value; an all-zero tensor or head gets 1. With `rotation`, x is the rotated rows of the
+// parts it names, and the scales returned carry it. Keys and values: any kvc::tensor_input on the
 // host, both of one element type.
 template <class F8, class KT, class VT>
-Fp8Scales fp8_scales_for(const KT& keys, const VT& values, Fp8ScaleGranularity granularity) {
+Fp8Scales fp8_scales_for(const KT& keys, const VT& values, Fp8ScaleGranularity granularity, Fp8Rotation rotation = {}) {
   static_assert(is_float8_v<F8>, "kvc fp8: the code type must be kvc::float8_e4m3 or kvc::float8_e5m2");
   if constexpr (!detail::check_inputs<detail::input_element_or_t<KT>, memory_space::host, KT, VT>())
     return {};
   else
-    return detail::fp8_scales_of<F8>(input_view(keys), input_view(values), granularity);
+    return detail::fp8_scales_of<F8>(input_view(keys), input_view(values), granularity, rotation);
 }
+
+namespace detail {
+
+// Attention over fp8 codes of rotated rows: the queries rotated as the keys were (in float, double
+// for double), attention over the codes, the output rotated back where the values were; one
+// rounding to T at the end.
+template <class T, class F8>
+HostTensor<T> rotated_fp8_attention(const TensorView<T>& q, const TensorView<F8>& k, const TensorView<F8>& v,
+                                    const AttentionMask& mask, std::optional<double> scale, const Fp8Scales& scales,
+                                    const AttentionContext& context) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const std::int64_t D = q.extent(3);
+  HostTensor<A> qa(q.extent(0), q.extent(1), q.extent(2), D);
+  for (std::int64_t b = 0; b < q.extent(0); ++b)
+    for (std::int64_t h = 0; h < q.extent(1); ++h)
+      for (std::int64_t s = 0; s < q.extent(2); ++s)
+        for (std::int64_t d = 0; d < D; ++d) qa(b, h, s, d) = static_cast<A>(q(b, h, s, d));
+  if (scales.rotation.keys) hadamard_rotate(qa.data(), qa.size() / std::max<std::int64_t>(D, 1), D);
+  HostTensor<A> out = attention_impl(input_view(qa), k, v, mask, scale, scales, context);
+  const std::int64_t Dv = out.dimension(3);
+  if (scales.rotation.values) hadamard_rotate(out.data(), out.size() / std::max<std::int64_t>(Dv, 1), Dv);
+  if constexpr (std::is_same_v<T, A>)
+    return out;
+  else
+    return out.template cast<T>();
+}
+
+}  // namespace detail
 
 // One attention layer's step through an fp8 cache (see the header comment): as kvc::attend, with
 // the step's keys and values encoded with `scales` before they are stored. Everything that can be
@@ -171,9 +237,12 @@ HostTensor<detail::input_element_or_t<QT>> attend_fp8(Cache& cache, std::int64_t
     const TensorView<T> q = input_view(queries), k = input_view(keys), v = input_view(values);
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");
-    const HostTensor<F8> k8 = to_fp8<F8>(k, scales.keys), v8 = to_fp8<F8>(v, scales.values);
+    const HostTensor<F8> k8 = to_fp8<F8>(k, scales.keys, scales.rotation.keys),
+                         v8 = to_fp8<F8>(v, scales.values, scales.rotation.values);
     return detail::attend_impl(cache, layer_idx, q, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
-      return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
+      if (!scales.rotation.keys && !scales.rotation.values)
+        return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
+      return detail::rotated_fp8_attention(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
     });
   } else {
     return HostTensor<T>();

@@ -54,8 +54,17 @@ kvc::ModelConfig config(std::int64_t layers) {
   return c;
 }
 
+// x with each row of its last extent rotated (kvc::hadamard_rotate; a second call rotates back).
+template <class T>
+kvc::HostTensor<T> rotated(kvc::HostTensor<T> x) {
+  const std::int64_t d = x.dimension(3);
+  kvc::hadamard_rotate(x.data(), x.size() / d, d);
+  return x;
+}
+
 // attend_fp8 through `cache` against kvc::attend in double through a DynamicCache<double> fed the
-// dequantized codes, over prefills, decode steps and a multi-token step, on every layer.
+// dequantized codes (rotated back where scales.rotation says), over prefills, decode steps and a
+// multi-token step, on every layer.
 template <class F8, class Cache>
 void check_against_double(Cache& cache, const kvc::Fp8Scales& scales, unsigned seed) {
   kvc::DynamicCache<double> ref;
@@ -70,9 +79,13 @@ void check_against_double(Cache& cache, const kvc::Fp8Scales& scales, unsigned s
           kvc::attend_fp8(cache, layer, view(qs), view(ks), view(vs), scales,
                           {.sliding_window = layer % 2 == 0 ? std::optional<std::int64_t>(6) : std::nullopt});
       // The reference: the same codes, as doubles.
-      const auto k8 = kvc::to_fp8<F8>(view(ks), scales.keys), v8 = kvc::to_fp8<F8>(view(vs), scales.values);
-      kvc::HostTensor<double> qd = qs.template cast<double>();
-      const auto want = kvc::attend(ref, layer, qd, dequantized(k8, scales.keys), dequantized(v8, scales.values),
+      const auto k8 = kvc::to_fp8<F8>(view(ks), scales.keys, scales.rotation.keys),
+                 v8 = kvc::to_fp8<F8>(view(vs), scales.values, scales.rotation.values);
+      kvc::HostTensor<double> qd = qs.template cast<double>(), kd = dequantized(k8, scales.keys),
+                              vd = dequantized(v8, scales.values);
+      if (scales.rotation.keys) kd = rotated(std::move(kd));
+      if (scales.rotation.values) vd = rotated(std::move(vd));
+      const auto want = kvc::attend(ref, layer, qd, kd, vd,
                                     {.sliding_window = layer % 2 == 0 ? std::optional<std::int64_t>(6) : std::nullopt});
       for (std::int64_t i = 0; i < got.size(); ++i)
         worst = std::max(
@@ -81,7 +94,8 @@ void check_against_double(Cache& cache, const kvc::Fp8Scales& scales, unsigned s
     }
   }
   CAPTURE(worst);
-  CHECK(worst < 2e-6);
+  // Rotation adds float's rounding of the rotated queries and output (sums of 16 values).
+  CHECK(worst < (scales.rotation.keys || scales.rotation.values ? 1e-5 : 2e-6));
 }
 
 }  // namespace
@@ -111,6 +125,38 @@ TEST_CASE("to_fp8: the OFP8 code of x / scale, per tensor and per head, saturati
   CHECK(sat(0, 0, 0, 1).to_float() == -448.f);
 }
 
+TEST_CASE("to_fp8 and fp8_scales_for with rotation: the codes and scales of the rotated rows") {
+  // head_dim 16 (one block of 16) and 12 (three blocks of 4); an outlier channel in every row.
+  std::mt19937 rng(6);
+  for (const std::int64_t d : {16, 12}) {
+    CAPTURE(d);
+    auto x = gaussian(2, 3, 5, d, rng, 1.f), y = gaussian(2, 3, 5, d, rng, 2.f);
+    for (std::int64_t i = 0; i < x.size(); i += d) x.data()[i + 1] *= 50.f;
+    const std::vector<float> per_head{0.25f, 2.f, 0.125f};
+    const auto by_hand = kvc::to_fp8<kvc::float8_e4m3>(view(rotated(x)), per_head);
+    const auto rot = kvc::to_fp8<kvc::float8_e4m3>(view(x), per_head, true);
+    const auto plain = kvc::to_fp8<kvc::float8_e4m3>(view(x), per_head);
+    int differ = 0;
+    for (std::int64_t i = 0; i < x.size(); ++i) {
+      CHECK(rot.data()[i].bits == by_hand.data()[i].bits);
+      differ += rot.data()[i].bits != plain.data()[i].bits;
+    }
+    CHECK(differ > x.size() / 2);
+    for (const auto granularity : {kvc::Fp8ScaleGranularity::per_tensor, kvc::Fp8ScaleGranularity::per_head}) {
+      const kvc::Fp8Rotation keys_only{.keys = true};
+      const auto s = kvc::fp8_scales_for<kvc::float8_e4m3>(view(x), view(y), granularity, keys_only);
+      const auto want = kvc::fp8_scales_for<kvc::float8_e4m3>(view(rotated(x)), view(y), granularity);
+      CHECK(s.keys == want.keys);
+      CHECK(s.values == want.values);
+      CHECK((s.rotation.keys && !s.rotation.values));
+      // The outlier spread over its block of b values (about 1 / sqrt(b) of it in each): the
+      // rotated keys need a smaller scale.
+      const auto unrotated = kvc::fp8_scales_for<kvc::float8_e4m3>(view(x), view(y), granularity);
+      CHECK(s.keys[0] < 1.5f / std::sqrt(static_cast<float>(kvc::hadamard_block(d))) * unrotated.keys[0]);
+    }
+  }
+}
+
 TEST_CASE("fp8_scales_for: the largest magnitude per tensor or per head maps to the format's largest value") {
   kvc::HostTensor<float> k(1, 2, 3, 2), v(1, 2, 3, 2);
   k.setZero();
@@ -130,7 +176,10 @@ TEST_CASE_TEMPLATE("attend_fp8 equals attention in double over the codes' values
                    kvc::float8_e4m3, kvc::float8_e5m2) {
   const kvc::Fp8Scales per_tensor{{0.02f}, {0.004f}};
   const kvc::Fp8Scales per_head{{0.01f, 0.03f}, {0.002f, 0.005f}};
-  for (const auto* scales : {&per_tensor, &per_head}) {
+  // Rotated keys and values (Fp8Scales::rotation): the queries rotated as the keys, the output back.
+  const kvc::Fp8Scales rotated_keys{{0.02f}, {0.004f}, {.keys = true}};
+  const kvc::Fp8Scales rotated_both{{0.01f, 0.03f}, {0.002f, 0.005f}, {.keys = true, .values = true}};
+  for (const auto* scales : {&per_tensor, &per_head, &rotated_keys, &rotated_both}) {
     kvc::DynamicCache<F8> dynamic;
     check_against_double<F8>(dynamic, *scales, 3);
     auto sliding = kvc::make_dynamic_cache<F8>(config(2));  // a DynamicSlidingWindowLayer, a DynamicLayer
@@ -164,6 +213,37 @@ TEST_CASE("fp8 KV holds half of fp16's bytes: a static cache and a dynamic one a
   CAPTURE(dynamic_fraction);
   CHECK(static_fraction == 0.5);  // one byte per element, nothing else
   CHECK(dynamic_fraction <= 0.52);
+}
+
+TEST_CASE("attend_fp8 with rotation: half and bfloat16 models, and what a device refuses") {
+  // The queries are rotated in float and the output rotated back in float, rounded to T once: as
+  // close to attention in double over the held values as the unrotated call is.
+  std::mt19937 rng(8);
+  const kvc::Fp8Scales plain{{0.01f, 0.03f}, {0.002f, 0.005f}};
+  const kvc::Fp8Scales rot{plain.keys, plain.values, {.keys = true, .values = true}};
+  for (const auto* scales : {&plain, &rot}) {
+    kvc::DynamicCache<kvc::float8_e4m3> c16, c32;
+    double worst = 0;
+    for (const std::int64_t q : {7, 1, 2}) {
+      const auto qs = gaussian(1, 4, q, 16, rng, 1.f), ks = gaussian(1, 2, q, 16, rng, 3.f),
+                 vs = gaussian(1, 2, q, 16, rng, 0.5f);
+      const kvc::HostTensor<Eigen::bfloat16> qb = qs.cast<Eigen::bfloat16>(), kb = ks.cast<Eigen::bfloat16>(),
+                                             vb = vs.cast<Eigen::bfloat16>();
+      const kvc::HostTensor<float> qf = qb.cast<float>(), kf = kb.cast<float>(), vf = vb.cast<float>();
+      const auto got = kvc::attend_fp8(c16, 0, qb, kb, vb, *scales);
+      const auto want = kvc::attend_fp8(c32, 0, qf, kf, vf, *scales);  // the same inputs, in float
+      for (std::int64_t i = 0; i < got.size(); ++i)
+        worst = std::max(worst, std::abs(static_cast<double>(static_cast<float>(got.data()[i])) - want.data()[i]) /
+                                    (std::abs(want.data()[i]) + 1e-3));
+    }
+    CAPTURE(worst);
+    CHECK(worst <= 1.0 / 256);  // half a bfloat16 ulp, plus float's rounding
+  }
+  CHECK_THROWS_WITH_AS(kvc::detail::check_fp8_unrotated(rot.rotation, "kvc::paged_attention"),
+                       "kvc::paged_attention: fp8 codes of rotated rows (Fp8Scales::rotation) are read on the host "
+                       "only; encode them unrotated for the device",
+                       kvc::ValueError);
+  CHECK_NOTHROW(kvc::detail::check_fp8_unrotated(plain.rotation, "kvc::paged_attention"));
 }
 
 TEST_CASE("attend_fp8 refuses bad scales before the cache changes") {

@@ -144,8 +144,8 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
         kd = kvc::from_row_codes<Pool>(view(kp), D, g.keys);
         vd = kvc::from_row_codes<Pool>(view(vp), D, g.values);
       } else if constexpr (fp8) {
-        kp = kvc::to_fp8<Pool>(view(k), scales.keys);
-        vp = kvc::to_fp8<Pool>(view(v), scales.values);
+        kp = kvc::to_fp8<Pool>(view(k), scales.keys, scales.rotation.keys);
+        vp = kvc::to_fp8<Pool>(view(v), scales.values, scales.rotation.values);
         out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), scales);
       } else {
         kp = k;
@@ -180,6 +180,11 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
                                                           (fp8 ? scales.value_scale(h) : 1.0));
               }
             }
+          if constexpr (fp8) {  // rows of rotated codes: what they stand for, rotated back
+            for (auto [part, on] : {std::pair{&kr, scales.rotation.keys}, std::pair{&vr, scales.rotation.values}})
+              for (auto& row : *part)
+                if (on) kvc::hadamard_rotate(row.data(), 1, D);
+          }
           keys.push_back(kr);
           values.push_back(vr);
         }
@@ -229,6 +234,31 @@ TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads
   CHECK(run_stream<float, kvc::float8_e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 7, per_tensor) < 1e-5);
   CHECK(run_stream<float, kvc::float8_e4m3>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 8, per_head) < 1e-5);
   CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, per_head) < 1e-12);
+  // Codes of rotated rows (Fp8Scales::rotation): queries rotated as the keys, each tile's output back
+  // (in float: the rotated queries and outputs carry float's rounding of sums of values up to 8).
+  const kvc::Fp8Scales rotated_keys{{0.03f}, {0.02f}, {.keys = true}},
+      rotated_both{{0.02f, 0.05f}, {0.01f, 0.04f}, {.keys = true, .values = true}};
+  CHECK(run_stream<float, kvc::float8_e4m3>({"sliding_attention", "full_attention"}, 2, 4, 5, 4, 7, rotated_keys) <
+        5e-5);
+  CHECK(run_stream<float, kvc::float8_e4m3>({"full_attention", "sliding_attention"}, 2, 4, 9, 8, 8, rotated_both) <
+        5e-5);
+  CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, rotated_both) <
+        1e-12);
+  // Row codes rotate by their format (kvc::rotated<C>): scales that say otherwise are refused.
+  kvc::ContinuousBatchingConfig cb;
+  cb.block_size = 4;
+  cb.num_blocks = 4;
+  const kvc::PagedCache<kvc::HostStorage<kvc::nvfp4_row>> nvfp4(model({"full_attention"}, 2, 4, 0), cb);
+  std::mt19937 rng(1);
+  const auto q = kvc_test::random_tensor<float>(1, 4, 0, 8, rng);
+  const kvc::HostTensor<kvc::nvfp4_row> none(1, 2, 0, nvfp4.row_width());
+  const std::vector<std::string> ids;
+  const std::vector<std::int64_t> cu{0}, past;
+  CHECK_THROWS_WITH_AS(kvc::paged_attention(nvfp4, 0, kvc::PagedAttentionStep{ids, cu, past}, view(q), view(none),
+                                            view(none), rotated_keys),
+                       "kvc::paged_attention: Fp8Scales::rotation is for pools of fp8 codes; rotate row codes with "
+                       "kvc::rotated<C>",
+                       kvc::ValueError);
 }
 
 TEST_CASE(

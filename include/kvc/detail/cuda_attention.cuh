@@ -234,6 +234,7 @@ DeviceTensor<detail::input_element_or_t<Q>> scaled_dot_product_attention(const Q
     const DeviceTensorView<F8> k = input_view(keys), v = input_view(values);
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");
+    detail::check_fp8_unrotated(scales.rotation, "kvc::scaled_dot_product_attention");
     return detail::device_attention<T, F8>(input_view(queries), k, v, mask, scale, &scales.keys, &scales.values);
   } else {
     return {};
@@ -270,6 +271,7 @@ DeviceTensor<input_element_t<QT>> paged_attention(const PagedCache<CudaStorage<F
   if constexpr (detail::require_inputs<accepted, QT, KT, VT>()) {
     detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
     detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
+    detail::check_fp8_unrotated(scales.rotation, "kvc::paged_attention");
     return detail::device_paged_attention(cache, layer_idx, step, input_view(queries), input_view(keys),
                                           input_view(values), scale, &scales.keys, &scales.values);
   } else {

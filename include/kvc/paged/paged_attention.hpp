@@ -202,6 +202,15 @@ paged_problem<std::remove_const_t<T>, std::remove_const_t<KV>> make_paged_proble
 
 namespace detail {
 
+// The rotation an fp8 pool's scales name (kvc::Fp8Scales::rotation); none for other scales.
+template <class Scales>
+Fp8Rotation rotation_of(const Scales& scales) noexcept {
+  if constexpr (requires { Fp8Rotation(scales.rotation); })
+    return scales.rotation;
+  else
+    return {};
+}
+
 // paged_attention into `out` (resized to [1, Hq, T, D]) with queries of type T over a pool of
 // S::element_type (T, fp8 codes, or row codes widened a row at a time: <kvc/row_codes.hpp>) whose
 // KV head hk's keys and values stand for
@@ -217,11 +226,13 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
   using KV = typename S::element_type;
   using A = accum_t<T>;
   using plan = tile_plan;
-  // Rows rotated before they were encoded (kvc::rotated): with rotated keys, queries are rotated
-  // the same way; with rotated values, each tile's output rows are rotated back before they are
-  // finished or stored (a linear step, so the partials of a split row merge as before). A
-  // kvc::kv_codes pool's keys and values are each widened from their own format.
-  constexpr bool rotated_keys = rotates_keys<KV>, rotated_values = rotates_values<KV>;
+  // Rows rotated before they were encoded (kvc::rotated, or an fp8 pool's Fp8Scales::rotation):
+  // with rotated keys, queries are rotated the same way; with rotated values, each tile's output
+  // rows are rotated back before they are finished or stored (a linear step, so the partials of a
+  // split row merge as before). A kvc::kv_codes pool's keys and values are each widened from their
+  // own format.
+  const Fp8Rotation rotation = rotation_of(scales);
+  const bool rotated_keys = rotates_keys<KV> || rotation.keys, rotated_values = rotates_values<KV> || rotation.values;
   using KF = key_format_t<KV>;
   using VF = value_format_t<KV>;
   const paged_call call = check_paged_attention(cache, layer_idx, step, queries, keys, values);
@@ -317,7 +328,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
         for (std::int64_t d = 0; d < D; ++d)
           t.q[(g * per_head + i) * D + d] = static_cast<A>(qp[i * queries.stride(2) + d]);
     }
-    if constexpr (rotated_keys) hadamard_rotate(t.q, rows, D);
+    if (rotated_keys) hadamard_rotate(t.q, rows, D);
     t.start(rows, D);
     // Keys are numbered by absolute position.
     const auto vis = [&](std::int64_t row) {
@@ -369,7 +380,7 @@ void paged_attention_into(HostTensor<T>& out, const PagedCache<S>& cache, std::i
           });
       if (filled > 0) fold_keys<A, A>(t, rows, D, D, tl.decode, t.k, D, t.v, D, start, filled, sk, vis, nullptr);
     }
-    if constexpr (rotated_values) hadamard_rotate(t.acc, rows, D);
+    if (rotated_values) hadamard_rotate(t.acc, rows, D);
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t h = hk * group + row / per_head, i = t0 + i0 + row % per_head;
       if (tl.splits == 1)
@@ -546,6 +557,13 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
       if constexpr (requires { std::span<const float>(scales.keys); }) {  // lists (kvc::Fp8Scales): their length
         detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
         detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
+      }
+      if constexpr (!is_float8_v<KV>) {  // rotation of row codes is their format's (kvc::rotated)
+        const Fp8Rotation rotation = detail::rotation_of(scales);
+        if (rotation.keys || rotation.values)
+          throw ValueError(
+              "kvc::paged_attention: Fp8Scales::rotation is for pools of fp8 codes; rotate row codes with "
+              "kvc::rotated<C>");
       }
       if constexpr (detail::is_kv_codes<KV>)
         detail::paged_attention_into(out, cache, layer_idx, step, input_view(queries), input_view(keys),
