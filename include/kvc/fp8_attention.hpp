@@ -18,9 +18,9 @@
 // Scales belong to the model's layer (vLLM's k_scale / v_scale), so the caller passes them with
 // every step; per tensor, one scale each for K and V (1 by default), per head, one per KV head.
 // With Fp8Scales::rotation, keys (values) are rotated (kvc::hadamard_rotate) before they are
-// encoded: to_fp8 rotates them, fp8_scales_for calibrates on rotated rows, and attend_fp8 and the
-// fp8 pools' paged_attention rotate the queries the same way (the scores need no inverse) and the
-// output back (host only). docs/quantized.md, "fp8 KV".
+// encoded: to_fp8 (to_fp8_keys, to_fp8_values) rotates them, fp8_scales_for calibrates on rotated
+// rows, and attend_fp8 and the fp8 pools' paged_attention rotate the queries the same way (the
+// scores need no inverse) and the output back (host only). docs/quantized.md, "fp8 KV".
 
 #include <algorithm>
 #include <charconv>
@@ -148,6 +148,18 @@ HostTensor<F8> to_fp8(const X& input, std::span<const float> scales, bool rotate
   }
 }
 
+// The step's keys (values) as the codes `scales` stands for: to_fp8 with its key (value) scales,
+// each row rotated first where its rotation names keys (values). What an fp8 pool is given.
+template <class F8, class X>
+HostTensor<F8> to_fp8_keys(const X& keys, const Fp8Scales& scales) {
+  return to_fp8<F8>(keys, scales.keys, scales.rotation.keys);
+}
+// The values' codes (see to_fp8_keys).
+template <class F8, class X>
+HostTensor<F8> to_fp8_values(const X& values, const Fp8Scales& scales) {
+  return to_fp8<F8>(values, scales.values, scales.rotation.values);
+}
+
 namespace detail {
 
 // fp8_scales_for over host views of T.
@@ -190,21 +202,26 @@ Fp8Scales fp8_scales_for(const KT& keys, const VT& values, Fp8ScaleGranularity g
 
 namespace detail {
 
-// Attention over fp8 codes of rotated rows: the queries rotated as the keys were (in float, double
-// for double), attention over the codes, the output rotated back where the values were; one
-// rounding to T at the end.
-template <class T, class F8>
-HostTensor<T> rotated_fp8_attention(const TensorView<T>& q, const TensorView<F8>& k, const TensorView<F8>& v,
-                                    const AttentionMask& mask, std::optional<double> scale, const Fp8Scales& scales,
-                                    const AttentionContext& context) {
-  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+// The queries of attention over fp8 codes of rotated rows, in A (float, double for double):
+// rotated as the keys were when `rotate`.
+template <class A, class T>
+HostTensor<A> rotated_fp8_queries(const TensorView<T>& q, bool rotate) {
   const std::int64_t D = q.extent(3);
   HostTensor<A> qa(q.extent(0), q.extent(1), q.extent(2), D);
   for (std::int64_t b = 0; b < q.extent(0); ++b)
     for (std::int64_t h = 0; h < q.extent(1); ++h)
       for (std::int64_t s = 0; s < q.extent(2); ++s)
         for (std::int64_t d = 0; d < D; ++d) qa(b, h, s, d) = static_cast<A>(q(b, h, s, d));
-  if (scales.rotation.keys) hadamard_rotate(qa.data(), qa.size() / std::max<std::int64_t>(D, 1), D);
+  if (rotate) hadamard_rotate(qa.data(), qa.size() / std::max<std::int64_t>(D, 1), D);
+  return qa;
+}
+
+// Attention of those queries over the codes, the output rotated back where the values were, then
+// rounded to T once.
+template <class T, class A, class F8>
+HostTensor<T> rotated_fp8_attention(const HostTensor<A>& qa, const TensorView<F8>& k, const TensorView<F8>& v,
+                                    const AttentionMask& mask, std::optional<double> scale, const Fp8Scales& scales,
+                                    const AttentionContext& context) {
   HostTensor<A> out = attention_impl(input_view(qa), k, v, mask, scale, scales, context);
   const std::int64_t Dv = out.dimension(3);
   if (scales.rotation.values) hadamard_rotate(out.data(), out.size() / std::max<std::int64_t>(Dv, 1), Dv);
@@ -237,12 +254,14 @@ HostTensor<detail::input_element_or_t<QT>> attend_fp8(Cache& cache, std::int64_t
     const TensorView<T> q = input_view(queries), k = input_view(keys), v = input_view(values);
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");
-    const HostTensor<F8> k8 = to_fp8<F8>(k, scales.keys, scales.rotation.keys),
-                         v8 = to_fp8<F8>(v, scales.values, scales.rotation.values);
+    const HostTensor<F8> k8 = to_fp8_keys<F8>(k, scales), v8 = to_fp8_values<F8>(v, scales);
+    // With rotation, the queries in float (double for double), rotated before the cache changes.
+    using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    const bool rotated = scales.rotation.keys || scales.rotation.values;
+    const HostTensor<A> qa = rotated ? detail::rotated_fp8_queries<A>(q, scales.rotation.keys) : HostTensor<A>();
     return detail::attend_impl(cache, layer_idx, q, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
-      if (!scales.rotation.keys && !scales.rotation.values)
-        return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
-      return detail::rotated_fp8_attention(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
+      if (!rotated) return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
+      return detail::rotated_fp8_attention<T>(qa, kv.keys, kv.values, mask, options.scale, scales, options.context);
     });
   } else {
     return HostTensor<T>();

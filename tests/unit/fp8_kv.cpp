@@ -142,6 +142,15 @@ TEST_CASE("to_fp8 and fp8_scales_for with rotation: the codes and scales of the 
       differ += rot.data()[i].bits != plain.data()[i].bits;
     }
     CHECK(differ > x.size() / 2);
+    // to_fp8_keys / to_fp8_values: each side's list and rotation from one Fp8Scales.
+    const kvc::Fp8Scales sides{per_head, {0.5f}, {.keys = true}};
+    const auto keys = kvc::to_fp8_keys<kvc::float8_e4m3>(view(x), sides),
+               values = kvc::to_fp8_values<kvc::float8_e4m3>(view(x), sides),
+               values_by_hand = kvc::to_fp8<kvc::float8_e4m3>(view(x), std::vector<float>{0.5f});
+    for (std::int64_t i = 0; i < x.size(); ++i) {
+      CHECK(keys.data()[i].bits == rot.data()[i].bits);
+      CHECK(values.data()[i].bits == values_by_hand.data()[i].bits);
+    }
     for (const auto granularity : {kvc::Fp8ScaleGranularity::per_tensor, kvc::Fp8ScaleGranularity::per_head}) {
       const kvc::Fp8Rotation keys_only{.keys = true};
       const auto s = kvc::fp8_scales_for<kvc::float8_e4m3>(view(x), view(y), granularity, keys_only);
@@ -215,7 +224,7 @@ TEST_CASE("fp8 KV holds half of fp16's bytes: a static cache and a dynamic one a
   CHECK(dynamic_fraction <= 0.52);
 }
 
-TEST_CASE("attend_fp8 with rotation: half and bfloat16 models, and what a device refuses") {
+TEST_CASE("attend_fp8 with rotation: bfloat16 models, and what a device refuses") {
   // The queries are rotated in float and the output rotated back in float, rounded to T once: as
   // close to attention in double over the held values as the unrotated call is.
   std::mt19937 rng(8);

@@ -144,8 +144,8 @@ double run_stream(const std::vector<std::string>& types, std::int64_t kv_heads, 
         kd = kvc::from_row_codes<Pool>(view(kp), D, g.keys);
         vd = kvc::from_row_codes<Pool>(view(vp), D, g.values);
       } else if constexpr (fp8) {
-        kp = kvc::to_fp8<Pool>(view(k), scales.keys, scales.rotation.keys);
-        vp = kvc::to_fp8<Pool>(view(v), scales.values, scales.rotation.values);
+        kp = kvc::to_fp8_keys<Pool>(view(k), scales);
+        vp = kvc::to_fp8_values<Pool>(view(v), scales);
         out = kvc::paged_attention(cache, layer, layout, view(q), view(kp), view(vp), scales);
       } else {
         kp = k;
@@ -244,6 +244,58 @@ TEST_CASE("paged_attention over fp8 pools (per-tensor and per-head scales) reads
         5e-5);
   CHECK(run_stream<double, kvc::float8_e5m2>({"sliding_attention", "full_attention"}, 2, 2, 4, 4, 9, rotated_both) <
         1e-12);
+  // A decode over 700 cached keys, cut into key splits: each split's output rotated back before the
+  // merge.
+  {
+    kvc::ContinuousBatchingConfig big;
+    big.block_size = 16;
+    big.num_blocks = 64;
+    kvc::PagedCache<kvc::HostStorage<kvc::float8_e4m3>> pool(model({"full_attention"}, 2, 4, 0), big);
+    std::mt19937 rng(11);
+    REQUIRE(pool.allocate_blocks(45, "r", 0).value() == 45);
+    history hk, hv;
+    double worst = 0;
+    for (const std::int64_t n : {700, 1}) {
+      const std::int64_t past = static_cast<std::int64_t>(hk.size());
+      const auto q = kvc_test::random_tensor<float>(1, 4, n, 8, rng);
+      const auto k = kvc_test::random_tensor<float>(1, 2, n, 8, rng);
+      const auto v = kvc_test::random_tensor<float>(1, 2, n, 8, rng);
+      const auto kp = kvc::to_fp8_keys<kvc::float8_e4m3>(view(k), rotated_both),
+                 vp = kvc::to_fp8_values<kvc::float8_e4m3>(view(v), rotated_both);
+      const std::vector<std::string> ids{"r"};
+      const std::vector<std::int64_t> cu{0, n}, pasts{past};
+      const kvc::HostTensor<float> out = kvc::paged_attention(pool, 0, kvc::PagedAttentionStep{ids, cu, pasts}, view(q),
+                                                              view(kp), view(vp), rotated_both);
+      for (std::int64_t t = 0; t < n; ++t) {  // what the codes stand for, rotated back
+        std::vector<std::vector<double>> kr(2, std::vector<double>(8)), vr = kr;
+        for (std::int64_t h = 0; h < 2; ++h) {
+          for (std::int64_t d = 0; d < 8; ++d) {
+            kr[static_cast<std::size_t>(h)][static_cast<std::size_t>(d)] =
+                static_cast<double>(kp(0, h, t, d)) * rotated_both.key_scale(h);
+            vr[static_cast<std::size_t>(h)][static_cast<std::size_t>(d)] =
+                static_cast<double>(vp(0, h, t, d)) * rotated_both.value_scale(h);
+          }
+          kvc::hadamard_rotate(kr[static_cast<std::size_t>(h)].data(), 1, 8);
+          kvc::hadamard_rotate(vr[static_cast<std::size_t>(h)].data(), 1, 8);
+        }
+        hk.push_back(kr);
+        hv.push_back(vr);
+      }
+      if (n == 1)  // the decode row (the prompt's rows are tiles, not splits)
+        for (std::int64_t h = 0; h < 4; ++h) {
+          std::vector<double> query;
+          for (std::int64_t d = 0; d < 8; ++d) query.push_back(static_cast<double>(q(0, h, 0, d)));
+          const auto want = reference(hk, hv, past, h / 2, query, 0);
+          for (std::int64_t d = 0; d < 8; ++d)
+            worst = std::max(worst, std::abs(static_cast<double>(out(0, h, 0, d)) - want[static_cast<std::size_t>(d)]));
+        }
+      kvc::PagedIndices none(1), writes(1);
+      pool.extend_read_and_write_indices("r", past, n, nullptr, writes);
+      pool.update(view(kp), view(vp), 0, none, writes);
+    }
+    CAPTURE(worst);
+    CHECK(worst < 5e-5);
+  }
   // Row codes rotate by their format (kvc::rotated<C>): scales that say otherwise are refused.
   kvc::ContinuousBatchingConfig cb;
   cb.block_size = 4;

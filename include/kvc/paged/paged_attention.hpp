@@ -528,9 +528,9 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
 
 // The same over a pool of fp8 codes (`PagedCache<HostStorage<float8_e4m3>>` or `<float8_e5m2>`,
 // <kvc/fp8_attention.hpp>): queries of the model's type T; keys and values the step's tokens as
-// the codes kvc::to_fp8 made with `scales` (kvc::Fp8Scales: per tensor or per KV head), which the
-// pool's codes share. Returns [1, Hq, T, head_dim] in T. The same for an NVFP4 pool (nvfp4_row)
-// with its tensor scales (kvc::Nvfp4TensorScales).
+// the codes kvc::to_fp8_keys / to_fp8_values made with `scales` (kvc::Fp8Scales: per tensor or per
+// KV head, rows rotated or not), which the pool's codes share. Returns [1, Hq, T, head_dim] in T.
+// The same for an NVFP4 pool (nvfp4_row) with its tensor scales (kvc::Nvfp4TensorScales).
 template <class S, class QT, class KT, class VT, detail::fp8_scale_lists Scales>
   requires(S::space == memory_space::host || !detail::device_call<QT, KT, VT>)
 HostTensor<detail::input_element_or_t<QT>> paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx,
@@ -558,7 +558,7 @@ void paged_attention(const PagedCache<S>& cache, std::int64_t layer_idx, const P
         detail::check_fp8_scales(scales.keys, cache.num_key_value_heads(), "key");
         detail::check_fp8_scales(scales.values, cache.num_key_value_heads(), "value");
       }
-      if constexpr (!is_float8_v<KV>) {  // rotation of row codes is their format's (kvc::rotated)
+      if constexpr (is_row_code_v<KV>) {  // rotation of row codes is their format's (kvc::rotated)
         const Fp8Rotation rotation = detail::rotation_of(scales);
         if (rotation.keys || rotation.values)
           throw ValueError(
