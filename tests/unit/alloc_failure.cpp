@@ -951,7 +951,8 @@ TEST_CASE("the model-checked scheduler runs, with allocation failures in every c
   // pools, sharing and schedule orders), with add_request, schedule, update, cancel_request,
   // take_finished, the sequence operations and set_draft_tokens failing an allocation at random:
   // each failure must change nothing, and every invariant must hold after every operation.
-  // Under the sanitizers (48 s at -O0), the first half of the sequences; the g++ build runs all.
+  // Under the sanitizers (where this is one of the slowest tests), the first half of the sequences;
+  // the g++ build runs all.
   std::int64_t injected = 0, operations = 0;
   for (std::uint64_t seed = 0; seed < (kvc_test::sanitized ? 150u : 300u); ++seed) {
     CAPTURE(seed);

@@ -19,8 +19,8 @@ TEST_CASE("scheduler model: random operation sequences keep every invariant") {
   // freed there; expected here.)
   const auto previous = kvc::set_warning_handler([](std::string_view) {});
   kvc_model::counts total;
-  // Under the sanitizers (44 s at -O0), the first half of the sequences: the g++ build runs all of
-  // them, natively and under valgrind. The floors below are for 100 sequences.
+  // Under the sanitizers (where this is one of the slowest tests), the first half of the sequences:
+  // the g++ build runs all of them, natively and under valgrind. The floors below are for 100.
   const std::uint64_t sequences = kvc_test::sanitized ? 100 : 200;
   for (std::uint64_t seed = 0; seed < sequences; ++seed) {
     CAPTURE(seed);
