@@ -216,21 +216,6 @@ HostTensor<A> rotated_fp8_queries(const TensorView<T>& q, bool rotate) {
   return qa;
 }
 
-// Attention of those queries over the codes, the output rotated back where the values were, then
-// rounded to T once.
-template <class T, class A, class F8>
-HostTensor<T> rotated_fp8_attention(const HostTensor<A>& qa, const TensorView<F8>& k, const TensorView<F8>& v,
-                                    const AttentionMask& mask, std::optional<double> scale, const Fp8Scales& scales,
-                                    const AttentionContext& context) {
-  HostTensor<A> out = attention_impl(input_view(qa), k, v, mask, scale, scales, context);
-  const std::int64_t Dv = out.dimension(3);
-  if (scales.rotation.values) hadamard_rotate(out.data(), out.size() / std::max<std::int64_t>(Dv, 1), Dv);
-  if constexpr (std::is_same_v<T, A>)
-    return out;
-  else
-    return out.template cast<T>();
-}
-
 }  // namespace detail
 
 // One attention layer's step through an fp8 cache (see the header comment): as kvc::attend, with
@@ -255,14 +240,48 @@ HostTensor<detail::input_element_or_t<QT>> attend_fp8(Cache& cache, std::int64_t
     detail::check_fp8_scales(scales.keys, k.extent(1), "key");
     detail::check_fp8_scales(scales.values, v.extent(1), "value");
     const HostTensor<F8> k8 = to_fp8_keys<F8>(k, scales), v8 = to_fp8_values<F8>(v, scales);
-    // With rotation, the queries in float (double for double), rotated before the cache changes.
+    // With rotation, the queries in A (float, double for double), rotated as the keys were; the
+    // output is computed in A, rotated back where the values were, then rounded to T once.
     using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
     const bool rotated = scales.rotation.keys || scales.rotation.values;
     const HostTensor<A> qa = rotated ? detail::rotated_fp8_queries<A>(q, scales.rotation.keys) : HostTensor<A>();
-    return detail::attend_impl(cache, layer_idx, q, k8, v8, options, [&](const auto& kv, const AttentionMask& mask) {
-      if (!rotated) return detail::attention_impl(q, kv.keys, kv.values, mask, options.scale, scales, options.context);
-      return detail::rotated_fp8_attention<T>(qa, kv.keys, kv.values, mask, options.scale, scales, options.context);
-    });
+    // The output, its A copy and the scratch are made before the update (in the caller's workspace
+    // or the call's own), as kvc::attend does: a failed allocation leaves the cache as it was.
+    AttentionWorkspace local;
+    AttentionContext context = options.context;
+    if (context.workspace == nullptr) context.workspace = &local;
+    HostTensor<T> out;
+    HostTensor<A> out_a;  // (rotated, T not A)
+    HostTensor<A>* rotated_out = nullptr;
+    if constexpr (std::is_same_v<T, A>)
+      rotated_out = &out;
+    else
+      rotated_out = &out_a;
+    detail::attend_impl(
+        cache, layer_idx, q, k8, v8, options,
+        [&](const auto& kv, const AttentionMask& mask) {
+          if (!rotated) {
+            detail::attention_into(out, q, kv.keys, kv.values, mask, options.scale, scales, context);
+            return 0;
+          }
+          detail::attention_into(*rotated_out, input_view(qa), kv.keys, kv.values, mask, options.scale, scales,
+                                 context);
+          const std::int64_t Dv = rotated_out->dimension(3);
+          if (scales.rotation.values)
+            hadamard_rotate(rotated_out->data(), rotated_out->size() / std::max<std::int64_t>(Dv, 1), Dv);
+          if constexpr (!std::is_same_v<T, A>)
+            for (std::int64_t i = 0; i < out.size(); ++i) out.data()[i] = static_cast<T>(out_a.data()[i]);
+          return 0;
+        },
+        [&](const AttentionMask& mask, const std::array<std::int64_t, 4>& ke, const std::array<std::int64_t, 4>& ve) {
+          if (rotated)
+            detail::reserve_attention<A, F8>(q.extents, ke, ve[3], mask, context);
+          else
+            detail::reserve_attention<T, F8>(q.extents, ke, ve[3], mask, context);
+          out.resize(q.extents[0], q.extents[1], q.extents[2], ve[3]);
+          if (rotated) rotated_out->resize(q.extents[0], q.extents[1], q.extents[2], ve[3]);
+        });
+    return out;
   } else {
     return HostTensor<T>();
   }

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include <kvc/fp8_attention.hpp>
 #include <kvc/kvc.hpp>
 #include <kvc/paged/paged_batch_cache.hpp>
 #include <kvc/quantized_attention.hpp>
@@ -1060,6 +1061,24 @@ TEST_CASE("PerLayerQuantizedCache: a full-precision layer beside quantized ones,
                        }});
   add_common_ops<C>(s.ops, make);
   check_every_failure(s);
+}
+
+TEST_CASE("attend_fp8: the output, the scratch and the rotated queries are made before the update") {
+  // Plain and rotated codes (Fp8Scales::rotation), a prefill and decode steps: an allocation that
+  // fails leaves the cache as it was.
+  using C = kvc::DynamicCache<kvc::float8_e4m3>;
+  for (const bool rotated : {false, true}) {
+    scenario<C> s{rotated ? "attend_fp8, rotated" : "attend_fp8", [] { return C(); }, {}};
+    for (std::int64_t step = 0; step < 4; ++step) {
+      const std::int64_t q = step == 0 ? 5 : 1;
+      s.ops.push_back({"attend_fp8 of " + std::to_string(q) + " tokens", [q, step, rotated](C& c) {
+                         const auto x = tokens(q, static_cast<unsigned>(step) + 60);
+                         const kvc::Fp8Scales scales{{0.5f, 0.25f}, {0.125f}, {.keys = rotated, .values = rotated}};
+                         (void)kvc::attend_fp8(c, 0, x, x, x, scales);
+                       }});
+    }
+    check_every_failure(s);
+  }
 }
 
 TEST_CASE("QuantizedCache with rotated codes: attend_quantized, update, flushes, crop, batch selection") {
