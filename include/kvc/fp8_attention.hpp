@@ -108,6 +108,16 @@ inline void check_fp8_unrotated(const Fp8Rotation& rotation, const char* who) {
                      "them unrotated for the device");
 }
 
+// Row (b, h, s) of x as floats in `row` (x.extent(3) of them), rotated first when `rotate`: what
+// to_fp8 encodes and fp8_scales_for measures.
+template <class X>
+void fp8_row_of(const X& x, std::int64_t b, std::int64_t h, std::int64_t s, std::vector<float>& row,
+                bool rotate) noexcept {
+  const std::int64_t D = x.extent(3);
+  for (std::int64_t d = 0; d < D; ++d) row[static_cast<std::size_t>(d)] = static_cast<float>(x(b, h, s, d));
+  if (rotate) hadamard_rotate(row.data(), 1, D);
+}
+
 // The largest finite value of F8 (448 for E4M3, 57344 for E5M2).
 template <class F8>
 float fp8_max() noexcept {
@@ -139,8 +149,7 @@ HostTensor<F8> to_fp8(const X& input, std::span<const float> scales, bool rotate
       for (std::int64_t h = 0; h < x.extent(1); ++h) {
         const float inv = 1.0f / detail::scale_at(scales, h);
         for (std::int64_t s = 0; s < x.extent(2); ++s) {
-          for (std::int64_t d = 0; d < D; ++d) row[static_cast<std::size_t>(d)] = static_cast<float>(x(b, h, s, d));
-          if (rotate) hadamard_rotate(row.data(), 1, D);
+          detail::fp8_row_of(x, b, h, s, row, rotate);
           for (const float r : row) *o++ = F8(r * inv);
         }
       }
@@ -173,9 +182,7 @@ Fp8Scales fp8_scales_of(const TensorView<T>& keys, const TensorView<T>& values, 
       for (std::int64_t h = 0; h < x.extent(1); ++h) {
         float& slot = m[m.size() == 1 ? 0 : static_cast<std::size_t>(h)];
         for (std::int64_t s = 0; s < x.extent(2); ++s) {
-          for (std::int64_t d = 0; d < x.extent(3); ++d)
-            row[static_cast<std::size_t>(d)] = static_cast<float>(x(b, h, s, d));
-          if (rotate) hadamard_rotate(row.data(), 1, x.extent(3));
+          fp8_row_of(x, b, h, s, row, rotate);
           for (const float r : row) slot = std::max(slot, std::abs(r));
         }
       }
